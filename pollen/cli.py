@@ -1,0 +1,259 @@
+"""The `pollen` command.
+
+`pollen run [APP] [CONNECTION] [-c RUN_CONFIG]... [--federation-config CFG]...`
+takes `flwr run`'s options. Without a CONNECTION it runs a simulation on a
+SuperLink of its own: private Flower home, free port, no runtime dependency
+installation, stopped (by PID) when the run ends. With a CONNECTION (from your
+Flower config, e.g. a deployment) it submits there. Either way it streams the
+log, reads the run's `summary.json`, prints where the results are, and exits
+non-zero when the run failed (`flwr run` itself exits 0).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from .results import default_run_name
+from .settings import Settings, SettingsError
+
+SUPERLINK_START_SECONDS = 60.0
+EXIT_FAILED, EXIT_BAD_INPUT = 1, 2
+
+
+class CliError(RuntimeError):
+    """A problem the user must fix before anything runs."""
+
+
+def resolve_run_config(app: Path, overrides: Sequence[str]) -> dict[str, Any]:
+    """pyproject defaults fused with `--run-config` values, as Flower fuses them."""
+    from flwr.common.config import fuse_dicts, get_project_config, parse_config_args
+
+    try:
+        defaults = get_project_config(app)["tool"]["flwr"]["app"]["config"]
+    except (FileNotFoundError, KeyError, ValueError) as err:
+        raise CliError(f"{app} is not a Flower App with [tool.flwr.app.config]: {err}")
+    try:
+        parsed = parse_config_args(list(overrides))
+    except (ValueError, OSError) as err:
+        raise CliError(f"invalid --run-config {list(overrides)}: {err}") from err
+    unknown = sorted(set(parsed) - set(defaults))
+    if unknown:
+        raise CliError(
+            f"unknown run-config key {unknown[0]!r}; known keys: {', '.join(defaults)}"
+        )
+    return fuse_dicts(defaults, parsed)
+
+
+def prepare_run(app: Path, overrides: Sequence[str]) -> tuple[Settings, list[str]]:
+    """Validate the run config and pin what the ServerApp must not guess.
+
+    Relative `data-root`/`output-dir` are resolved against this shell's
+    directory (the SuperLink's processes run elsewhere), and an empty
+    `run-name` gets a generated one, so this command knows where results land.
+    """
+    config = resolve_run_config(app, overrides)
+    settings = Settings.from_run_config(config)
+    pinned = {
+        "data-root": str(Path(settings.data_root).expanduser().resolve()),
+        "output-dir": str(Path(settings.output_dir).expanduser().resolve()),
+        "run-name": settings.run_name
+        or default_run_name(settings.strategy, settings.data_set),
+    }
+    settings = Settings.from_run_config({**config, **pinned})
+    run_dir = Path(settings.output_dir) / settings.run_name
+    if run_dir.exists():
+        raise SettingsError(
+            f"invalid value for 'run-name': {settings.run_name!r}; {run_dir} already "
+            "exists (results are never overwritten)"
+        )
+    extra = " ".join(f"{k}={json.dumps(v)}" for k, v in pinned.items())
+    return settings, [*overrides, extra]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class LocalSuperLink:
+    """A simulation SuperLink owned by this command, in its own Flower home."""
+
+    def __init__(self) -> None:
+        self.home = Path(tempfile.mkdtemp(prefix="pollen-flwr-home-"))
+        self.port = free_port()
+        self.log_path = self.home / "superlink.log"
+        self.process: subprocess.Popen[bytes] | None = None
+
+    @property
+    def env(self) -> dict[str, str]:
+        return {
+            **os.environ,
+            # the SuperLink starts `flower-superexec` & co. from PATH: use ours
+            "PATH": os.pathsep.join([str(Path(sys.executable).parent), os.environ["PATH"]]),
+            "FLWR_HOME": str(self.home),
+            "FLWR_DISABLE_UPDATE_CHECK": "1",
+            "FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION": "1",
+        }
+
+    def __enter__(self) -> LocalSuperLink:
+        (self.home / "config.toml").write_text(
+            '[superlink]\ndefault = "pollen"\n\n'
+            f'[superlink.pollen]\naddress = "127.0.0.1:{self.port}"\ninsecure = true\n'
+        )
+        command = [
+            _sibling("flower-superlink"), "--insecure", "--simulation",
+            "--isolation", "subprocess", "--host", "127.0.0.1", "--port", str(self.port),
+            "--disable-runtime-dependency-installation",
+            "--log-file", str(self.log_path),
+        ]  # fmt: skip
+        self.process = subprocess.Popen(
+            command,
+            env=self.env,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            start_new_session=True,  # its own process group, stopped as one
+        )
+        self._wait_ready()
+        return self
+
+    def _wait_ready(self) -> None:
+        assert self.process is not None
+        deadline = time.monotonic() + SUPERLINK_START_SECONDS
+        url = f"http://127.0.0.1:{self.port}/health"
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                log = self.log_path.read_text()[-2000:] if self.log_path.exists() else ""
+                raise CliError(
+                    f"flower-superlink exited with code {self.process.returncode}:\n{log}"
+                )
+            try:
+                with urllib.request.urlopen(url, timeout=0.5) as response:
+                    if response.status == 200:
+                        return
+            except OSError:
+                time.sleep(0.2)
+        raise CliError(f"flower-superlink did not start in {SUPERLINK_START_SECONDS} s")
+
+    def __exit__(self, *exc: object) -> None:
+        if self.process is not None and self.process.poll() is None:
+            for sig, wait in ((signal.SIGTERM, 10), (signal.SIGKILL, 5)):
+                try:
+                    os.killpg(self.process.pid, sig)
+                    self.process.wait(timeout=wait)
+                    break
+                except (ProcessLookupError, subprocess.TimeoutExpired):
+                    continue
+        shutil.rmtree(self.home, ignore_errors=True)
+
+
+def _sibling(name: str) -> str:
+    """An entry point installed next to this Python (the project's venv)."""
+    candidate = Path(sys.executable).with_name(name)
+    return str(candidate) if candidate.exists() else name
+
+
+def run(args: argparse.Namespace) -> int:
+    app = Path(args.app).expanduser().resolve()
+    try:
+        settings, overrides = prepare_run(app, args.run_config)
+    except (SettingsError, CliError) as err:
+        print(f"pollen: error: {err}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    run_dir = Path(settings.output_dir) / settings.run_name
+    flwr_args = ["run", str(app)]
+    federation = list(args.federation_config)
+    if args.connection is None and not any(
+        f.startswith("num-supernodes") for f in federation
+    ):
+        federation.append(f"num-supernodes={settings.num_clients}")
+    for value in overrides:
+        flwr_args += ["--run-config", value]
+    for value in federation:
+        flwr_args += ["--federation-config", value]
+    flwr_args.append("--stream")
+    if args.connection is None:
+        with LocalSuperLink() as link:
+            _flwr(flwr_args, link.env)
+            _keep_log(link.log_path, run_dir)
+    else:
+        flwr_args.insert(2, args.connection)
+        _flwr(flwr_args, dict(os.environ))
+    return report(run_dir)
+
+
+def _flwr(flwr_args: list[str], env: dict[str, str]) -> None:
+    subprocess.run([_sibling("flwr"), *flwr_args], env=env, check=False)
+
+
+def _keep_log(log_path: Path, run_dir: Path) -> None:
+    if log_path.exists() and run_dir.is_dir():
+        shutil.copy(log_path, run_dir / "superlink.log")
+
+
+def report(run_dir: Path) -> int:
+    """Exit status from the run's own record of how it ended."""
+    summary_path = run_dir / "summary.json"
+    if not summary_path.exists():
+        print(
+            f"pollen: run failed before writing {summary_path} (see the log above)",
+            file=sys.stderr,
+        )
+        return EXIT_FAILED
+    summary = json.loads(summary_path.read_text())
+    if summary.get("status") != "completed":
+        print(f"pollen: run failed: {summary.get('error')}", file=sys.stderr)
+        print(f"pollen: results (partial) in {run_dir}", file=sys.stderr)
+        return EXIT_FAILED
+    print(
+        f"pollen: completed {summary['rounds']} rounds, final accuracy "
+        f"{100 * summary['final-accuracy']:.2f}% (best {100 * summary['best-accuracy']:.2f}%"
+        f" at round {summary['best-round']}), {summary['total-seconds']:.1f} s"
+    )
+    print(f"pollen: results in {run_dir}")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="pollen", description=__doc__.split("\n")[0])
+    commands = parser.add_subparsers(dest="command", required=True)
+    run_parser = commands.add_parser(
+        "run", help="run a simulation (or submit to CONNECTION) and wait for it"
+    )
+    run_parser.add_argument("app", nargs="?", default=".", help="Flower App folder")
+    run_parser.add_argument(
+        "connection", nargs="?", default=None,
+        help="SuperLink connection in your Flower config (default: a private simulation)",
+    )  # fmt: skip
+    run_parser.add_argument(
+        "-c", "--run-config", action="append", default=[],
+        help='TOML file or "key=value ..." overrides (repeatable)',
+    )  # fmt: skip
+    run_parser.add_argument(
+        "--federation-config", action="append", default=[],
+        help='e.g. "num-supernodes=10" (default: num-clients)',
+    )  # fmt: skip
+    run_parser.set_defaults(handler=run)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    return int(args.handler(args))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,188 @@
+"""A run's results on disk, and its per-round console lines.
+
+`<output-dir>/<run-name>/` holds `settings.json`, `history.json`,
+`history.csv`, `summary.json`, `curves.png`, `labels.png` and `model.pt`.
+Files are written atomically (temporary file, then rename), so a crash never
+leaves half a file, and an existing run directory is never reused.
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+import os
+import tempfile
+from dataclasses import asdict, dataclass, field
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+HISTORY_FIELDS = (
+    "round", "accuracy", "loss", "lr", "seconds", "bytes-up", "bytes-down", "clients",
+)  # fmt: skip
+
+
+class ResultsError(RuntimeError):
+    """The run directory cannot be created or written."""
+
+
+@dataclass(frozen=True)
+class RoundRecord:
+    """One row of the history."""
+
+    round: int
+    accuracy: float
+    loss: float
+    lr: float
+    seconds: float
+    bytes_up: int
+    bytes_down: int
+    clients: list[int] = field(default_factory=list)
+    failures: list[str] = field(default_factory=list)
+
+    def as_row(self) -> dict[str, Any]:
+        return {k.replace("_", "-"): v for k, v in asdict(self).items()}
+
+
+def default_run_name(strategy: str, data_set: str) -> str:
+    return f"{strategy}-{data_set}-{datetime.now():%Y%m%d-%H%M%S}"
+
+
+def create_run_dir(output_dir: str, run_name: str) -> Path:
+    """Make `<output-dir>/<run-name>`; refuse one that already exists."""
+    path = Path(output_dir).expanduser().resolve() / run_name
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.mkdir()
+    except FileExistsError as err:
+        raise ResultsError(
+            f"invalid value for 'run-name': {run_name!r}; {path} already exists "
+            "(results are never overwritten: choose another run-name)"
+        ) from err
+    except OSError as err:
+        raise ResultsError(f"cannot create run directory {path}: {err}") from err
+    return path
+
+
+def write_atomic(path: Path, data: bytes | str) -> None:
+    """Write via a temporary file in the same folder and an atomic rename."""
+    raw = data.encode() if isinstance(data, str) else data
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(raw)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def write_json(path: Path, obj: Any) -> None:
+    write_atomic(path, json.dumps(obj, indent=2) + "\n")
+
+
+def write_history(run_dir: Path, history: list[RoundRecord]) -> None:
+    rows = [r.as_row() for r in history]
+    write_json(run_dir / "history.json", rows)
+    buffer = io.StringIO()
+    writer = csv.DictWriter(buffer, fieldnames=HISTORY_FIELDS, extrasaction="ignore")
+    writer.writeheader()
+    for row in rows:
+        writer.writerow({**row, "clients": " ".join(map(str, row["clients"]))})
+    write_atomic(run_dir / "history.csv", buffer.getvalue())
+
+
+def summarize(
+    history: list[RoundRecord], status: str, seconds: float, error: str | None = None
+) -> dict[str, Any]:
+    """What `summary.json` holds: the outcome in a few numbers."""
+    best = max(history, key=lambda r: r.accuracy, default=None)
+    return {
+        "status": status,
+        "error": error,
+        "rounds": len(history),
+        "final-accuracy": history[-1].accuracy if history else None,
+        "final-loss": history[-1].loss if history else None,
+        "best-accuracy": best.accuracy if best else None,
+        "best-round": best.round if best else None,
+        "total-seconds": round(seconds, 3),
+        "total-bytes-up": sum(r.bytes_up for r in history),
+        "total-bytes-down": sum(r.bytes_down for r in history),
+    }
+
+
+def round_lines(record: RoundRecord, total_rounds: int, seconds_left: float) -> str:
+    """The console block printed after every round (seed 000's format first)."""
+    return (
+        f"=== Evaluate global model {record.round} Round ===\n"
+        f"[{record.round:02d}] acc={100 * record.accuracy:.2f}%, loss={record.loss:.6f}\n"
+        f"     round {record.round}/{total_rounds}: {record.seconds:.2f} s, "
+        f"up {_mb(record.bytes_up)}, down {_mb(record.bytes_down)}, "
+        f"lr {record.lr:.3g}, clients {len(record.clients)}, "
+        f"~{seconds_left:.0f} s left"
+    )
+
+
+def _mb(n: int) -> str:
+    return f"{n / 1e6:.2f} MB"
+
+
+def _pyplot():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    plt.style.use("seaborn-v0_8-whitegrid")
+    return plt
+
+
+def plot_curves(history: list[RoundRecord], path: Path, title: str) -> None:
+    """Test accuracy and loss per round, side by side."""
+    plt = _pyplot()
+    rounds = [r.round for r in history]
+    fig, (ax_acc, ax_loss) = plt.subplots(1, 2, figsize=(10, 4), dpi=110)
+    ax_acc.plot(rounds, [100 * r.accuracy for r in history], marker="o", ms=3)
+    ax_acc.set(xlabel="round", ylabel="test accuracy (%)", title="Accuracy")
+    ax_loss.plot(rounds, [r.loss for r in history], marker="o", ms=3, color="C3")
+    ax_loss.set(xlabel="round", ylabel="test cross-entropy", title="Loss")
+    fig.suptitle(title)
+    fig.tight_layout()
+    _save(fig, path)
+
+
+def plot_label_heatmap(counts: np.ndarray, path: Path, title: str) -> None:
+    """Samples per (client, class), annotated when the grid is small."""
+    plt = _pyplot()
+    clients, classes = counts.shape
+    fig, ax = plt.subplots(
+        figsize=(max(5, 0.5 * classes + 2), max(3, 0.35 * clients + 1.5)), dpi=110
+    )
+    image = ax.imshow(counts, aspect="auto", cmap="viridis")
+    ax.grid(False)
+    ax.set(xlabel="class", ylabel="client", title=title)
+    if clients * classes <= 400:
+        peak = counts.max() or 1
+        for (i, j), v in np.ndenumerate(counts):
+            color = "black" if v > 0.6 * peak else "white"
+            ax.text(j, i, str(int(v)), ha="center", va="center", fontsize=7, color=color)
+    if classes <= 20:
+        ax.set_xticks(range(classes))
+    if clients <= 30:
+        ax.set_yticks(range(clients))
+    fig.colorbar(image, ax=ax, label="samples")
+    fig.tight_layout()
+    _save(fig, path)
+
+
+def _save(fig: Any, path: Path) -> None:
+    buffer = io.BytesIO()
+    fig.savefig(buffer, format="png")
+    fig.clf()
+    import matplotlib.pyplot as plt
+
+    plt.close(fig)
+    write_atomic(path, buffer.getvalue())

@@ -1,0 +1,395 @@
+"""Data sets: find them, decode them once, keep them as uint8 tensors.
+
+Sources are tried in order, all under `data-root`:
+
+1. the decoded cache `.pollen-cache/<name>/` (plain `.npy` files, memory-mapped),
+   valid while its source file is unchanged;
+2. a Keras-layout `<name>.npz` (`x_train`, `y_train`, `x_test`, `y_test`);
+3. an image folder `<name>/` or archive `<name>.tar.gz` / `<name>-jpeg.tar.gz`
+   holding `train/<class>/*` and `test/<class>/*` (class index = sorted names);
+4. a torchvision download, when `download` is true.
+
+`digits` is scikit-learn's handwritten digits (8x8, 1,797 images): it ships
+with a dependency, so the default run needs neither files nor internet.
+
+Whatever the source, the result is validated (dtype, shape, label range) and
+returned as tensors `x` uint8 `[N, C, H, W]` and `y` int64 `[N]`.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import shutil
+import tarfile
+import zipfile
+from dataclasses import dataclass
+from functools import cache
+from pathlib import Path
+
+import numpy as np
+import torch
+from PIL import Image
+
+SPLITS = ("x_train", "y_train", "x_test", "y_test")
+CACHE_DIR = ".pollen-cache"
+CACHE_VERSION = 1
+
+
+class DataError(ValueError):
+    """Missing, unreadable or malformed data; the message names the file."""
+
+
+@dataclass(frozen=True)
+class DataSpec:
+    """What a named data set must look like."""
+
+    name: str
+    num_classes: int
+    channels: int
+    size: int
+    torchvision_class: str | None
+
+
+SPECS = {
+    s.name: s
+    for s in (
+        DataSpec("digits", 10, 1, 8, None),
+        DataSpec("mnist", 10, 1, 28, "MNIST"),
+        DataSpec("fashion-mnist", 10, 1, 28, "FashionMNIST"),
+        DataSpec("cifar10", 10, 3, 32, "CIFAR10"),
+        DataSpec("cifar100", 100, 3, 32, "CIFAR100"),
+    )
+}
+
+
+@dataclass(frozen=True)
+class Dataset:
+    """A decoded data set: uint8 images `[N, C, H, W]`, int64 labels `[N]`."""
+
+    name: str
+    num_classes: int
+    x_train: torch.Tensor
+    y_train: torch.Tensor
+    x_test: torch.Tensor
+    y_test: torch.Tensor
+    mean: tuple[float, ...]
+    std: tuple[float, ...]
+    source: str
+
+    @property
+    def input_shape(self) -> tuple[int, int, int]:
+        c, h, w = self.x_train.shape[1:]
+        return c, h, w
+
+
+def load_dataset(name: str, data_root: str | Path, download: bool) -> Dataset:
+    """Load `name` from the first source that has it (see module docstring)."""
+    return _load_cached(name, str(Path(data_root).expanduser().resolve()), download)
+
+
+@cache
+def _load_cached(name: str, root_str: str, download: bool) -> Dataset:
+    spec = SPECS.get(name)
+    if spec is None:
+        raise DataError(f"unknown data set {name!r}; allowed: {', '.join(SPECS)}")
+    if name == "digits":
+        arrays, source = _digits(), "scikit-learn digits"
+    else:
+        arrays, source = _arrays_from_sources(spec, Path(root_str), download)
+    return _to_dataset(spec, arrays, source)
+
+
+def _arrays_from_sources(
+    spec: DataSpec, root: Path, download: bool
+) -> tuple[dict[str, np.ndarray], str]:
+    cache_dir = root / CACHE_DIR / spec.name
+    source = _find_local_source(spec, root)
+    fingerprint = _fingerprint(source) if source else None
+    cached = _read_cache(cache_dir, fingerprint)
+    if cached is not None:
+        return cached, f"{cache_dir} (decoded from {cached_source(cache_dir)})"
+    if source is not None:
+        arrays = _decode(spec, source)
+    elif download:
+        arrays = _download(spec, root)
+        source = root / "torchvision"
+    else:
+        stems = " or ".join(_stems(spec))
+        raise DataError(
+            f"no data for {spec.name!r} in {root}: expected {stems}.npz, an image "
+            f"folder {stems}/ or {stems}.tar.gz; set download=true to fetch it"
+        )
+    _validate(spec, arrays, str(source))
+    _write_cache(cache_dir, arrays, fingerprint, str(source))
+    return arrays, str(source)
+
+
+def _stems(spec: DataSpec) -> list[str]:
+    stems = [spec.name]
+    if "-" in spec.name:
+        stems.append(spec.name.replace("-", "_"))
+    return stems
+
+
+def _find_local_source(spec: DataSpec, root: Path) -> Path | None:
+    for stem in _stems(spec):
+        for candidate in (
+            root / f"{stem}.npz",
+            root / stem,
+            root / f"{stem}.tar.gz",
+            root / f"{stem}-jpeg.tar.gz",
+        ):
+            if candidate.exists():
+                return candidate
+    return None
+
+
+def _fingerprint(path: Path) -> dict[str, object]:
+    stat = path.stat()
+    return {"path": str(path), "size": stat.st_size, "mtime": stat.st_mtime}
+
+
+def cached_source(cache_dir: Path) -> str:
+    meta = json.loads((cache_dir / "source.json").read_text())
+    return str(meta["source"])
+
+
+def _read_cache(
+    cache_dir: Path, fingerprint: dict[str, object] | None
+) -> dict[str, np.ndarray] | None:
+    meta_path = cache_dir / "source.json"
+    if not meta_path.exists():
+        return None
+    try:
+        meta = json.loads(meta_path.read_text())
+        if meta.get("version") != CACHE_VERSION:
+            return None
+        if fingerprint is not None and meta.get("fingerprint") != fingerprint:
+            return None
+        return {k: np.load(cache_dir / f"{k}.npy", mmap_mode="r") for k in SPLITS}
+    except (OSError, ValueError, KeyError):
+        return None  # a damaged cache is rebuilt from the source
+
+
+def _write_cache(
+    cache_dir: Path,
+    arrays: dict[str, np.ndarray],
+    fingerprint: dict[str, object] | None,
+    source: str,
+) -> None:
+    """Write the decoded arrays next to the data, atomically (tmp dir + rename)."""
+    tmp = cache_dir.with_name(f".{cache_dir.name}.tmp-{np.random.randint(1 << 30)}")
+    try:
+        tmp.mkdir(parents=True)
+        for k in SPLITS:
+            np.save(tmp / f"{k}.npy", np.ascontiguousarray(arrays[k]))
+        meta = {"version": CACHE_VERSION, "fingerprint": fingerprint, "source": source}
+        (tmp / "source.json").write_text(json.dumps(meta))
+        shutil.rmtree(cache_dir, ignore_errors=True)
+        tmp.rename(cache_dir)
+    except OSError:
+        pass  # read-only data-root: the next run decodes again, nothing breaks
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _decode(spec: DataSpec, source: Path) -> dict[str, np.ndarray]:
+    if source.suffix == ".npz":
+        return _read_npz(source)
+    if source.is_dir():
+        return _read_image_folder_dir(spec, source)
+    return _read_image_folder_archive(spec, source)
+
+
+def _read_npz(path: Path) -> dict[str, np.ndarray]:
+    try:
+        with np.load(path, allow_pickle=False) as npz:
+            missing = [k for k in SPLITS if k not in npz.files]
+            if missing:
+                raise DataError(
+                    f"{path} lacks {', '.join(missing)}; a Keras-layout .npz holds "
+                    f"{', '.join(SPLITS)}"
+                )
+            return {k: npz[k] for k in SPLITS}
+    except (zipfile.BadZipFile, EOFError, OSError, ValueError) as err:
+        if isinstance(err, DataError):
+            raise
+        raise DataError(f"cannot read {path}: truncated or not a .npz ({err})") from err
+
+
+def _decode_image(data: bytes | Path, spec: DataSpec, where: str) -> np.ndarray:
+    try:
+        with Image.open(io.BytesIO(data) if isinstance(data, bytes) else data) as im:
+            return np.asarray(im.convert("L" if spec.channels == 1 else "RGB"))
+    except OSError as err:
+        raise DataError(f"cannot decode image {where}: {err}") from err
+
+
+def _stack_split(
+    spec: DataSpec, items: list[tuple[str, str, np.ndarray]], where: str
+) -> tuple[np.ndarray, np.ndarray, list[str]]:
+    """(class name, file name, image) triples -> arrays ordered by class, file."""
+    if not items:
+        raise DataError(f"{where} holds no images")
+    items.sort(key=lambda t: (t[0], t[1]))
+    classes = sorted({c for c, _, _ in items})
+    index = {c: i for i, c in enumerate(classes)}
+    shapes = {im.shape for _, _, im in items}
+    if len(shapes) != 1:
+        raise DataError(f"{where}: images differ in size: {sorted(shapes)[:3]}")
+    x = np.stack([im for _, _, im in items])
+    y = np.array([index[c] for c, _, _ in items], dtype=np.int64)
+    return x, y, classes
+
+
+def _read_image_folder_dir(spec: DataSpec, root: Path) -> dict[str, np.ndarray]:
+    base = _split_parent([p.relative_to(root).as_posix() for p in root.rglob("*")])
+    splits = {}
+    for split in ("train", "test"):
+        folder = root / base / split
+        items = [
+            (p.parent.name, p.name, _decode_image(p, spec, str(p)))
+            for p in folder.glob("*/*")
+            if p.is_file()
+        ]
+        splits[split] = _stack_split(spec, items, str(folder))
+    return _folder_arrays(splits, str(root))
+
+
+def _read_image_folder_archive(spec: DataSpec, path: Path) -> dict[str, np.ndarray]:
+    try:
+        with tarfile.open(path, "r:*") as tar:
+            members = [m for m in tar.getmembers() if m.isfile()]
+            base = _split_parent([m.name for m in members])
+            items: dict[str, list] = {"train": [], "test": []}
+            for m in members:
+                parts = m.name[len(base) :].lstrip("/").split("/")
+                if len(parts) != 3 or parts[0] not in items:
+                    continue
+                data = tar.extractfile(m).read()  # type: ignore[union-attr]
+                image = _decode_image(data, spec, f"{path}:{m.name}")
+                items[parts[0]].append((parts[1], parts[2], image))
+    except (tarfile.TarError, EOFError, OSError) as err:
+        raise DataError(f"cannot read {path}: truncated or not a tar archive ({err})")
+    splits = {s: _stack_split(spec, v, f"{path}:{base}{s}/") for s, v in items.items()}
+    return _folder_arrays(splits, str(path))
+
+
+def _split_parent(names: list[str]) -> str:
+    """The folder (prefix ending in '/', or '') that holds `train/` and `test/`."""
+    for name in names:
+        parts = name.split("/")
+        for i, part in enumerate(parts[:-1]):
+            if part in ("train", "test"):
+                return "/".join(parts[:i]) + ("/" if i else "")
+    raise DataError("image folder has no train/<class>/ and test/<class>/ folders")
+
+
+def _folder_arrays(splits: dict, where: str) -> dict[str, np.ndarray]:
+    (x_tr, y_tr, c_tr), (x_te, y_te, c_te) = splits["train"], splits["test"]
+    if c_tr != c_te:
+        raise DataError(f"{where}: train and test class folders differ")
+    return {"x_train": x_tr, "y_train": y_tr, "x_test": x_te, "y_test": y_te}
+
+
+def _download(spec: DataSpec, root: Path) -> dict[str, np.ndarray]:
+    import torchvision.datasets
+
+    cls = getattr(torchvision.datasets, spec.torchvision_class or "")
+    target = root / "torchvision"
+    try:
+        parts = [cls(str(target), train=t, download=True) for t in (True, False)]
+    except Exception as err:  # urllib, HTTP and checksum errors all end here
+        raise DataError(
+            f"download of {spec.name!r} failed ({type(err).__name__}: {err}); put "
+            f"{spec.name}.npz in {root} or check the network"
+        ) from err
+    out = {}
+    for split, ds in zip(("train", "test"), parts, strict=True):
+        out[f"x_{split}"] = np.asarray(ds.data)
+        out[f"y_{split}"] = np.asarray(ds.targets)
+    return out
+
+
+def _digits() -> dict[str, np.ndarray]:
+    """scikit-learn's digits, pixels 0..16 rescaled to 0..255, fixed 80/20 split."""
+    from sklearn.datasets import load_digits
+
+    bunch = load_digits()
+    x = np.clip(np.rint(bunch.images * 255 / 16), 0, 255).astype(np.uint8)
+    y = bunch.target.astype(np.int64)
+    order = np.random.default_rng(0).permutation(len(y))
+    n_train = int(0.8 * len(y))
+    tr, te = order[:n_train], order[n_train:]
+    return {"x_train": x[tr], "y_train": y[tr], "x_test": x[te], "y_test": y[te]}
+
+
+def _validate(spec: DataSpec, arrays: dict[str, np.ndarray], where: str) -> None:
+    c, s = spec.channels, spec.size
+    expected = f"[N, {s}, {s}]" if c == 1 else f"[N, {s}, {s}, {c}] (HWC)"
+    for split in ("train", "test"):
+        x, y = arrays[f"x_{split}"], arrays[f"y_{split}"]
+        if x.dtype != np.uint8:
+            raise DataError(
+                f"{where}: x_{split} has dtype {x.dtype}; expected uint8 pixels 0..255"
+            )
+        per_sample = x.shape[1:]
+        ok = per_sample in ((s, s), (s, s, 1)) if c == 1 else per_sample == (s, s, c)
+        if x.ndim < 3 or not ok:
+            raise DataError(
+                f"{where}: x_{split} has shape {list(x.shape)}; {spec.name} needs "
+                f"{expected}"
+            )
+        if y.ndim != 1 or len(y) != len(x):
+            raise DataError(
+                f"{where}: y_{split} has shape {list(y.shape)}; expected [{len(x)}]"
+            )
+        if not np.issubdtype(y.dtype, np.integer):
+            raise DataError(f"{where}: y_{split} has dtype {y.dtype}; expected ints")
+        if len(y) == 0:
+            raise DataError(f"{where}: {split} split is empty")
+        low, high = int(y.min()), int(y.max())
+        if low < 0 or high >= spec.num_classes:
+            raise DataError(
+                f"{where}: y_{split} has labels {low}..{high}; {spec.name} has "
+                f"classes 0..{spec.num_classes - 1}"
+            )
+
+
+def _to_dataset(spec: DataSpec, arrays: dict[str, np.ndarray], source: str) -> Dataset:
+    def images(x: np.ndarray) -> torch.Tensor:
+        x = np.array(x)  # a private, writable copy (the cache is memory-mapped)
+        x = x[:, None] if x.ndim == 3 else x.transpose(0, 3, 1, 2)
+        return torch.from_numpy(np.ascontiguousarray(x))
+
+    def labels(y: np.ndarray) -> torch.Tensor:
+        return torch.from_numpy(np.asarray(y).astype(np.int64))
+
+    x_train = images(arrays["x_train"])
+    mean, std = _channel_stats(x_train)
+    return Dataset(
+        name=spec.name,
+        num_classes=spec.num_classes,
+        x_train=x_train,
+        y_train=labels(arrays["y_train"]),
+        x_test=images(arrays["x_test"]),
+        y_test=labels(arrays["y_test"]),
+        mean=mean,
+        std=std,
+        source=source,
+    )
+
+
+def _channel_stats(x: torch.Tensor) -> tuple[tuple[float, ...], tuple[float, ...]]:
+    """Per-channel mean and std of uint8 images, in chunks to bound memory."""
+    total = torch.zeros(x.shape[1], dtype=torch.float64)
+    squares = torch.zeros_like(total)
+    for chunk in x.split(4096):
+        c = chunk.transpose(0, 1).reshape(x.shape[1], -1).double() / 255.0
+        total += c.sum(1)
+        squares += (c * c).sum(1)
+    n = x.numel() / x.shape[1]
+    mean = total / n
+    std = (squares / n - mean * mean).clamp_min(1e-12).sqrt()
+    return tuple(mean.tolist()), tuple(std.tolist())

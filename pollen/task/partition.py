@@ -1,0 +1,158 @@
+"""Split a training set into client shards (index sets), deterministically.
+
+Schemes (`partition`):
+
+- `iid`: a seeded shuffle dealt into equal shards (flwr-datasets `IidPartitioner`);
+- `niid`: per-class Dirichlet(`alpha`) proportions, redrawn until every client
+  has `min-size` samples (flwr-datasets `DirichletPartitioner`);
+- `pathological`: `classes-per-client` classes per client, each class's samples
+  split among the clients holding it (flwr-datasets `PathologicalPartitioner`,
+  first class of client i is i mod classes, as in Li et al. 2021); classes no
+  client drew are unused;
+- `silos`: clients own contiguous class groups, all samples of those classes
+  (2 clients on 10 classes: 0-4 and 5-9).
+
+The same labels, scheme and seed always give the same shards.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+
+PARTITION_TRIES = 10
+
+
+class PartitionError(ValueError):
+    """A partition the data cannot give; the message names the key to change."""
+
+
+def partition_indices(
+    labels: np.ndarray,
+    num_classes: int,
+    num_clients: int,
+    scheme: str,
+    *,
+    alpha: float = 0.5,
+    min_size: int = 10,
+    classes_per_client: int = 2,
+    seed: int = 845,
+) -> list[np.ndarray]:
+    """Return one sorted index array into `labels` per client."""
+    n = len(labels)
+    if num_clients > n:
+        raise PartitionError(
+            f"invalid value for 'num-clients': {num_clients}; the training split has "
+            f"only {n} samples"
+        )
+    if scheme == "silos":
+        shards = _silos(labels, num_classes, num_clients)
+    else:
+        shards = _flwr_partition(
+            labels, num_classes, num_clients, scheme, alpha, min_size,
+            classes_per_client, seed,
+        )  # fmt: skip
+    empty = [i for i, s in enumerate(shards) if len(s) == 0]
+    if empty:
+        raise PartitionError(
+            f"partition {scheme!r} leaves client {empty[0]} without samples "
+            f"({len(empty)} empty of {num_clients}); use fewer clients or another "
+            "partition"
+        )
+    return [np.sort(s) for s in shards]
+
+
+def _silos(labels: np.ndarray, num_classes: int, num_clients: int) -> list[np.ndarray]:
+    if num_clients > num_classes:
+        raise PartitionError(
+            f"invalid value for 'num-clients': {num_clients}; partition 'silos' gives "
+            f"each client whole classes, so at most {num_classes} clients"
+        )
+    groups = np.array_split(np.arange(num_classes), num_clients)
+    return [np.flatnonzero(np.isin(labels, g)) for g in groups]
+
+
+def _flwr_partition(
+    labels: np.ndarray,
+    num_classes: int,
+    num_clients: int,
+    scheme: str,
+    alpha: float,
+    min_size: int,
+    classes_per_client: int,
+    seed: int,
+) -> list[np.ndarray]:
+    import datasets
+    from flwr_datasets.partitioner import (
+        DirichletPartitioner,
+        IidPartitioner,
+        PathologicalPartitioner,
+    )
+
+    order = np.arange(len(labels))
+    if scheme == "iid":  # IidPartitioner deals contiguous shards: shuffle first
+        order = np.random.default_rng(seed).permutation(len(labels))
+    table = datasets.Dataset.from_dict({"index": order, "label": labels[order]})
+    if scheme == "iid":
+        partitioner = IidPartitioner(num_partitions=num_clients)
+    elif scheme == "niid":
+        if min_size * num_clients > len(labels):
+            raise PartitionError(
+                f"invalid value for 'min-size': {min_size}; {num_clients} clients x "
+                f"{min_size} exceeds the {len(labels)} training samples"
+            )
+        partitioner = DirichletPartitioner(
+            num_partitions=num_clients,
+            partition_by="label",
+            alpha=alpha,
+            min_partition_size=min_size,
+            seed=seed,
+        )
+    elif scheme == "pathological":
+        if classes_per_client > num_classes:
+            raise PartitionError(
+                f"invalid value for 'classes-per-client': {classes_per_client}; the "
+                f"data set has {num_classes} classes"
+            )
+        partitioner = PathologicalPartitioner(
+            num_partitions=num_clients,
+            partition_by="label",
+            num_classes_per_partition=classes_per_client,
+            class_assignment_mode="first-deterministic",
+            seed=seed,
+        )
+    else:
+        raise PartitionError(f"unknown partition {scheme!r}")
+    partitioner.dataset = table
+    try:
+        return [
+            np.asarray(partitioner.load_partition(i).with_format("numpy")[:]["index"], np.int64)
+            for i in range(num_clients)
+        ]
+    except ValueError as err:
+        if scheme == "niid":
+            raise PartitionError(
+                f"invalid value for 'min-size': {min_size}; Dirichlet(alpha={alpha}) "
+                f"could not give all {num_clients} clients {min_size} samples after "
+                f"{PARTITION_TRIES} draws; lower min-size or raise alpha ({err})"
+            ) from err
+        raise PartitionError(f"partition {scheme!r} failed: {err}") from err
+
+
+def label_counts(
+    labels: np.ndarray, shards: Sequence[np.ndarray], num_classes: int
+) -> np.ndarray:
+    """Counts `[client, class]` of each shard's labels."""
+    return np.stack([np.bincount(labels[s], minlength=num_classes) for s in shards])
+
+
+def format_label_counts(counts: np.ndarray) -> str:
+    """One line per client: its total and per-class counts."""
+    width = max(len(str(int(counts.max()))), 3)
+    head = "client  total  " + " ".join(f"{c:>{width}}" for c in range(counts.shape[1]))
+    rows = [
+        f"{i:>6}  {int(row.sum()):>5}  " + " ".join(f"{int(v):>{width}}" for v in row)
+        for i, row in enumerate(counts)
+    ]
+    return "\n".join([head, *rows])
