@@ -38,49 +38,57 @@ class CliError(RuntimeError):
 
 
 def resolve_run_config(app: Path, overrides: Sequence[str]) -> dict[str, Any]:
-    """pyproject defaults fused with `--run-config` values, as Flower fuses them."""
-    from flwr.common.config import fuse_dicts, get_project_config, parse_config_args
+    """pyproject defaults, then each `--run-config` value in order (later wins).
+
+    Unlike `flwr run`, TOML files and "key=value" strings may be mixed.
+    """
+    from flwr.common.config import get_project_config, parse_config_args
 
     try:
-        defaults = get_project_config(app)["tool"]["flwr"]["app"]["config"]
+        config = dict(get_project_config(app)["tool"]["flwr"]["app"]["config"])
     except (FileNotFoundError, KeyError, ValueError) as err:
         raise CliError(f"{app} is not a Flower App with [tool.flwr.app.config]: {err}")
-    try:
-        parsed = parse_config_args(list(overrides))
-    except (ValueError, OSError) as err:
-        raise CliError(f"invalid --run-config {list(overrides)}: {err}") from err
-    unknown = sorted(set(parsed) - set(defaults))
-    if unknown:
-        raise CliError(
-            f"unknown run-config key {unknown[0]!r}; known keys: {', '.join(defaults)}"
-        )
-    return fuse_dicts(defaults, parsed)
+    for value in overrides:
+        try:
+            parsed = parse_config_args([value])
+        except (ValueError, OSError) as err:
+            raise CliError(f"invalid --run-config {value!r}: {err}") from err
+        unknown = sorted(set(parsed) - set(config))
+        if unknown:
+            raise CliError(
+                f"unknown run-config key {unknown[0]!r} in {value!r}; known keys: "
+                + ", ".join(config)
+            )
+        config.update(parsed)
+    return config
 
 
-def prepare_run(app: Path, overrides: Sequence[str]) -> tuple[Settings, list[str]]:
+def prepare_run(app: Path, overrides: Sequence[str]) -> tuple[Settings, str]:
     """Validate the run config and pin what the ServerApp must not guess.
 
     Relative `data-root`/`output-dir` are resolved against this shell's
     directory (the SuperLink's processes run elsewhere), and an empty
     `run-name` gets a generated one, so this command knows where results land.
+    Returns the settings and the complete run config as one "key=value" string.
     """
     config = resolve_run_config(app, overrides)
     settings = Settings.from_run_config(config)
-    pinned = {
-        "data-root": str(Path(settings.data_root).expanduser().resolve()),
-        "output-dir": str(Path(settings.output_dir).expanduser().resolve()),
-        "run-name": settings.run_name
-        or default_run_name(settings.strategy, settings.data_set),
-    }
-    settings = Settings.from_run_config({**config, **pinned})
+    config.update(
+        {
+            "data-root": str(Path(settings.data_root).expanduser().resolve()),
+            "output-dir": str(Path(settings.output_dir).expanduser().resolve()),
+            "run-name": settings.run_name
+            or default_run_name(settings.strategy, settings.data_set),
+        }
+    )
+    settings = Settings.from_run_config(config)
     run_dir = Path(settings.output_dir) / settings.run_name
     if run_dir.exists():
         raise SettingsError(
             f"invalid value for 'run-name': {settings.run_name!r}; {run_dir} already "
             "exists (results are never overwritten)"
         )
-    extra = " ".join(f"{k}={json.dumps(v)}" for k, v in pinned.items())
-    return settings, [*overrides, extra]
+    return settings, " ".join(f"{k}={json.dumps(v)}" for k, v in config.items())
 
 
 def free_port() -> int:
@@ -169,7 +177,7 @@ def _sibling(name: str) -> str:
 def run(args: argparse.Namespace) -> int:
     app = Path(args.app).expanduser().resolve()
     try:
-        settings, overrides = prepare_run(app, args.run_config)
+        settings, run_config = prepare_run(app, args.run_config)
     except (SettingsError, CliError) as err:
         print(f"pollen: error: {err}", file=sys.stderr)
         return EXIT_BAD_INPUT
@@ -180,8 +188,7 @@ def run(args: argparse.Namespace) -> int:
         f.startswith("num-supernodes") for f in federation
     ):
         federation.append(f"num-supernodes={settings.num_clients}")
-    for value in overrides:
-        flwr_args += ["--run-config", value]
+    flwr_args += ["--run-config", run_config]
     for value in federation:
         flwr_args += ["--federation-config", value]
     flwr_args.append("--stream")

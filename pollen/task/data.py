@@ -84,15 +84,24 @@ class Dataset:
 
 
 def load_dataset(name: str, data_root: str | Path, download: bool) -> Dataset:
-    """Load `name` from the first source that has it (see module docstring)."""
-    return _load_cached(name, str(Path(data_root).expanduser().resolve()), download)
+    """Load `name` from the first source that has it (see module docstring).
 
-
-@cache
-def _load_cached(name: str, root_str: str, download: bool) -> Dataset:
+    Loaded once per process, and again only when the source file changes.
+    """
     spec = SPECS.get(name)
     if spec is None:
         raise DataError(f"unknown data set {name!r}; allowed: {', '.join(SPECS)}")
+    root = Path(data_root).expanduser().resolve()
+    source = _find_local_source(spec, root) if name != "digits" else None
+    version = tuple(_fingerprint(source).values()) if source else None
+    return _load_cached(name, str(root), download, version)
+
+
+@cache
+def _load_cached(
+    name: str, root_str: str, download: bool, source_version: tuple | None
+) -> Dataset:
+    spec = SPECS[name]
     if name == "digits":
         arrays, source = _digits(), "scikit-learn digits"
     else:

@@ -1,0 +1,39 @@
+# Set-up is automatic: the first `make run` or `make test` creates .venv from
+# uv.lock (uv itself is installed into .tools/ with pip). The lock pins a
+# torch/torchvision pair from the package index that import and run together
+# on CPU (and use a GPU where there is one).
+PYTHON ?= python3
+UV_VERSION := 0.13.8
+UV := .tools/bin/uv
+# Trust the operating system's CA store (proxies with their own CA, as here).
+export UV_SYSTEM_CERTS := 1
+export FLWR_DISABLE_UPDATE_CHECK := 1
+
+.PHONY: run test lint format clean
+
+run: .venv/.synced
+	.venv/bin/pollen run .
+
+test: .venv/.synced
+	.venv/bin/ruff check pollen tests benchmarks
+	.venv/bin/ruff format --check pollen tests benchmarks
+	.venv/bin/pytest -q
+
+lint: .venv/.synced
+	.venv/bin/ruff check pollen tests benchmarks
+
+format: .venv/.synced
+	.venv/bin/ruff format pollen tests benchmarks
+	.venv/bin/ruff check --fix pollen tests benchmarks
+
+$(UV):
+	$(PYTHON) -m venv .tools
+	.tools/bin/pip install --quiet uv==$(UV_VERSION)
+
+.venv/.synced: uv.lock pyproject.toml | $(UV)
+	$(UV) sync --locked
+	.venv/bin/python -c "import torch, torchvision; torchvision.ops.nms(torch.zeros(1, 4), torch.ones(1), 0.5)"
+	touch $@
+
+clean:
+	rm -rf .venv .tools

@@ -1,0 +1,152 @@
+"""Data sources, the decoded cache and every kind of bad data file."""
+
+from __future__ import annotations
+
+import io
+import tarfile
+from pathlib import Path
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from pollen.task.data import CACHE_DIR, DataError, load_dataset
+
+
+def fake_mnist(n_train: int = 50, n_test: int = 20, seed: int = 0) -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(seed)
+    return {
+        "x_train": rng.integers(0, 256, (n_train, 28, 28), dtype=np.uint8),
+        "y_train": rng.integers(0, 10, n_train).astype(np.uint8),
+        "x_test": rng.integers(0, 256, (n_test, 28, 28), dtype=np.uint8),
+        "y_test": rng.integers(0, 10, n_test).astype(np.uint8),
+    }
+
+
+def write_npz(root: Path, name: str, arrays: dict[str, np.ndarray]) -> Path:
+    root.mkdir(parents=True, exist_ok=True)
+    path = root / f"{name}.npz"
+    np.savez_compressed(path, **arrays)
+    return path
+
+
+def test_digits_ship_with_scikit_learn() -> None:
+    ds = load_dataset("digits", "unused", download=False)
+    assert ds.x_train.shape == (1437, 1, 8, 8) and ds.x_test.shape == (360, 1, 8, 8)
+    assert ds.x_train.dtype.is_floating_point is False and int(ds.x_train.max()) == 255
+    assert sorted(set(ds.y_train.tolist())) == list(range(10))
+
+
+def test_npz_is_decoded_once_and_cached(tmp_path: Path) -> None:
+    arrays = fake_mnist()
+    write_npz(tmp_path, "mnist", arrays)
+    ds = load_dataset("mnist", tmp_path, download=False)
+    assert ds.x_train.shape == (50, 1, 28, 28)
+    assert np.array_equal(ds.x_train[:, 0].numpy(), arrays["x_train"])
+    assert (tmp_path / CACHE_DIR / "mnist" / "x_train.npy").exists()
+    assert ds.source.endswith("mnist.npz")
+
+
+def test_cache_is_rebuilt_when_the_source_changes(tmp_path: Path) -> None:
+    write_npz(tmp_path, "mnist", fake_mnist(seed=1))
+    first = load_dataset("mnist", tmp_path, download=False)
+    write_npz(tmp_path, "mnist", fake_mnist(n_train=60, seed=2))
+    second = load_dataset("mnist", tmp_path, download=False)
+    assert len(first.y_train) == 50 and len(second.y_train) == 60
+
+
+def test_keras_name_with_underscore(tmp_path: Path) -> None:
+    write_npz(tmp_path, "fashion_mnist", fake_mnist())
+    assert load_dataset("fashion-mnist", tmp_path, download=False).num_classes == 10
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        (lambda a: a.update(x_train=a["x_train"][:, :20]), r"x_train has shape \[50, 20, 28\]"),
+        (lambda a: a.update(x_test=a["x_test"].astype(np.float32)), "dtype float32; expected uint8"),
+        (lambda a: a.update(y_train=a["y_train"] + 5), "labels 5..14; mnist has classes 0..9"),
+        (lambda a: a.update(y_test=a["y_test"][:3]), r"y_test has shape \[3\]; expected \[20\]"),
+        (lambda a: a.pop("y_test"), "lacks y_test"),
+    ],
+)
+def test_malformed_npz_is_refused(tmp_path: Path, change, message: str) -> None:
+    arrays = fake_mnist()
+    change(arrays)
+    write_npz(tmp_path, "mnist", arrays)
+    with pytest.raises(DataError, match=message):
+        load_dataset("mnist", tmp_path, download=False)
+
+
+def test_truncated_npz_is_refused(tmp_path: Path) -> None:
+    path = write_npz(tmp_path, "mnist", fake_mnist())
+    path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+    with pytest.raises(DataError, match="truncated or not a .npz"):
+        load_dataset("mnist", tmp_path, download=False)
+
+
+def test_missing_data_with_download_off(tmp_path: Path) -> None:
+    with pytest.raises(DataError, match="no data for 'cifar10'.*set download=true"):
+        load_dataset("cifar10", tmp_path, download=False)
+
+
+def test_unreachable_download_is_a_clear_error(tmp_path: Path, monkeypatch) -> None:
+    import urllib.request
+
+    def offline(*args, **kwargs):
+        raise OSError("network unreachable")
+
+    monkeypatch.setattr(urllib.request, "urlopen", offline)
+    monkeypatch.setattr(urllib.request.OpenerDirector, "open", offline)
+    with pytest.raises(DataError, match="download of 'mnist' failed"):
+        load_dataset("mnist", tmp_path, download=True)
+
+
+def png(colour: tuple[int, int, int]) -> bytes:
+    buffer = io.BytesIO()
+    Image.new("RGB", (32, 32), colour).save(buffer, format="PNG")
+    return buffer.getvalue()
+
+
+IMAGES = {
+    "train/cat/0.png": (200, 0, 0),
+    "train/cat/1.png": (210, 0, 0),
+    "train/airplane/0.png": (0, 0, 200),
+    "test/cat/0.png": (220, 0, 0),
+    "test/airplane/0.png": (0, 0, 220),
+}
+
+
+def test_image_folder_archive_sorted_class_names(tmp_path: Path) -> None:
+    with tarfile.open(tmp_path / "cifar10.tar.gz", "w:gz") as tar:
+        for name, colour in IMAGES.items():
+            data = png(colour)
+            info = tarfile.TarInfo(f"cifar10/{name}")
+            info.size = len(data)
+            tar.addfile(info, io.BytesIO(data))
+    ds = load_dataset("cifar10", tmp_path, download=False)
+    assert ds.x_train.shape == (3, 3, 32, 32)
+    assert ds.y_train.tolist() == [0, 1, 1]  # airplane < cat
+    assert int(ds.x_train[0, 2, 0, 0]) == 200 and int(ds.x_train[1, 0, 0, 0]) == 200
+
+
+def test_image_folder_directory(tmp_path: Path) -> None:
+    for name, colour in IMAGES.items():
+        path = tmp_path / "cifar10" / name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(png(colour))
+    ds = load_dataset("cifar10", tmp_path, download=False)
+    assert ds.y_test.tolist() == [0, 1] and ds.input_shape == (3, 32, 32)
+
+
+def test_truncated_archive_is_refused(tmp_path: Path) -> None:
+    (tmp_path / "cifar10.tar.gz").write_bytes(b"\x1f\x8b\x08\x00garbage")
+    with pytest.raises(DataError, match="cannot read"):
+        load_dataset("cifar10", tmp_path, download=False)
+
+
+def test_real_mnist_matches_its_provenance(shared_data: Path) -> None:
+    ds = load_dataset("mnist", shared_data, download=False)
+    assert ds.x_train.shape == (60000, 1, 28, 28) and len(ds.y_test) == 10000
+    assert ds.y_train[:10].tolist() == [5, 0, 4, 1, 9, 2, 1, 3, 1, 4]
+    assert ds.mean[0] == pytest.approx(0.130660, abs=1e-5)

@@ -1,0 +1,84 @@
+"""Partitions: sizes, min-size, k classes, silos, determinism, clear errors."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from pollen.task.partition import (
+    PartitionError,
+    format_label_counts,
+    label_counts,
+    partition_indices,
+)
+
+LABELS = np.repeat(np.arange(10), 100)  # 1,000 samples, 100 per class
+np.random.default_rng(0).shuffle(LABELS)
+
+
+def shards(scheme: str, num_clients: int = 10, **kw) -> list[np.ndarray]:
+    return partition_indices(LABELS, 10, num_clients, scheme, **kw)
+
+
+def test_iid_is_a_balanced_disjoint_cover() -> None:
+    parts = shards("iid")
+    assert [len(p) for p in parts] == [100] * 10
+    assert np.array_equal(np.sort(np.concatenate(parts)), np.arange(1000))
+    counts = label_counts(LABELS, parts, 10)
+    assert counts.min() > 0  # a shuffle, not contiguous class blocks
+
+
+def test_niid_respects_min_size_and_is_skewed() -> None:
+    parts = shards("niid", alpha=0.1, min_size=20, seed=3)
+    assert min(len(p) for p in parts) >= 20
+    assert len(np.unique(np.concatenate(parts))) == sum(len(p) for p in parts)
+    counts = label_counts(LABELS, parts, 10)
+    assert (counts == 0).mean() > 0.3  # alpha 0.1: most clients miss most classes
+
+
+def test_niid_min_size_the_data_cannot_meet() -> None:
+    with pytest.raises(PartitionError, match="'min-size': 200; 10 clients x 200"):
+        shards("niid", min_size=200)
+
+
+def test_pathological_gives_k_classes_per_client() -> None:
+    parts = shards("pathological", classes_per_client=2, seed=1)
+    counts = label_counts(LABELS, parts, 10)
+    assert ((counts > 0).sum(axis=1) == 2).all()
+    assert (counts[np.arange(10), np.arange(10)] > 0).all()  # first class = i mod 10
+
+
+def test_pathological_k_above_class_count() -> None:
+    with pytest.raises(PartitionError, match="'classes-per-client': 11; .* 10 classes"):
+        shards("pathological", classes_per_client=11)
+
+
+def test_two_silos_split_classes_0_4_and_5_9() -> None:
+    parts = shards("silos", num_clients=2)
+    assert set(LABELS[parts[0]]) == {0, 1, 2, 3, 4}
+    assert set(LABELS[parts[1]]) == {5, 6, 7, 8, 9}
+    assert sum(len(p) for p in parts) == 1000
+
+
+def test_silos_need_at_most_one_client_per_class() -> None:
+    with pytest.raises(PartitionError, match="at most 10 clients"):
+        shards("silos", num_clients=11)
+
+
+@pytest.mark.parametrize("scheme", ["iid", "niid", "pathological"])
+def test_same_seed_same_shards_other_seed_other_shards(scheme: str) -> None:
+    a, b, c = (shards(scheme, seed=s) for s in (5, 5, 6))
+    assert all(np.array_equal(x, y) for x, y in zip(a, b, strict=True))
+    assert not all(np.array_equal(x, y) for x, y in zip(a, c, strict=True))
+
+
+def test_more_clients_than_samples() -> None:
+    with pytest.raises(PartitionError, match="'num-clients': 2000"):
+        shards("iid", num_clients=2000)
+
+
+def test_label_count_table() -> None:
+    text = format_label_counts(label_counts(LABELS, shards("silos", 2), 10))
+    lines = text.splitlines()
+    assert lines[0].split()[:2] == ["client", "total"]
+    assert lines[1].split()[:3] == ["0", "500", "100"]

@@ -1,0 +1,69 @@
+"""Run-config validation: every bad value fails with one line naming it."""
+
+from __future__ import annotations
+
+import tomllib
+
+import pytest
+
+from pollen.settings import Settings, SettingsError
+from tests.conftest import PROJECT
+
+
+def test_defaults_are_valid_and_follow_the_seeds() -> None:
+    s = Settings.from_run_config({})
+    assert (s.seed, s.num_clients, s.client_frac, s.batch_size, s.lr) == (
+        845, 10, 0.25, 100, 1e-2,
+    )  # fmt: skip
+    assert (s.test_batch_size, s.alpha, s.min_size, s.rounds) == (128, 0.5, 10, 10)
+    assert (s.lr_factor, s.lr_patience, s.min_lr) == (0.5, 5, 1e-6)
+
+
+def test_pyproject_declares_every_key_with_the_same_type() -> None:
+    pyproject = tomllib.loads((PROJECT / "pyproject.toml").read_text())
+    config = pyproject["tool"]["flwr"]["app"]["config"]
+    declared = {key: default for key, default, _, _ in Settings.describe()}
+    assert set(config) == set(declared)
+    for key, value in config.items():
+        assert type(value) is type(declared[key]), key
+    quick = Settings.from_run_config(config)
+    assert (quick.data_set, quick.num_clients, quick.strategy) == ("digits", 10, "fedavg")
+
+
+@pytest.mark.parametrize(
+    ("key", "value", "allowed"),
+    [
+        ("data-set", "imagenet", "one of digits, mnist"),
+        ("model", "resnet", "one of mlp, mlp-bn, cnn, mobilenet"),
+        ("partition", "random", "one of iid, niid, pathological, silos"),
+        ("strategy", "fedsgd", "one of fedavg"),
+        ("device", "tpu", "one of auto, cpu, cuda, mps"),
+        ("client-frac", 0.0, "in (0, 1]"),
+        ("client-frac", 1.5, "in (0, 1]"),
+        ("alpha", 0.0, "> 0"),
+        ("alpha", -1.0, "> 0"),
+        ("rounds", 0, ">= 1"),
+        ("num-clients", 0, ">= 1"),
+        ("lr", 0.0, "> 0"),
+        ("rounds", "ten", "a int"),
+        ("lr", float("nan"), "a float (finite)"),
+        ("normalize", "yes", "a bool"),
+    ],
+)
+def test_invalid_value_names_key_value_and_allowed(key, value, allowed) -> None:
+    with pytest.raises(SettingsError) as err:
+        Settings.from_run_config({key: value})
+    message = str(err.value)
+    assert "\n" not in message
+    assert repr(key) in message and repr(value) in message and allowed in message
+
+
+def test_unknown_key_is_refused() -> None:
+    with pytest.raises(SettingsError, match="unknown run-config key 'learning-rate'"):
+        Settings.from_run_config({"learning-rate": 0.1})
+
+
+def test_integral_float_and_bool_strings_are_coerced() -> None:
+    s = Settings.from_run_config({"rounds": 3.0, "augment": "false", "lr": 1})
+    assert (s.rounds, s.augment, s.lr) == (3, False, 1.0)
+    assert Settings.from_run_config(s.to_run_config()) == s

@@ -1,0 +1,133 @@
+"""FedAvg aggregation, BatchNorm handling, seeded sampling and routing."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from flwr.app import Array, ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
+
+from pollen.strategies.aggregate import weighted_average
+from pollen.strategies.fedavg import CLIENT_KEY, FedAvg
+from pollen.strategies.sampling import OneMessagePerNode, Roster, RosterError, sample_clients
+from pollen.task.models import build_model
+
+
+@pytest.fixture(autouse=True)
+def task_identity():
+    """Messages outside a running Flower app need a run and node identity."""
+    from flwr.supercore.task_identity import TaskIdentity
+
+    TaskIdentity.run_id, TaskIdentity.node_id, TaskIdentity.task_id = 1, 0, 1
+    yield
+    TaskIdentity._run_id = TaskIdentity._node_id = TaskIdentity._task_id = None
+
+
+def record(**arrays: np.ndarray) -> ArrayRecord:
+    return ArrayRecord({k: Array(v) for k, v in arrays.items()})
+
+
+def test_weighted_average_by_hand() -> None:
+    a = record(w=np.array([1.0, 2.0], np.float32), n=np.array(4, np.int64))
+    b = record(w=np.array([3.0, 6.0], np.float32), n=np.array(7, np.int64))
+    out = weighted_average([a, b], [1, 3])  # weights 1/4, 3/4
+    np.testing.assert_allclose(out["w"].numpy(), [2.5, 5.0])
+    assert out["w"].numpy().dtype == np.float32
+    assert out["n"].numpy().dtype == np.int64 and int(out["n"].numpy()) == 6  # 6.25
+
+
+def test_weighted_average_rejects_bad_weights() -> None:
+    a = record(w=np.zeros(2, np.float32))
+    with pytest.raises(ValueError, match="positive weight"):
+        weighted_average([a, a], [1, 0])
+
+
+def reply(client: int, node: int, arrays: ArrayRecord, examples: int) -> Message:
+    content = RecordDict(
+        {
+            "arrays": arrays,
+            "metrics": MetricRecord({"num-examples": examples, "train-loss": 1.0}),
+            "client": ConfigRecord({CLIENT_KEY: client}),
+        }
+    )
+    return Message(content, dst_node_id=node, message_type="train")
+
+
+def test_fedavg_averages_batchnorm_model_keeping_dtypes() -> None:
+    models = [build_model("mlp-bn", (1, 4, 4), 3, seed) for seed in (1, 2)]
+    for m, shift in zip(models, (0.0, 1.0), strict=True):
+        m[2].running_mean.fill_(shift)
+        m[2].num_batches_tracked.fill_(10 + 10 * int(shift))
+    roster = Roster.from_nodes({11: (0, 2), 22: (1, 2)}, 2)
+    strategy = FedAvg(roster=roster, num_clients=2, client_frac=1.0, seed=0)
+    replies = [
+        reply(1, 22, ArrayRecord(models[1].state_dict()), 30),
+        reply(0, 11, ArrayRecord(models[0].state_dict()), 10),
+    ]
+    arrays, metrics = strategy.aggregate_train(1, replies)
+    state = arrays.to_torch_state_dict()
+    torch.testing.assert_close(state["2.running_mean"], torch.full((128,), 0.75))
+    assert state["2.num_batches_tracked"].dtype == torch.int64
+    assert int(state["2.num_batches_tracked"]) == 18  # 0.25 * 10 + 0.75 * 20 = 17.5
+    w0, w1 = (m.state_dict()["1.weight"] for m in models)
+    torch.testing.assert_close(state["1.weight"], 0.25 * w0 + 0.75 * w1)
+    assert all(v.dtype in (torch.float32, torch.int64) for v in state.values())
+    assert metrics["train-loss"] == pytest.approx(1.0)
+    assert strategy.traffic[1].bytes_up == 2 * arrays.count_bytes()
+
+
+def test_aggregation_does_not_depend_on_reply_order() -> None:
+    recs = [record(w=np.random.default_rng(i).random(1000).astype(np.float32)) for i in range(5)]
+    roster = Roster.from_nodes({i: (i, 5) for i in range(5)}, 5)
+    strategy = FedAvg(roster=roster, num_clients=5, client_frac=1.0, seed=0)
+    forward = [reply(i, i, recs[i], 7 + i) for i in range(5)]
+    a, _ = strategy.aggregate_train(1, forward)
+    b, _ = strategy.aggregate_train(1, forward[::-1])
+    assert a["w"].numpy().tobytes() == b["w"].numpy().tobytes()
+
+
+def test_sampling_is_seeded_and_sized() -> None:
+    first = [sample_clients(10, 0.25, 845, r) for r in range(1, 6)]
+    again = [sample_clients(10, 0.25, 845, r) for r in range(1, 6)]
+    assert first == again
+    assert all(len(s) == 2 and len(set(s)) == 2 for s in first)
+    assert len({tuple(s) for s in first}) > 1  # rounds differ
+    assert sample_clients(10, 1.0, 1, 1) == list(range(10))
+    assert sample_clients(3, 0.1, 1, 1) and len(sample_clients(3, 0.1, 1, 1)) == 1
+
+
+def test_configure_train_routes_each_client_to_its_node() -> None:
+    roster = Roster.from_nodes({101: (0, 2), 202: (1, 2)}, 6)  # 2 nodes, 6 clients
+    assert roster.owner == {0: 101, 1: 202, 2: 101, 3: 202, 4: 101, 5: 202}
+    strategy = FedAvg(roster=roster, num_clients=6, client_frac=0.5, seed=3)
+    arrays = record(w=np.ones(3, np.float32))
+    messages = list(strategy.configure_train(4, arrays, ConfigRecord({"lr": 0.1}), None))
+    clients = [int(m.content["config"][CLIENT_KEY]) for m in messages]
+    assert clients == sample_clients(6, 0.5, 3, 4)
+    assert [m.metadata.dst_node_id for m in messages] == [roster.owner[c] for c in clients]
+    assert all(m.content["config"]["lr"] == 0.1 for m in messages)
+    assert strategy.traffic[4].bytes_down == 3 * arrays.count_bytes()
+
+
+def test_roster_refuses_duplicate_and_mismatched_partitions() -> None:
+    with pytest.raises(RosterError, match="both hold partition-id 0"):
+        Roster.from_nodes({1: (0, 2), 2: (0, 2)}, 2)
+    with pytest.raises(RosterError, match="cannot serve num-clients=3"):
+        Roster.from_nodes({1: (0, 4), 2: (1, 4)}, 3)
+
+
+class FakeGrid:
+    def __init__(self) -> None:
+        self.waves: list[list[int]] = []
+
+    def send_and_receive(self, messages, *, timeout=None):
+        self.waves.append([m.metadata.dst_node_id for m in messages])
+        return list(messages)
+
+
+def test_one_message_per_node_sends_in_waves() -> None:
+    grid = FakeGrid()
+    messages = [Message(RecordDict(), dst_node_id=n, message_type="train") for n in (1, 2, 1, 1)]
+    replies = OneMessagePerNode(grid).send_and_receive(messages, timeout=5)
+    assert grid.waves == [[1, 2], [1], [1]]
+    assert len(replies) == 4

@@ -1,0 +1,70 @@
+"""Batched preprocessing, local SGD and evaluation on tensors."""
+
+from __future__ import annotations
+
+import torch
+
+from pollen.task.data import load_dataset
+from pollen.task.models import build_model
+from pollen.task.train import Preprocess, evaluate, random_crop_flip, train_sgd
+
+
+def test_crop_without_padding_is_identity_up_to_flip() -> None:
+    x = torch.arange(2 * 3 * 4 * 4, dtype=torch.float32).view(2, 3, 4, 4)
+    out = random_crop_flip(x, 0, torch.Generator().manual_seed(0))
+    for i in range(2):
+        assert torch.equal(out[i], x[i]) or torch.equal(out[i], x[i].flip(-1))
+
+
+def test_crop_with_padding_shifts_content() -> None:
+    x = torch.ones(64, 3, 8, 8)
+    out = random_crop_flip(x, 2, torch.Generator().manual_seed(0))
+    assert out.shape == x.shape
+    assert (out == 0).any()  # some crops include the zero padding
+    assert (out.flatten(1).sum(1) == 3 * 64).any()  # and some are the centre
+
+
+def test_preprocess_normalises_per_channel() -> None:
+    x = torch.full((2, 3, 2, 2), 255, dtype=torch.uint8)
+    out = Preprocess((0.5, 0.5, 0.0), (0.5, 0.25, 1.0))(x, None)
+    assert out[:, 0].unique().tolist() == [1.0] and out[:, 1].unique().tolist() == [2.0]
+    assert out[:, 2].unique().tolist() == [1.0]
+
+
+def test_local_sgd_learns_digits_and_is_deterministic() -> None:
+    ds = load_dataset("digits", "unused", download=False)
+    prep = Preprocess(ds.mean, ds.std)
+
+    def run() -> tuple[float, dict]:
+        model = build_model("mlp", ds.input_shape, 10, seed=1)
+        train_sgd(
+            model, ds.x_train, ds.y_train, epochs=3, batch_size=32, lr=0.05,
+            momentum=0.9, weight_decay=0.0, preprocess=prep, seed=7,
+        )  # fmt: skip
+        return evaluate(model, ds.x_test, ds.y_test, batch_size=100, preprocess=prep)[1], model.state_dict()
+
+    accuracy, state = run()
+    assert accuracy > 0.9
+    again, state_again = run()
+    assert accuracy == again
+    assert all(torch.equal(state[k], state_again[k]) for k in state)
+
+
+def test_evaluate_counts_correct_predictions() -> None:
+    model = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(1, 2, bias=False))
+    model[1].weight.data = torch.tensor([[-1.0], [1.0]])
+    x = torch.tensor([0, 255, 255, 0], dtype=torch.uint8).view(4, 1, 1, 1)
+    y = torch.tensor([0, 1, 0, 1])
+    loss, accuracy = evaluate(model, x, y, batch_size=3, preprocess=Preprocess((0.5,), (0.5,)))
+    assert accuracy == 0.5
+    expected = torch.nn.functional.cross_entropy(
+        torch.tensor([[1.0, -1.0], [-1.0, 1.0], [-1.0, 1.0], [1.0, -1.0]]), y
+    )
+    assert abs(loss - float(expected)) < 1e-6
+
+
+def test_models_fit_their_inputs() -> None:
+    for name, shape in [("mlp", (1, 28, 28)), ("mlp-bn", (1, 8, 8)), ("cnn", (1, 28, 28)),
+                        ("cnn", (3, 32, 32)), ("mobilenet", (3, 32, 32))]:  # fmt: skip
+        model = build_model(name, shape, 10, seed=0).eval()
+        assert model(torch.zeros(2, *shape)).shape == (2, 10), name
