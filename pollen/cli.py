@@ -47,7 +47,9 @@ def resolve_run_config(app: Path, overrides: Sequence[str]) -> dict[str, Any]:
     try:
         config = dict(get_project_config(app)["tool"]["flwr"]["app"]["config"])
     except (FileNotFoundError, KeyError, ValueError) as err:
-        raise CliError(f"{app} is not a Flower App with [tool.flwr.app.config]: {err}")
+        raise CliError(
+            f"{app} is not a Flower App with [tool.flwr.app.config]: {err}"
+        ) from err
     for value in overrides:
         try:
             parsed = parse_config_args([value])
@@ -111,7 +113,9 @@ class LocalSuperLink:
         return {
             **os.environ,
             # the SuperLink starts `flower-superexec` & co. from PATH: use ours
-            "PATH": os.pathsep.join([str(Path(sys.executable).parent), os.environ["PATH"]]),
+            "PATH": os.pathsep.join(
+                [str(Path(sys.executable).parent), os.environ["PATH"]]
+            ),
             "FLWR_HOME": str(self.home),
             "FLWR_DISABLE_UPDATE_CHECK": "1",
             "FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION": "1",
@@ -144,7 +148,9 @@ class LocalSuperLink:
         url = f"http://127.0.0.1:{self.port}/health"
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
-                log = self.log_path.read_text()[-2000:] if self.log_path.exists() else ""
+                log = (
+                    self.log_path.read_text()[-2000:] if self.log_path.exists() else ""
+                )
                 raise CliError(
                     f"flower-superlink exited with code {self.process.returncode}:\n{log}"
                 )

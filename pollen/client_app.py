@@ -10,7 +10,14 @@ from functools import cache
 
 import numpy as np
 import torch
-from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MetricRecord, RecordDict
+from flwr.app import (
+    ArrayRecord,
+    ConfigRecord,
+    Context,
+    Message,
+    MetricRecord,
+    RecordDict,
+)
 from flwr.clientapp import ClientApp
 
 from .settings import Settings
@@ -28,7 +35,9 @@ def _settings(items: frozenset) -> Settings:
 
 
 @cache
-def _shard(settings: Settings, client: int, device: str) -> tuple[torch.Tensor, torch.Tensor]:
+def _shard(
+    settings: Settings, client: int, device: str
+) -> tuple[torch.Tensor, torch.Tensor]:
     """This client's images and labels, on the training device, loaded once."""
     dataset, shards = federated_data(settings)
     index = torch.from_numpy(shards[client])
@@ -80,7 +89,9 @@ def train(msg: Message, context: Context) -> Message:
         seed=_client_seed(settings.seed, server_round, client),
     )
     state = {k: v.detach().cpu() for k, v in model.state_dict().items()}
-    metrics = MetricRecord({"num-examples": result.num_examples, "train-loss": result.loss})
+    metrics = MetricRecord(
+        {"num-examples": result.num_examples, "train-loss": result.loss}
+    )
     content = RecordDict(
         {
             "arrays": ArrayRecord(state),
@@ -92,4 +103,6 @@ def train(msg: Message, context: Context) -> Message:
 
 
 def _client_seed(seed: int, server_round: int, client: int) -> int:
-    return int(np.random.SeedSequence([seed, server_round, client]).generate_state(1)[0])
+    return int(
+        np.random.SeedSequence([seed, server_round, client]).generate_state(1)[0]
+    )

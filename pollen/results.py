@@ -168,7 +168,9 @@ def plot_label_heatmap(counts: np.ndarray, path: Path, title: str) -> None:
         peak = counts.max() or 1
         for (i, j), v in np.ndenumerate(counts):
             color = "black" if v > 0.6 * peak else "white"
-            ax.text(j, i, str(int(v)), ha="center", va="center", fontsize=7, color=color)
+            ax.text(
+                j, i, str(int(v)), ha="center", va="center", fontsize=7, color=color
+            )
     if classes <= 20:
         ax.set_xticks(range(classes))
     if clients <= 30:

@@ -12,7 +12,15 @@ from logging import INFO
 from pathlib import Path
 
 import torch
-from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MessageType, MetricRecord, RecordDict
+from flwr.app import (
+    ArrayRecord,
+    ConfigRecord,
+    Context,
+    Message,
+    MessageType,
+    MetricRecord,
+    RecordDict,
+)
 from flwr.common.logger import log
 from flwr.serverapp import Grid, ServerApp
 
@@ -48,9 +56,13 @@ def main(grid: Grid, context: Context) -> None:
     """Run one federated training job and write its results directory."""
     started = time.monotonic()
     settings = Settings.from_run_config(context.run_config)
-    run_name = settings.run_name or default_run_name(settings.strategy, settings.data_set)
+    run_name = settings.run_name or default_run_name(
+        settings.strategy, settings.data_set
+    )
     run_dir = create_run_dir(settings.output_dir, run_name)
-    write_json(run_dir / "settings.json", {**settings.to_run_config(), "run-name": run_name})
+    write_json(
+        run_dir / "settings.json", {**settings.to_run_config(), "run-name": run_name}
+    )
     print(f"pollen: results go to {run_dir}", flush=True)
     history: list[RoundRecord] = []
     try:
@@ -70,7 +82,9 @@ def _reason(err: BaseException) -> str:
     return f"{type(err).__name__}: {err}"
 
 
-def _train(grid: Grid, settings: Settings, run_dir: Path, history: list[RoundRecord]) -> None:
+def _train(
+    grid: Grid, settings: Settings, run_dir: Path, history: list[RoundRecord]
+) -> None:
     dataset, shards = federated_data(settings)
     counts = label_counts(dataset.y_train.numpy(), shards, dataset.num_classes)
     print(
@@ -82,10 +96,14 @@ def _train(grid: Grid, settings: Settings, run_dir: Path, history: list[RoundRec
     if settings.print_labels:
         print(format_label_counts(counts), flush=True)
     plot_label_heatmap(
-        counts, run_dir / "labels.png", f"{dataset.name}: {settings.partition} partition"
+        counts,
+        run_dir / "labels.png",
+        f"{dataset.name}: {settings.partition} partition",
     )
     device = pick_device(settings.device)
-    model = build_model(settings.model, dataset.input_shape, dataset.num_classes, settings.seed)
+    model = build_model(
+        settings.model, dataset.input_shape, dataset.num_classes, settings.seed
+    )
     roster = discover_roster(grid, settings.num_clients)
     log(INFO, "pollen: %d clients on %d nodes", settings.num_clients, roster.num_nodes)
     strategy = build_strategy(settings, roster)
@@ -104,7 +122,9 @@ def _train(grid: Grid, settings: Settings, run_dir: Path, history: list[RoundRec
     final = result.arrays.to_torch_state_dict()
     buffer_path = run_dir / "model.pt"
     torch.save(final, buffer_path)
-    plot_curves(history, run_dir / "curves.png", f"{settings.strategy} on {dataset.name}")
+    plot_curves(
+        history, run_dir / "curves.png", f"{settings.strategy} on {dataset.name}"
+    )
 
 
 def discover_roster(grid: Grid, num_clients: int) -> Roster:
@@ -112,7 +132,9 @@ def discover_roster(grid: Grid, num_clients: int) -> Roster:
     deadline = time.monotonic() + NODE_WAIT_SECONDS
     while not (node_ids := sorted(grid.get_node_ids())):
         if time.monotonic() > deadline:
-            raise RosterError(f"no SuperNode connected within {NODE_WAIT_SECONDS:.0f} s")
+            raise RosterError(
+                f"no SuperNode connected within {NODE_WAIT_SECONDS:.0f} s"
+            )
         time.sleep(1.0)
     queries = [
         Message(RecordDict(), message_type=MessageType.QUERY, dst_node_id=n)
@@ -156,7 +178,9 @@ class RoundEvaluator:
         self.train_config = train_config
         self.history = history
         self.run_dir = run_dir
-        self._lr_holder = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=settings.lr)
+        self._lr_holder = torch.optim.SGD(
+            [torch.zeros(1, requires_grad=True)], lr=settings.lr
+        )
         self.scheduler = torch.optim.lr_scheduler.ReduceLROnPlateau(
             self._lr_holder,
             mode="min",

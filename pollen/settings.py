@@ -66,7 +66,9 @@ class Settings:
     """A validated run configuration. Attribute `data_set` is key `data-set`."""
 
     # Reproducibility and compute
-    seed: int = key(845, "seed for partitions, client sampling and training", at_least(0))
+    seed: int = key(
+        845, "seed for partitions, client sampling and training", at_least(0)
+    )
     device: str = key("auto", "auto picks CUDA, then MPS, then CPU", one_of(*DEVICES))
     # Data
     data_set: str = key("digits", "data set to train on", one_of(*DATA_SETS))
@@ -76,7 +78,9 @@ class Settings:
     download: bool = key(True, "download with torchvision when no local copy exists")
     augment: bool = key(True, "random crop + flip for 32x32 colour data")
     normalize: bool = key(True, "standardise inputs with the data set's mean/std")
-    test_batch_size: int = key(128, "batch size of the server's evaluation", at_least(1))
+    test_batch_size: int = key(
+        128, "batch size of the server's evaluation", at_least(1)
+    )
     # Federation
     num_clients: int = key(10, "number of clients (data partitions)", at_least(1))
     client_frac: float = key(
@@ -85,7 +89,9 @@ class Settings:
     local_epochs: int = key(1, "local epochs per round", at_least(1))
     batch_size: int = key(100, "local batch size", at_least(1))
     lr: float = key(1e-2, "initial client learning rate", above(0))
-    momentum: float = key(0.9, "client SGD momentum", Rule(lambda v: 0 <= v < 1, "in [0, 1)"))
+    momentum: float = key(
+        0.9, "client SGD momentum", Rule(lambda v: 0 <= v < 1, "in [0, 1)")
+    )
     weight_decay: float = key(5e-4, "client SGD weight decay", at_least(0))
     rounds: int = key(10, "communication rounds", at_least(1))
     model: str = key("mlp", "model architecture", one_of(*MODELS))
@@ -93,13 +99,17 @@ class Settings:
     # Partitioning
     partition: str = key("iid", "how training data is split", one_of(*PARTITIONS))
     alpha: float = key(0.5, "Dirichlet concentration for partition=niid", above(0))
-    min_size: int = key(10, "minimum samples per client for partition=niid", at_least(0))
+    min_size: int = key(
+        10, "minimum samples per client for partition=niid", at_least(0)
+    )
     classes_per_client: int = key(
         2, "classes per client for partition=pathological", at_least(1)
     )
     print_labels: bool = key(False, "print each client's label counts")
     # ReduceLROnPlateau on the server's test loss
-    lr_factor: float = key(0.5, "lr multiplier on a plateau", Rule(lambda v: 0 < v < 1, "in (0, 1)"))
+    lr_factor: float = key(
+        0.5, "lr multiplier on a plateau", Rule(lambda v: 0 < v < 1, "in (0, 1)")
+    )
     lr_patience: int = key(5, "rounds without improvement before a cut", at_least(0))
     min_lr: float = key(1e-6, "lower bound of the lr", at_least(0))
     lr_threshold: float = key(1e-4, "relative improvement that counts", at_least(0))
@@ -164,9 +174,9 @@ def _coerce(name: str, raw: Scalar, kind: type) -> Scalar:
         if isinstance(raw, float) and raw.is_integer():
             return int(raw)
     elif kind is float:
-        if isinstance(raw, int | float) and not isinstance(raw, bool):
-            if math.isfinite(raw):
-                return float(raw)
+        number = isinstance(raw, int | float) and not isinstance(raw, bool)
+        if number and math.isfinite(raw):
+            return float(raw)
     elif isinstance(raw, str):
         return raw
     raise SettingsError(

@@ -13,7 +13,9 @@ from PIL import Image
 from pollen.task.data import CACHE_DIR, DataError, load_dataset
 
 
-def fake_mnist(n_train: int = 50, n_test: int = 20, seed: int = 0) -> dict[str, np.ndarray]:
+def fake_mnist(
+    n_train: int = 50, n_test: int = 20, seed: int = 0
+) -> dict[str, np.ndarray]:
     rng = np.random.default_rng(seed)
     return {
         "x_train": rng.integers(0, 256, (n_train, 28, 28), dtype=np.uint8),
@@ -63,10 +65,22 @@ def test_keras_name_with_underscore(tmp_path: Path) -> None:
 @pytest.mark.parametrize(
     ("change", "message"),
     [
-        (lambda a: a.update(x_train=a["x_train"][:, :20]), r"x_train has shape \[50, 20, 28\]"),
-        (lambda a: a.update(x_test=a["x_test"].astype(np.float32)), "dtype float32; expected uint8"),
-        (lambda a: a.update(y_train=a["y_train"] + 5), "labels 5..14; mnist has classes 0..9"),
-        (lambda a: a.update(y_test=a["y_test"][:3]), r"y_test has shape \[3\]; expected \[20\]"),
+        (
+            lambda a: a.update(x_train=a["x_train"][:, :20]),
+            r"x_train has shape \[50, 20, 28\]",
+        ),
+        (
+            lambda a: a.update(x_test=a["x_test"].astype(np.float32)),
+            "dtype float32; expected uint8",
+        ),
+        (
+            lambda a: a.update(y_train=a["y_train"] + 5),
+            "labels 5..14; mnist has classes 0..9",
+        ),
+        (
+            lambda a: a.update(y_test=a["y_test"][:3]),
+            r"y_test has shape \[3\]; expected \[20\]",
+        ),
         (lambda a: a.pop("y_test"), "lacks y_test"),
     ],
 )
@@ -81,12 +95,12 @@ def test_malformed_npz_is_refused(tmp_path: Path, change, message: str) -> None:
 def test_truncated_npz_is_refused(tmp_path: Path) -> None:
     path = write_npz(tmp_path, "mnist", fake_mnist())
     path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
-    with pytest.raises(DataError, match="truncated or not a .npz"):
+    with pytest.raises(DataError, match=r"truncated or not a \.npz"):
         load_dataset("mnist", tmp_path, download=False)
 
 
 def test_missing_data_with_download_off(tmp_path: Path) -> None:
-    with pytest.raises(DataError, match="no data for 'cifar10'.*set download=true"):
+    with pytest.raises(DataError, match=r"no data for 'cifar10'.*set download=true"):
         load_dataset("cifar10", tmp_path, download=False)
 
 

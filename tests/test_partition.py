@@ -49,7 +49,9 @@ def test_pathological_gives_k_classes_per_client() -> None:
 
 
 def test_pathological_k_above_class_count() -> None:
-    with pytest.raises(PartitionError, match="'classes-per-client': 11; .* 10 classes"):
+    with pytest.raises(
+        PartitionError, match=r"'classes-per-client': 11; .* 10 classes"
+    ):
         shards("pathological", classes_per_client=11)
 
 

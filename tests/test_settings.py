@@ -27,7 +27,11 @@ def test_pyproject_declares_every_key_with_the_same_type() -> None:
     for key, value in config.items():
         assert type(value) is type(declared[key]), key
     quick = Settings.from_run_config(config)
-    assert (quick.data_set, quick.num_clients, quick.strategy) == ("digits", 10, "fedavg")
+    assert (quick.data_set, quick.num_clients, quick.strategy) == (
+        "digits",
+        10,
+        "fedavg",
+    )
 
 
 @pytest.mark.parametrize(

@@ -9,7 +9,12 @@ from flwr.app import Array, ArrayRecord, ConfigRecord, Message, MetricRecord, Re
 
 from pollen.strategies.aggregate import weighted_average
 from pollen.strategies.fedavg import CLIENT_KEY, FedAvg
-from pollen.strategies.sampling import OneMessagePerNode, Roster, RosterError, sample_clients
+from pollen.strategies.sampling import (
+    OneMessagePerNode,
+    Roster,
+    RosterError,
+    sample_clients,
+)
 from pollen.task.models import build_model
 
 
@@ -77,7 +82,10 @@ def test_fedavg_averages_batchnorm_model_keeping_dtypes() -> None:
 
 
 def test_aggregation_does_not_depend_on_reply_order() -> None:
-    recs = [record(w=np.random.default_rng(i).random(1000).astype(np.float32)) for i in range(5)]
+    recs = [
+        record(w=np.random.default_rng(i).random(1000).astype(np.float32))
+        for i in range(5)
+    ]
     roster = Roster.from_nodes({i: (i, 5) for i in range(5)}, 5)
     strategy = FedAvg(roster=roster, num_clients=5, client_frac=1.0, seed=0)
     forward = [reply(i, i, recs[i], 7 + i) for i in range(5)]
@@ -101,10 +109,14 @@ def test_configure_train_routes_each_client_to_its_node() -> None:
     assert roster.owner == {0: 101, 1: 202, 2: 101, 3: 202, 4: 101, 5: 202}
     strategy = FedAvg(roster=roster, num_clients=6, client_frac=0.5, seed=3)
     arrays = record(w=np.ones(3, np.float32))
-    messages = list(strategy.configure_train(4, arrays, ConfigRecord({"lr": 0.1}), None))
+    messages = list(
+        strategy.configure_train(4, arrays, ConfigRecord({"lr": 0.1}), None)
+    )
     clients = [int(m.content["config"][CLIENT_KEY]) for m in messages]
     assert clients == sample_clients(6, 0.5, 3, 4)
-    assert [m.metadata.dst_node_id for m in messages] == [roster.owner[c] for c in clients]
+    assert [m.metadata.dst_node_id for m in messages] == [
+        roster.owner[c] for c in clients
+    ]
     assert all(m.content["config"]["lr"] == 0.1 for m in messages)
     assert strategy.traffic[4].bytes_down == 3 * arrays.count_bytes()
 
@@ -127,7 +139,9 @@ class FakeGrid:
 
 def test_one_message_per_node_sends_in_waves() -> None:
     grid = FakeGrid()
-    messages = [Message(RecordDict(), dst_node_id=n, message_type="train") for n in (1, 2, 1, 1)]
+    messages = [
+        Message(RecordDict(), dst_node_id=n, message_type="train") for n in (1, 2, 1, 1)
+    ]
     replies = OneMessagePerNode(grid).send_and_receive(messages, timeout=5)
     assert grid.waves == [[1, 2], [1], [1]]
     assert len(replies) == 4

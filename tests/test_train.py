@@ -41,7 +41,9 @@ def test_local_sgd_learns_digits_and_is_deterministic() -> None:
             model, ds.x_train, ds.y_train, epochs=3, batch_size=32, lr=0.05,
             momentum=0.9, weight_decay=0.0, preprocess=prep, seed=7,
         )  # fmt: skip
-        return evaluate(model, ds.x_test, ds.y_test, batch_size=100, preprocess=prep)[1], model.state_dict()
+        return evaluate(model, ds.x_test, ds.y_test, batch_size=100, preprocess=prep)[
+            1
+        ], model.state_dict()
 
     accuracy, state = run()
     assert accuracy > 0.9
@@ -55,7 +57,9 @@ def test_evaluate_counts_correct_predictions() -> None:
     model[1].weight.data = torch.tensor([[-1.0], [1.0]])
     x = torch.tensor([0, 255, 255, 0], dtype=torch.uint8).view(4, 1, 1, 1)
     y = torch.tensor([0, 1, 0, 1])
-    loss, accuracy = evaluate(model, x, y, batch_size=3, preprocess=Preprocess((0.5,), (0.5,)))
+    loss, accuracy = evaluate(
+        model, x, y, batch_size=3, preprocess=Preprocess((0.5,), (0.5,))
+    )
     assert accuracy == 0.5
     expected = torch.nn.functional.cross_entropy(
         torch.tensor([[1.0, -1.0], [-1.0, 1.0], [-1.0, 1.0], [1.0, -1.0]]), y

@@ -8,7 +8,9 @@ import numpy as np
 from flwr.app import Array, ArrayRecord
 
 
-def weighted_average(records: Sequence[ArrayRecord], weights: Sequence[float]) -> ArrayRecord:
+def weighted_average(
+    records: Sequence[ArrayRecord], weights: Sequence[float]
+) -> ArrayRecord:
     """sum_k w_k x_k / sum_k w_k for every entry, accumulated in float64.
 
     Floating entries come back in their own dtype (float32 on the wire);

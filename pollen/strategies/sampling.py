@@ -50,7 +50,11 @@ class Roster:
         if reported == {num_clients} and len(by_partition) == num_clients:
             return cls(owner=by_partition)
         n = len(by_partition)
-        if reported == {n} and sorted(by_partition) == list(range(n)) and n < num_clients:
+        if (
+            reported == {n}
+            and sorted(by_partition) == list(range(n))
+            and n < num_clients
+        ):
             return cls(owner={c: by_partition[c % n] for c in range(num_clients)})
         raise RosterError(
             f"{len(nodes)} nodes report partitions {sorted(by_partition)} of "
@@ -64,7 +68,9 @@ class Roster:
         return len(set(self.owner.values()))
 
 
-def sample_clients(num_clients: int, fraction: float, seed: int, server_round: int) -> list[int]:
+def sample_clients(
+    num_clients: int, fraction: float, seed: int, server_round: int
+) -> list[int]:
     """max(1, floor(fraction * K)) distinct clients, seeded by (seed, round)."""
     count = max(1, int(fraction * num_clients + 1e-9))
     rng = np.random.default_rng([seed, server_round])

@@ -280,7 +280,9 @@ def _read_image_folder_archive(spec: DataSpec, path: Path) -> dict[str, np.ndarr
                 image = _decode_image(data, spec, f"{path}:{m.name}")
                 items[parts[0]].append((parts[1], parts[2], image))
     except (tarfile.TarError, EOFError, OSError) as err:
-        raise DataError(f"cannot read {path}: truncated or not a tar archive ({err})")
+        raise DataError(
+            f"cannot read {path}: truncated or not a tar archive ({err})"
+        ) from err
     splits = {s: _stack_split(spec, v, f"{path}:{base}{s}/") for s, v in items.items()}
     return _folder_arrays(splits, str(path))
 

@@ -74,7 +74,9 @@ def mobilenet(input_shape: Shape, num_classes: int) -> nn.Module:
 MODELS = {"mlp": mlp, "mlp-bn": mlp_bn, "cnn": cnn, "mobilenet": mobilenet}
 
 
-def build_model(name: str, input_shape: Shape, num_classes: int, seed: int) -> nn.Module:
+def build_model(
+    name: str, input_shape: Shape, num_classes: int, seed: int
+) -> nn.Module:
     """A freshly initialised model; the same seed gives the same weights."""
     if name not in MODELS:
         raise ValueError(f"unknown model {name!r}; allowed: {', '.join(MODELS)}")

@@ -127,7 +127,9 @@ def _flwr_partition(
     partitioner.dataset = table
     try:
         return [
-            np.asarray(partitioner.load_partition(i).with_format("numpy")[:]["index"], np.int64)
+            np.asarray(
+                partitioner.load_partition(i).with_format("numpy")[:]["index"], np.int64
+            )
             for i in range(num_clients)
         ]
     except ValueError as err:

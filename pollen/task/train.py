@@ -39,7 +39,9 @@ class Preprocess:
     augment: bool = False
     pad: int = 4
 
-    def __call__(self, x: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
+    def __call__(
+        self, x: torch.Tensor, generator: torch.Generator | None
+    ) -> torch.Tensor:
         out = x.float().div_(255.0)
         if self.augment and generator is not None:
             out = random_crop_flip(out, self.pad, generator)
@@ -50,7 +52,9 @@ class Preprocess:
         return out
 
 
-def random_crop_flip(x: torch.Tensor, pad: int, generator: torch.Generator) -> torch.Tensor:
+def random_crop_flip(
+    x: torch.Tensor, pad: int, generator: torch.Generator
+) -> torch.Tensor:
     """Per-sample random crop from a zero-padded image and horizontal flip, batched."""
     b, c, h, w = x.shape
     padded = F.pad(x, (pad, pad, pad, pad))

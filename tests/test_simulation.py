@@ -1,0 +1,177 @@
+"""End to end through the real Flower simulation (`pollen run`, `flwr run`).
+
+Each run starts a SuperLink, the Ray simulation engine and ClientApp actors,
+so these tests take about a minute each on 2 cores.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from pollen.cli import free_port
+from tests.conftest import PROJECT
+
+pytestmark = pytest.mark.integration
+BIN = Path(sys.executable).parent
+ROUND_LINES = re.compile(
+    r"=== Evaluate global model (\d+) Round ===\n\[(\d{2})\] acc=\d+\.\d{2}%, loss=\d+\.\d{6}\n"
+)
+
+
+def superlinks() -> set[int]:
+    """PIDs of running flower-superlink processes."""
+    pids = set()
+    for proc in Path("/proc").iterdir():
+        try:
+            if (
+                proc.name.isdigit()
+                and b"flower-superlink" in (proc / "cmdline").read_bytes()
+            ):
+                pids.add(int(proc.name))
+        except OSError:
+            continue
+    return pids
+
+
+def pollen_run(*config: str, timeout: float = 600) -> subprocess.CompletedProcess[str]:
+    args = [str(BIN / "pollen"), "run", str(PROJECT)]
+    for value in config:
+        args += ["-c", value]
+    return subprocess.run(
+        args, capture_output=True, text=True, timeout=timeout, check=False
+    )
+
+
+def history(run_dir: Path) -> list[dict]:
+    return json.loads((run_dir / "history.json").read_text())
+
+
+@pytest.fixture(scope="module")
+def default_runs(
+    tmp_path_factory,
+) -> tuple[Path, list[subprocess.CompletedProcess[str]]]:
+    """The embedded default run, twice with the same seed."""
+    out = tmp_path_factory.mktemp("default")
+    before = superlinks()
+    runs = [pollen_run(f"output-dir='{out}' run-name='{name}'") for name in ("a", "b")]
+    assert superlinks() <= before, "pollen run left a SuperLink running"
+    return out, runs
+
+
+def test_default_run_trains_digits_and_writes_results(default_runs) -> None:
+    out, (run, _) = default_runs
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    rounds = ROUND_LINES.findall(run.stdout)
+    assert [int(r) for r, _ in rounds] == list(range(1, 11))
+    run_dir = out / "a"
+    assert f"results in {run_dir}" in run.stdout
+    for name in ("settings.json", "history.json", "history.csv", "summary.json",
+                 "curves.png", "labels.png", "model.pt"):  # fmt: skip
+        assert (run_dir / name).stat().st_size > 0, name
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["status"] == "completed" and summary["rounds"] == 10
+    assert summary["final-accuracy"] > 0.9  # chance is 0.1
+    rows = history(run_dir)
+    assert all(len(r["clients"]) == 5 and r["bytes-up"] > 0 for r in rows)
+    assert all(r["bytes-down"] == r["bytes-up"] for r in rows)  # full model both ways
+    csv_header = (run_dir / "history.csv").read_text().splitlines()[0]
+    assert csv_header == "round,accuracy,loss,lr,seconds,bytes-up,bytes-down,clients"
+    settings = json.loads((run_dir / "settings.json").read_text())
+    assert settings["data-set"] == "digits" and settings["num-clients"] == 10
+
+
+def test_same_seed_gives_the_same_history(default_runs) -> None:
+    out, runs = default_runs
+    assert all(r.returncode == 0 for r in runs)
+    a, b = history(out / "a"), history(out / "b")
+    keys = ("accuracy", "loss", "lr", "clients", "bytes-up", "bytes-down")
+    assert [[r[k] for k in keys] for r in a] == [[r[k] for k in keys] for r in b]
+
+
+def test_real_mnist_subset_learns(shared_data: Path, tmp_path: Path) -> None:
+    with np.load(shared_data / "mnist.npz") as full:
+        subset = {
+            "x_train": full["x_train"][:6000], "y_train": full["y_train"][:6000],
+            "x_test": full["x_test"][:2000], "y_test": full["y_test"][:2000],
+        }  # fmt: skip
+    (tmp_path / "data").mkdir()
+    np.savez(tmp_path / "data" / "mnist.npz", **subset)
+    run = pollen_run(
+        f"data-set='mnist' data-root='{tmp_path / 'data'}' model='cnn' rounds=3 "
+        "num-clients=4 client-frac=1.0 batch-size=32 lr=0.05 download=false "
+        f"output-dir='{tmp_path}' run-name='mnist'"
+    )
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    rows = history(tmp_path / "mnist")
+    assert len(rows) == 3 and rows[-1]["accuracy"] > 0.85  # chance is 0.1
+    assert rows[-1]["loss"] < rows[0]["loss"]
+
+
+def test_failed_run_exits_non_zero_with_the_reason(tmp_path: Path) -> None:
+    before = superlinks()
+    run = pollen_run(
+        f"data-set='mnist' data-root='{tmp_path}' download=false "
+        f"output-dir='{tmp_path}' run-name='fails'"
+    )
+    assert run.returncode == 1
+    assert "no data for 'mnist'" in run.stderr
+    summary = json.loads((tmp_path / "fails" / "summary.json").read_text())
+    assert summary["status"] == "failed" and "no data for 'mnist'" in summary["error"]
+    assert superlinks() <= before
+
+
+def test_bad_setting_stops_before_anything_starts(tmp_path: Path) -> None:
+    started = time.monotonic()
+    run = pollen_run(f"client-frac=1.5 output-dir='{tmp_path}'")
+    assert run.returncode == 2
+    assert run.stderr.strip() == (
+        "pollen: error: invalid value for 'client-frac': 1.5; allowed: in (0, 1]"
+    )
+    assert list(tmp_path.iterdir()) == [] and time.monotonic() - started < 30
+
+
+def test_existing_run_directory_is_never_reused(tmp_path: Path) -> None:
+    (tmp_path / "taken").mkdir()
+    (tmp_path / "taken" / "summary.json").write_text("{}")
+    run = pollen_run(f"output-dir='{tmp_path}' run-name='taken'")
+    assert run.returncode == 2 and "already exists" in run.stderr
+    assert (tmp_path / "taken" / "summary.json").read_text() == "{}"
+
+
+def test_plain_flwr_run_on_flowers_default_federation(tmp_path: Path) -> None:
+    """`flwr run .` with Flower's own 2-node default still trains 10 clients."""
+    home = tmp_path / "flwr-home"
+    env = {
+        **os.environ,
+        "PATH": f"{BIN}{os.pathsep}{os.environ['PATH']}",
+        "FLWR_HOME": str(home),
+        "FLWR_LOCAL_SUPERLINK_HTTP_API_PORT": str(free_port()),
+        "FLWR_LOCAL_CONTROL_API_PORT": str(free_port()),
+        "FLWR_DISABLE_UPDATE_CHECK": "1",
+        "FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION": "1",
+    }
+    before = superlinks()
+    try:
+        run = subprocess.run(
+            [str(BIN / "flwr"), "run", str(PROJECT), "--stream", "--run-config",
+             f"output-dir='{tmp_path}' run-name='plain' rounds=3"],
+            env=env, cwd=tmp_path, capture_output=True, text=True, timeout=600,
+        )  # fmt: skip
+    finally:
+        for pid in superlinks() - before:  # the detached local SuperLink flwr started
+            if str(home).encode() in Path(f"/proc/{pid}/cmdline").read_bytes():
+                os.kill(pid, signal.SIGTERM)
+    assert run.returncode == 0, run.stdout[-3000:]
+    assert "10 clients on 2 nodes" in run.stdout + run.stderr
+    summary = json.loads((tmp_path / "plain" / "summary.json").read_text())
+    assert summary["status"] == "completed" and summary["rounds"] == 3
