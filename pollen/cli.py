@@ -12,6 +12,7 @@ non-zero when the run failed (`flwr run` itself exits 0).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import shutil
@@ -26,7 +27,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from .results import default_run_name
+from .results import ResultsError, check_run_dir_is_new, default_run_name
 from .settings import Settings, SettingsError
 
 SUPERLINK_START_SECONDS = 60.0
@@ -73,23 +74,16 @@ def prepare_run(app: Path, overrides: Sequence[str]) -> tuple[Settings, str]:
     `run-name` gets a generated one, so this command knows where results land.
     Returns the settings and the complete run config as one "key=value" string.
     """
-    config = resolve_run_config(app, overrides)
-    settings = Settings.from_run_config(config)
-    config.update(
-        {
-            "data-root": str(Path(settings.data_root).expanduser().resolve()),
-            "output-dir": str(Path(settings.output_dir).expanduser().resolve()),
-            "run-name": settings.run_name
-            or default_run_name(settings.strategy, settings.data_set),
-        }
+    settings = Settings.from_run_config(resolve_run_config(app, overrides))
+    settings = dataclasses.replace(
+        settings,
+        data_root=str(Path(settings.data_root).expanduser().resolve()),
+        output_dir=str(Path(settings.output_dir).expanduser().resolve()),
+        run_name=settings.run_name
+        or default_run_name(settings.strategy, settings.data_set),
     )
-    settings = Settings.from_run_config(config)
-    run_dir = Path(settings.output_dir) / settings.run_name
-    if run_dir.exists():
-        raise SettingsError(
-            f"invalid value for 'run-name': {settings.run_name!r}; {run_dir} already "
-            "exists (results are never overwritten)"
-        )
+    check_run_dir_is_new(settings.output_dir, settings.run_name)
+    config = settings.to_run_config()
     return settings, " ".join(f"{k}={json.dumps(v)}" for k, v in config.items())
 
 
@@ -184,7 +178,7 @@ def run(args: argparse.Namespace) -> int:
     app = Path(args.app).expanduser().resolve()
     try:
         settings, run_config = prepare_run(app, args.run_config)
-    except (SettingsError, CliError) as err:
+    except (SettingsError, CliError, ResultsError) as err:
         print(f"pollen: error: {err}", file=sys.stderr)
         return EXIT_BAD_INPUT
     run_dir = Path(settings.output_dir) / settings.run_name

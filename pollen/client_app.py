@@ -9,7 +9,6 @@ from __future__ import annotations
 from functools import cache
 
 import numpy as np
-import torch
 from flwr.app import (
     ArrayRecord,
     ConfigRecord,
@@ -22,7 +21,7 @@ from flwr.clientapp import ClientApp
 
 from .settings import Settings
 from .strategies.fedavg import CLIENT_KEY
-from .task import federated_data
+from .task import client_shard, federated_data
 from .task.models import build_model
 from .task.train import Preprocess, pick_device, train_sgd
 
@@ -32,16 +31,6 @@ app = ClientApp()
 @cache
 def _settings(items: frozenset) -> Settings:
     return Settings.from_run_config(dict(items))
-
-
-@cache
-def _shard(
-    settings: Settings, client: int, device: str
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """This client's images and labels, on the training device, loaded once."""
-    dataset, shards = federated_data(settings)
-    index = torch.from_numpy(shards[client])
-    return dataset.x_train[index].to(device), dataset.y_train[index].to(device)
 
 
 @app.query()
@@ -66,7 +55,7 @@ def train(msg: Message, context: Context) -> Message:
     if not 0 <= client < settings.num_clients:
         raise ValueError(f"client {client} outside 0..{settings.num_clients - 1}")
     device = pick_device(settings.device)
-    x, y = _shard(settings, client, str(device))
+    x, y = client_shard(settings, client, device)
     dataset, _ = federated_data(settings)
     model = build_model(settings.model, dataset.input_shape, dataset.num_classes, 0)
     model.load_state_dict(msg.content["arrays"].to_torch_state_dict())
@@ -85,6 +74,7 @@ def train(msg: Message, context: Context) -> Message:
             dataset.std,
             normalize=settings.normalize,
             augment=settings.augment and dataset.input_shape[0] == 3,
+            device=device,
         ),
         seed=_client_seed(settings.seed, server_round, client),
     )

@@ -51,17 +51,23 @@ def default_run_name(strategy: str, data_set: str) -> str:
     return f"{strategy}-{data_set}-{datetime.now():%Y%m%d-%H%M%S}"
 
 
-def create_run_dir(output_dir: str, run_name: str) -> Path:
-    """Make `<output-dir>/<run-name>`; refuse one that already exists."""
+def check_run_dir_is_new(output_dir: str, run_name: str) -> Path:
+    """`<output-dir>/<run-name>`, refused if it exists: results are never overwritten."""
     path = Path(output_dir).expanduser().resolve() / run_name
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.mkdir()
-    except FileExistsError as err:
+    if path.exists():
         raise ResultsError(
             f"invalid value for 'run-name': {run_name!r}; {path} already exists "
             "(results are never overwritten: choose another run-name)"
-        ) from err
+        )
+    return path
+
+
+def create_run_dir(output_dir: str, run_name: str) -> Path:
+    """Make `<output-dir>/<run-name>`; refuse one that already exists."""
+    path = check_run_dir_is_new(output_dir, run_name)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.mkdir()  # raises if another process took the name in between
     except OSError as err:
         raise ResultsError(f"cannot create run directory {path}: {err}") from err
     return path

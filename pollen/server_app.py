@@ -7,6 +7,7 @@ and the history is rewritten, so a run that dies keeps every finished round.
 
 from __future__ import annotations
 
+import io
 import time
 from logging import INFO
 from pathlib import Path
@@ -32,6 +33,7 @@ from .results import (
     plot_label_heatmap,
     round_lines,
     summarize,
+    write_atomic,
     write_history,
     write_json,
 )
@@ -119,9 +121,9 @@ def _train(
         train_config=train_config,
         evaluate_fn=evaluator,
     )
-    final = result.arrays.to_torch_state_dict()
-    buffer_path = run_dir / "model.pt"
-    torch.save(final, buffer_path)
+    buffer = io.BytesIO()
+    torch.save(result.arrays.to_torch_state_dict(), buffer)
+    write_atomic(run_dir / "model.pt", buffer.getvalue())
     plot_curves(
         history, run_dir / "curves.png", f"{settings.strategy} on {dataset.name}"
     )
@@ -173,7 +175,9 @@ class RoundEvaluator:
         self.device = device
         self.x_test = dataset.x_test.to(device)
         self.y_test = dataset.y_test.to(device)
-        self.preprocess = Preprocess(dataset.mean, dataset.std, settings.normalize)
+        self.preprocess = Preprocess(
+            dataset.mean, dataset.std, settings.normalize, device=device
+        )
         self.traffic = traffic
         self.train_config = train_config
         self.history = history

@@ -2,55 +2,74 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from functools import cache
 
 import numpy as np
+import torch
 
 from ..settings import Settings
 from .data import Dataset, load_dataset
 from .partition import partition_indices
 
 
+@dataclass(frozen=True)
+class DataKey:
+    """The settings that decide the data and the shards (and nothing else)."""
+
+    data_set: str
+    data_root: str
+    download: bool
+    num_clients: int
+    partition: str
+    alpha: float
+    min_size: int
+    classes_per_client: int
+    seed: int
+
+    @classmethod
+    def of(cls, settings: Settings) -> DataKey:
+        return cls(
+            **{name: getattr(settings, name) for name in cls.__dataclass_fields__}
+        )
+
+
 def federated_data(settings: Settings) -> tuple[Dataset, list[np.ndarray]]:
     """The data set and every client's shard (index set into its training split).
 
-    Computed once per process and settings; clients and server derive the same
+    Computed once per process and data key; clients and server derive the same
     shards from the same seed, so no indices ever travel.
     """
-    return _federated_data(
-        settings.data_set,
-        settings.data_root,
-        settings.download,
-        settings.num_clients,
-        settings.partition,
-        settings.alpha,
-        settings.min_size,
-        settings.classes_per_client,
-        settings.seed,
-    )
+    return _federated_data(DataKey.of(settings))
+
+
+def client_shard(
+    settings: Settings, client: int, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One client's images and labels on the training device, gathered once."""
+    return _client_shard(DataKey.of(settings), client, str(device))
 
 
 @cache
-def _federated_data(
-    data_set: str,
-    data_root: str,
-    download: bool,
-    num_clients: int,
-    partition: str,
-    alpha: float,
-    min_size: int,
-    classes_per_client: int,
-    seed: int,
-) -> tuple[Dataset, list[np.ndarray]]:
-    dataset = load_dataset(data_set, data_root, download)
+def _federated_data(key: DataKey) -> tuple[Dataset, list[np.ndarray]]:
+    dataset = load_dataset(key.data_set, key.data_root, key.download)
     shards = partition_indices(
         dataset.y_train.numpy(),
         dataset.num_classes,
-        num_clients,
-        partition,
-        alpha=alpha,
-        min_size=min_size,
-        classes_per_client=classes_per_client,
-        seed=seed,
+        key.num_clients,
+        key.partition,
+        alpha=key.alpha,
+        min_size=key.min_size,
+        classes_per_client=key.classes_per_client,
+        seed=key.seed,
     )
     return dataset, shards
+
+
+@cache
+def _client_shard(
+    key: DataKey, client: int, device: str
+) -> tuple[torch.Tensor, torch.Tensor]:
+    dataset, shards = _federated_data(key)
+    index = torch.from_numpy(shards[client])
+    return dataset.x_train[index].to(device), dataset.y_train[index].to(device)

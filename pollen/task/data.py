@@ -23,6 +23,7 @@ import json
 import shutil
 import tarfile
 import zipfile
+from collections.abc import Iterable
 from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
@@ -91,33 +92,46 @@ def load_dataset(name: str, data_root: str | Path, download: bool) -> Dataset:
     spec = SPECS.get(name)
     if spec is None:
         raise DataError(f"unknown data set {name!r}; allowed: {', '.join(SPECS)}")
+    if name == "digits":
+        return _digits_dataset()
     root = Path(data_root).expanduser().resolve()
-    source = _find_local_source(spec, root) if name != "digits" else None
-    version = tuple(_fingerprint(source).values()) if source else None
-    return _load_cached(name, str(root), download, version)
+    source = _find_local_source(spec, root)
+    fingerprint = tuple(_fingerprint(source).items()) if source else None
+    return _load_cached(spec, root, download, source, fingerprint)
+
+
+@cache
+def _digits_dataset() -> Dataset:
+    return _to_dataset(SPECS["digits"], _digits(), "scikit-learn digits")
 
 
 @cache
 def _load_cached(
-    name: str, root_str: str, download: bool, source_version: tuple | None
+    spec: DataSpec,
+    root: Path,
+    download: bool,
+    source: Path | None,
+    fingerprint: tuple[tuple[str, object], ...] | None,
 ) -> Dataset:
-    spec = SPECS[name]
-    if name == "digits":
-        arrays, source = _digits(), "scikit-learn digits"
-    else:
-        arrays, source = _arrays_from_sources(spec, Path(root_str), download)
-    return _to_dataset(spec, arrays, source)
+    """Decode (or read from the disk cache) once per process and source version."""
+    arrays, where = _arrays_from_sources(
+        spec, root, download, source, dict(fingerprint) if fingerprint else None
+    )
+    return _to_dataset(spec, arrays, where)
 
 
 def _arrays_from_sources(
-    spec: DataSpec, root: Path, download: bool
+    spec: DataSpec,
+    root: Path,
+    download: bool,
+    source: Path | None,
+    fingerprint: dict[str, object] | None,
 ) -> tuple[dict[str, np.ndarray], str]:
     cache_dir = root / CACHE_DIR / spec.name
-    source = _find_local_source(spec, root)
-    fingerprint = _fingerprint(source) if source else None
     cached = _read_cache(cache_dir, fingerprint)
     if cached is not None:
-        return cached, f"{cache_dir} (decoded from {cached_source(cache_dir)})"
+        arrays, decoded_from = cached
+        return arrays, f"{cache_dir} (decoded from {decoded_from})"
     if source is not None:
         arrays = _decode(spec, source)
     elif download:
@@ -159,14 +173,10 @@ def _fingerprint(path: Path) -> dict[str, object]:
     return {"path": str(path), "size": stat.st_size, "mtime": stat.st_mtime}
 
 
-def cached_source(cache_dir: Path) -> str:
-    meta = json.loads((cache_dir / "source.json").read_text())
-    return str(meta["source"])
-
-
 def _read_cache(
     cache_dir: Path, fingerprint: dict[str, object] | None
-) -> dict[str, np.ndarray] | None:
+) -> tuple[dict[str, np.ndarray], str] | None:
+    """The cached arrays and the source they were decoded from, if still valid."""
     meta_path = cache_dir / "source.json"
     if not meta_path.exists():
         return None
@@ -176,7 +186,8 @@ def _read_cache(
             return None
         if fingerprint is not None and meta.get("fingerprint") != fingerprint:
             return None
-        return {k: np.load(cache_dir / f"{k}.npy", mmap_mode="r") for k in SPLITS}
+        arrays = {k: np.load(cache_dir / f"{k}.npy", mmap_mode="r") for k in SPLITS}
+        return arrays, str(meta["source"])
     except (OSError, ValueError, KeyError):
         return None  # a damaged cache is rebuilt from the source
 
@@ -236,7 +247,7 @@ def _decode_image(data: bytes | Path, spec: DataSpec, where: str) -> np.ndarray:
 
 
 def _stack_split(
-    spec: DataSpec, items: list[tuple[str, str, np.ndarray]], where: str
+    items: list[tuple[str, str, np.ndarray]], where: str
 ) -> tuple[np.ndarray, np.ndarray, list[str]]:
     """(class name, file name, image) triples -> arrays ordered by class, file."""
     if not items:
@@ -253,7 +264,7 @@ def _stack_split(
 
 
 def _read_image_folder_dir(spec: DataSpec, root: Path) -> dict[str, np.ndarray]:
-    base = _split_parent([p.relative_to(root).as_posix() for p in root.rglob("*")])
+    base = _split_parent(p.relative_to(root).as_posix() for p in root.rglob("*"))
     splits = {}
     for split in ("train", "test"):
         folder = root / base / split
@@ -262,7 +273,7 @@ def _read_image_folder_dir(spec: DataSpec, root: Path) -> dict[str, np.ndarray]:
             for p in folder.glob("*/*")
             if p.is_file()
         ]
-        splits[split] = _stack_split(spec, items, str(folder))
+        splits[split] = _stack_split(items, str(folder))
     return _folder_arrays(splits, str(root))
 
 
@@ -283,11 +294,11 @@ def _read_image_folder_archive(spec: DataSpec, path: Path) -> dict[str, np.ndarr
         raise DataError(
             f"cannot read {path}: truncated or not a tar archive ({err})"
         ) from err
-    splits = {s: _stack_split(spec, v, f"{path}:{base}{s}/") for s, v in items.items()}
+    splits = {s: _stack_split(v, f"{path}:{base}{s}/") for s, v in items.items()}
     return _folder_arrays(splits, str(path))
 
 
-def _split_parent(names: list[str]) -> str:
+def _split_parent(names: Iterable[str]) -> str:
     """The folder (prefix ending in '/', or '') that holds `train/` and `test/`."""
     for name in names:
         parts = name.split("/")

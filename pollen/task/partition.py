@@ -21,8 +21,6 @@ from collections.abc import Sequence
 
 import numpy as np
 
-PARTITION_TRIES = 10
-
 
 class PartitionError(ValueError):
     """A partition the data cannot give; the message names the key to change."""
@@ -136,8 +134,8 @@ def _flwr_partition(
         if scheme == "niid":
             raise PartitionError(
                 f"invalid value for 'min-size': {min_size}; Dirichlet(alpha={alpha}) "
-                f"could not give all {num_clients} clients {min_size} samples after "
-                f"{PARTITION_TRIES} draws; lower min-size or raise alpha ({err})"
+                f"could not give all {num_clients} clients {min_size} samples in repeated "
+                f"draws; lower min-size or raise alpha ({err})"
             ) from err
         raise PartitionError(f"partition {scheme!r} failed: {err}") from err
 

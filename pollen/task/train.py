@@ -29,15 +29,27 @@ def pick_device(name: str) -> torch.device:
     return torch.device(name)
 
 
-@dataclass(frozen=True)
 class Preprocess:
-    """uint8 `[B, C, H, W]` -> float inputs: scale, normalise, augment."""
+    """uint8 `[B, C, H, W]` -> float inputs: scale, normalise, augment.
 
-    mean: tuple[float, ...]
-    std: tuple[float, ...]
-    normalize: bool = True
-    augment: bool = False
-    pad: int = 4
+    The mean/std tensors are built once, on the device the batches live on,
+    not per batch (a per-batch host-to-device copy would stall a GPU).
+    """
+
+    def __init__(
+        self,
+        mean: tuple[float, ...],
+        std: tuple[float, ...],
+        normalize: bool = True,
+        augment: bool = False,
+        pad: int = 4,
+        device: torch.device | str = "cpu",
+    ) -> None:
+        self.mean = torch.tensor(mean, device=device).view(1, -1, 1, 1)
+        self.std = torch.tensor(std, device=device).view(1, -1, 1, 1)
+        self.normalize = normalize
+        self.augment = augment
+        self.pad = pad
 
     def __call__(
         self, x: torch.Tensor, generator: torch.Generator | None
@@ -46,9 +58,7 @@ class Preprocess:
         if self.augment and generator is not None:
             out = random_crop_flip(out, self.pad, generator)
         if self.normalize:
-            mean = torch.tensor(self.mean, device=out.device).view(1, -1, 1, 1)
-            std = torch.tensor(self.std, device=out.device).view(1, -1, 1, 1)
-            out = out.sub_(mean).div_(std)
+            out = out.sub_(self.mean).div_(self.std)
         return out
 
 
