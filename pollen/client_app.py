@@ -1,14 +1,20 @@
-"""ClientApp: receive the global model, train it on this client's shard, reply.
+"""ClientApp: assemble this client's model, train or evaluate it, reply.
 
 A node serves one client (its `partition-id`) or, in a simulation with fewer
 nodes than clients, several; the server names the client in each message.
+What a client keeps between rounds lives in `context.state`, per client:
+the model entries its sharing policy keeps local (`local-<client>`) and
+FedDyn's gradient state h_k (`feddyn-h-<client>`). Only shared entries are
+accepted from the server and only shared entries are sent back.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from functools import cache
 
 import numpy as np
+import torch
 from flwr.app import (
     ArrayRecord,
     ConfigRecord,
@@ -21,9 +27,18 @@ from flwr.clientapp import ClientApp
 
 from .settings import Settings
 from .strategies.fedavg import CLIENT_KEY
-from .task import client_shard, federated_data
+from .strategies.sharing import Sharing
+from .task import client_shard, client_test_shard, federated_data
+from .task.data import Dataset
 from .task.models import build_model
-from .task.train import Preprocess, pick_device, train_sgd
+from .task.train import (
+    ClientOptimizer,
+    Preprocess,
+    Regularizer,
+    evaluate,
+    pick_device,
+    train_local,
+)
 
 app = ClientApp()
 
@@ -45,51 +60,160 @@ def query(msg: Message, context: Context) -> Message:
     return Message(RecordDict({"node": record}), reply_to=msg)
 
 
+@dataclass
+class ClientModel:
+    """One client's model for this message: shared entries from the server,
+    local ones from `context.state` (or the common initialisation)."""
+
+    settings: Settings
+    client: int
+    server_round: int
+    dataset: Dataset
+    model: torch.nn.Module
+    sharing: Sharing
+    device: torch.device
+
+    @classmethod
+    def assemble(cls, msg: Message, context: Context) -> ClientModel:
+        settings = _settings(frozenset(context.run_config.items()))
+        config = msg.content["config"]
+        client = int(config[CLIENT_KEY])
+        if not 0 <= client < settings.num_clients:
+            raise ValueError(f"client {client} outside 0..{settings.num_clients - 1}")
+        dataset, _ = federated_data(settings)
+        # Same seed as the server's model: local entries start where its do.
+        model = build_model(
+            settings.model, dataset.input_shape, dataset.num_classes, settings.seed
+        )
+        sharing = Sharing.of(settings.bn_policy, model)
+        arrays: ArrayRecord = msg.content["arrays"]
+        if set(arrays) != set(sharing.shared):
+            raise ValueError(
+                f"server sent {len(arrays)} entries; bn-policy={settings.bn_policy} "
+                f"shares {len(sharing.shared)} (same settings on both sides?)"
+            )
+        state = model.state_dict()
+        state.update(arrays.to_torch_state_dict())
+        local = context.state.get(f"local-{client}")
+        if isinstance(local, ArrayRecord):
+            state.update(local.to_torch_state_dict())
+        model.load_state_dict(state)
+        device = pick_device(settings.device)
+        return cls(
+            settings, client, int(config["server-round"]), dataset, model.to(device),
+            sharing, device,
+        )  # fmt: skip
+
+    def preprocess(self, augment: bool) -> Preprocess:
+        return Preprocess(
+            self.dataset.mean,
+            self.dataset.std,
+            normalize=self.settings.normalize,
+            augment=augment and self.dataset.input_shape[0] == 3,
+            device=self.device,
+        )
+
+    def entries(self, names: tuple[str, ...]) -> ArrayRecord:
+        state = self.model.state_dict()
+        return ArrayRecord({name: state[name].detach().cpu() for name in names})
+
+    def reply(self, msg: Message, metrics: MetricRecord, **records) -> Message:
+        content = RecordDict(
+            {
+                **records,
+                "metrics": metrics,
+                "client": ConfigRecord({CLIENT_KEY: self.client}),
+            }
+        )
+        return Message(content, reply_to=msg)
+
+
 @app.train()
 def train(msg: Message, context: Context) -> Message:
-    """Local SGD on the named client's shard, starting from the global model."""
-    settings = _settings(frozenset(context.run_config.items()))
-    config = msg.content["config"]
-    client = int(config[CLIENT_KEY])
-    server_round = int(config["server-round"])
-    if not 0 <= client < settings.num_clients:
-        raise ValueError(f"client {client} outside 0..{settings.num_clients - 1}")
-    device = pick_device(settings.device)
-    x, y = client_shard(settings, client, device)
-    dataset, _ = federated_data(settings)
-    model = build_model(settings.model, dataset.input_shape, dataset.num_classes, 0)
-    model.load_state_dict(msg.content["arrays"].to_torch_state_dict())
-    model.to(device)
-    result = train_sgd(
-        model,
+    """The local objective on this client's shard, from the global model."""
+    cm = ClientModel.assemble(msg, context)
+    s = cm.settings
+    x, y = client_shard(s, cm.client, cm.device)
+    regularizer, h_key = _regularizer(cm, context)
+    result = train_local(
+        cm.model,
         x,
         y,
-        epochs=settings.local_epochs,
-        batch_size=settings.batch_size,
-        lr=float(config["lr"]),
-        momentum=settings.momentum,
-        weight_decay=settings.weight_decay,
-        preprocess=Preprocess(
-            dataset.mean,
-            dataset.std,
-            normalize=settings.normalize,
-            augment=settings.augment and dataset.input_shape[0] == 3,
-            device=device,
+        epochs=s.local_epochs,
+        batch_size=s.batch_size,
+        optimizer=ClientOptimizer(
+            s.optimizer,
+            float(msg.content["config"]["lr"]),
+            s.momentum,
+            s.weight_decay,
+            s.client_betas,
         ),
-        seed=_client_seed(settings.seed, server_round, client),
+        preprocess=cm.preprocess(s.augment),
+        seed=_client_seed(s.seed, cm.server_round, cm.client),
+        max_grad_norm=s.max_grad_norm,
+        sam_rho=s.sam_rho if s.local_objective == "sam" else 0.0,
+        regularizer=regularizer,
     )
-    state = {k: v.detach().cpu() for k, v in model.state_dict().items()}
+    if h_key and regularizer is not None:
+        params = dict(cm.model.named_parameters())
+        context.state[h_key] = ArrayRecord(regularizer.dyn_state_after(params))
+    if cm.sharing.local:
+        context.state[f"local-{cm.client}"] = cm.entries(cm.sharing.local)
     metrics = MetricRecord(
         {"num-examples": result.num_examples, "train-loss": result.loss}
     )
-    content = RecordDict(
+    return cm.reply(msg, metrics, arrays=cm.entries(cm.sharing.shared))
+
+
+def _regularizer(cm: ClientModel, context: Context) -> tuple[Regularizer | None, str]:
+    """FedProx's or FedDyn's term around the received model (and h_k's state key)."""
+    s = cm.settings
+    if s.local_objective not in ("prox", "feddyn"):
+        return None, ""
+    dyn = s.local_objective == "feddyn"
+    names = cm.sharing.trained_shared(exclude_bn=dyn and s.feddyn_exclude_bn)
+    params = dict(cm.model.named_parameters())
+    anchor = {name: params[name].detach().clone() for name in names}
+    if not dyn:
+        return Regularizer(anchor, s.prox_mu), ""
+    h_key = f"feddyn-h-{cm.client}"
+    stored = context.state.get(h_key)
+    if isinstance(stored, ArrayRecord):
+        h = {k: v.to(cm.device) for k, v in stored.to_torch_state_dict().items()}
+    else:
+        h = {name: torch.zeros_like(a) for name, a in anchor.items()}
+    return Regularizer(anchor, s.dyn_alpha, h), h_key
+
+
+@app.evaluate()
+def evaluate_personal(msg: Message, context: Context) -> Message:
+    """This client's model (shared + local entries) on the global test set and
+    on its own test shard."""
+    cm = ClientModel.assemble(msg, context)
+    batch = cm.settings.test_batch_size
+    prep = cm.preprocess(augment=False)
+    x_test = cm.dataset.x_test.to(cm.device)
+    y_test = cm.dataset.y_test.to(cm.device)
+    g_loss, g_acc = evaluate(
+        cm.model, x_test, y_test, batch_size=batch, preprocess=prep
+    )
+    x_own, y_own = client_test_shard(cm.settings, cm.client, cm.device)
+    if len(y_own):
+        l_loss, l_acc = evaluate(
+            cm.model, x_own, y_own, batch_size=batch, preprocess=prep
+        )
+    else:
+        l_loss, l_acc = float("nan"), float("nan")
+    metrics = MetricRecord(
         {
-            "arrays": ArrayRecord(state),
-            "metrics": metrics,
-            "client": ConfigRecord({CLIENT_KEY: client}),
+            "global-accuracy": g_acc,
+            "global-loss": g_loss,
+            "local-accuracy": l_acc,
+            "local-loss": l_loss,
+            "num-examples": len(y_own),
         }
     )
-    return Message(content, reply_to=msg)
+    return cm.reply(msg, metrics)
 
 
 def _client_seed(seed: int, server_round: int, client: int) -> int:

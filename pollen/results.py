@@ -11,6 +11,7 @@ from __future__ import annotations
 import csv
 import io
 import json
+import math
 import os
 import tempfile
 from dataclasses import asdict, dataclass, field
@@ -23,6 +24,12 @@ import numpy as np
 HISTORY_FIELDS = (
     "round", "accuracy", "loss", "lr", "seconds", "bytes-up", "bytes-down", "clients",
 )  # fmt: skip
+# Per-client (personalised) accuracies: mean/min/max columns in history.csv
+PERSONAL_COLUMNS = tuple(
+    f"personal-{where}-accuracy-{stat}"
+    for where in ("global", "local")
+    for stat in ("mean", "min", "max")
+)
 
 
 class ResultsError(RuntimeError):
@@ -42,9 +49,26 @@ class RoundRecord:
     bytes_down: int
     clients: list[int] = field(default_factory=list)
     failures: list[str] = field(default_factory=list)
+    eval_bytes: int = 0
+    # client -> {global-accuracy, global-loss, local-accuracy, local-loss}: each
+    # client's own model on the global test set and on its own test shard
+    personal: dict[int, dict[str, float]] = field(default_factory=dict)
 
     def as_row(self) -> dict[str, Any]:
-        return {k.replace("_", "-"): v for k, v in asdict(self).items()}
+        row = {k.replace("_", "-"): v for k, v in asdict(self).items()}
+        row["personal"] = {
+            str(c): {k: v if math.isfinite(v) else None for k, v in values.items()}
+            for c, values in self.personal.items()
+        }
+        return row
+
+    def personal_stats(self, where: str) -> tuple[float, float, float] | None:
+        """(mean, min, max) of the clients' accuracies on `global` or `local` tests."""
+        values = np.array([v[f"{where}-accuracy"] for v in self.personal.values()])
+        values = values[np.isfinite(values)]
+        if not len(values):
+            return None
+        return float(values.mean()), float(values.min()), float(values.max())
 
 
 def default_run_name(strategy: str, data_set: str) -> str:
@@ -94,10 +118,17 @@ def write_history(run_dir: Path, history: list[RoundRecord]) -> None:
     rows = [r.as_row() for r in history]
     write_json(run_dir / "history.json", rows)
     buffer = io.StringIO()
-    writer = csv.DictWriter(buffer, fieldnames=HISTORY_FIELDS, extrasaction="ignore")
+    personal = any(r.personal for r in history)
+    fields = HISTORY_FIELDS + (PERSONAL_COLUMNS if personal else ())
+    writer = csv.DictWriter(buffer, fieldnames=fields, extrasaction="ignore")
     writer.writeheader()
-    for row in rows:
-        writer.writerow({**row, "clients": " ".join(map(str, row["clients"]))})
+    for record, row in zip(history, rows, strict=True):
+        row = {**row, "clients": " ".join(map(str, row["clients"]))}
+        for where in ("global", "local"):
+            stats = record.personal_stats(where) or ("", "", "")
+            for stat, value in zip(("mean", "min", "max"), stats, strict=True):
+                row[f"personal-{where}-accuracy-{stat}"] = value
+        writer.writerow(row)
     write_atomic(run_dir / "history.csv", buffer.getvalue())
 
 
@@ -117,6 +148,11 @@ def summarize(
         "total-seconds": round(seconds, 3),
         "total-bytes-up": sum(r.bytes_up for r in history),
         "total-bytes-down": sum(r.bytes_down for r in history),
+        "final-personal": {
+            where: history[-1].personal_stats(where) for where in ("global", "local")
+        }
+        if history and history[-1].personal
+        else None,
     }
 
 
@@ -128,8 +164,20 @@ def round_lines(record: RoundRecord, total_rounds: int, seconds_left: float) -> 
         f"     round {record.round}/{total_rounds}: {record.seconds:.2f} s, "
         f"up {_mb(record.bytes_up)}, down {_mb(record.bytes_down)}, "
         f"lr {record.lr:.3g}, clients {len(record.clients)}, "
-        f"~{seconds_left:.0f} s left"
+        f"~{seconds_left:.0f} s left" + _personal_line(record)
     )
+
+
+def _personal_line(record: RoundRecord) -> str:
+    parts = []
+    for where, label in (("global", "global test"), ("local", "own test")):
+        stats = record.personal_stats(where)
+        if stats:
+            mean, low, high = (100 * v for v in stats)
+            parts.append(f"{label} {mean:.2f}% [{low:.2f}, {high:.2f}]")
+    if not parts:
+        return ""
+    return f"\n     personal models ({len(record.personal)}): " + "; ".join(parts)
 
 
 def _mb(n: int) -> str:

@@ -39,7 +39,7 @@ from .results import (
 )
 from .settings import Settings
 from .strategies import build_strategy
-from .strategies.fedavg import CLIENT_KEY, RoundTraffic
+from .strategies.fedavg import CLIENT_KEY, FedAvg, RoundTraffic
 from .strategies.sampling import OneMessagePerNode, Roster, RosterError
 from .task import federated_data
 from .task.data import Dataset
@@ -108,15 +108,16 @@ def _train(
     )
     roster = discover_roster(grid, settings.num_clients)
     log(INFO, "pollen: %d clients on %d nodes", settings.num_clients, roster.num_nodes)
-    strategy = build_strategy(settings, roster)
+    strategy = build_strategy(settings, roster, model)
+    initial = ArrayRecord({k: v.clone() for k, v in model.state_dict().items()})
     train_config = ConfigRecord({"lr": settings.lr})
     evaluator = RoundEvaluator(
-        settings, dataset, model.to(device), device, strategy.traffic, train_config,
+        settings, dataset, model.to(device), device, strategy, train_config,
         history, run_dir,
     )  # fmt: skip
     result = strategy.start(
         grid=OneMessagePerNode(grid),
-        initial_arrays=ArrayRecord({k: v.cpu() for k, v in model.state_dict().items()}),
+        initial_arrays=initial,
         num_rounds=settings.rounds,
         train_config=train_config,
         evaluate_fn=evaluator,
@@ -157,7 +158,11 @@ def discover_roster(grid: Grid, num_clients: int) -> Roster:
 
 
 class RoundEvaluator:
-    """Flower's `evaluate_fn`: test the global model, step the lr, record the round."""
+    """Flower's `evaluate_fn`: test the global model, step the lr, record the round.
+
+    Flower calls it after the round's federated evaluation, so the clients'
+    personalised results (FedBN, SiloBN) are already in `strategy.personal`.
+    """
 
     def __init__(
         self,
@@ -165,7 +170,7 @@ class RoundEvaluator:
         dataset: Dataset,
         model: torch.nn.Module,
         device: torch.device,
-        traffic: dict[int, RoundTraffic],
+        strategy: FedAvg,
         train_config: ConfigRecord,
         history: list[RoundRecord],
         run_dir: Path,
@@ -178,7 +183,7 @@ class RoundEvaluator:
         self.preprocess = Preprocess(
             dataset.mean, dataset.std, settings.normalize, device=device
         )
-        self.traffic = traffic
+        self.strategy = strategy
         self.train_config = train_config
         self.history = history
         self.run_dir = run_dir
@@ -214,7 +219,7 @@ class RoundEvaluator:
             preprocess=self.preprocess,
         )
         now = time.monotonic()
-        traffic = self.traffic.get(server_round, RoundTraffic())
+        traffic = self.strategy.traffic.get(server_round, RoundTraffic())
         record = RoundRecord(
             round=server_round,
             accuracy=accuracy,
@@ -225,6 +230,8 @@ class RoundEvaluator:
             bytes_down=traffic.bytes_down,
             clients=traffic.clients,
             failures=traffic.failures,
+            eval_bytes=traffic.eval_bytes,
+            personal=self.strategy.personal.get(server_round, {}),
         )
         self._last = now
         self.history.append(record)

@@ -24,8 +24,35 @@ Scalar = bool | int | float | str
 DATA_SETS = ("digits", "mnist", "fashion-mnist", "cifar10", "cifar100")
 MODELS = ("mlp", "mlp-bn", "cnn", "mobilenet")
 PARTITIONS = ("iid", "niid", "pathological", "silos")
-STRATEGIES = ("fedavg",)
+SERVER_UPDATES = ("fedavg", "feddyn", "sgd", "adagrad", "adam", "yogi")
+ADAPTIVE_UPDATES = ("adagrad", "adam", "yogi")
+LOCAL_OBJECTIVES = ("plain", "sam", "feddyn", "prox")
+BN_POLICIES = ("shared", "fedbn", "silobn")
+OPTIMIZERS = ("sgd", "adam", "adamw")
 DEVICES = ("auto", "cpu", "cuda", "mps")
+AUTO = "auto"
+
+# A strategy preset is a default combination of a server update and a local
+# objective (plus the server momentum that makes FedAvgM); explicit
+# `server-update`, `local-objective` and `server-momentum` values win.
+PRESETS: dict[str, dict[str, Scalar]] = {
+    "fedavg": {"server-update": "fedavg", "local-objective": "plain"},
+    "fedavgm": {
+        "server-update": "sgd",
+        "local-objective": "plain",
+        "server-momentum": 0.9,
+    },
+    "fedprox": {"server-update": "fedavg", "local-objective": "prox"},
+    "fedsam": {"server-update": "fedavg", "local-objective": "sam"},
+    "feddyn": {"server-update": "feddyn", "local-objective": "feddyn"},
+    "fedadagrad": {"server-update": "adagrad", "local-objective": "plain"},
+    "fedadam": {"server-update": "adam", "local-objective": "plain"},
+    "fedyogi": {"server-update": "yogi", "local-objective": "plain"},
+}
+STRATEGIES = tuple(PRESETS)
+# server-lr = "auto": 1 for a plain step (FedAvg's), 0.01 for the adaptive ones
+# (the seed notebook's value)
+AUTO_SERVER_LR = {"sgd": 1.0, "adagrad": 1e-2, "adam": 1e-2, "yogi": 1e-2}
 
 
 class SettingsError(ValueError):
@@ -56,9 +83,29 @@ def in_range(low: float, high: float) -> Rule:
     return Rule(lambda v: low < v <= high, f"in ({low:g}, {high:g}]")
 
 
-def key(default: Scalar, help: str, rule: Rule | None = None) -> Any:
-    """Declare one run-config key (as a dataclass field)."""
-    return field(default=default, metadata={"help": help, "rule": rule})
+def betas_rule() -> Rule:
+    return Rule(lambda v: _parse_betas(v) is not None, "'b1,b2' with both in [0, 1)")
+
+
+def _parse_betas(text: str) -> tuple[float, float] | None:
+    try:
+        b1, b2 = (float(part) for part in text.split(","))
+    except ValueError:
+        return None
+    return (b1, b2) if 0 <= b1 < 1 and 0 <= b2 < 1 else None
+
+
+def key(
+    default: Scalar, help: str, rule: Rule | None = None, kind: type | None = None
+) -> Any:
+    """Declare one run-config key (as a dataclass field).
+
+    `kind` is the value type when the default is the string "auto" (the key
+    then takes "auto" or a value of that kind, and "auto" is resolved from the
+    strategy preset).
+    """
+    metadata = {"help": help, "rule": rule, "kind": kind or type(default)}
+    return field(default=default, metadata=metadata)
 
 
 @dataclass(frozen=True)
@@ -92,10 +139,73 @@ class Settings:
     momentum: float = key(
         0.9, "client SGD momentum", Rule(lambda v: 0 <= v < 1, "in [0, 1)")
     )
-    weight_decay: float = key(5e-4, "client SGD weight decay", at_least(0))
+    weight_decay: float = key(5e-4, "client weight decay", at_least(0))
     rounds: int = key(10, "communication rounds", at_least(1))
     model: str = key("mlp", "model architecture", one_of(*MODELS))
-    strategy: str = key("fedavg", "server strategy preset", one_of(*STRATEGIES))
+    # Algorithm: a preset, and the three parts it combines
+    strategy: str = key(
+        "fedavg",
+        "preset: a server update + local objective (auto values below)",
+        one_of(*STRATEGIES),
+    )
+    server_update: str = key(
+        AUTO, "how the server turns replies into the next model",
+        one_of(AUTO, *SERVER_UPDATES),
+    )  # fmt: skip
+    local_objective: str = key(
+        AUTO, "what each client minimises", one_of(AUTO, *LOCAL_OBJECTIVES)
+    )
+    bn_policy: str = key(
+        "shared",
+        "BatchNorm entries: shared, fedbn (all local), silobn (statistics local)",
+        one_of(*BN_POLICIES),
+    )
+    optimizer: str = key("sgd", "client optimiser", one_of(*OPTIMIZERS))
+    betas: str = key("0.9,0.999", "client adam/adamw betas", betas_rule())
+    max_grad_norm: float = key(
+        10.0, "clip each local gradient to this L2 norm (0: no clipping)", at_least(0)
+    )
+    sam_rho: float = key(
+        0.05, "SAM neighbourhood radius (local-objective=sam)", above(0)
+    )
+    prox_mu: float = key(0.01, "FedProx weight mu (local-objective=prox)", at_least(0))
+    dyn_alpha: float = key(
+        0.1, "FedDyn alpha, client regulariser and server state", above(0)
+    )
+    feddyn_h_scale: str = key(
+        "num-clients",
+        "FedDyn server h update averages over all clients or this round's",
+        one_of("num-clients", "participants"),
+    )
+    feddyn_exclude_bn: bool = key(
+        True, "keep BatchNorm weights out of FedDyn's correction and regulariser"
+    )
+    server_lr: float = key(
+        AUTO, "server step size (sgd: 1, adaptive: 0.01 when auto)", above(0), float
+    )
+    server_momentum: float = key(
+        AUTO,
+        "server heavy-ball momentum for sgd (FedAvgM; auto: 0.9 for fedavgm, else 0)",
+        Rule(lambda v: 0 <= v < 1, "in [0, 1)"),
+        float,
+    )
+    beta1: float = key(
+        0.9,
+        "adaptive server first-moment decay",
+        Rule(lambda v: 0 <= v < 1, "in [0, 1)"),
+    )
+    beta2: float = key(
+        0.99, "adam/yogi second-moment decay", Rule(lambda v: 0 <= v < 1, "in [0, 1)")
+    )
+    tau: float = key(1e-3, "adaptive server adaptivity (denominator offset)", above(0))
+    bias_correction: bool = key(
+        False, "adaptive server: divide moments by 1 - beta^t (the notebook's Adam)"
+    )
+    personal_eval_every: int = key(
+        1,
+        "with local BatchNorm, evaluate each client's own model every N rounds (0: never)",
+        at_least(0),
+    )
     # Partitioning
     partition: str = key("iid", "how training data is split", one_of(*PARTITIONS))
     alpha: float = key(0.5, "Dirichlet concentration for partition=niid", above(0))
@@ -128,17 +238,33 @@ class Settings:
                 f"unknown run-config key {unknown[0]!r}; known keys: "
                 + ", ".join(sorted(fields))
             )
-        values = {}
+        values: dict[str, Scalar] = {}
         for name, f in fields.items():
             raw = run_config.get(name, f.default)
-            value = _coerce(name, raw, type(f.default))
+            if raw == AUTO and f.default == AUTO:
+                values[name] = AUTO
+                continue
+            value = _coerce(name, raw, f.metadata["kind"], f.default == AUTO)
             rule: Rule | None = f.metadata["rule"]
             if rule is not None and not rule.check(value):
                 raise SettingsError(
-                    f"invalid value for {name!r}: {raw!r}; allowed: {rule.allowed}"
+                    f"invalid value for {name!r}: {raw!r}; allowed: "
+                    + ("auto or " if f.default == AUTO else "")
+                    + rule.allowed
                 )
-            values[f.name] = value
-        return cls(**values)
+            values[name] = value
+        _resolve_preset(values)
+        return cls(**{name.replace("-", "_"): v for name, v in values.items()})
+
+    @property
+    def client_betas(self) -> tuple[float, float]:
+        """`betas` as numbers (validated when the settings were made)."""
+        return _parse_betas(self.betas) or (0.9, 0.999)
+
+    @property
+    def keeps_local_entries(self) -> bool:
+        """Whether clients hold model entries that never travel."""
+        return self.bn_policy != "shared"
 
     def to_run_config(self) -> dict[str, Scalar]:
         """The settings as run-config keys (what `settings.json` holds)."""
@@ -155,13 +281,33 @@ class Settings:
                 f.name.replace("_", "-"),
                 f.default,
                 f.metadata["help"],
-                f.metadata["rule"].allowed if f.metadata["rule"] else "",
+                _allowed_text(f),
             )
             for f in dataclasses.fields(cls)
         ]
 
 
-def _coerce(name: str, raw: Scalar, kind: type) -> Scalar:
+def _allowed_text(f: dataclasses.Field) -> str:
+    rule: Rule | None = f.metadata["rule"]
+    text = rule.allowed if rule else ""
+    if f.default == AUTO and f.metadata["kind"] is not str:
+        text = f"auto or {text}"
+    return text
+
+
+def _resolve_preset(values: dict[str, Scalar]) -> None:
+    """Replace every "auto" with the value the strategy preset gives it."""
+    preset = PRESETS[str(values["strategy"])]
+    for name in ("server-update", "local-objective"):
+        if values[name] == AUTO:
+            values[name] = preset[name]
+    if values["server-momentum"] == AUTO:
+        values["server-momentum"] = float(preset.get("server-momentum", 0.0))
+    if values["server-lr"] == AUTO:
+        values["server-lr"] = AUTO_SERVER_LR.get(str(values["server-update"]), 1.0)
+
+
+def _coerce(name: str, raw: Scalar, kind: type, auto: bool = False) -> Scalar:
     """Give `raw` the type of the key's default, refusing lossy conversions."""
     if kind is bool:
         if isinstance(raw, bool):
@@ -180,6 +326,8 @@ def _coerce(name: str, raw: Scalar, kind: type) -> Scalar:
     elif isinstance(raw, str):
         return raw
     raise SettingsError(
-        f"invalid value for {name!r}: {raw!r}; allowed: a {kind.__name__}"
+        f"invalid value for {name!r}: {raw!r}; allowed: "
+        + ("auto or " if auto else "")
+        + f"a {kind.__name__}"
         + (" (finite)" if kind is float else "")
     )

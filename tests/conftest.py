@@ -15,3 +15,13 @@ def shared_data() -> Path:
     if not (SHARED_DATA / "mnist.npz").exists():
         pytest.skip(f"real MNIST not found at {SHARED_DATA}")
     return SHARED_DATA
+
+
+@pytest.fixture
+def task_identity():
+    """Messages built outside a running Flower app need a run and node identity."""
+    from flwr.supercore.task_identity import TaskIdentity
+
+    TaskIdentity.run_id, TaskIdentity.node_id, TaskIdentity.task_id = 1, 0, 1
+    yield
+    TaskIdentity._run_id = TaskIdentity._node_id = TaskIdentity._task_id = None

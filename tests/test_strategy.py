@@ -17,15 +17,7 @@ from pollen.strategies.sampling import (
 )
 from pollen.task.models import build_model
 
-
-@pytest.fixture(autouse=True)
-def task_identity():
-    """Messages outside a running Flower app need a run and node identity."""
-    from flwr.supercore.task_identity import TaskIdentity
-
-    TaskIdentity.run_id, TaskIdentity.node_id, TaskIdentity.task_id = 1, 0, 1
-    yield
-    TaskIdentity._run_id = TaskIdentity._node_id = TaskIdentity._task_id = None
+pytestmark = pytest.mark.usefixtures("task_identity")
 
 
 def record(**arrays: np.ndarray) -> ArrayRecord:
@@ -33,16 +25,16 @@ def record(**arrays: np.ndarray) -> ArrayRecord:
 
 
 def test_weighted_average_by_hand() -> None:
-    a = record(w=np.array([1.0, 2.0], np.float32), n=np.array(4, np.int64))
-    b = record(w=np.array([3.0, 6.0], np.float32), n=np.array(7, np.int64))
+    a = {"w": np.array([1.0, 2.0], np.float32), "n": np.array(4, np.int64)}
+    b = {"w": np.array([3.0, 6.0], np.float32), "n": np.array(7, np.int64)}
     out = weighted_average([a, b], [1, 3])  # weights 1/4, 3/4
-    np.testing.assert_allclose(out["w"].numpy(), [2.5, 5.0])
-    assert out["w"].numpy().dtype == np.float32
-    assert out["n"].numpy().dtype == np.int64 and int(out["n"].numpy()) == 6  # 6.25
+    np.testing.assert_allclose(out["w"], [2.5, 5.0])
+    assert out["w"].dtype == np.float32
+    assert out["n"].dtype == np.int64 and int(out["n"]) == 6  # 6.25
 
 
 def test_weighted_average_rejects_bad_weights() -> None:
-    a = record(w=np.zeros(2, np.float32))
+    a = {"w": np.zeros(2, np.float32)}
     with pytest.raises(ValueError, match="positive weight"):
         weighted_average([a, a], [1, 0])
 
@@ -65,6 +57,9 @@ def test_fedavg_averages_batchnorm_model_keeping_dtypes() -> None:
         m[2].num_batches_tracked.fill_(10 + 10 * int(shift))
     roster = Roster.from_nodes({11: (0, 2), 22: (1, 2)}, 2)
     strategy = FedAvg(roster=roster, num_clients=2, client_frac=1.0, seed=0)
+    strategy.configure_train(
+        1, ArrayRecord(models[0].state_dict()), ConfigRecord(), None
+    )
     replies = [
         reply(1, 22, ArrayRecord(models[1].state_dict()), 30),
         reply(0, 11, ArrayRecord(models[0].state_dict()), 10),
@@ -88,6 +83,7 @@ def test_aggregation_does_not_depend_on_reply_order() -> None:
     ]
     roster = Roster.from_nodes({i: (i, 5) for i in range(5)}, 5)
     strategy = FedAvg(roster=roster, num_clients=5, client_frac=1.0, seed=0)
+    strategy.configure_train(1, recs[0], ConfigRecord(), None)
     forward = [reply(i, i, recs[i], 7 + i) for i in range(5)]
     a, _ = strategy.aggregate_train(1, forward)
     b, _ = strategy.aggregate_train(1, forward[::-1])

@@ -1,19 +1,43 @@
-"""Server updates. `build_strategy` turns settings into a Flower strategy."""
+"""Server updates and sharing policies. `build_strategy` turns settings into one."""
 
 from __future__ import annotations
 
+from torch import nn
+
 from ..settings import Settings
 from .fedavg import FedAvg
+from .feddyn import FedDyn
+from .fedopt import FedOpt
 from .sampling import Roster
+from .sharing import Sharing
 
-STRATEGIES = {"fedavg": FedAvg}
 
-
-def build_strategy(settings: Settings, roster: Roster) -> FedAvg:
-    """The strategy preset named by `strategy`, configured from `settings`."""
-    return STRATEGIES[settings.strategy](
-        roster=roster,
-        num_clients=settings.num_clients,
-        client_frac=settings.client_frac,
-        seed=settings.seed,
+def build_strategy(settings: Settings, roster: Roster, model: nn.Module) -> FedAvg:
+    """The server update named by `server-update`, sharing by `bn-policy`."""
+    base = {
+        "roster": roster,
+        "num_clients": settings.num_clients,
+        "client_frac": settings.client_frac,
+        "seed": settings.seed,
+        "sharing": Sharing.of(settings.bn_policy, model),
+        "personal_eval_every": settings.personal_eval_every,
+    }
+    if settings.server_update == "fedavg":
+        return FedAvg(**base)
+    if settings.server_update == "feddyn":
+        return FedDyn(
+            alpha=settings.dyn_alpha,
+            h_scale=settings.feddyn_h_scale,
+            exclude_bn=settings.feddyn_exclude_bn,
+            **base,
+        )
+    return FedOpt(
+        optimizer=settings.server_update,
+        server_lr=settings.server_lr,
+        momentum=settings.server_momentum,
+        beta1=settings.beta1,
+        beta2=settings.beta2,
+        tau=settings.tau,
+        bias_correction=settings.bias_correction,
+        **base,
     )

@@ -5,18 +5,29 @@ Differences from `flwr.serverapp.strategy.FedAvg`, all for exact, comparable run
 - clients (data partitions) are sampled by a generator seeded with
   (seed, round) and routed through a `Roster`, instead of `random.sample`
   over node IDs that change from run to run;
+- only the entries the sharing policy lets travel are sent and accepted;
+- a reply with missing, extra, misshapen or non-finite entries is rejected
+  and logged, and the round goes on with the others;
 - replies are aggregated in client order, so float sums do not depend on the
   order in which replies arrive;
 - every entry keeps its dtype (float32 weights, integer BatchNorm counters);
-- bytes sent and received per round are counted from the records themselves.
+- bytes sent and received per round are counted from the records themselves;
+- with entries kept on the clients (FedBN, SiloBN), every client that has
+  trained evaluates its own model each `personal_eval_every` rounds.
+
+Subclasses change one thing, `update`: how the shared entries of the next
+global model follow from the current ones and the clients' replies.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
+from logging import WARNING
 
+import numpy as np
 from flwr.app import (
+    Array,
     ArrayRecord,
     ConfigRecord,
     Message,
@@ -24,13 +35,16 @@ from flwr.app import (
     MetricRecord,
     RecordDict,
 )
+from flwr.common.logger import log
 from flwr.serverapp import Grid
 from flwr.serverapp.strategy import FedAvg as FlowerFedAvg
 
-from .aggregate import weighted_average
+from .aggregate import Arrays, weighted_average
 from .sampling import Roster, sample_clients
+from .sharing import Sharing
 
 CLIENT_KEY = "partition-id"
+PERSONAL_METRICS = ("global-accuracy", "global-loss", "local-accuracy", "local-loss")
 
 
 @dataclass
@@ -40,14 +54,26 @@ class RoundTraffic:
     clients: list[int] = field(default_factory=list)
     bytes_down: int = 0
     bytes_up: int = 0
+    eval_bytes: int = 0
     failures: list[str] = field(default_factory=list)
+
+
+def to_numpy(record: ArrayRecord) -> dict[str, np.ndarray]:
+    return {key: record[key].numpy() for key in record}
 
 
 class FedAvg(FlowerFedAvg):
     """Weighted FedAvg over seeded client samples (see module docstring)."""
 
     def __init__(
-        self, *, roster: Roster, num_clients: int, client_frac: float, seed: int
+        self,
+        *,
+        roster: Roster,
+        num_clients: int,
+        client_frac: float,
+        seed: int,
+        sharing: Sharing | None = None,
+        personal_eval_every: int = 0,
     ) -> None:
         super().__init__(
             fraction_train=client_frac,
@@ -58,16 +84,39 @@ class FedAvg(FlowerFedAvg):
         self.roster = roster
         self.num_clients = num_clients
         self.seed = seed
+        self.sharing = sharing
+        self.personal_eval_every = personal_eval_every
         self.traffic: dict[int, RoundTraffic] = {}
+        self.personal: dict[int, dict[int, dict[str, float]]] = {}
+        self.trained_clients: set[int] = set()
+        self._global: dict[str, np.ndarray] = {}
 
-    def configure_train(
-        self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
-    ) -> Iterable[Message]:
-        """One message per sampled client, addressed to the node that serves it."""
-        clients = sample_clients(
-            self.num_clients, self.fraction_train, self.seed, server_round
+    # ---- what travels -------------------------------------------------------
+
+    def shared_keys(self, arrays: Mapping[str, object]) -> tuple[str, ...]:
+        """Entries that travel (all of them without a sharing policy)."""
+        return self.sharing.shared if self.sharing else tuple(arrays)
+
+    def trained_keys(self, exclude_bn: bool = False) -> tuple[str, ...]:
+        """Shared entries a server optimiser or correction may change."""
+        if self.sharing:
+            return self.sharing.trained_shared(exclude_bn)
+        return tuple(
+            k for k, v in self._global.items() if np.issubdtype(v.dtype, np.floating)
         )
-        payload = self.outgoing(arrays)
+
+    def outgoing(self, arrays: ArrayRecord) -> ArrayRecord:
+        """The entries sent to clients: the shared ones."""
+        return ArrayRecord({key: arrays[key] for key in self.shared_keys(arrays)})
+
+    def _messages(
+        self,
+        kind: str,
+        clients: list[int],
+        payload: ArrayRecord,
+        config: Mapping,
+        server_round: int,
+    ) -> list[Message]:
         messages = []
         for client in clients:
             client_config = ConfigRecord(
@@ -79,44 +128,153 @@ class FedAvg(FlowerFedAvg):
             messages.append(
                 Message(
                     content=content,
-                    message_type=MessageType.TRAIN,
+                    message_type=kind,
                     dst_node_id=self.roster.owner[client],
                 )
             )
+        return messages
+
+    # ---- training -------------------------------------------------------------
+
+    def configure_train(
+        self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
+    ) -> Iterable[Message]:
+        """One message per sampled client, addressed to the node that serves it."""
+        self._global = to_numpy(arrays)
+        clients = sample_clients(
+            self.num_clients, self.fraction_train, self.seed, server_round
+        )
+        payload = self.outgoing(arrays)
         self.traffic[server_round] = RoundTraffic(
             clients=clients, bytes_down=payload.count_bytes() * len(clients)
         )
-        return messages
-
-    def outgoing(self, arrays: ArrayRecord) -> ArrayRecord:
-        """The entries sent to clients (all of them, for FedAvg)."""
-        return arrays
+        return self._messages(MessageType.TRAIN, clients, payload, config, server_round)
 
     def aggregate_train(
         self, server_round: int, replies: Iterable[Message]
     ) -> tuple[ArrayRecord | None, MetricRecord | None]:
-        """Example-weighted average of the replies, in client order."""
-        valid, failed = self._check_and_log_replies(replies, is_train=True)
-        valid.sort(key=lambda m: int(m.content["client"][CLIENT_KEY]))
-        traffic = self.traffic.setdefault(server_round, RoundTraffic())
-        traffic.bytes_up = sum(
-            m.content[self.arrayrecord_key].count_bytes() for m in valid
+        """The next global model from the accepted replies, taken in client order."""
+        valid, failed = self._check_and_log_replies(
+            replies, is_train=True, validate=False
         )
+        traffic = self.traffic.setdefault(server_round, RoundTraffic())
         traffic.failures = [
             f"node {m.metadata.src_node_id}: {m.error.reason}" for m in failed
         ]
-        if not valid:
+        shared = self.shared_keys(self._global)
+        accepted: list[tuple[int, RecordDict, dict[str, np.ndarray]]] = []
+        for msg in valid:
+            arrays = msg.content.get(self.arrayrecord_key)
+            if isinstance(arrays, ArrayRecord):
+                traffic.bytes_up += arrays.count_bytes()
+            problem = self._reply_problem(msg.content, shared)
+            if problem:
+                traffic.failures.append(f"node {msg.metadata.src_node_id}: {problem}")
+                log(WARNING, "pollen: rejected reply: %s", problem)
+                continue
+            client = int(msg.content["client"][CLIENT_KEY])
+            accepted.append((client, msg.content, to_numpy(arrays)))
+        if not accepted:
             return None, None
-        contents = [m.content for m in valid]
-        arrays = self.aggregate_arrays(
-            [c[self.arrayrecord_key] for c in contents],
-            [float(c["metrics"][self.weighted_by_key]) for c in contents],
+        accepted.sort(key=lambda item: item[0])
+        self.trained_clients.update(client for client, _, _ in accepted)
+        current = {key: self._global[key] for key in shared}
+        new_shared = self.update(
+            current,
+            [arrays for _, _, arrays in accepted],
+            [float(c["metrics"][self.weighted_by_key]) for _, c, _ in accepted],
         )
-        metrics = self.train_metrics_aggr_fn(contents, self.weighted_by_key)
-        return arrays, metrics
+        merged = {**self._global, **new_shared}
+        metrics = self.train_metrics_aggr_fn(
+            [content for _, content, _ in accepted], self.weighted_by_key
+        )
+        return ArrayRecord({k: Array(v) for k, v in merged.items()}), metrics
 
-    def aggregate_arrays(
-        self, records: list[ArrayRecord], weights: list[float]
-    ) -> ArrayRecord:
-        """The new global model from the clients' models."""
-        return weighted_average(records, weights)
+    def _reply_problem(self, content: RecordDict, shared: tuple[str, ...]) -> str:
+        """Why a training reply cannot be aggregated ("" when it can)."""
+        arrays = content.get(self.arrayrecord_key)
+        metrics = content.get("metrics")
+        client = content.get("client")
+        if not isinstance(arrays, ArrayRecord) or not isinstance(metrics, MetricRecord):
+            return "reply lacks its 'arrays' or 'metrics' record"
+        if not isinstance(client, ConfigRecord) or CLIENT_KEY not in client:
+            return f"reply does not name its client ({CLIENT_KEY})"
+        weight = metrics.get(self.weighted_by_key)
+        if not isinstance(weight, int | float) or not weight > 0:
+            return f"{self.weighted_by_key} must be a positive number, got {weight!r}"
+        if set(arrays) != set(shared):
+            missing = sorted(set(shared) - set(arrays))
+            extra = sorted(set(arrays) - set(shared))
+            return f"wrong entries (missing {missing[:3]}, unexpected {extra[:3]})"
+        for key in shared:
+            value, expected = arrays[key].numpy(), self._global[key]
+            if value.shape != expected.shape or value.dtype != expected.dtype:
+                return (
+                    f"entry {key!r} is {value.dtype}{list(value.shape)}, "
+                    f"expected {expected.dtype}{list(expected.shape)}"
+                )
+            if np.issubdtype(value.dtype, np.floating) and not np.isfinite(value).all():
+                return f"entry {key!r} is not finite"
+        return ""
+
+    def update(
+        self, current: Arrays, updates: list[Arrays], weights: list[float]
+    ) -> dict[str, np.ndarray]:
+        """The next shared entries: the example-weighted average of the clients'."""
+        return weighted_average(updates, weights)
+
+    # ---- personalised evaluation ----------------------------------------------
+
+    def evaluates_personal(self, server_round: int) -> bool:
+        """Whether clients evaluate their own models after this round."""
+        return bool(
+            self.personal_eval_every
+            and self.sharing is not None
+            and self.sharing.local
+            and server_round % self.personal_eval_every == 0
+        )
+
+    def configure_evaluate(
+        self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
+    ) -> Iterable[Message]:
+        """Every client that has trained evaluates shared + its own local entries."""
+        if not self.evaluates_personal(server_round):
+            return []
+        payload = self.outgoing(arrays)
+        clients = sorted(self.trained_clients)
+        traffic = self.traffic.setdefault(server_round, RoundTraffic())
+        traffic.eval_bytes += payload.count_bytes() * len(clients)
+        return self._messages(
+            MessageType.EVALUATE, clients, payload, config, server_round
+        )
+
+    def aggregate_evaluate(
+        self, server_round: int, replies: Iterable[Message]
+    ) -> MetricRecord | None:
+        """Keep each client's accuracies and losses; return their means."""
+        valid, failed = self._check_and_log_replies(
+            replies, is_train=False, validate=False
+        )
+        per_client: dict[int, dict[str, float]] = {}
+        for msg in valid:
+            metrics, client = msg.content.get("metrics"), msg.content.get("client")
+            if not isinstance(metrics, MetricRecord) or not isinstance(
+                client, ConfigRecord
+            ):
+                continue
+            values = {k: metrics.get(k) for k in PERSONAL_METRICS}
+            # NaN on the own test shard is allowed: a client may hold no test data
+            if all(isinstance(v, float) for v in values.values()):
+                per_client[int(client[CLIENT_KEY])] = values
+        traffic = self.traffic.setdefault(server_round, RoundTraffic())
+        traffic.failures += [
+            f"evaluate, node {m.metadata.src_node_id}: {m.error.reason}" for m in failed
+        ]
+        if not per_client:
+            return None
+        self.personal[server_round] = dict(sorted(per_client.items()))
+        means = {
+            k: float(np.nanmean([v[k] for v in per_client.values()]))
+            for k in PERSONAL_METRICS
+        }
+        return MetricRecord({k: v for k, v in means.items() if np.isfinite(v)})

@@ -10,7 +10,7 @@ import torch
 
 from ..settings import Settings
 from .data import Dataset, load_dataset
-from .partition import partition_indices
+from .partition import label_counts, partition_indices, test_shards
 
 
 @dataclass(frozen=True)
@@ -50,6 +50,13 @@ def client_shard(
     return _client_shard(DataKey.of(settings), client, str(device))
 
 
+def client_test_shard(
+    settings: Settings, client: int, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One client's own test examples (same label mix as its training shard)."""
+    return _client_test_shard(DataKey.of(settings), client, str(device))
+
+
 @cache
 def _federated_data(key: DataKey) -> tuple[Dataset, list[np.ndarray]]:
     dataset = load_dataset(key.data_set, key.data_root, key.download)
@@ -73,3 +80,19 @@ def _client_shard(
     dataset, shards = _federated_data(key)
     index = torch.from_numpy(shards[client])
     return dataset.x_train[index].to(device), dataset.y_train[index].to(device)
+
+
+@cache
+def _test_shards(key: DataKey) -> list[np.ndarray]:
+    dataset, shards = _federated_data(key)
+    counts = label_counts(dataset.y_train.numpy(), shards, dataset.num_classes)
+    return test_shards(dataset.y_test.numpy(), counts, key.seed)
+
+
+@cache
+def _client_test_shard(
+    key: DataKey, client: int, device: str
+) -> tuple[torch.Tensor, torch.Tensor]:
+    dataset, _ = _federated_data(key)
+    index = torch.from_numpy(_test_shards(key)[client])
+    return dataset.x_test[index].to(device), dataset.y_test[index].to(device)

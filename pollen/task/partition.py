@@ -147,6 +147,31 @@ def label_counts(
     return np.stack([np.bincount(labels[s], minlength=num_classes) for s in shards])
 
 
+def test_shards(
+    test_labels: np.ndarray, train_counts: np.ndarray, seed: int
+) -> list[np.ndarray]:
+    """Each client's share of the test split, following its training labels.
+
+    The test examples of class c are shuffled (seeded) and dealt out in
+    proportion to how many training examples of c each client holds, so a
+    client's test shard has its own label mix and no two shards overlap. A
+    client without class c gets none of it.
+    """
+    rng = np.random.default_rng([seed, 1])
+    num_clients, num_classes = train_counts.shape
+    shards: list[list[np.ndarray]] = [[] for _ in range(num_clients)]
+    for c in range(num_classes):
+        owners = train_counts[:, c]
+        if owners.sum() == 0:
+            continue
+        pool = rng.permutation(np.flatnonzero(test_labels == c))
+        bounds = np.rint(np.cumsum(owners) / owners.sum() * len(pool)).astype(int)
+        for client, part in enumerate(np.split(pool, bounds[:-1])):
+            shards[client].append(part)
+    return [np.sort(np.concatenate(parts)) if parts else np.zeros(0, np.int64)
+            for parts in shards]  # fmt: skip
+
+
 def format_label_counts(counts: np.ndarray) -> str:
     """One line per client: its total and per-class counts."""
     width = max(len(str(int(counts.max()))), 3)

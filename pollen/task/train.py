@@ -1,4 +1,4 @@
-"""Local training and evaluation on in-memory uint8 tensors.
+"""Local training (every local objective) and evaluation on in-memory uint8 tensors.
 
 Shards arrive as uint8 tensors already on the training device; each batch is
 converted, normalised and (for 32x32 colour data) augmented there, in one
@@ -7,11 +7,14 @@ batched operation, instead of sample by sample in a DataLoader.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.modules.batchnorm import _BatchNorm
 
 
 def pick_device(name: str) -> torch.device:
@@ -86,38 +89,152 @@ class TrainResult:
     steps: int
 
 
-def train_sgd(
+@dataclass(frozen=True)
+class ClientOptimizer:
+    """The client's optimiser: `sgd` (momentum), `adam` or `adamw` (betas)."""
+
+    name: str = "sgd"
+    lr: float = 1e-2
+    momentum: float = 0.9
+    weight_decay: float = 0.0
+    betas: tuple[float, float] = (0.9, 0.999)
+
+    def build(self, params: list[nn.Parameter]) -> torch.optim.Optimizer:
+        if self.name == "sgd":
+            return torch.optim.SGD(
+                params, self.lr, momentum=self.momentum, weight_decay=self.weight_decay
+            )
+        if self.name == "adam":
+            return torch.optim.Adam(
+                params, self.lr, betas=self.betas, weight_decay=self.weight_decay
+            )
+        if self.name == "adamw":
+            return torch.optim.AdamW(
+                params, self.lr, betas=self.betas, weight_decay=self.weight_decay
+            )
+        raise ValueError(f"unknown optimizer {self.name!r}; allowed: sgd, adam, adamw")
+
+
+@dataclass
+class Regularizer:
+    """weight/2 * ||theta - anchor||^2 - <linear, theta> over named parameters.
+
+    FedProx is (mu, global model, no linear term); FedDyn's client objective is
+    (alpha, global model, h_k). Its gradient, weight * (theta - anchor) -
+    linear, is added to the data gradient before each optimiser step.
+    """
+
+    anchor: dict[str, torch.Tensor]
+    weight: float
+    linear: dict[str, torch.Tensor] | None = None
+
+    @torch.no_grad()
+    def add_gradients(self, named_params: dict[str, nn.Parameter]) -> None:
+        for name, anchor in self.anchor.items():
+            param = named_params[name]
+            term = (param - anchor).mul_(self.weight)
+            if self.linear is not None:
+                term.sub_(self.linear[name])
+            if param.grad is None:
+                param.grad = term
+            else:
+                param.grad.add_(term)
+
+    @torch.no_grad()
+    def dyn_state_after(
+        self, named_params: dict[str, nn.Parameter]
+    ) -> dict[str, torch.Tensor]:
+        """FedDyn's next h_k = h_k - alpha (theta_k - theta_t), on the CPU."""
+        linear = self.linear or {}
+        return {
+            name: (
+                linear.get(name, 0.0) - self.weight * (named_params[name] - anchor)
+            ).cpu()
+            for name, anchor in self.anchor.items()
+        }
+
+
+@contextmanager
+def frozen_bn_statistics(model: nn.Module) -> Iterator[None]:
+    """BatchNorm normalises with batch statistics but updates no running ones.
+
+    Used for SAM's perturbed pass, so only the clean pass moves the running
+    mean, variance and counter.
+    """
+    norms = [m for m in model.modules() if isinstance(m, _BatchNorm)]
+    tracking = [m.track_running_stats for m in norms]
+    for m in norms:
+        m.track_running_stats = False
+    try:
+        yield
+    finally:
+        for m, was in zip(norms, tracking, strict=True):
+            m.track_running_stats = was
+
+
+def sam_perturb(params: list[nn.Parameter], rho: float) -> list[torch.Tensor]:
+    """Move to theta + rho g / (||g|| + 1e-12) (g: the current gradients); return eps."""
+    grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
+    norm = torch.linalg.vector_norm(torch.stack([g.norm() for g in grads]))
+    scale = rho / (norm + 1e-12)
+    eps = [g * scale for g in grads]
+    with torch.no_grad():
+        torch._foreach_add_(params, eps)
+    return eps
+
+
+def train_local(
     model: nn.Module,
     x: torch.Tensor,
     y: torch.Tensor,
     *,
     epochs: int,
     batch_size: int,
-    lr: float,
-    momentum: float,
-    weight_decay: float,
+    optimizer: ClientOptimizer,
     preprocess: Preprocess,
     seed: int,
+    max_grad_norm: float = 0.0,
+    sam_rho: float = 0.0,
+    regularizer: Regularizer | None = None,
 ) -> TrainResult:
-    """Plain local SGD (with momentum and weight decay) over `epochs` of a shard."""
+    """Local training over `epochs` of a shard: the local-objective engine.
+
+    Per batch: the clean pass gives g = grad L(theta). With `sam_rho` > 0
+    (FedSAM) the descent gradient is taken again at theta + eps, eps =
+    rho g / (||g|| + 1e-12), with BatchNorm statistics frozen, and theta is
+    restored before the step. A `regularizer` (FedProx, FedDyn) adds its
+    gradient; `max_grad_norm` > 0 clips the total; the optimiser steps.
+    """
     device = x.device
-    optimizer = torch.optim.SGD(
-        model.parameters(), lr=lr, momentum=momentum, weight_decay=weight_decay
-    )
+    named = {n: p for n, p in model.named_parameters() if p.requires_grad}
+    params = list(named.values())
+    opt = optimizer.build(params)
     order_gen = torch.Generator().manual_seed(seed)
     aug_gen = torch.Generator(device=device).manual_seed(seed + 1)
+    has_bn = any(isinstance(m, _BatchNorm) for m in model.modules())
     model.train()
     total, steps = torch.zeros((), device=device), 0
     for _ in range(epochs):
         order = torch.randperm(len(y), generator=order_gen).to(device)
         for idx in order.split(batch_size):
-            if len(idx) < 2 and _has_batchnorm(model):
+            if len(idx) < 2 and has_bn:
                 continue  # BatchNorm cannot train on a single sample
-            inputs = preprocess(x[idx], aug_gen)
-            loss = F.cross_entropy(model(inputs), y[idx])
-            optimizer.zero_grad(set_to_none=True)
+            inputs, targets = preprocess(x[idx], aug_gen), y[idx]
+            loss = F.cross_entropy(model(inputs), targets)
+            opt.zero_grad(set_to_none=True)
             loss.backward()
-            optimizer.step()
+            if sam_rho > 0:
+                eps = sam_perturb(params, sam_rho)
+                opt.zero_grad(set_to_none=True)
+                with frozen_bn_statistics(model):
+                    F.cross_entropy(model(inputs), targets).backward()
+                with torch.no_grad():
+                    torch._foreach_sub_(params, eps)
+            if regularizer is not None:
+                regularizer.add_gradients(named)
+            if max_grad_norm > 0:
+                nn.utils.clip_grad_norm_(params, max_grad_norm)
+            opt.step()
             total += loss.detach()
             steps += 1
     if steps == 0:
@@ -144,7 +261,3 @@ def evaluate(
         correct += (logits.argmax(1) == yb).sum()
     n = len(y)
     return float(loss_sum) / n, float(correct) / n
-
-
-def _has_batchnorm(model: nn.Module) -> bool:
-    return any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in model.modules())

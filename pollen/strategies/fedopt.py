@@ -1,0 +1,100 @@
+"""FedOpt (Reddi et al. 2021): a server optimiser stepping on the pseudo-gradient.
+
+With Delta = sum_k p_k (x_k - x) / sum_k p_k (p_k: example counts), one
+server step per round on the trained shared entries:
+
+- `sgd`:     v = mu v + Delta;  x += lr v          (mu > 0: FedAvgM; lr 1, mu 0: FedAvg)
+- `adagrad`: m = b1 m + (1 - b1) Delta;  v += Delta^2
+- `adam`:    m as above;  v = b2 v + (1 - b2) Delta^2
+- `yogi`:    m as above;  v -= (1 - b2) Delta^2 sign(v - Delta^2)
+
+and for the adaptive three x += lr m_hat / (sqrt(v_hat) + tau), where the hats
+are m / (1 - b1^t) and (adam, yogi) v / (1 - b2^t) with `bias_correction`,
+else m and v themselves. Moments start at zero, as in the seed notebook.
+
+BatchNorm statistics and other buffers never enter an optimiser: they are
+averaged. Optimiser state is float64; the model stays float32 on the wire.
+(Flower's own FedAdam/FedYogi/FedAdagrad step every entry, buffers included,
+and upcast to float64, hence this module.)
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from .aggregate import Arrays, cast_like, mean64, normalized
+from .fedavg import FedAvg
+
+SERVER_OPTIMIZERS = ("sgd", "adagrad", "adam", "yogi")
+
+
+class FedOpt(FedAvg):
+    """A server optimiser on the example-weighted pseudo-gradient."""
+
+    def __init__(
+        self,
+        *,
+        optimizer: str,
+        server_lr: float,
+        momentum: float = 0.0,
+        beta1: float = 0.9,
+        beta2: float = 0.99,
+        tau: float = 1e-3,
+        bias_correction: bool = False,
+        **base,
+    ) -> None:
+        super().__init__(**base)
+        if optimizer not in SERVER_OPTIMIZERS:
+            raise ValueError(
+                f"unknown server optimiser {optimizer!r}; "
+                f"allowed: {', '.join(SERVER_OPTIMIZERS)}"
+            )
+        self.optimizer = optimizer
+        self.server_lr = server_lr
+        self.momentum = momentum
+        self.beta1, self.beta2, self.tau = beta1, beta2, tau
+        self.bias_correction = bias_correction
+        self.steps = 0
+        self.m: dict[str, np.ndarray] = {}
+        self.v: dict[str, np.ndarray] = {}
+
+    def update(
+        self, current: Arrays, updates: list[Arrays], weights: list[float]
+    ) -> dict[str, np.ndarray]:
+        w = normalized(weights, len(updates))
+        trained = set(self.trained_keys())
+        self.steps += 1
+        out = {}
+        for key, x in current.items():
+            mean = mean64(updates, w, key)
+            if key in trained:
+                x64 = x.astype(np.float64)
+                out[key] = cast_like(x64 + self._increment(key, mean - x64), x)
+            else:
+                out[key] = cast_like(mean, x)
+        return out
+
+    def _increment(self, key: str, delta: np.ndarray) -> np.ndarray:
+        """lr times the step direction for one entry; updates the moments."""
+        if self.optimizer == "sgd":
+            if not self.momentum:
+                return self.server_lr * delta
+            v = self.momentum * self.v.get(key, 0.0) + delta
+            self.v[key] = v
+            return self.server_lr * v
+        b1, b2, t = self.beta1, self.beta2, self.steps
+        m = b1 * self.m.get(key, 0.0) + (1 - b1) * delta
+        v = self.v.get(key, np.zeros_like(delta))
+        square = delta * delta
+        if self.optimizer == "adagrad":
+            v = v + square
+        elif self.optimizer == "adam":
+            v = b2 * v + (1 - b2) * square
+        else:  # yogi
+            v = v - (1 - b2) * square * np.sign(v - square)
+        self.m[key], self.v[key] = m, v
+        if self.bias_correction:
+            m = m / (1 - b1**t)
+            if self.optimizer != "adagrad":
+                v = v / (1 - b2**t)
+        return self.server_lr * m / (np.sqrt(v) + self.tau)

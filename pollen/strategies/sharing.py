@@ -1,0 +1,89 @@
+"""Sharing policies: which model entries travel, decided by the module that owns them.
+
+Every state-dict entry gets a kind from the module type that owns it and
+whether it is trained, never from its name:
+
+- `weight`: a trained parameter outside BatchNorm;
+- `bn-affine`: BatchNorm's trained scale and shift;
+- `bn-stat`: BatchNorm's running mean, variance and batch counter;
+- `buffer`: any other persistent buffer;
+- `frozen`: a parameter that is not trained (it never travels).
+
+A policy is the set of kinds that travel; everything else stays on the
+client, in `context.state`, and is restored before its next local training.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Literal, TypeVar
+
+from torch import nn
+
+Kind = Literal["weight", "bn-affine", "bn-stat", "buffer", "frozen"]
+TRAINED: frozenset[Kind] = frozenset({"weight", "bn-affine"})
+
+POLICIES: dict[str, frozenset[Kind]] = {
+    "shared": frozenset({"weight", "bn-affine", "bn-stat", "buffer"}),
+    "fedbn": frozenset({"weight", "buffer"}),
+    "silobn": frozenset({"weight", "bn-affine", "buffer"}),
+}
+
+T = TypeVar("T")
+
+
+def entry_kinds(model: nn.Module) -> dict[str, Kind]:
+    """The kind of every state-dict entry of `model`, in state-dict order."""
+    kinds: dict[str, Kind] = {}
+    for prefix, module in model.named_modules():
+        is_bn = isinstance(module, nn.modules.batchnorm._BatchNorm)
+        dot = f"{prefix}." if prefix else ""
+        for name, param in module.named_parameters(recurse=False):
+            if not param.requires_grad:
+                kinds[dot + name] = "frozen"
+            else:
+                kinds[dot + name] = "bn-affine" if is_bn else "weight"
+        for name, _ in module.named_buffers(recurse=False):
+            kinds[dot + name] = "bn-stat" if is_bn else "buffer"
+    return {name: kinds[name] for name in model.state_dict()}
+
+
+@dataclass(frozen=True)
+class Sharing:
+    """A policy applied to one model: which entries travel and which are trained."""
+
+    policy: str
+    kinds: Mapping[str, Kind]
+
+    @classmethod
+    def of(cls, policy: str, model: nn.Module) -> Sharing:
+        if policy not in POLICIES:
+            raise ValueError(
+                f"unknown sharing policy {policy!r}; allowed: {', '.join(POLICIES)}"
+            )
+        return cls(policy, entry_kinds(model))
+
+    @property
+    def shared(self) -> tuple[str, ...]:
+        """Entries that travel, in both directions."""
+        travels = POLICIES[self.policy]
+        return tuple(k for k, kind in self.kinds.items() if kind in travels)
+
+    @property
+    def local(self) -> tuple[str, ...]:
+        """Trained or tracked entries that stay on the client."""
+        travels = POLICIES[self.policy]
+        return tuple(
+            k
+            for k, kind in self.kinds.items()
+            if kind not in travels and kind != "frozen"
+        )
+
+    def trained_shared(self, exclude_bn: bool = False) -> tuple[str, ...]:
+        """Shared entries a server optimiser may step (never buffers or statistics)."""
+        kinds = {"weight"} if exclude_bn else TRAINED
+        return tuple(k for k in self.shared if self.kinds[k] in kinds)
+
+    def select(self, state: Mapping[str, T], names: tuple[str, ...]) -> dict[str, T]:
+        return {name: state[name] for name in names}
