@@ -6,7 +6,13 @@ import torch
 
 from pollen.task.data import load_dataset
 from pollen.task.models import build_model
-from pollen.task.train import Preprocess, evaluate, random_crop_flip, train_sgd
+from pollen.task.train import (
+    ClientOptimizer,
+    Preprocess,
+    evaluate,
+    random_crop_flip,
+    train_local,
+)
 
 
 def test_crop_without_padding_is_identity_up_to_flip() -> None:
@@ -37,9 +43,9 @@ def test_local_sgd_learns_digits_and_is_deterministic() -> None:
 
     def run() -> tuple[float, dict]:
         model = build_model("mlp", ds.input_shape, 10, seed=1)
-        train_sgd(
-            model, ds.x_train, ds.y_train, epochs=3, batch_size=32, lr=0.05,
-            momentum=0.9, weight_decay=0.0, preprocess=prep, seed=7,
+        train_local(
+            model, ds.x_train, ds.y_train, epochs=3, batch_size=32,
+            optimizer=ClientOptimizer("sgd", 0.05, momentum=0.9), preprocess=prep, seed=7,
         )  # fmt: skip
         return evaluate(model, ds.x_test, ds.y_test, batch_size=100, preprocess=prep)[
             1

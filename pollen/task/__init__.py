@@ -10,7 +10,7 @@ import torch
 
 from ..settings import Settings
 from .data import Dataset, load_dataset
-from .partition import label_counts, partition_indices, test_shards
+from .partition import client_test_indices, label_counts, partition_indices
 
 
 @dataclass(frozen=True)
@@ -86,7 +86,7 @@ def _client_shard(
 def _test_shards(key: DataKey) -> list[np.ndarray]:
     dataset, shards = _federated_data(key)
     counts = label_counts(dataset.y_train.numpy(), shards, dataset.num_classes)
-    return test_shards(dataset.y_test.numpy(), counts, key.seed)
+    return client_test_indices(dataset.y_test.numpy(), counts, key.seed)
 
 
 @cache

@@ -147,7 +147,7 @@ def label_counts(
     return np.stack([np.bincount(labels[s], minlength=num_classes) for s in shards])
 
 
-def test_shards(
+def client_test_indices(
     test_labels: np.ndarray, train_counts: np.ndarray, seed: int
 ) -> list[np.ndarray]:
     """Each client's share of the test split, following its training labels.

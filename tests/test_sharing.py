@@ -1,0 +1,167 @@
+"""Sharing policies end to end on the ClientApp: local entries never travel,
+in either direction, and survive between rounds in `context.state`."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from flwr.app import ArrayRecord, ConfigRecord, Context, Message, RecordDict
+from torch import nn
+
+from pollen import client_app
+from pollen.settings import Settings
+from pollen.strategies.fedavg import CLIENT_KEY
+from pollen.strategies.sharing import Sharing, entry_kinds
+from pollen.task.data import load_dataset
+from pollen.task.models import build_model
+from pollen.task.partition import client_test_indices, label_counts, partition_indices
+
+pytestmark = pytest.mark.usefixtures("task_identity")
+
+BN_STATS = {"2.running_mean", "2.running_var", "2.num_batches_tracked"}
+BN_AFFINE = {"2.weight", "2.bias"}
+
+
+class Oddly(nn.Module):
+    """Names that lie: a Linear called `bn`, a BatchNorm called `fc`."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.bn = nn.Linear(3, 3)
+        self.fc = nn.BatchNorm1d(3)
+        self.frozen = nn.Linear(3, 3).requires_grad_(False)
+
+
+def test_kinds_come_from_module_types_not_names() -> None:
+    kinds = entry_kinds(Oddly())
+    assert kinds["bn.weight"] == "weight" and kinds["fc.weight"] == "bn-affine"
+    assert kinds["fc.running_var"] == kinds["fc.num_batches_tracked"] == "bn-stat"
+    assert kinds["frozen.weight"] == "frozen"
+    sharing = Sharing.of("fedbn", Oddly())
+    assert set(sharing.shared) == {"bn.weight", "bn.bias"}
+    assert "frozen.weight" not in sharing.shared + sharing.local
+
+
+def test_policies_on_mlp_bn() -> None:
+    model = build_model("mlp-bn", (1, 8, 8), 10, 0)
+    everything = set(model.state_dict())
+    shared = Sharing.of("shared", model)
+    assert set(shared.shared) == everything and not shared.local
+    fedbn = Sharing.of("fedbn", model)
+    assert set(fedbn.local) == BN_STATS | BN_AFFINE
+    assert set(fedbn.shared) == everything - BN_STATS - BN_AFFINE
+    silobn = Sharing.of("silobn", model)
+    assert set(silobn.local) == BN_STATS and set(silobn.shared) >= BN_AFFINE
+    assert (
+        set(silobn.trained_shared())
+        == {"1.weight", "1.bias", "4.weight", "4.bias"} | BN_AFFINE
+    )
+    assert set(silobn.trained_shared(exclude_bn=True)) == {
+        "1.weight",
+        "1.bias",
+        "4.weight",
+        "4.bias",
+    }
+
+
+def run_config(**overrides) -> dict:
+    config = {
+        "data-set": "digits", "model": "mlp-bn", "num-clients": 2, "batch-size": 32,
+        "lr": 0.05, "partition": "silos", "device": "cpu", **overrides,
+    }  # fmt: skip
+    return Settings.from_run_config(config).to_run_config()
+
+
+def message(kind: str, arrays: ArrayRecord, client: int, server_round: int) -> Message:
+    config = ConfigRecord(
+        {"lr": 0.05, "server-round": server_round, CLIENT_KEY: client}
+    )
+    return Message(
+        RecordDict({"arrays": arrays, "config": config}),
+        dst_node_id=1,
+        message_type=kind,
+    )
+
+
+def global_model(settings: dict) -> tuple[nn.Module, Sharing]:
+    model = build_model("mlp-bn", (1, 8, 8), 10, settings["seed"])
+    return model, Sharing.of(settings["bn-policy"], model)
+
+
+@pytest.mark.parametrize("policy", ["fedbn", "silobn"])
+def test_local_entries_never_travel_and_survive_rounds(policy) -> None:
+    settings = run_config(**{"bn-policy": policy})
+    model, sharing = global_model(settings)
+    context = Context(1, 1, {}, RecordDict(), settings)
+    sent = ArrayRecord({k: model.state_dict()[k] for k in sharing.shared})
+    counts = []
+    for rnd in (1, 2):
+        reply = client_app.train(message("train", sent, 1, rnd), context)
+        up = reply.content["arrays"]
+        assert set(up) == set(sharing.shared)
+        assert not set(up) & BN_STATS
+        assert bool(set(up) & BN_AFFINE) is (policy == "silobn")
+        local = context.state["local-1"]
+        assert set(local) == set(sharing.local)
+        counts.append(int(local["2.num_batches_tracked"].numpy()))
+        sent = up
+    # the counter kept counting: round 2 started from round 1's statistics
+    assert counts[1] == 2 * counts[0] > 0
+    assert "local-0" not in context.state  # client 0 did not train
+    evaluation = client_app.evaluate_personal(message("evaluate", sent, 1, 2), context)
+    metrics = evaluation.content["metrics"]
+    assert 0 <= metrics["global-accuracy"] <= 1 and metrics["local-accuracy"] > 0.5
+    # silo 1 holds classes 5-9 only: its own test shard is those classes
+    assert metrics["num-examples"] < 0.6 * 360
+
+
+def test_client_refuses_entries_its_policy_keeps_local() -> None:
+    settings = run_config(**{"bn-policy": "fedbn"})
+    model, _ = global_model(settings)
+    context = Context(1, 1, {}, RecordDict(), settings)
+    with pytest.raises(ValueError, match="bn-policy=fedbn"):
+        client_app.train(
+            message("train", ArrayRecord(model.state_dict()), 0, 1), context
+        )
+
+
+def test_feddyn_state_is_per_client_and_only_for_trained_clients() -> None:
+    settings = run_config(strategy="feddyn", **{"bn-policy": "shared"})
+    model, sharing = global_model(settings)
+    context = Context(1, 1, {}, RecordDict(), settings)
+    sent = ArrayRecord(model.state_dict())
+    reply = client_app.train(message("train", sent, 0, 1), context)
+    h = context.state["feddyn-h-0"]
+    assert "feddyn-h-1" not in context.state
+    assert set(h) == set(sharing.trained_shared(exclude_bn=True))  # no BatchNorm
+    theta_k = reply.content["arrays"]
+    for name in h:  # h_0 = 0 - alpha (theta_k - theta_t)
+        expected = -0.1 * (theta_k[name].numpy() - sent[name].numpy())
+        np.testing.assert_allclose(h[name].numpy(), expected, rtol=1e-5, atol=1e-7)
+    client_app.train(message("train", theta_k, 0, 2), context)
+    assert not np.allclose(
+        context.state["feddyn-h-0"]["1.weight"].numpy(), h["1.weight"].numpy()
+    )
+
+
+def test_test_shards_follow_training_label_mix_and_do_not_overlap() -> None:
+    ds = load_dataset("digits", "unused", download=False)
+    train = partition_indices(
+        ds.y_train.numpy(), 10, 4, "pathological", classes_per_client=2, seed=3
+    )
+    counts = label_counts(ds.y_train.numpy(), train, 10)
+    shards = client_test_indices(ds.y_test.numpy(), counts, seed=3)
+    joined = np.concatenate(shards)
+    assert len(joined) == len(set(joined.tolist()))
+    for shard, row in zip(shards, counts, strict=True):
+        classes = set(np.unique(ds.y_test.numpy()[shard]).tolist())
+        assert classes <= set(np.flatnonzero(row).tolist())
+
+
+def test_client_model_starts_local_entries_from_the_common_initialisation() -> None:
+    settings = run_config(**{"bn-policy": "fedbn"})
+    model, sharing = global_model(settings)
+    fresh = build_model("mlp-bn", (1, 8, 8), 10, settings["seed"])
+    for name in sharing.local:
+        assert torch.equal(model.state_dict()[name], fresh.state_dict()[name])
