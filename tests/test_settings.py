@@ -40,7 +40,9 @@ def test_pyproject_declares_every_key_with_the_same_type() -> None:
         ("data-set", "imagenet", "one of digits, mnist"),
         ("model", "resnet", "one of mlp, mlp-bn, cnn, mobilenet"),
         ("partition", "random", "one of iid, niid, pathological, silos"),
-        ("strategy", "fedsgd", "one of fedavg"),
+        ("strategy", "fedsgd", "one of fedavg, fedavgm"),
+        ("bn-policy", "bn", "one of shared, fedbn, silobn"),
+        ("server-update", "avg", "one of auto, fedavg, feddyn"),
         ("device", "tpu", "one of auto, cpu, cuda, mps"),
         ("client-frac", 0.0, "in (0, 1]"),
         ("client-frac", 1.5, "in (0, 1]"),
@@ -71,3 +73,40 @@ def test_integral_float_and_bool_strings_are_coerced() -> None:
     s = Settings.from_run_config({"rounds": 3.0, "augment": "false", "lr": 1})
     assert (s.rounds, s.augment, s.lr) == (3, False, 1.0)
     assert Settings.from_run_config(s.to_run_config()) == s
+
+
+def test_readme_reference_lists_every_key() -> None:
+    readme = (PROJECT / "README.md").read_text()
+    missing = [k for k, *_ in Settings.describe() if f"| `{k}` |" not in readme]
+    assert not missing, f"README's configuration reference lacks {missing}"
+
+
+@pytest.mark.parametrize(
+    ("preset", "update", "objective", "server_lr", "momentum"),
+    [
+        ("fedavg", "fedavg", "plain", 1.0, 0.0),
+        ("fedavgm", "sgd", "plain", 1.0, 0.9),
+        ("fedprox", "fedavg", "prox", 1.0, 0.0),
+        ("fedsam", "fedavg", "sam", 1.0, 0.0),
+        ("feddyn", "feddyn", "feddyn", 1.0, 0.0),
+        ("fedadagrad", "adagrad", "plain", 0.01, 0.0),
+        ("fedadam", "adam", "plain", 0.01, 0.0),
+        ("fedyogi", "yogi", "plain", 0.01, 0.0),
+    ],
+)
+def test_presets_resolve_auto_values(preset, update, objective, server_lr, momentum):
+    s = Settings.from_run_config({"strategy": preset})
+    assert (s.server_update, s.local_objective) == (update, objective)
+    assert (s.server_lr, s.server_momentum) == (server_lr, momentum)
+    assert Settings.from_run_config(s.to_run_config()) == s
+
+
+def test_explicit_parts_override_the_preset() -> None:
+    s = Settings.from_run_config(
+        {"strategy": "fedadam", "local-objective": "sam", "server-lr": 0.1}
+    )
+    assert (s.server_update, s.local_objective, s.server_lr) == ("adam", "sam", 0.1)
+    with pytest.raises(SettingsError, match="allowed: auto or a float"):
+        Settings.from_run_config({"server-lr": "fast"})
+    with pytest.raises(SettingsError, match="'b1,b2'"):
+        Settings.from_run_config({"betas": "0.9"})

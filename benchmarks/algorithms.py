@@ -1,0 +1,143 @@
+"""Accuracy of the algorithm suite on real data, through complete `pollen run`s.
+
+    .venv/bin/python benchmarks/algorithms.py seed004 [--data-root D] [--out DIR]
+    .venv/bin/python benchmarks/algorithms.py fmnist [--seeds 1 2 3] [--only fedavg ...]
+
+`seed004`: the notebook's grid on MNIST in two class silos (configs/seed004-*):
+FedAvg, and {SiloBN, FedBN} x server {SGD, Adagrad, Yogi, Adam}. Prints each
+client's personalised model (shared entries + its own BatchNorm entries) on
+the whole test set after round 10, rounded like the notebook, beside its table.
+
+`fmnist`: configs/fmnist-2class.toml (Fashion-MNIST, 10 clients with 2
+classes each, full participation, 20 rounds) with every strategy preset and
+the settings in FMNIST below; prints final and best test accuracy per seed.
+
+Each run's directory under --out is kept; a run whose directory exists is
+read back instead of repeated, so an interrupted benchmark resumes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+PROJECT = Path(__file__).resolve().parents[1]
+SEED004 = "configs/seed004-fedavg.toml"
+# (row, column) -> (strategy preset, bn-policy, extra settings)
+SERVER = {
+    "SGD": ("fedavgm", "server-lr=1.0"),
+    "Adagrad": ("fedadagrad", "server-lr=0.01 tau=0.0001"),
+    "Yogi": ("fedyogi", "server-lr=0.01 tau=0.0001"),
+    "Adam": ("fedadam", "server-lr=0.01 tau=0.0001 bias-correction=true"),
+}
+NOTEBOOK = {
+    ("FedAvg", "SGD"): "71 (global)",
+    ("SiloBN", "SGD"): "(64, 74)",
+    ("FedBN", "SGD"): "(67, 72)",
+    ("SiloBN", "Adagrad"): "(68, 78)",
+    ("SiloBN", "Yogi"): "(82, 83)",
+    ("SiloBN", "Adam"): "(83, 84)",
+    ("FedBN", "Adagrad"): "(71, 74)",
+    ("FedBN", "Yogi"): "(84, 85)",
+    ("FedBN", "Adam"): "(83, 84)",
+}
+FMNIST_CONFIG = "configs/fmnist-2class.toml"
+FMNIST = {
+    "fedavg": "strategy='fedavg'",
+    "fedprox": "strategy='fedprox' prox-mu=0.01",
+    "feddyn": "strategy='feddyn' dyn-alpha=0.01",
+    "fedsam": "strategy='fedsam' sam-rho=0.05",
+    "fedadam": "strategy='fedadam' server-lr=0.01",
+    "fedyogi": "strategy='fedyogi' server-lr=0.01",
+    "fedavgm": "strategy='fedavgm' server-lr=1.0 server-momentum=0.5",
+}
+
+
+def run(out: Path, name: str, *config: str) -> dict:
+    """One `pollen run` (or the results of an earlier one) as its run directory's files."""
+    run_dir = out / name
+    if not (run_dir / "summary.json").exists():
+        args = [str(Path(sys.executable).parent / "pollen"), "run", str(PROJECT)]
+        for value in [*config, f"output-dir='{out}' run-name='{name}'"]:
+            args += ["-c", value]
+        print(f"running {name} ...", file=sys.stderr, flush=True)
+        done = subprocess.run(args, capture_output=True, text=True, cwd=PROJECT)
+        if done.returncode != 0:
+            raise SystemExit(
+                f"{name} failed:\n{done.stdout[-2000:]}{done.stderr[-2000:]}"
+            )
+    return {
+        "summary": json.loads((run_dir / "summary.json").read_text()),
+        "history": json.loads((run_dir / "history.json").read_text()),
+    }
+
+
+def seed004(out: Path, data_root: str) -> None:
+    data = f"data-root='{data_root}'"
+    fedavg = run(out, "seed004-fedavg", SEED004, data)
+    rows = [
+        (
+            "FedAvg",
+            "SGD",
+            f"{round(100 * fedavg['summary']['final-accuracy'])} (global)",
+        )
+    ]
+    for policy, label in (("silobn", "SiloBN"), ("fedbn", "FedBN")):
+        for column, (preset, extra) in SERVER.items():
+            result = run(
+                out, f"seed004-{policy}-{column.lower()}", SEED004, data,
+                f"strategy='{preset}' bn-policy='{policy}' {extra}",
+            )  # fmt: skip
+            personal = result["history"][-1]["personal"]
+            cell = tuple(
+                round(100 * personal[c]["global-accuracy"]) for c in ("0", "1")
+            )
+            rows.append((label, column, f"({cell[0]}, {cell[1]})"))
+    print("| BatchNorm | server | pollen (client 0, client 1) | notebook |")
+    print("|---|---|---|---|")
+    for label, column, cell in rows:
+        print(f"| {label} | {column} | {cell} | {NOTEBOOK[(label, column)]} |")
+
+
+def fmnist(out: Path, data_root: str, seeds: list[int], only: list[str]) -> None:
+    data = f"data-root='{data_root}'"
+    names = only or list(FMNIST)
+    print("| strategy | settings | " + " | ".join(f"seed {s} final (best)" for s in seeds)
+          + " | mean final |")  # fmt: skip
+    print("|---|---|" + "---|" * (len(seeds) + 1))
+    for name in names:
+        finals, cells = [], []
+        for seed in seeds:
+            summary = run(out, f"fmnist-{name}-s{seed}", FMNIST_CONFIG, data,
+                          f"{FMNIST[name]} seed={seed}")["summary"]  # fmt: skip
+            finals.append(summary["final-accuracy"])
+            cells.append(
+                f"{100 * summary['final-accuracy']:.2f} ({100 * summary['best-accuracy']:.2f})"
+            )
+        mean = 100 * sum(finals) / len(finals)
+        print(
+            f"| {name} | `{FMNIST[name]}` | " + " | ".join(cells) + f" | {mean:.2f} |",
+            flush=True,
+        )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("suite", choices=("seed004", "fmnist"))
+    parser.add_argument("--data-root", default=str(PROJECT.parent / "shared" / "data"))
+    parser.add_argument("--out", type=Path, default=PROJECT / "results" / "benchmarks")
+    parser.add_argument("--seeds", type=int, nargs="+", default=[1, 2, 3])
+    parser.add_argument("--only", nargs="*", default=[], choices=list(FMNIST))
+    args = parser.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    if args.suite == "seed004":
+        seed004(args.out.resolve(), args.data_root)
+    else:
+        fmnist(args.out.resolve(), args.data_root, args.seeds, args.only)
+
+
+if __name__ == "__main__":
+    main()
