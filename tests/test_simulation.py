@@ -17,6 +17,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from flwr.app import ArrayRecord
 
 from pollen.cli import free_port
 from pollen.strategies.sharing import Sharing
@@ -223,15 +224,12 @@ def test_every_strategy_runs_end_to_end(
     run_dir = tmp_path / "run"
     rows = history(run_dir)
     assert all(np.isfinite(r["loss"]) and not r["failures"] for r in rows)
-    shared = Sharing.of(policy, build_model(model, (1, 8, 8), 10, 0)).shared
-    state = build_model(model, (1, 8, 8), 10, 0).state_dict()
-    per_client = sum(state[k].numel() * state[k].element_size() for k in shared)
+    reference = build_model(model, (1, 8, 8), 10, 0)
+    state = reference.state_dict()
+    shared = Sharing.of(policy, reference).shared
+    per_client = ArrayRecord({k: state[k] for k in shared}).count_bytes()
     for r in rows:  # exactly the shared entries travelled, both ways
-        assert (
-            r["bytes-down"]
-            == r["bytes-up"]
-            == pytest.approx(per_client * len(r["clients"]), rel=0.02)
-        )
+        assert r["bytes-down"] == r["bytes-up"] == per_client * len(r["clients"])
     if policy == "shared":
         assert "personal models" not in run.stdout and not rows[-1]["personal"]
     else:
