@@ -25,7 +25,6 @@ DATA_SETS = ("digits", "mnist", "fashion-mnist", "cifar10", "cifar100")
 MODELS = ("mlp", "mlp-bn", "cnn", "mobilenet")
 PARTITIONS = ("iid", "niid", "pathological", "silos")
 SERVER_UPDATES = ("fedavg", "feddyn", "sgd", "adagrad", "adam", "yogi")
-ADAPTIVE_UPDATES = ("adagrad", "adam", "yogi")
 LOCAL_OBJECTIVES = ("plain", "sam", "feddyn", "prox")
 BN_POLICIES = ("shared", "fedbn", "silobn")
 OPTIMIZERS = ("sgd", "adam", "adamw")
@@ -260,11 +259,6 @@ class Settings:
     def client_betas(self) -> tuple[float, float]:
         """`betas` as numbers (validated when the settings were made)."""
         return _parse_betas(self.betas) or (0.9, 0.999)
-
-    @property
-    def keeps_local_entries(self) -> bool:
-        """Whether clients hold model entries that never travel."""
-        return self.bn_policy != "shared"
 
     def to_run_config(self) -> dict[str, Scalar]:
         """The settings as run-config keys (what `settings.json` holds)."""

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Literal, TypeVar
+from typing import Literal
 
 from torch import nn
 
@@ -29,8 +29,6 @@ POLICIES: dict[str, frozenset[Kind]] = {
     "fedbn": frozenset({"weight", "buffer"}),
     "silobn": frozenset({"weight", "bn-affine", "buffer"}),
 }
-
-T = TypeVar("T")
 
 
 def entry_kinds(model: nn.Module) -> dict[str, Kind]:
@@ -84,6 +82,3 @@ class Sharing:
         """Shared entries a server optimiser may step (never buffers or statistics)."""
         kinds = {"weight"} if exclude_bn else TRAINED
         return tuple(k for k in self.shared if self.kinds[k] in kinds)
-
-    def select(self, state: Mapping[str, T], names: tuple[str, ...]) -> dict[str, T]:
-        return {name: state[name] for name in names}
