@@ -28,7 +28,7 @@ from flwr.clientapp import ClientApp
 from .settings import Settings
 from .strategies.fedavg import CLIENT_KEY
 from .strategies.sharing import Sharing
-from .task import client_shard, client_test_shard, federated_data
+from .task import client_shard, client_test_shard, federated_data, held_out_split
 from .task.data import Dataset
 from .task.models import build_model
 from .task.train import (
@@ -192,8 +192,7 @@ def evaluate_personal(msg: Message, context: Context) -> Message:
     cm = ClientModel.assemble(msg, context)
     batch = cm.settings.test_batch_size
     prep = cm.preprocess(augment=False)
-    x_test = cm.dataset.x_test.to(cm.device)
-    y_test = cm.dataset.y_test.to(cm.device)
+    x_test, y_test = held_out_split(cm.settings, cm.device)
     g_loss, g_acc = evaluate(
         cm.model, x_test, y_test, batch_size=batch, preprocess=prep
     )

@@ -50,6 +50,13 @@ def client_shard(
     return _client_shard(DataKey.of(settings), client, str(device))
 
 
+def held_out_split(
+    settings: Settings, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The whole test split on `device`, moved there once per process."""
+    return _held_out_split(DataKey.of(settings), str(device))
+
+
 def client_test_shard(
     settings: Settings, client: int, device: torch.device
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -96,3 +103,9 @@ def _client_test_shard(
     dataset, _ = _federated_data(key)
     index = torch.from_numpy(_test_shards(key)[client])
     return dataset.x_test[index].to(device), dataset.y_test[index].to(device)
+
+
+@cache
+def _held_out_split(key: DataKey, device: str) -> tuple[torch.Tensor, torch.Tensor]:
+    dataset, _ = _federated_data(key)
+    return dataset.x_test.to(device), dataset.y_test.to(device)
