@@ -71,8 +71,8 @@ def prepare_run(app: Path, overrides: Sequence[str]) -> tuple[Settings, str]:
 
     Relative `data-root`/`output-dir` are resolved against this shell's
     directory (the SuperLink's processes run elsewhere), and an empty
-    `run-name` gets a generated one, so this command knows where results land.
-    Returns the settings and the complete run config as one "key=value" string.
+    `run-name` gets a generated one, so this command knows where results land
+    (with `resume`: the directory being resumed). Returns the settings and the complete run config as one "key=value" string.
     """
     settings = Settings.from_run_config(resolve_run_config(app, overrides))
     settings = dataclasses.replace(
@@ -81,8 +81,10 @@ def prepare_run(app: Path, overrides: Sequence[str]) -> tuple[Settings, str]:
         output_dir=str(Path(settings.output_dir).expanduser().resolve()),
         run_name=settings.run_name
         or default_run_name(settings.strategy, settings.data_set),
+        resume=settings.resume and str(Path(settings.resume).expanduser().resolve()),
     )
-    check_run_dir_is_new(settings.output_dir, settings.run_name)
+    if not settings.resume:
+        check_run_dir_is_new(settings.output_dir, settings.run_name)
     config = settings.to_run_config()
     return settings, " ".join(f"{k}={json.dumps(v)}" for k, v in config.items())
 
@@ -181,7 +183,7 @@ def run(args: argparse.Namespace) -> int:
     except (SettingsError, CliError, ResultsError) as err:
         print(f"pollen: error: {err}", file=sys.stderr)
         return EXIT_BAD_INPUT
-    run_dir = Path(settings.output_dir) / settings.run_name
+    run_dir = Path(settings.resume or Path(settings.output_dir) / settings.run_name)
     flwr_args = ["run", str(app)]
     federation = list(args.federation_config)
     if args.connection is None and not any(
@@ -208,7 +210,11 @@ def _flwr(flwr_args: list[str], env: dict[str, str]) -> None:
 
 def _keep_log(log_path: Path, run_dir: Path) -> None:
     if log_path.exists() and run_dir.is_dir():
-        shutil.copy(log_path, run_dir / "superlink.log")
+        target, n = run_dir / "superlink.log", 1
+        while target.exists():  # a resumed run keeps the earlier logs
+            n += 1
+            target = run_dir / f"superlink-{n}.log"
+        shutil.copy(log_path, target)
 
 
 def report(run_dir: Path) -> int:

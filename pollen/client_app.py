@@ -3,9 +3,11 @@
 A node serves one client (its `partition-id`) or, in a simulation with fewer
 nodes than clients, several; the server names the client in each message.
 What a client keeps between rounds lives in `context.state`, per client:
-the model entries its sharing policy keeps local (`local-<client>`) and
-FedDyn's gradient state h_k (`feddyn-h-<client>`). Only shared entries are
-accepted from the server and only shared entries are sent back.
+the model entries its sharing policy keeps local (`local-<client>`: FedBN's
+BatchNorm, FedSA's LoRA B matrices), FedDyn's gradient state h_k
+(`feddyn-h-<client>`) and, under DP-SGD, the steps its privacy accountant
+has counted (`dp-steps-<client>`). Only shared entries are accepted from the
+server and only shared entries are sent back.
 """
 
 from __future__ import annotations
@@ -28,14 +30,25 @@ from flwr.clientapp import ClientApp
 from .settings import Settings
 from .strategies.fedavg import CLIENT_KEY
 from .strategies.sharing import Sharing
-from .task import client_shard, client_test_shard, federated_data, held_out_split
+from .task import (
+    cached_features,
+    client_shard,
+    client_test_shard,
+    federated_data,
+    held_out_split,
+    settings_model,
+    uses_cached_features,
+)
 from .task.data import Dataset
-from .task.models import build_model
+from .task.privacy import PrivacyPlan, check_private_model, train_private
 from .task.train import (
     ClientOptimizer,
     Preprocess,
     Regularizer,
+    TrainResult,
+    Transform,
     evaluate,
+    no_preprocess,
     pick_device,
     train_local,
 )
@@ -82,15 +95,14 @@ class ClientModel:
             raise ValueError(f"client {client} outside 0..{settings.num_clients - 1}")
         dataset, _ = federated_data(settings)
         # Same seed as the server's model: local entries start where its do.
-        model = build_model(
-            settings.model, dataset.input_shape, dataset.num_classes, settings.seed
-        )
-        sharing = Sharing.of(settings.bn_policy, model)
+        model = settings_model(settings, dataset)
+        sharing = Sharing.of(settings.sharing_policy, model)
         arrays: ArrayRecord = msg.content["arrays"]
         if set(arrays) != set(sharing.shared):
             raise ValueError(
-                f"server sent {len(arrays)} entries; bn-policy={settings.bn_policy} "
-                f"shares {len(sharing.shared)} (same settings on both sides?)"
+                f"server sent {len(arrays)} entries; sharing policy "
+                f"{settings.sharing_policy} shares {len(sharing.shared)} "
+                f"(same settings on both sides?)"
             )
         state = model.state_dict()
         state.update(arrays.to_torch_state_dict())
@@ -113,6 +125,17 @@ class ClientModel:
             device=self.device,
         )
 
+    def inputs(
+        self, split: str, x: torch.Tensor, augment: bool
+    ) -> tuple[torch.Tensor, Transform]:
+        """What the model sees: images and their transform, or stored backbone
+        features (`cache-features`) and the identity."""
+        if uses_cached_features(self.settings, self.model):
+            prep = self.preprocess(augment=False)
+            features = cached_features(self.settings, split, self.model, x, prep)
+            return features, no_preprocess
+        return x, self.preprocess(augment)
+
     def entries(self, names: tuple[str, ...]) -> ArrayRecord:
         state = self.model.state_dict()
         return ArrayRecord({name: state[name].detach().cpu() for name in names})
@@ -133,36 +156,70 @@ def train(msg: Message, context: Context) -> Message:
     """The local objective on this client's shard, from the global model."""
     cm = ClientModel.assemble(msg, context)
     s = cm.settings
-    x, y = client_shard(s, cm.client, cm.device)
+    images, y = client_shard(s, cm.client, cm.device)
+    x, prep = cm.inputs(f"train-{cm.client}", images, s.augment)
     regularizer, h_key = _regularizer(cm, context)
-    result = train_local(
-        cm.model,
-        x,
-        y,
-        epochs=s.local_epochs,
-        batch_size=s.batch_size,
-        optimizer=ClientOptimizer(
-            s.optimizer,
-            float(msg.content["config"]["lr"]),
-            s.momentum,
-            s.weight_decay,
-            s.client_betas,
-        ),
-        preprocess=cm.preprocess(s.augment),
-        seed=_client_seed(s.seed, cm.server_round, cm.client),
-        max_grad_norm=s.max_grad_norm,
-        sam_rho=s.sam_rho if s.local_objective == "sam" else 0.0,
-        regularizer=regularizer,
+    optimizer = ClientOptimizer(
+        s.client_optimizer,
+        float(msg.content["config"]["lr"]),
+        s.momentum,
+        s.weight_decay,
+        s.client_betas,
     )
+    seed = _client_seed(s.seed, cm.server_round, cm.client)
+    privacy: dict[str, float] = {}
+    if s.dp:
+        result, privacy = _train_private(cm, context, x, y, optimizer, prep, seed,
+                                         regularizer)  # fmt: skip
+    else:
+        result = train_local(
+            cm.model, x, y,
+            epochs=s.local_epochs, batch_size=s.batch_size, optimizer=optimizer,
+            preprocess=prep, seed=seed, max_grad_norm=s.max_grad_norm,
+            sam_rho=s.sam_rho if s.local_objective == "sam" else 0.0,
+            regularizer=regularizer,
+        )  # fmt: skip
     if h_key and regularizer is not None:
         params = dict(cm.model.named_parameters())
         context.state[h_key] = ArrayRecord(regularizer.dyn_state_after(params))
     if cm.sharing.local:
         context.state[f"local-{cm.client}"] = cm.entries(cm.sharing.local)
     metrics = MetricRecord(
-        {"num-examples": result.num_examples, "train-loss": result.loss}
+        {"num-examples": result.num_examples, "train-loss": result.loss, **privacy}
     )
     return cm.reply(msg, metrics, arrays=cm.entries(cm.sharing.shared))
+
+
+def _train_private(
+    cm: ClientModel,
+    context: Context,
+    x: torch.Tensor,
+    y: torch.Tensor,
+    optimizer: ClientOptimizer,
+    prep: Transform,
+    seed: int,
+    regularizer: Regularizer | None,
+) -> tuple[TrainResult, dict[str, float]]:
+    """DP-SGD for one round; the epsilon spent over every round so far."""
+    s = cm.settings
+    check_private_model(cm.model, s.model)
+    plan = PrivacyPlan.calibrate(
+        epsilon=s.dp_epsilon, delta=s.dp_delta, max_grad_norm=s.dp_max_grad_norm,
+        shard_size=len(y), batch_size=s.batch_size, local_epochs=s.local_epochs,
+        rounds=s.rounds,
+    )  # fmt: skip
+    result = train_private(
+        cm.model, x, y, plan=plan, batch_size=s.batch_size, optimizer=optimizer,
+        preprocess=prep, seed=seed, regularizer=regularizer,
+    )  # fmt: skip
+    key = f"dp-steps-{cm.client}"
+    before = context.state.get(key)
+    steps = result.steps + (int(before["steps"]) if before is not None else 0)
+    context.state[key] = ConfigRecord({"steps": steps})
+    return result, {
+        "dp-epsilon": plan.epsilon_after(steps),
+        "dp-noise-multiplier": plan.noise_multiplier,
+    }
 
 
 def _regularizer(cm: ClientModel, context: Context) -> tuple[Regularizer | None, str]:
@@ -191,13 +248,14 @@ def evaluate_personal(msg: Message, context: Context) -> Message:
     on its own test shard."""
     cm = ClientModel.assemble(msg, context)
     batch = cm.settings.test_batch_size
-    prep = cm.preprocess(augment=False)
-    x_test, y_test = held_out_split(cm.settings, cm.device)
+    images, y_test = held_out_split(cm.settings, cm.device)
+    x_test, prep = cm.inputs("test", images, augment=False)
     g_loss, g_acc = evaluate(
         cm.model, x_test, y_test, batch_size=batch, preprocess=prep
     )
-    x_own, y_own = client_test_shard(cm.settings, cm.client, cm.device)
+    own, y_own = client_test_shard(cm.settings, cm.client, cm.device)
     if len(y_own):
+        x_own, prep = cm.inputs(f"test-{cm.client}", own, augment=False)
         l_loss, l_acc = evaluate(
             cm.model, x_own, y_own, batch_size=batch, preprocess=prep
         )

@@ -53,6 +53,8 @@ class RoundRecord:
     # client -> {global-accuracy, global-loss, local-accuracy, local-loss}: each
     # client's own model on the global test set and on its own test shard
     personal: dict[int, dict[str, float]] = field(default_factory=dict)
+    # under DP-SGD: the largest epsilon any client has spent so far
+    dp_epsilon: float | None = None
 
     def as_row(self) -> dict[str, Any]:
         row = {k.replace("_", "-"): v for k, v in asdict(self).items()}
@@ -61,6 +63,16 @@ class RoundRecord:
             for c, values in self.personal.items()
         }
         return row
+
+    @classmethod
+    def from_row(cls, row: dict[str, Any]) -> RoundRecord:
+        """The record `as_row` wrote (a resumed run reads its history back)."""
+        values = {k.replace("-", "_"): v for k, v in row.items()}
+        values["personal"] = {
+            int(c): {k: math.nan if v is None else v for k, v in stats.items()}
+            for c, stats in row.get("personal", {}).items()
+        }
+        return cls(**values)
 
     def personal_stats(self, where: str) -> tuple[float, float, float] | None:
         """(mean, min, max) of the clients' accuracies on `global` or `local` tests."""
@@ -119,7 +131,12 @@ def write_history(run_dir: Path, history: list[RoundRecord]) -> None:
     write_json(run_dir / "history.json", rows)
     buffer = io.StringIO()
     personal = any(r.personal for r in history)
-    fields = HISTORY_FIELDS + (PERSONAL_COLUMNS if personal else ())
+    private = any(r.dp_epsilon is not None for r in history)
+    fields = (
+        HISTORY_FIELDS
+        + (("dp-epsilon",) if private else ())
+        + (PERSONAL_COLUMNS if personal else ())
+    )
     writer = csv.DictWriter(buffer, fieldnames=fields, extrasaction="ignore")
     writer.writeheader()
     for record, row in zip(history, rows, strict=True):
@@ -148,6 +165,7 @@ def summarize(
         "total-seconds": round(seconds, 3),
         "total-bytes-up": sum(r.bytes_up for r in history),
         "total-bytes-down": sum(r.bytes_down for r in history),
+        "final-dp-epsilon": history[-1].dp_epsilon if history else None,
         "final-personal": {
             where: history[-1].personal_stats(where) for where in ("global", "local")
         }
@@ -164,7 +182,9 @@ def round_lines(record: RoundRecord, total_rounds: int, seconds_left: float) -> 
         f"     round {record.round}/{total_rounds}: {record.seconds:.2f} s, "
         f"up {_mb(record.bytes_up)}, down {_mb(record.bytes_down)}, "
         f"lr {record.lr:.3g}, clients {len(record.clients)}, "
-        f"~{seconds_left:.0f} s left" + _personal_line(record)
+        f"~{seconds_left:.0f} s left"
+        + (f", dp epsilon {record.dp_epsilon:.2f}" if record.dp_epsilon else "")
+        + _personal_line(record)
     )
 
 

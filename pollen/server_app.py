@@ -3,29 +3,38 @@
 After every round the global model is evaluated on the test split, the
 learning rate for the next round is set by ReduceLROnPlateau on that loss,
 and the history is rewritten, so a run that dies keeps every finished round.
+Every `checkpoint-every` rounds the global model, the strategy's server
+state and the scheduler are saved; `resume` continues a run from its latest
+checkpoint, in its own directory. Optional webhook notifications report the
+start, progress, end and failure of the run.
 """
 
 from __future__ import annotations
 
 import io
+import json
 import time
-from logging import INFO
+from logging import INFO, WARNING
 from pathlib import Path
 
+import numpy as np
 import torch
 from flwr.app import (
+    Array,
     ArrayRecord,
     ConfigRecord,
     Context,
     Message,
     MessageType,
-    MetricRecord,
     RecordDict,
 )
 from flwr.common.logger import log
 from flwr.serverapp import Grid, ServerApp
 
+from .checkpoints import Checkpoint, load_checkpoint, save_checkpoint
+from .notify import Notifier
 from .results import (
+    ResultsError,
     RoundRecord,
     create_run_dir,
     default_run_name,
@@ -37,18 +46,26 @@ from .results import (
     write_history,
     write_json,
 )
-from .settings import Settings
+from .settings import Settings, SettingsError
 from .strategies import build_strategy
-from .strategies.fedavg import CLIENT_KEY, FedAvg, RoundTraffic
+from .strategies.fedavg import CLIENT_KEY, FedAvg, RoundTraffic, to_numpy
 from .strategies.sampling import OneMessagePerNode, Roster, RosterError
-from .task import federated_data
+from .strategies.sharing import count_parameters
+from .task import cached_features, federated_data, settings_model, uses_cached_features
 from .task.data import Dataset
-from .task.models import build_model
+from .task.lora import FrozenBackboneClassifier
 from .task.partition import format_label_counts, label_counts
-from .task.train import Preprocess, evaluate, pick_device
+from .task.privacy import check_private_model
+from .task.train import Preprocess, evaluate, no_preprocess, pick_device
 
 NODE_WAIT_SECONDS = 120.0
 QUERY_TIMEOUT_SECONDS = 120.0
+ROUND_TIMEOUT_SECONDS = 3600.0
+# Keys that may differ between a checkpointed run and the run resuming it
+RESUMABLE_CHANGES = frozenset(
+    {"rounds", "resume", "notify-url", "notify-every", "checkpoint-every",
+     "checkpoint-keep", "device", "output-dir", "run-name"}
+)  # fmt: skip
 
 app = ServerApp()
 
@@ -58,6 +75,46 @@ def main(grid: Grid, context: Context) -> None:
     """Run one federated training job and write its results directory."""
     started = time.monotonic()
     settings = Settings.from_run_config(context.run_config)
+    notifier = Notifier.from_settings(settings.notify_url, settings.notify_every)
+    run_dir, run_name = _open_run_dir(settings)
+    print(f"pollen: results go to {run_dir}", flush=True)
+    if notifier.enabled:
+        print(f"pollen: notifications go to {notifier.describe()}", flush=True)
+    notifier.run_started(
+        run_name, settings.strategy, settings.data_set, settings.rounds
+    )
+    history: list[RoundRecord] = []
+    try:
+        _train(grid, settings, run_dir, history, notifier, run_name)
+    except BaseException as err:
+        summary = summarize(history, "failed", time.monotonic() - started, _reason(err))
+        write_json(run_dir / "summary.json", summary)
+        notifier.run_failed(run_name, _reason(err))
+        notifier.close()
+        raise
+    write_json(
+        run_dir / "summary.json",
+        summarize(history, "completed", time.monotonic() - started),
+    )
+    last = history[-1] if history else None
+    notifier.run_finished(
+        run_name, len(history), last and last.accuracy, last and last.loss,
+        last and last.dp_epsilon,
+    )  # fmt: skip
+    notifier.close()
+    print(f"pollen: run completed; results in {run_dir}", flush=True)
+
+
+def _open_run_dir(settings: Settings) -> tuple[Path, str]:
+    """A new run directory, or with `resume` the existing one it continues."""
+    if settings.resume:
+        run_dir = Path(settings.resume).expanduser().resolve()
+        if not (run_dir / "settings.json").is_file():
+            raise ResultsError(
+                f"invalid value for 'resume': {settings.resume!r}; {run_dir} is not "
+                "a pollen run directory (no settings.json)"
+            )
+        return run_dir, run_dir.name
     run_name = settings.run_name or default_run_name(
         settings.strategy, settings.data_set
     )
@@ -65,19 +122,7 @@ def main(grid: Grid, context: Context) -> None:
     write_json(
         run_dir / "settings.json", {**settings.to_run_config(), "run-name": run_name}
     )
-    print(f"pollen: results go to {run_dir}", flush=True)
-    history: list[RoundRecord] = []
-    try:
-        _train(grid, settings, run_dir, history)
-    except BaseException as err:
-        summary = summarize(history, "failed", time.monotonic() - started, _reason(err))
-        write_json(run_dir / "summary.json", summary)
-        raise
-    write_json(
-        run_dir / "summary.json",
-        summarize(history, "completed", time.monotonic() - started),
-    )
-    print(f"pollen: run completed; results in {run_dir}", flush=True)
+    return run_dir, run_name
 
 
 def _reason(err: BaseException) -> str:
@@ -85,7 +130,12 @@ def _reason(err: BaseException) -> str:
 
 
 def _train(
-    grid: Grid, settings: Settings, run_dir: Path, history: list[RoundRecord]
+    grid: Grid,
+    settings: Settings,
+    run_dir: Path,
+    history: list[RoundRecord],
+    notifier: Notifier,
+    run_name: str,
 ) -> None:
     dataset, shards = federated_data(settings)
     counts = label_counts(dataset.y_train.numpy(), shards, dataset.num_classes)
@@ -103,31 +153,155 @@ def _train(
         f"{dataset.name}: {settings.partition} partition",
     )
     device = pick_device(settings.device)
-    model = build_model(
-        settings.model, dataset.input_shape, dataset.num_classes, settings.seed
-    )
+    model = settings_model(settings, dataset)
+    print(_model_line(settings, model), flush=True)
+    if settings.dp:
+        check_private_model(model, settings.model)
     roster = discover_roster(grid, settings.num_clients)
     log(INFO, "pollen: %d clients on %d nodes", settings.num_clients, roster.num_nodes)
     strategy = build_strategy(settings, roster, model)
-    initial = ArrayRecord({k: v.clone() for k, v in model.state_dict().items()})
+    arrays = ArrayRecord({k: v.clone() for k, v in model.state_dict().items()})
     train_config = ConfigRecord({"lr": settings.lr})
     evaluator = RoundEvaluator(
         settings, dataset, model.to(device), device, strategy, train_config,
         history, run_dir,
     )  # fmt: skip
-    result = strategy.start(
-        grid=OneMessagePerNode(grid),
-        initial_arrays=initial,
-        num_rounds=settings.rounds,
-        train_config=train_config,
-        evaluate_fn=evaluator,
-    )
+    first_round = 1
+    if settings.resume:
+        arrays, first_round = _resume(settings, run_dir, strategy, evaluator, history)
+    grid = OneMessagePerNode(grid)
+    evaluator(0, arrays)  # starts the round clock
+    for server_round in range(first_round, settings.rounds + 1):
+        arrays = _play_round(grid, strategy, server_round, arrays, train_config)
+        record = evaluator(server_round, arrays)
+        if settings.checkpoint_every and (
+            server_round % settings.checkpoint_every == 0
+            or server_round == settings.rounds
+        ):
+            _save_checkpoint(settings, run_dir, server_round, arrays, strategy,
+                             evaluator)  # fmt: skip
+        notifier.round_finished(
+            run_name, server_round, settings.rounds, record.accuracy, record.loss,
+            record.dp_epsilon,
+        )  # fmt: skip
     buffer = io.BytesIO()
-    torch.save(result.arrays.to_torch_state_dict(), buffer)
+    torch.save(arrays.to_torch_state_dict(), buffer)
     write_atomic(run_dir / "model.pt", buffer.getvalue())
     plot_curves(
         history, run_dir / "curves.png", f"{settings.strategy} on {dataset.name}"
     )
+
+
+def _play_round(
+    grid: Grid,
+    strategy: FedAvg,
+    server_round: int,
+    arrays: ArrayRecord,
+    train_config: ConfigRecord,
+) -> ArrayRecord:
+    """One round of Flower's strategy protocol: train, aggregate, evaluate.
+
+    The same calls `Strategy.start` makes, in its order, so that a round can
+    start anywhere (a resumed run starts after its checkpoint).
+    """
+    log(INFO, "[ROUND %d]", server_round)
+    replies = grid.send_and_receive(
+        strategy.configure_train(server_round, arrays, train_config, grid),
+        timeout=ROUND_TIMEOUT_SECONDS,
+    )
+    new_arrays, _ = strategy.aggregate_train(server_round, replies)
+    arrays = new_arrays if new_arrays is not None else arrays
+    replies = grid.send_and_receive(
+        strategy.configure_evaluate(server_round, arrays, ConfigRecord(), grid),
+        timeout=ROUND_TIMEOUT_SECONDS,
+    )
+    strategy.aggregate_evaluate(server_round, replies)
+    return arrays
+
+
+def _model_line(settings: Settings, model: torch.nn.Module) -> str:
+    counts = count_parameters(model)
+    line = (
+        f"pollen: model {settings.model}: {counts['total']:,} parameters, "
+        f"{counts['trainable']:,} trainable"
+    )
+    if counts["lora-a"]:
+        line += f", LoRA A {counts['lora-a']:,}, LoRA B {counts['lora-b']:,}"
+    if isinstance(model, FrozenBackboneClassifier):
+        line += f"; backbone weights: {model.source}"
+    return line
+
+
+def _save_checkpoint(
+    settings: Settings,
+    run_dir: Path,
+    server_round: int,
+    arrays: ArrayRecord,
+    strategy: FedAvg,
+    evaluator: RoundEvaluator,
+) -> None:
+    checkpoint = Checkpoint(
+        round=server_round,
+        model=to_numpy(arrays),
+        strategy_state=strategy.state_arrays(),
+        extra={
+            "settings": settings.to_run_config(),
+            "lr-scheduler": evaluator.scheduler.state_dict(),
+        },
+    )
+    path = save_checkpoint(run_dir, checkpoint, settings.checkpoint_keep)
+    log(INFO, "pollen: checkpoint of round %d in %s", server_round, path)
+
+
+def _resume(
+    settings: Settings,
+    run_dir: Path,
+    strategy: FedAvg,
+    evaluator: RoundEvaluator,
+    history: list[RoundRecord],
+) -> tuple[ArrayRecord, int]:
+    """Restore model, server state, scheduler and history from the latest checkpoint."""
+    checkpoint = load_checkpoint(run_dir)
+    saved = checkpoint.extra.get("settings", {})
+    current = settings.to_run_config()
+    changed = sorted(
+        k for k in current if k not in RESUMABLE_CHANGES and saved.get(k) != current[k]
+    )
+    if changed:
+        key = changed[0]
+        raise SettingsError(
+            f"resume: the checkpoint of round {checkpoint.round} was written with "
+            f"{key}={saved.get(key)!r}, this run has {key}={current[key]!r}; only "
+            f"{', '.join(sorted(RESUMABLE_CHANGES))} may change"
+        )
+    expected = evaluator.model.state_dict()
+    if set(checkpoint.model) != set(expected):
+        raise SettingsError(
+            f"resume: the checkpoint's model entries do not match model "
+            f"{settings.model!r}"
+        )
+    strategy.load_state_arrays(checkpoint.strategy_state)
+    evaluator.scheduler.load_state_dict(checkpoint.extra["lr-scheduler"])
+    evaluator.train_config["lr"] = evaluator.lr
+    rows = _read_history(run_dir)
+    history.extend(r for r in rows if r.round <= checkpoint.round)
+    if (
+        strategy.sharing and strategy.sharing.local
+    ) or settings.local_objective == "feddyn":
+        log(WARNING, "pollen: resuming; client-side state (local entries, FedDyn h_k) "
+            "is not in the server's checkpoint and starts again from scratch")  # fmt: skip
+    print(f"pollen: resuming after round {checkpoint.round}", flush=True)
+    arrays = ArrayRecord(
+        {k: Array(np.ascontiguousarray(v)) for k, v in checkpoint.model.items()}
+    )
+    return arrays, checkpoint.round + 1
+
+
+def _read_history(run_dir: Path) -> list[RoundRecord]:
+    path = run_dir / "history.json"
+    if not path.is_file():
+        return []
+    return [RoundRecord.from_row(row) for row in json.loads(path.read_text())]
 
 
 def discover_roster(grid: Grid, num_clients: int) -> Roster:
@@ -178,11 +352,16 @@ class RoundEvaluator:
         self.settings = settings
         self.model = model
         self.device = device
-        self.x_test = dataset.x_test.to(device)
         self.y_test = dataset.y_test.to(device)
         self.preprocess = Preprocess(
             dataset.mean, dataset.std, settings.normalize, device=device
         )
+        self.x_test = dataset.x_test.to(device)
+        if uses_cached_features(settings, model):
+            self.x_test = cached_features(
+                settings, "test", model, self.x_test, self.preprocess
+            )
+            self.preprocess = no_preprocess
         self.strategy = strategy
         self.train_config = train_config
         self.history = history
@@ -205,8 +384,8 @@ class RoundEvaluator:
     def lr(self) -> float:
         return float(self._lr_holder.param_groups[0]["lr"])
 
-    def __call__(self, server_round: int, arrays: ArrayRecord) -> MetricRecord | None:
-        if server_round == 0:  # Flower's call before the first round: start the clock
+    def __call__(self, server_round: int, arrays: ArrayRecord) -> RoundRecord | None:
+        if server_round == 0:  # the call before the first round: start the clock
             self._last = time.monotonic()
             return None
         state = arrays.to_torch_state_dict()
@@ -232,6 +411,7 @@ class RoundEvaluator:
             failures=traffic.failures,
             eval_bytes=traffic.eval_bytes,
             personal=self.strategy.personal.get(server_round, {}),
+            dp_epsilon=traffic.dp_epsilon,
         )
         self._last = now
         self.history.append(record)
@@ -243,4 +423,4 @@ class RoundEvaluator:
         # Strategy.start passes this same ConfigRecord to every round's
         # configure_train, so the next round's clients receive the new lr.
         self.train_config["lr"] = self.lr
-        return MetricRecord({"accuracy": accuracy, "loss": loss})
+        return record

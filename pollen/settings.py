@@ -22,18 +22,21 @@ from typing import Any
 Scalar = bool | int | float | str
 
 DATA_SETS = ("digits", "mnist", "fashion-mnist", "cifar10", "cifar100")
-MODELS = ("mlp", "mlp-bn", "cnn", "mobilenet")
+MODELS = ("mlp", "mlp-bn", "cnn", "cnn-gn", "cnn-lora", "mobilenet", "vgg16-lora")
+LORA_MODELS = ("cnn-lora", "vgg16-lora")
 PARTITIONS = ("iid", "niid", "pathological", "silos")
 SERVER_UPDATES = ("fedavg", "feddyn", "sgd", "adagrad", "adam", "yogi")
 LOCAL_OBJECTIVES = ("plain", "sam", "feddyn", "prox")
 BN_POLICIES = ("shared", "fedbn", "silobn")
+SHARING = ("all", "lora-a", "lora")
 OPTIMIZERS = ("sgd", "adam", "adamw")
 DEVICES = ("auto", "cpu", "cuda", "mps")
 AUTO = "auto"
 
 # A strategy preset is a default combination of a server update and a local
-# objective (plus the server momentum that makes FedAvgM); explicit
-# `server-update`, `local-objective` and `server-momentum` values win.
+# objective (plus the server momentum that makes FedAvgM, and the sharing
+# of FedSA); explicit `server-update`, `local-objective`, `server-momentum`
+# and `sharing` values win.
 PRESETS: dict[str, dict[str, Scalar]] = {
     "fedavg": {"server-update": "fedavg", "local-objective": "plain"},
     "fedavgm": {
@@ -47,6 +50,11 @@ PRESETS: dict[str, dict[str, Scalar]] = {
     "fedadagrad": {"server-update": "adagrad", "local-objective": "plain"},
     "fedadam": {"server-update": "adam", "local-objective": "plain"},
     "fedyogi": {"server-update": "yogi", "local-objective": "plain"},
+    "fedsa": {
+        "server-update": "fedavg",
+        "local-objective": "plain",
+        "sharing": "lora-a",
+    },
 }
 STRATEGIES = tuple(PRESETS)
 # server-lr = "auto": 1 for a plain step (FedAvg's), 0.01 for the adaptive ones
@@ -159,7 +167,13 @@ class Settings:
         "BatchNorm entries: shared, fedbn (all local), silobn (statistics local)",
         one_of(*BN_POLICIES),
     )
-    optimizer: str = key("sgd", "client optimiser", one_of(*OPTIMIZERS))
+    sharing: str = key(
+        AUTO,
+        "what travels: all (per bn-policy), lora-a (A matrices only; auto: fedsa), "
+        "lora (A and B)",
+        one_of(AUTO, *SHARING),
+    )
+    client_optimizer: str = key("sgd", "client optimiser", one_of(*OPTIMIZERS))
     betas: str = key("0.9,0.999", "client adam/adamw betas", betas_rule())
     max_grad_norm: float = key(
         10.0, "clip each local gradient to this L2 norm (0: no clipping)", at_least(0)
@@ -204,6 +218,47 @@ class Settings:
         1,
         "with local BatchNorm, evaluate each client's own model every N rounds (0: never)",
         at_least(0),
+    )
+    # LoRA heads and the frozen VGG16 backbone (models cnn-lora, vgg16-lora)
+    lora_rank: int = key(
+        8, "LoRA rank r (seed 002: 8 for CIFAR-10, 16 for CIFAR-100)", at_least(1)
+    )
+    lora_alpha: float = key(
+        8.0, "LoRA scale alpha; the update is alpha/r * B A", above(0)
+    )
+    lora_dropout: float = key(
+        0.1, "dropout on the LoRA path", Rule(lambda v: 0 <= v < 1, "in [0, 1)")
+    )
+    backbone_weights: str = key(
+        "imagenet",
+        "vgg16-lora backbone: imagenet (torchvision download), random, or a file path",
+    )
+    cache_features: bool = key(
+        True,
+        "frozen backbone: compute each image's features once, train the head on them",
+    )
+    # Differential privacy (DP-SGD with Opacus)
+    dp: bool = key(False, "train with DP-SGD: per-sample clipping and Gaussian noise")
+    dp_epsilon: float = key(
+        10.0, "privacy budget epsilon for the whole planned run", above(0)
+    )
+    dp_delta: float = key(
+        1e-5, "privacy parameter delta", Rule(lambda v: 0 < v < 1, "in (0, 1)")
+    )
+    dp_max_grad_norm: float = key(1.0, "per-sample gradient clipping bound C", above(0))
+    # Checkpoints and notifications
+    checkpoint_every: int = key(
+        0, "save global model + server state every N rounds (0: never)", at_least(0)
+    )
+    checkpoint_keep: int = key(
+        3, "how many of the newest checkpoints to keep", at_least(1)
+    )
+    resume: str = key("", "a run directory whose latest checkpoint this run continues")
+    notify_url: str = key(
+        "", "webhook for progress messages (empty: env POLLEN_NOTIFY_URL, or none)"
+    )
+    notify_every: int = key(
+        10, "notify every N rounds (0: start and end only)", at_least(0)
     )
     # Partitioning
     partition: str = key("iid", "how training data is split", one_of(*PARTITIONS))
@@ -253,7 +308,13 @@ class Settings:
                 )
             values[name] = value
         _resolve_preset(values)
+        _check_combination(values)
         return cls(**{name.replace("-", "_"): v for name, v in values.items()})
+
+    @property
+    def sharing_policy(self) -> str:
+        """The policy name `Sharing.of` takes: `sharing`, or `bn-policy` under all."""
+        return self.bn_policy if self.sharing == "all" else self.sharing
 
     @property
     def client_betas(self) -> tuple[float, float]:
@@ -297,8 +358,44 @@ def _resolve_preset(values: dict[str, Scalar]) -> None:
             values[name] = preset[name]
     if values["server-momentum"] == AUTO:
         values["server-momentum"] = float(preset.get("server-momentum", 0.0))
+    if values["sharing"] == AUTO:
+        values["sharing"] = preset.get("sharing", "all")
     if values["server-lr"] == AUTO:
         values["server-lr"] = AUTO_SERVER_LR.get(str(values["server-update"]), 1.0)
+
+
+def _check_combination(values: dict[str, Scalar]) -> None:
+    """Refuse combinations of valid values that cannot work together."""
+    if values["sharing"] != "all" and values["model"] not in LORA_MODELS:
+        raise SettingsError(
+            f"sharing={values['sharing']!r} needs a model with LoRA layers; "
+            f"model is {values['model']!r}; allowed: {', '.join(LORA_MODELS)}"
+        )
+    if values["sharing"] != "all" and values["bn-policy"] != "shared":
+        raise SettingsError(
+            f"bn-policy={values['bn-policy']!r} with sharing={values['sharing']!r}: "
+            "under a LoRA sharing everything but the LoRA matrices stays local "
+            "already; leave bn-policy at shared"
+        )
+    if (
+        values["model"] == "vgg16-lora"
+        and values["cache-features"]
+        and values["augment"]
+    ):
+        raise SettingsError(
+            "cache-features=true with augment=true: features are computed once, "
+            "from un-augmented images; set augment=false or cache-features=false"
+        )
+    if values["dp"] and values["local-objective"] == "sam":
+        raise SettingsError(
+            "dp=true with local-objective='sam': SAM's second pass has no "
+            "per-sample clipping; allowed with dp: plain, prox, feddyn"
+        )
+    if values["dp"] and values["resume"]:
+        raise SettingsError(
+            "dp=true with resume: each client's privacy accountant lives in its "
+            "node state and would restart at zero; start a new run instead"
+        )
 
 
 def _coerce(name: str, raw: Scalar, kind: type, auto: bool = False) -> Scalar:

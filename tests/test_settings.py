@@ -38,7 +38,11 @@ def test_pyproject_declares_every_key_with_the_same_type() -> None:
     ("key", "value", "allowed"),
     [
         ("data-set", "imagenet", "one of digits, mnist"),
-        ("model", "resnet", "one of mlp, mlp-bn, cnn, mobilenet"),
+        (
+            "model",
+            "resnet",
+            "one of mlp, mlp-bn, cnn, cnn-gn, cnn-lora, mobilenet, vgg16-lora",
+        ),
         ("partition", "random", "one of iid, niid, pathological, silos"),
         ("strategy", "fedsgd", "one of fedavg, fedavgm"),
         ("bn-policy", "bn", "one of shared, fedbn, silobn"),

@@ -120,7 +120,7 @@ def test_client_refuses_entries_its_policy_keeps_local() -> None:
     settings = run_config(**{"bn-policy": "fedbn"})
     model, _ = global_model(settings)
     context = Context(1, 1, {}, RecordDict(), settings)
-    with pytest.raises(ValueError, match="bn-policy=fedbn"):
+    with pytest.raises(ValueError, match="sharing policy fedbn"):
         client_app.train(
             message("train", ArrayRecord(model.state_dict()), 0, 1), context
         )

@@ -13,13 +13,13 @@ from .sharing import Sharing
 
 
 def build_strategy(settings: Settings, roster: Roster, model: nn.Module) -> FedAvg:
-    """The server update named by `server-update`, sharing by `bn-policy`."""
+    """The server update named by `server-update`, sharing by `sharing` and `bn-policy`."""
     base = {
         "roster": roster,
         "num_clients": settings.num_clients,
         "client_frac": settings.client_frac,
         "seed": settings.seed,
-        "sharing": Sharing.of(settings.bn_policy, model),
+        "sharing": Sharing.of(settings.sharing_policy, model),
         "personal_eval_every": settings.personal_eval_every,
     }
     if settings.server_update == "fedavg":

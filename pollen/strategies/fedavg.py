@@ -12,8 +12,11 @@ Differences from `flwr.serverapp.strategy.FedAvg`, all for exact, comparable run
   order in which replies arrive;
 - every entry keeps its dtype (float32 weights, integer BatchNorm counters);
 - bytes sent and received per round are counted from the records themselves;
-- with entries kept on the clients (FedBN, SiloBN), every client that has
-  trained evaluates its own model each `personal_eval_every` rounds.
+- with entries kept on the clients (FedBN, SiloBN, FedSA), every client that
+  has trained evaluates its own model each `personal_eval_every` rounds;
+- under DP-SGD, the largest epsilon any client has reported is recorded;
+- the server-side state a checkpoint must keep is exported and restored as
+  plain arrays (`state_arrays`, `load_state_arrays`).
 
 Subclasses change one thing, `update`: how the shared entries of the next
 global model follow from the current ones and the clients' replies.
@@ -56,10 +59,22 @@ class RoundTraffic:
     bytes_up: int = 0
     eval_bytes: int = 0
     failures: list[str] = field(default_factory=list)
+    dp_epsilon: float | None = None
 
 
 def to_numpy(record: ArrayRecord) -> dict[str, np.ndarray]:
     return {key: record[key].numpy() for key in record}
+
+
+def prefixed(prefix: str, arrays: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """`arrays` under `prefix/` names, to share one flat checkpoint namespace."""
+    return {f"{prefix}/{key}": value for key, value in arrays.items()}
+
+
+def unprefixed(prefix: str, state: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """The entries of `state` saved by `prefixed(prefix, ...)`."""
+    start = f"{prefix}/"
+    return {k.removeprefix(start): v for k, v in state.items() if k.startswith(start)}
 
 
 class FedAvg(FlowerFedAvg):
@@ -89,7 +104,18 @@ class FedAvg(FlowerFedAvg):
         self.traffic: dict[int, RoundTraffic] = {}
         self.personal: dict[int, dict[int, dict[str, float]]] = {}
         self.trained_clients: set[int] = set()
+        self.dp_epsilon: dict[int, float] = {}
         self._global: dict[str, np.ndarray] = {}
+
+    # ---- checkpointed state ---------------------------------------------------
+
+    def state_arrays(self) -> dict[str, np.ndarray]:
+        """Server state beyond the global model that a resumed run needs."""
+        return {"trained-clients": np.array(sorted(self.trained_clients), np.int64)}
+
+    def load_state_arrays(self, state: Mapping[str, np.ndarray]) -> None:
+        """Restore what `state_arrays` returned."""
+        self.trained_clients = {int(c) for c in state["trained-clients"]}
 
     # ---- what travels -------------------------------------------------------
 
@@ -178,6 +204,7 @@ class FedAvg(FlowerFedAvg):
             return None, None
         accepted.sort(key=lambda item: item[0])
         self.trained_clients.update(client for client, _, _ in accepted)
+        self._record_privacy(traffic, accepted)
         current = {key: self._global[key] for key in shared}
         new_shared = self.update(
             current,
@@ -189,6 +216,17 @@ class FedAvg(FlowerFedAvg):
             [content for _, content, _ in accepted], self.weighted_by_key
         )
         return ArrayRecord({k: Array(v) for k, v in merged.items()}), metrics
+
+    def _record_privacy(
+        self, traffic: RoundTraffic, accepted: list[tuple[int, RecordDict, Arrays]]
+    ) -> None:
+        """Keep each client's reported epsilon; the round records the largest."""
+        for client, content, _ in accepted:
+            epsilon = content["metrics"].get("dp-epsilon")
+            if isinstance(epsilon, float):
+                self.dp_epsilon[client] = epsilon
+        if self.dp_epsilon:
+            traffic.dp_epsilon = max(self.dp_epsilon.values())
 
     def _reply_problem(self, content: RecordDict, shared: tuple[str, ...]) -> str:
         """Why a training reply cannot be aggregated ("" when it can)."""

@@ -14,10 +14,12 @@ running statistics included, is plainly (uniformly) averaged. h is float64.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 import numpy as np
 
 from .aggregate import Arrays, cast_like, mean64, normalized
-from .fedavg import FedAvg
+from .fedavg import FedAvg, prefixed, unprefixed
 
 H_SCALES = ("num-clients", "participants")
 
@@ -38,6 +40,13 @@ class FedDyn(FedAvg):
         self.h_scale = h_scale
         self.exclude_bn = exclude_bn
         self.h: dict[str, np.ndarray] = {}
+
+    def state_arrays(self) -> dict[str, np.ndarray]:
+        return {**super().state_arrays(), **prefixed("h", self.h)}
+
+    def load_state_arrays(self, state: Mapping[str, np.ndarray]) -> None:
+        super().load_state_arrays(state)
+        self.h = unprefixed("h", state)
 
     def update(
         self, current: Arrays, updates: list[Arrays], weights: list[float]

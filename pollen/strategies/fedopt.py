@@ -20,10 +20,12 @@ and upcast to float64, hence this module.)
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 import numpy as np
 
 from .aggregate import Arrays, cast_like, mean64, normalized
-from .fedavg import FedAvg
+from .fedavg import FedAvg, prefixed, unprefixed
 
 SERVER_OPTIMIZERS = ("sgd", "adagrad", "adam", "yogi")
 
@@ -57,6 +59,19 @@ class FedOpt(FedAvg):
         self.steps = 0
         self.m: dict[str, np.ndarray] = {}
         self.v: dict[str, np.ndarray] = {}
+
+    def state_arrays(self) -> dict[str, np.ndarray]:
+        return {
+            **super().state_arrays(),
+            **prefixed("m", self.m),
+            **prefixed("v", self.v),
+            "steps": np.array(self.steps, np.int64),
+        }
+
+    def load_state_arrays(self, state: Mapping[str, np.ndarray]) -> None:
+        super().load_state_arrays(state)
+        self.m, self.v = unprefixed("m", state), unprefixed("v", state)
+        self.steps = int(state["steps"])
 
     def update(
         self, current: Arrays, updates: list[Arrays], weights: list[float]

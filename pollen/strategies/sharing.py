@@ -7,10 +7,13 @@ whether it is trained, never from its name:
 - `bn-affine`: BatchNorm's trained scale and shift;
 - `bn-stat`: BatchNorm's running mean, variance and batch counter;
 - `buffer`: any other persistent buffer;
+- `lora-a`, `lora-b`: the A and B matrices of a `LoRALinear`;
 - `frozen`: a parameter that is not trained (it never travels).
 
 A policy is the set of kinds that travel; everything else stays on the
 client, in `context.state`, and is restored before its next local training.
+`shared`, `fedbn` and `silobn` differ in BatchNorm entries only; `lora-a`
+(FedSA) sends the A matrices alone, `lora` both A and B.
 """
 
 from __future__ import annotations
@@ -21,13 +24,18 @@ from typing import Literal
 
 from torch import nn
 
-Kind = Literal["weight", "bn-affine", "bn-stat", "buffer", "frozen"]
-TRAINED: frozenset[Kind] = frozenset({"weight", "bn-affine"})
+from ..task.lora import LoRALinear
+
+Kind = Literal["weight", "bn-affine", "bn-stat", "buffer", "lora-a", "lora-b", "frozen"]
+LORA: frozenset[Kind] = frozenset({"lora-a", "lora-b"})
+TRAINED: frozenset[Kind] = frozenset({"weight", "bn-affine"}) | LORA
 
 POLICIES: dict[str, frozenset[Kind]] = {
-    "shared": frozenset({"weight", "bn-affine", "bn-stat", "buffer"}),
-    "fedbn": frozenset({"weight", "buffer"}),
-    "silobn": frozenset({"weight", "bn-affine", "buffer"}),
+    "shared": frozenset({"weight", "bn-affine", "bn-stat", "buffer"}) | LORA,
+    "fedbn": frozenset({"weight", "buffer"}) | LORA,
+    "silobn": frozenset({"weight", "bn-affine", "buffer"}) | LORA,
+    "lora-a": frozenset({"lora-a"}),
+    "lora": LORA,
 }
 
 
@@ -44,7 +52,25 @@ def entry_kinds(model: nn.Module) -> dict[str, Kind]:
                 kinds[dot + name] = "bn-affine" if is_bn else "weight"
         for name, _ in module.named_buffers(recurse=False):
             kinds[dot + name] = "bn-stat" if is_bn else "buffer"
+    for prefix, module in model.named_modules():
+        if isinstance(module, LoRALinear):
+            for part, kind in (("lora_a", "lora-a"), ("lora_b", "lora-b")):
+                name = f"{prefix}.{part}.weight" if prefix else f"{part}.weight"
+                if kinds[name] != "frozen":
+                    kinds[name] = kind
     return {name: kinds[name] for name in model.state_dict()}
+
+
+def count_parameters(model: nn.Module) -> dict[str, int]:
+    """Parameter counts by role: total, trainable, LoRA A and LoRA B."""
+    kinds = entry_kinds(model)
+    sizes = {n: p.numel() for n, p in model.named_parameters()}
+    return {
+        "total": sum(sizes.values()),
+        "trainable": sum(n for k, n in sizes.items() if kinds[k] != "frozen"),
+        "lora-a": sum(n for k, n in sizes.items() if kinds[k] == "lora-a"),
+        "lora-b": sum(n for k, n in sizes.items() if kinds[k] == "lora-b"),
+    }
 
 
 @dataclass(frozen=True)
@@ -80,5 +106,5 @@ class Sharing:
 
     def trained_shared(self, exclude_bn: bool = False) -> tuple[str, ...]:
         """Shared entries a server optimiser may step (never buffers or statistics)."""
-        kinds = {"weight"} if exclude_bn else TRAINED
+        kinds = TRAINED - {"bn-affine"} if exclude_bn else TRAINED
         return tuple(k for k in self.shared if self.kinds[k] in kinds)

@@ -7,10 +7,14 @@ from functools import cache
 
 import numpy as np
 import torch
+from torch import nn
 
 from ..settings import Settings
 from .data import Dataset, load_dataset
+from .lora import FrozenBackboneClassifier
+from .models import ModelOptions, build_model
 from .partition import client_test_indices, label_counts, partition_indices
+from .train import Preprocess, backbone_features
 
 
 @dataclass(frozen=True)
@@ -109,3 +113,48 @@ def _client_test_shard(
 def _held_out_split(key: DataKey, device: str) -> tuple[torch.Tensor, torch.Tensor]:
     dataset, _ = _federated_data(key)
     return dataset.x_test.to(device), dataset.y_test.to(device)
+
+
+def settings_model(settings: Settings, dataset: Dataset) -> nn.Module:
+    """The run's model, freshly initialised from its seed (same on every node)."""
+    options = ModelOptions(
+        settings.lora_rank,
+        settings.lora_alpha,
+        settings.lora_dropout,
+        settings.backbone_weights,
+    )
+    return build_model(
+        settings.model, dataset.input_shape, dataset.num_classes, settings.seed, options
+    )
+
+
+def uses_cached_features(settings: Settings, model: nn.Module) -> bool:
+    """Whether this model's inputs are stored backbone features, not images."""
+    return settings.cache_features and isinstance(model, FrozenBackboneClassifier)
+
+
+_FEATURES: dict[tuple, torch.Tensor] = {}
+
+
+def cached_features(
+    settings: Settings,
+    split: str,
+    model: FrozenBackboneClassifier,
+    x: torch.Tensor,
+    preprocess: Preprocess,
+) -> torch.Tensor:
+    """The frozen backbone's features of `x`, computed once per process.
+
+    `split` names what `x` is (e.g. "train-3", "test"); together with the
+    settings that decide the data and the backbone it keys the cache, so any
+    model instance of the run may fill it.
+    """
+    key = (
+        DataKey.of(settings), settings.model, settings.backbone_weights,
+        settings.normalize, split, str(x.device),
+    )  # fmt: skip
+    if key not in _FEATURES:
+        _FEATURES[key] = backbone_features(
+            model, x, preprocess, settings.test_batch_size
+        )
+    return _FEATURES[key]

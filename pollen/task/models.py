@@ -2,10 +2,25 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from pathlib import Path
+
 import torch
 from torch import nn
 
+from .lora import FrozenBackboneClassifier, lora_head
+
 Shape = tuple[int, int, int]
+
+
+@dataclass(frozen=True)
+class ModelOptions:
+    """Settings only some architectures read (LoRA heads, the VGG16 backbone)."""
+
+    lora_rank: int = 8
+    lora_alpha: float = 8.0
+    lora_dropout: float = 0.1
+    backbone_weights: str = "random"
 
 
 def mlp(input_shape: Shape, num_classes: int) -> nn.Module:
@@ -33,26 +48,108 @@ def mlp_bn(input_shape: Shape, num_classes: int) -> nn.Module:
     )
 
 
-def _conv_block(c_in: int, c_out: int) -> nn.Sequential:
+def _conv_block(c_in: int, c_out: int, group_norm: bool) -> nn.Sequential:
+    norm = nn.GroupNorm(8, c_out) if group_norm else nn.BatchNorm2d(c_out)
     return nn.Sequential(
         nn.Conv2d(c_in, c_out, 3, padding=1, bias=False),
-        nn.BatchNorm2d(c_out),
+        norm,
         nn.ReLU(),
         nn.MaxPool2d(2),
     )
 
 
-def cnn(input_shape: Shape, num_classes: int) -> nn.Module:
-    """Two conv-BN-ReLU-pool blocks and a 128-unit head (grey 28x28, colour 32x32)."""
+def _cnn_body(input_shape: Shape, group_norm: bool = False) -> tuple[nn.Module, int]:
+    """Two conv-norm-ReLU-pool blocks, flattened; returns (body, feature count)."""
     c, h, w = input_shape
-    return nn.Sequential(
-        _conv_block(c, 32),
-        _conv_block(32, 64),
-        nn.Flatten(),
-        nn.Linear(64 * (h // 4) * (w // 4), 128),
-        nn.ReLU(),
-        nn.Linear(128, num_classes),
+    body = nn.Sequential(
+        _conv_block(c, 32, group_norm), _conv_block(32, 64, group_norm), nn.Flatten()
     )
+    return body, 64 * (h // 4) * (w // 4)
+
+
+def cnn(input_shape: Shape, num_classes: int, group_norm: bool = False) -> nn.Module:
+    """Two conv-BN-ReLU-pool blocks and a 128-unit head (grey 28x28, colour 32x32)."""
+    body, features = _cnn_body(input_shape, group_norm)
+    return nn.Sequential(
+        body, nn.Linear(features, 128), nn.ReLU(), nn.Linear(128, num_classes)
+    )
+
+
+def cnn_gn(input_shape: Shape, num_classes: int) -> nn.Module:
+    """`cnn` with GroupNorm(8 groups) for BatchNorm: what DP-SGD (Opacus) can train,
+    since per-sample gradients are undefined when samples share batch statistics."""
+    return cnn(input_shape, num_classes, group_norm=True)
+
+
+def cnn_lora(input_shape: Shape, num_classes: int, options: ModelOptions) -> nn.Module:
+    """`cnn` whose two-layer classifier is LoRA-adapted (trained, not frozen, body)."""
+    body, features = _cnn_body(input_shape)
+    head = lora_head(
+        features, 128, num_classes,
+        options.lora_rank, options.lora_alpha, options.lora_dropout,
+    )  # fmt: skip
+    return nn.Sequential(body, head)
+
+
+def vgg16_lora(
+    input_shape: Shape, num_classes: int, options: ModelOptions
+) -> FrozenBackboneClassifier:
+    """FedSA-FTL's model: frozen VGG16 features, global average pooling to 512,
+    and a LoRA-adapted 512 -> 512 -> classes head."""
+    c, h, w = input_shape
+    if c != 3 or h < 32 or w < 32:
+        raise ValueError(
+            f"model 'vgg16-lora' needs colour images of at least 32x32 (cifar10, "
+            f"cifar100); this data set has {c}x{h}x{w}"
+        )
+    features, source = vgg16_features(options.backbone_weights)
+    backbone = nn.Sequential(features, nn.AdaptiveAvgPool2d(1), nn.Flatten())
+    head = lora_head(
+        512, 512, num_classes,
+        options.lora_rank, options.lora_alpha, options.lora_dropout,
+    )  # fmt: skip
+    return FrozenBackboneClassifier(backbone, head, source)
+
+
+def vgg16_features(weights: str) -> tuple[nn.Module, str]:
+    """VGG16's convolutional part and where its weights came from.
+
+    `imagenet`: torchvision's ImageNet weights (downloaded once into torch's
+    cache); `random`: the current torch seed; anything else: a file holding a
+    state dict of VGG16 (`features.N.*` keys) or of its features alone.
+    Files are read with `weights_only`, so loading one cannot run code.
+    """
+    from torchvision.models import vgg
+
+    if weights == "imagenet":
+        try:
+            model = vgg.vgg16(weights=vgg.VGG16_Weights.IMAGENET1K_V1)
+        except Exception as err:  # no network, proxy, checksum: all end here
+            raise ValueError(
+                f"backbone-weights='imagenet': torchvision could not obtain the "
+                f"VGG16 ImageNet weights ({type(err).__name__}: {err}); set "
+                f"backbone-weights to a local weights file, or to 'random'"
+            ) from err
+        return model.features, "imagenet (torchvision)"
+    features = vgg.make_layers(vgg.cfgs["D"], batch_norm=False)
+    if weights == "random":
+        return features, "random initialisation"
+    path = Path(weights)
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True)
+        if not isinstance(state, dict):
+            raise TypeError(f"it holds a {type(state).__name__}, not a state dict")
+        prefixed = {k: v for k, v in state.items() if k.startswith("features.")}
+        if prefixed:
+            state = {k.removeprefix("features."): v for k, v in prefixed.items()}
+        features.load_state_dict(state)
+    except Exception as err:
+        raise ValueError(
+            f"backbone-weights={weights!r}: not a VGG16 weights file "
+            f"({type(err).__name__}: {err}); allowed: imagenet, random, or a file "
+            f"saved with torch.save(vgg16().state_dict())"
+        ) from err
+    return features, f"file {path}"
 
 
 def mobilenet(input_shape: Shape, num_classes: int) -> nn.Module:
@@ -71,15 +168,31 @@ def mobilenet(input_shape: Shape, num_classes: int) -> nn.Module:
     return model
 
 
-MODELS = {"mlp": mlp, "mlp-bn": mlp_bn, "cnn": cnn, "mobilenet": mobilenet}
+MODELS = {
+    "mlp": mlp,
+    "mlp-bn": mlp_bn,
+    "cnn": cnn,
+    "cnn-gn": cnn_gn,
+    "mobilenet": mobilenet,
+}
+LORA_MODELS = {"cnn-lora": cnn_lora, "vgg16-lora": vgg16_lora}
 
 
 def build_model(
-    name: str, input_shape: Shape, num_classes: int, seed: int
+    name: str,
+    input_shape: Shape,
+    num_classes: int,
+    seed: int,
+    options: ModelOptions | None = None,
 ) -> nn.Module:
     """A freshly initialised model; the same seed gives the same weights."""
-    if name not in MODELS:
-        raise ValueError(f"unknown model {name!r}; allowed: {', '.join(MODELS)}")
+    if name not in MODELS and name not in LORA_MODELS:
+        allowed = ", ".join([*MODELS, *LORA_MODELS])
+        raise ValueError(f"unknown model {name!r}; allowed: {allowed}")
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
+        if name in LORA_MODELS:
+            return LORA_MODELS[name](
+                input_shape, num_classes, options or ModelOptions()
+            )
         return MODELS[name](input_shape, num_classes)

@@ -7,7 +7,7 @@ batched operation, instead of sample by sample in a DataLoader.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 
@@ -15,6 +15,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
+
+# uint8 images (or stored features) -> model inputs; the generator drives
+# augmentation and is None at evaluation
+Transform = Callable[[torch.Tensor, torch.Generator | None], torch.Tensor]
 
 
 def pick_device(name: str) -> torch.device:
@@ -191,7 +195,7 @@ def train_local(
     epochs: int,
     batch_size: int,
     optimizer: ClientOptimizer,
-    preprocess: Preprocess,
+    preprocess: Transform,
     seed: int,
     max_grad_norm: float = 0.0,
     sam_rho: float = 0.0,
@@ -243,13 +247,31 @@ def train_local(
 
 
 @torch.no_grad()
+def backbone_features(
+    model: nn.Module,
+    x: torch.Tensor,
+    preprocess: Preprocess,
+    batch_size: int,
+) -> torch.Tensor:
+    """A frozen-backbone model's features of un-augmented `x`, in batches."""
+    return torch.cat(
+        [model.features(preprocess(xb, None)) for xb in x.split(batch_size)]
+    )
+
+
+def no_preprocess(x: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
+    """The identity: for inputs that are already features."""
+    return x
+
+
+@torch.no_grad()
 def evaluate(
     model: nn.Module,
     x: torch.Tensor,
     y: torch.Tensor,
     *,
     batch_size: int,
-    preprocess: Preprocess,
+    preprocess: Transform,
 ) -> tuple[float, float]:
     """(mean cross-entropy, accuracy) of `model` on `x`, `y`."""
     model.eval()

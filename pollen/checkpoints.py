@@ -1,0 +1,271 @@
+"""Server-side checkpoints of a federated run, in a format that never runs code.
+
+A checkpoint of round r lives in `<run-dir>/checkpoints/round-<r:05d>/`:
+
+- `model.npz`: the global model, name -> array, every dtype kept exactly;
+- `strategy.npz`: the strategy's server-side state (momentum, FedDyn's h, ...),
+  name -> array, possibly empty;
+- `meta.json`: the format version, the round and the caller's `extra` dict
+  (scheduler state, settings fingerprint, model name, ...).
+
+Arrays are stored with `numpy.lib.format` and read back with
+`allow_pickle=False`, so no pickle is written or loaded, and object arrays are
+refused on both sides. Array names are percent-encoded into the archive's
+member names, so any name ("m/features.0.weight") survives the round trip.
+
+A checkpoint is written into a temporary sibling directory and renamed into
+place, `meta.json` last: a directory with the final name and a `meta.json` is
+complete, anything else is ignored by the readers and swept up by the next
+save. Only the newest `keep` checkpoints are kept.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import zipfile
+import zlib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+from urllib.parse import quote, unquote
+
+import numpy as np
+
+from pollen.results import write_json
+
+FORMAT_VERSION = 1
+CHECKPOINTS = "checkpoints"
+MODEL_FILE = "model.npz"
+STRATEGY_FILE = "strategy.npz"
+META_FILE = "meta.json"
+
+_ROUND = r"(\d{5}|[1-9]\d{5,})"  # as f"{r:05d}" writes it, nothing else
+_FINAL = re.compile(rf"round-{_ROUND}")
+# `.tmp`: being written; `.old`: the copy a re-save of the same round replaces
+_TEMPORARY = re.compile(rf"\.round-{_ROUND}\.(tmp|old)")
+
+
+class CheckpointError(ValueError):
+    """A checkpoint is missing, unreadable, or cannot be written as asked."""
+
+
+@dataclass(frozen=True, eq=False)  # arrays have no single truth value: no __eq__
+class Checkpoint:
+    """The server's state after `round`: enough to resume the run."""
+
+    round: int
+    model: dict[str, np.ndarray]
+    strategy_state: dict[str, np.ndarray] = field(default_factory=dict)
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+def checkpoint_dir(run_dir: Path, round: int) -> Path:
+    """Where the checkpoint of `round` lives (whether or not it exists)."""
+    return Path(run_dir) / CHECKPOINTS / f"round-{round:05d}"
+
+
+def save_checkpoint(run_dir: Path, checkpoint: Checkpoint, keep: int) -> Path:
+    """Write `checkpoint`, then keep only the newest `keep` checkpoints.
+
+    An existing checkpoint of the same round is replaced: the new one is
+    written in full first, then swapped in. The one just written is never
+    deleted; the others kept are the `keep - 1` of highest round. Returns the
+    checkpoint's directory.
+    """
+    r = checkpoint.round
+    if isinstance(r, bool) or not isinstance(r, int) or r < 0:
+        raise ValueError(f"checkpoint round must be an int >= 0, got {r!r}")
+    if isinstance(keep, bool) or not isinstance(keep, int) or keep < 1:
+        raise ValueError(f"keep must be an int >= 1, got {keep!r}")
+    model = _checked_arrays(checkpoint.model, "model")
+    state = _checked_arrays(checkpoint.strategy_state, "strategy_state")
+    if not isinstance(checkpoint.extra, dict):
+        raise CheckpointError(
+            f"checkpoint extra must be a dict, got {checkpoint.extra!r}"
+        )
+    meta = {"format-version": FORMAT_VERSION, "round": r, "extra": checkpoint.extra}
+    try:
+        json.dumps(meta)
+    except (TypeError, ValueError) as err:
+        raise CheckpointError(f"checkpoint extra is not JSON-able: {err}") from err
+
+    root = Path(run_dir) / CHECKPOINTS
+    root.mkdir(parents=True, exist_ok=True)
+    _tidy(root)
+    final = checkpoint_dir(run_dir, r)
+    tmp = root / f".{final.name}.tmp"
+    old = root / f".{final.name}.old"
+    tmp.mkdir()  # _tidy removed any leftover
+    try:
+        _write_npz(tmp / MODEL_FILE, model)
+        _write_npz(tmp / STRATEGY_FILE, state)
+        write_json(tmp / META_FILE, meta)  # last: marks the checkpoint complete
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    # POSIX renames a directory over an empty one only: move the old copy
+    # aside first; the readers fall back to it if a crash comes in between.
+    if final.exists():
+        os.replace(final, old)
+    os.replace(tmp, final)
+    if old.exists():
+        _remove(old)
+
+    complete = _complete(root)
+    others = sorted(n for n in complete if n != r)
+    for n in others[: max(0, len(others) - (keep - 1))]:
+        _remove(complete[n])
+    return final
+
+
+def list_checkpoints(run_dir: Path) -> list[int]:
+    """The rounds that have a complete checkpoint, in increasing order."""
+    root = Path(run_dir) / CHECKPOINTS
+    return sorted(_complete(root)) if root.is_dir() else []
+
+
+def load_checkpoint(run_dir: Path, round: int | None = None) -> Checkpoint:
+    """Read the checkpoint of `round`, or the latest one when `round` is None."""
+    root = Path(run_dir) / CHECKPOINTS
+    found = _complete(root) if root.is_dir() else {}
+    if round is not None and round not in found:
+        incomplete = checkpoint_dir(run_dir, round)
+        if incomplete.is_dir():
+            raise CheckpointError(
+                f"{incomplete / META_FILE} is missing: the checkpoint of round "
+                f"{round} is incomplete"
+            )
+    if not found:
+        incomplete = sorted(root.glob("round-*/")) if root.is_dir() else []
+        raise CheckpointError(
+            f"no checkpoint in {root}; a run writes them when checkpoint-every > 0"
+            + "".join(f"; {p.name} has no {META_FILE} (incomplete)" for p in incomplete)
+        )
+    if round is None:
+        round = max(found)
+    if round not in found:
+        rounds = ", ".join(map(str, sorted(found)))
+        raise CheckpointError(
+            f"no checkpoint of round {round} in {root} (rounds with one: {rounds})"
+        )
+    where = found[round]
+    meta = _read_meta(where / META_FILE, round)
+    return Checkpoint(
+        round=round,
+        model=_read_npz(where / MODEL_FILE),
+        strategy_state=_read_npz(where / STRATEGY_FILE),
+        extra=meta["extra"],
+    )
+
+
+def _checked_arrays(arrays: dict[str, Any], what: str) -> dict[str, np.ndarray]:
+    """`arrays` as numpy arrays; refuse non-string names and object dtypes."""
+    checked = {}
+    for name, value in arrays.items():
+        if not isinstance(name, str):
+            raise CheckpointError(f"{what}: array names must be str, got {name!r}")
+        array = np.asarray(value)
+        if array.dtype.hasobject:
+            raise CheckpointError(
+                f"{what}[{name!r}] has dtype {array.dtype}: object arrays would "
+                "need pickle, which checkpoints never use"
+            )
+        checked[name] = array
+    return checked
+
+
+def _write_npz(path: Path, arrays: dict[str, np.ndarray]) -> None:
+    """An uncompressed npz like `np.savez`'s, with percent-encoded member names.
+
+    Written by hand rather than with `np.savez(path, **arrays)`, whose keyword
+    arguments would clash with names such as "file" or "allow_pickle".
+    """
+    with zipfile.ZipFile(path, "w", zipfile.ZIP_STORED, allowZip64=True) as archive:
+        for name, array in arrays.items():
+            member = quote(name, safe="") + ".npy"
+            with archive.open(member, "w", force_zip64=True) as f:
+                np.lib.format.write_array(f, array, allow_pickle=False)
+
+
+def _read_npz(path: Path) -> dict[str, np.ndarray]:
+    try:
+        with path.open("rb") as f:
+            loaded = np.load(f, allow_pickle=False)
+            if not isinstance(loaded, np.lib.npyio.NpzFile):
+                raise CheckpointError(f"{path} is a single .npy array, not an npz")
+            with loaded:
+                return {unquote(name): loaded[name] for name in loaded.files}
+    except FileNotFoundError as err:
+        raise CheckpointError(f"checkpoint file {path} is missing") from err
+    except (OSError, ValueError, EOFError, zipfile.BadZipFile, zlib.error) as err:
+        if isinstance(err, CheckpointError):
+            raise
+        raise CheckpointError(
+            f"cannot read {path}: {err} (truncated, corrupted, or not a "
+            "pickle-free npz written by pollen)"
+        ) from err
+
+
+def _read_meta(path: Path, round: int) -> dict[str, Any]:
+    try:
+        meta = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise CheckpointError(f"cannot read {path}: {err}") from err
+    if not isinstance(meta, dict):
+        raise CheckpointError(f"{path} must hold a JSON object")
+    version = meta.get("format-version")
+    if version != FORMAT_VERSION:
+        raise CheckpointError(
+            f"{path} has checkpoint format version {version!r}; this pollen "
+            f"reads version {FORMAT_VERSION}"
+        )
+    if meta.get("round") != round:
+        raise CheckpointError(
+            f"{path} says round {meta.get('round')!r}, its directory round {round}"
+        )
+    if not isinstance(meta.get("extra"), dict):
+        raise CheckpointError(f"{path}: 'extra' must be a JSON object")
+    return meta
+
+
+def _complete(root: Path) -> dict[int, Path]:
+    """Round -> directory of every complete checkpoint under `root`.
+
+    A `.old` copy stands in for its round only when a crash came between
+    moving it aside and renaming its replacement into place.
+    """
+    final, old = {}, {}
+    for path in root.iterdir():
+        if not (path / META_FILE).is_file():
+            continue
+        if match := _FINAL.fullmatch(path.name):
+            final[int(match[1])] = path
+        elif (match := _TEMPORARY.fullmatch(path.name)) and match[2] == "old":
+            old[int(match[1])] = path
+    return {**old, **final}
+
+
+def _tidy(root: Path) -> None:
+    """Sweep up what a crash left: restore orphaned `.old` copies, drop the rest."""
+    for r, path in _complete(root).items():
+        if path.name.startswith("."):  # an orphaned `.old` copy
+            target = root / f"round-{r:05d}"
+            if target.exists():  # incomplete, or it would have won
+                _remove(target)
+            os.replace(path, target)
+    for path in list(root.iterdir()):
+        if path.is_dir() and (
+            _TEMPORARY.fullmatch(path.name)
+            or (_FINAL.fullmatch(path.name) and not (path / META_FILE).is_file())
+        ):
+            _remove(path)
+
+
+def _remove(path: Path) -> None:
+    """Delete a checkpoint directory, `meta.json` first so that a crash midway
+    never leaves something that looks complete."""
+    (path / META_FILE).unlink(missing_ok=True)
+    shutil.rmtree(path)
