@@ -161,6 +161,44 @@ def load_checkpoint(run_dir: Path, round: int | None = None) -> Checkpoint:
     )
 
 
+# Run-config keys that may differ between a checkpointed run and the run
+# resuming it; any other difference would make the resumed run a different one.
+RESUMABLE_CHANGES = frozenset(
+    {"rounds", "resume", "notify-url", "notify-every", "checkpoint-every",
+     "checkpoint-keep", "device", "output-dir", "run-name", "data-root"}
+)  # fmt: skip
+
+
+def load_resumable(run_dir: Path, run_config: dict[str, Any]) -> Checkpoint:
+    """The latest checkpoint of `run_dir`, if `run_config` may continue it.
+
+    The checkpoint keeps the run config that wrote it (`extra["settings"]`);
+    a difference outside `RESUMABLE_CHANGES` is refused, naming the key.
+    """
+    checkpoint = load_checkpoint(run_dir)
+    saved = checkpoint.extra.get("settings")
+    if not isinstance(saved, dict):
+        raise CheckpointError(
+            f"{checkpoint_dir(run_dir, checkpoint.round) / META_FILE} does not "
+            "record the settings of its run"
+        )
+    for key in sorted(run_config):
+        if key not in RESUMABLE_CHANGES and saved.get(key) != run_config[key]:
+            raise CheckpointError(
+                f"invalid value for 'resume': the checkpoint of round "
+                f"{checkpoint.round} was written with {key}={saved.get(key)!r}, this "
+                f"run has {key}={run_config[key]!r}; only "
+                f"{', '.join(sorted(RESUMABLE_CHANGES))} may change"
+            )
+    if checkpoint.round >= run_config["rounds"]:
+        raise CheckpointError(
+            f"invalid value for 'resume': {run_dir} has a checkpoint of round "
+            f"{checkpoint.round} and the run has rounds={run_config['rounds']}; "
+            "raise rounds to train further"
+        )
+    return checkpoint
+
+
 def _checked_arrays(arrays: dict[str, Any], what: str) -> dict[str, np.ndarray]:
     """`arrays` as numpy arrays; refuse non-string names and object dtypes."""
     checked = {}

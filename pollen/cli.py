@@ -27,6 +27,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from .checkpoints import CheckpointError, load_resumable
 from .results import ResultsError, check_run_dir_is_new, default_run_name
 from .settings import Settings, SettingsError
 
@@ -83,7 +84,9 @@ def prepare_run(app: Path, overrides: Sequence[str]) -> tuple[Settings, str]:
         or default_run_name(settings.strategy, settings.data_set),
         resume=settings.resume and str(Path(settings.resume).expanduser().resolve()),
     )
-    if not settings.resume:
+    if settings.resume:
+        load_resumable(Path(settings.resume), settings.to_run_config())
+    else:
         check_run_dir_is_new(settings.output_dir, settings.run_name)
     config = settings.to_run_config()
     return settings, " ".join(f"{k}={json.dumps(v)}" for k, v in config.items())
@@ -180,7 +183,7 @@ def run(args: argparse.Namespace) -> int:
     app = Path(args.app).expanduser().resolve()
     try:
         settings, run_config = prepare_run(app, args.run_config)
-    except (SettingsError, CliError, ResultsError) as err:
+    except (SettingsError, CliError, ResultsError, CheckpointError) as err:
         print(f"pollen: error: {err}", file=sys.stderr)
         return EXIT_BAD_INPUT
     run_dir = Path(settings.resume or Path(settings.output_dir) / settings.run_name)

@@ -209,7 +209,7 @@ def _train_private(
         rounds=s.rounds,
     )  # fmt: skip
     result = train_private(
-        cm.model, x, y, plan=plan, batch_size=s.batch_size, optimizer=optimizer,
+        cm.model, x, y, plan=plan, optimizer=optimizer,
         preprocess=prep, seed=seed, regularizer=regularizer,
     )  # fmt: skip
     key = f"dp-steps-{cm.client}"

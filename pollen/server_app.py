@@ -31,7 +31,7 @@ from flwr.app import (
 from flwr.common.logger import log
 from flwr.serverapp import Grid, ServerApp
 
-from .checkpoints import Checkpoint, load_checkpoint, save_checkpoint
+from .checkpoints import Checkpoint, load_resumable, save_checkpoint
 from .notify import Notifier
 from .results import (
     ResultsError,
@@ -61,11 +61,6 @@ from .task.train import Preprocess, evaluate, no_preprocess, pick_device
 NODE_WAIT_SECONDS = 120.0
 QUERY_TIMEOUT_SECONDS = 120.0
 ROUND_TIMEOUT_SECONDS = 3600.0
-# Keys that may differ between a checkpointed run and the run resuming it
-RESUMABLE_CHANGES = frozenset(
-    {"rounds", "resume", "notify-url", "notify-every", "checkpoint-every",
-     "checkpoint-keep", "device", "output-dir", "run-name"}
-)  # fmt: skip
 
 app = ServerApp()
 
@@ -76,7 +71,7 @@ def main(grid: Grid, context: Context) -> None:
     started = time.monotonic()
     settings = Settings.from_run_config(context.run_config)
     notifier = Notifier.from_settings(settings.notify_url, settings.notify_every)
-    run_dir, run_name = _open_run_dir(settings)
+    run_dir, run_name, checkpoint = _open_run_dir(settings)
     print(f"pollen: results go to {run_dir}", flush=True)
     if notifier.enabled:
         print(f"pollen: notifications go to {notifier.describe()}", flush=True)
@@ -85,7 +80,7 @@ def main(grid: Grid, context: Context) -> None:
     )
     history: list[RoundRecord] = []
     try:
-        _train(grid, settings, run_dir, history, notifier, run_name)
+        _train(grid, settings, run_dir, history, notifier, run_name, checkpoint)
     except BaseException as err:
         summary = summarize(history, "failed", time.monotonic() - started, _reason(err))
         write_json(run_dir / "summary.json", summary)
@@ -105,8 +100,9 @@ def main(grid: Grid, context: Context) -> None:
     print(f"pollen: run completed; results in {run_dir}", flush=True)
 
 
-def _open_run_dir(settings: Settings) -> tuple[Path, str]:
-    """A new run directory, or with `resume` the existing one it continues."""
+def _open_run_dir(settings: Settings) -> tuple[Path, str, Checkpoint | None]:
+    """A new run directory, or with `resume` the existing one it continues and
+    the checkpoint it continues from (checked before anything is written)."""
     if settings.resume:
         run_dir = Path(settings.resume).expanduser().resolve()
         if not (run_dir / "settings.json").is_file():
@@ -114,7 +110,8 @@ def _open_run_dir(settings: Settings) -> tuple[Path, str]:
                 f"invalid value for 'resume': {settings.resume!r}; {run_dir} is not "
                 "a pollen run directory (no settings.json)"
             )
-        return run_dir, run_dir.name
+        checkpoint = load_resumable(run_dir, settings.to_run_config())
+        return run_dir, run_dir.name, checkpoint
     run_name = settings.run_name or default_run_name(
         settings.strategy, settings.data_set
     )
@@ -122,7 +119,7 @@ def _open_run_dir(settings: Settings) -> tuple[Path, str]:
     write_json(
         run_dir / "settings.json", {**settings.to_run_config(), "run-name": run_name}
     )
-    return run_dir, run_name
+    return run_dir, run_name, None
 
 
 def _reason(err: BaseException) -> str:
@@ -136,6 +133,7 @@ def _train(
     history: list[RoundRecord],
     notifier: Notifier,
     run_name: str,
+    checkpoint: Checkpoint | None,
 ) -> None:
     dataset, shards = federated_data(settings)
     counts = label_counts(dataset.y_train.numpy(), shards, dataset.num_classes)
@@ -167,8 +165,9 @@ def _train(
         history, run_dir,
     )  # fmt: skip
     first_round = 1
-    if settings.resume:
-        arrays, first_round = _resume(settings, run_dir, strategy, evaluator, history)
+    if checkpoint is not None:
+        arrays = _resume(checkpoint, run_dir, strategy, evaluator, history)
+        first_round = checkpoint.round + 1
     grid = OneMessagePerNode(grid)
     evaluator(0, arrays)  # starts the round clock
     for server_round in range(first_round, settings.rounds + 1):
@@ -254,47 +253,32 @@ def _save_checkpoint(
 
 
 def _resume(
-    settings: Settings,
+    checkpoint: Checkpoint,
     run_dir: Path,
     strategy: FedAvg,
     evaluator: RoundEvaluator,
     history: list[RoundRecord],
-) -> tuple[ArrayRecord, int]:
-    """Restore model, server state, scheduler and history from the latest checkpoint."""
-    checkpoint = load_checkpoint(run_dir)
-    saved = checkpoint.extra.get("settings", {})
-    current = settings.to_run_config()
-    changed = sorted(
-        k for k in current if k not in RESUMABLE_CHANGES and saved.get(k) != current[k]
-    )
-    if changed:
-        key = changed[0]
+) -> ArrayRecord:
+    """Restore model, server state, scheduler and history from `checkpoint`."""
+    settings = evaluator.settings
+    if set(checkpoint.model) != set(evaluator.model.state_dict()):
         raise SettingsError(
-            f"resume: the checkpoint of round {checkpoint.round} was written with "
-            f"{key}={saved.get(key)!r}, this run has {key}={current[key]!r}; only "
-            f"{', '.join(sorted(RESUMABLE_CHANGES))} may change"
-        )
-    expected = evaluator.model.state_dict()
-    if set(checkpoint.model) != set(expected):
-        raise SettingsError(
-            f"resume: the checkpoint's model entries do not match model "
-            f"{settings.model!r}"
+            f"resume: the entries of the checkpoint's model are not those of "
+            f"model {settings.model!r}"
         )
     strategy.load_state_arrays(checkpoint.strategy_state)
     evaluator.scheduler.load_state_dict(checkpoint.extra["lr-scheduler"])
     evaluator.train_config["lr"] = evaluator.lr
     rows = _read_history(run_dir)
     history.extend(r for r in rows if r.round <= checkpoint.round)
-    if (
-        strategy.sharing and strategy.sharing.local
-    ) or settings.local_objective == "feddyn":
+    keeps_local = strategy.sharing is not None and bool(strategy.sharing.local)
+    if keeps_local or settings.local_objective == "feddyn":
         log(WARNING, "pollen: resuming; client-side state (local entries, FedDyn h_k) "
             "is not in the server's checkpoint and starts again from scratch")  # fmt: skip
     print(f"pollen: resuming after round {checkpoint.round}", flush=True)
-    arrays = ArrayRecord(
+    return ArrayRecord(
         {k: Array(np.ascontiguousarray(v)) for k, v in checkpoint.model.items()}
     )
-    return arrays, checkpoint.round + 1
 
 
 def _read_history(run_dir: Path) -> list[RoundRecord]:

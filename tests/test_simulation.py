@@ -6,14 +6,18 @@ so these tests take about a minute each on 2 cores.
 
 from __future__ import annotations
 
+import http.server
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
+from typing import ClassVar
 
 import numpy as np
 import pytest
@@ -198,25 +202,28 @@ def test_plain_flwr_run_on_flowers_default_federation(tmp_path: Path) -> None:
     assert summary["status"] == "completed" and summary["rounds"] == 3
 
 
-# Every server update, local objective and sharing policy, 2 rounds each.
+# Every server update, local objective and sharing policy (and DP-SGD),
+# 2 rounds each.
 SUITE = [
-    ("fedavgm", "silobn", "mlp-bn"),
-    ("fedadagrad", "fedbn", "mlp-bn"),
-    ("fedadam", "shared", "mlp-bn"),
-    ("fedyogi", "shared", "mlp"),
-    ("feddyn", "shared", "mlp-bn"),
-    ("fedprox", "shared", "mlp"),
-    ("fedsam", "shared", "mlp-bn"),
+    ("fedavgm", "silobn", "mlp-bn", ""),
+    ("fedadagrad", "fedbn", "mlp-bn", ""),
+    ("fedadam", "shared", "mlp-bn", ""),
+    ("fedyogi", "shared", "mlp", ""),
+    ("feddyn", "shared", "mlp-bn", ""),
+    ("fedprox", "shared", "cnn-gn", "dp=true dp-epsilon=4"),
+    ("fedsam", "shared", "mlp-bn", ""),
+    ("fedsa", "lora-a", "cnn-lora", ""),
 ]
 
 
-@pytest.mark.parametrize(("strategy", "policy", "model"), SUITE)
+@pytest.mark.parametrize(("strategy", "policy", "model", "extra"), SUITE)
 def test_every_strategy_runs_end_to_end(
-    strategy, policy, model, tmp_path: Path
+    strategy, policy, model, extra, tmp_path: Path
 ) -> None:
+    sharing = "bn-policy" if policy in ("shared", "fedbn", "silobn") else "sharing"
     run = pollen_run(
-        f"strategy='{strategy}' bn-policy='{policy}' model='{model}' rounds=2 "
-        "num-clients=4 client-frac=0.5 partition='silos' "
+        f"strategy='{strategy}' {sharing}='{policy}' model='{model}' rounds=2 "
+        f"num-clients=4 client-frac=0.5 partition='silos' {extra} "
         f"output-dir='{tmp_path}' run-name='run'"
     )
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
@@ -230,6 +237,11 @@ def test_every_strategy_runs_end_to_end(
     per_client = ArrayRecord({k: state[k] for k in shared}).count_bytes()
     for r in rows:  # exactly the shared entries travelled, both ways
         assert r["bytes-down"] == r["bytes-up"] == per_client * len(r["clients"])
+    epsilons = [r["dp-epsilon"] for r in rows]
+    if "dp=true" in extra:  # the largest client epsilon, within the budget
+        assert 0 < epsilons[0] <= epsilons[1] <= 4.0 and "dp epsilon" in run.stdout
+    else:
+        assert epsilons == [None, None]
     if policy == "shared":
         assert "personal models" not in run.stdout and not rows[-1]["personal"]
     else:
@@ -238,3 +250,64 @@ def test_every_strategy_runs_end_to_end(
         assert set(rows[-1]["personal"]) == {str(c) for c in trained}
     settings = json.loads((run_dir / "settings.json").read_text())
     assert settings["server-update"] != "auto" and settings["local-objective"] != "auto"
+
+
+class Webhook(http.server.BaseHTTPRequestHandler):
+    """Collects the JSON bodies POSTed to it."""
+
+    received: ClassVar[list[str]] = []
+
+    def do_POST(self) -> None:
+        length = int(self.headers["Content-Length"])
+        Webhook.received.append(json.loads(self.rfile.read(length))["text"])
+        self.send_response(200)
+        self.end_headers()
+
+    def log_message(self, *args) -> None:
+        pass
+
+
+def test_resume_from_checkpoint_repeats_the_run_and_notifications_arrive(
+    tmp_path: Path,
+) -> None:
+    """Round 3 played again from round 2's checkpoint (model, FedAdam's moments,
+    scheduler) gives exactly the uninterrupted run's round 3."""
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Webhook)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    hook = f"http://127.0.0.1:{server.server_address[1]}/hook"
+    common = "strategy='fedadam' model='mlp' lr-patience=0 lr-factor=0.5"
+    try:
+        first = pollen_run(
+            f"{common} rounds=3 checkpoint-every=2 checkpoint-keep=2 notify-url='{hook}' "
+            f"notify-every=1 output-dir='{tmp_path}' run-name='a'"
+        )
+    finally:
+        server.shutdown()
+    assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
+    run_dir = tmp_path / "a"
+    assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == [
+        "round-00002", "round-00003",
+    ]  # fmt: skip
+    texts = Webhook.received
+    assert len(texts) == 5, texts
+    assert texts[0].startswith("pollen: run a started: fedadam on digits, 3 rounds")
+    assert all(f"round {r}/3: accuracy" in texts[r] for r in (1, 2, 3))
+    assert texts[4].startswith("pollen: run a finished after 3 rounds")
+    assert hook not in first.stdout + first.stderr  # the URL is a secret
+    uninterrupted = history(run_dir)
+    done = pollen_run(f"{common} rounds=3 resume='{run_dir}'")
+    assert done.returncode == 2 and "raise rounds" in done.stderr
+    shutil.rmtree(run_dir / "checkpoints" / "round-00003")  # "crash" after round 2
+    resumed = pollen_run(f"{common} rounds=3 resume='{run_dir}'")
+    assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
+    assert "resuming after round 2" in resumed.stdout
+    again = history(run_dir)
+    keys = ("round", "accuracy", "loss", "lr", "clients", "bytes-up")
+    assert [[r[k] for k in keys] for r in again] == [
+        [r[k] for k in keys] for r in uninterrupted
+    ]
+    summary = (run_dir / "summary.json").read_text()
+    changed = pollen_run(f"{common} rounds=4 lr=0.5 resume='{run_dir}'")
+    assert changed.returncode == 2 and "lr=0.05, this run has lr=0.5" in changed.stderr
+    assert history(run_dir) == again  # a refused resume changes nothing
+    assert (run_dir / "summary.json").read_text() == summary

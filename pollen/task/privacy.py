@@ -7,10 +7,15 @@ noise multiplier for which Opacus' RDP accountant keeps that run within
 (`dp-epsilon`, `dp-delta`). Batches are Poisson samples (each example in with
 probability q), which is what the accountant assumes. The epsilon a client
 reports is the accountant's value for the steps it has actually taken.
+
+The noise and the Poisson sampling draw from operating-system entropy, never
+from the run's seed: the server knows that seed, and noise it can regenerate
+protects nothing. DP runs are therefore not bit-for-bit repeatable.
 """
 
 from __future__ import annotations
 
+import secrets
 import warnings
 from dataclasses import dataclass
 
@@ -98,7 +103,6 @@ def train_private(
     y: torch.Tensor,
     *,
     plan: PrivacyPlan,
-    batch_size: int,
     optimizer: ClientOptimizer,
     preprocess: Transform,
     seed: int,
@@ -107,23 +111,24 @@ def train_private(
     """One round of DP-SGD: `plan.steps_per_round` Poisson-sampled steps.
 
     Opacus computes per-sample gradients, clips each to `max_grad_norm`, sums
-    them and adds N(0, (sigma C)^2) noise, divided by the expected batch size.
+    them and adds N(0, (sigma C)^2) noise, divided by the expected batch size
+    q n (the actual size of a Poisson batch would leak how many were drawn).
     A data-independent regularizer gradient (FedProx, FedDyn) is added after
     the noise: it touches no example, so it costs no privacy.
     """
     device = x.device
     named = {n: p for n, p in model.named_parameters() if p.requires_grad}
     sampler = GradSampleModule(model)
-    noise = torch.Generator(device=device).manual_seed(seed + 2)
+    noise = torch.Generator(device=device).manual_seed(secrets.randbits(63))
     dp_opt = DPOptimizer(
         optimizer.build(list(named.values())),
         noise_multiplier=plan.noise_multiplier,
         max_grad_norm=plan.max_grad_norm,
-        expected_batch_size=batch_size,
+        expected_batch_size=max(1, round(plan.sample_rate * len(y))),
         generator=noise,
     )
-    sampling = torch.Generator(device=device).manual_seed(seed)
-    augment = torch.Generator(device=device).manual_seed(seed + 1)
+    sampling = torch.Generator(device=device).manual_seed(secrets.randbits(63))
+    augment = torch.Generator(device=device).manual_seed(seed)
     sampler.train()
     total = torch.zeros((), device=device)
     for _ in range(plan.steps_per_round):
@@ -141,6 +146,7 @@ def train_private(
             if regularizer is not None:
                 regularizer.add_gradients(named)
             dp_opt.original_optimizer.step()
+    dp_opt.zero_grad(set_to_none=True)  # drops Opacus' per-parameter sums
     sampler._close()
     steps = plan.steps_per_round
     return TrainResult(loss=float(total) / steps, num_examples=len(y), steps=steps)
