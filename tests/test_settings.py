@@ -114,3 +114,12 @@ def test_explicit_parts_override_the_preset() -> None:
         Settings.from_run_config({"server-lr": "fast"})
     with pytest.raises(SettingsError, match="'b1,b2'"):
         Settings.from_run_config({"betas": "0.9"})
+
+
+@pytest.mark.parametrize(
+    "preset", sorted(p.name for p in (PROJECT / "configs").glob("*.toml"))
+)
+def test_every_preset_file_is_valid(preset) -> None:
+    config = tomllib.loads((PROJECT / "configs" / preset).read_text())
+    settings = Settings.from_run_config(config)
+    assert all(getattr(settings, k.replace("-", "_")) == v for k, v in config.items())
