@@ -164,3 +164,20 @@ def test_real_mnist_matches_its_provenance(shared_data: Path) -> None:
     assert ds.x_train.shape == (60000, 1, 28, 28) and len(ds.y_test) == 10000
     assert ds.y_train[:10].tolist() == [5, 0, 4, 1, 9, 2, 1, 3, 1, 4]
     assert ds.mean[0] == pytest.approx(0.130660, abs=1e-5)
+
+
+def test_cifar100_takes_fine_labels_0_to_99(tmp_path: Path) -> None:
+    rng = np.random.default_rng(0)
+    arrays = {
+        "x_train": rng.integers(0, 256, (200, 32, 32, 3), dtype=np.uint8),
+        "y_train": np.arange(200) % 100,
+        "x_test": rng.integers(0, 256, (100, 32, 32, 3), dtype=np.uint8),
+        "y_test": np.arange(100),
+    }
+    write_npz(tmp_path, "cifar100", arrays)
+    data = load_dataset("cifar100", tmp_path, download=False)
+    assert data.num_classes == 100 and data.input_shape == (3, 32, 32)
+    assert int(data.y_train.max()) == 99
+    write_npz(tmp_path / "bad", "cifar100", {**arrays, "y_test": arrays["y_test"] + 1})
+    with pytest.raises(DataError, match=r"classes 0\.\.99"):
+        load_dataset("cifar100", tmp_path / "bad", download=False)

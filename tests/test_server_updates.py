@@ -225,3 +225,35 @@ def test_malformed_and_non_finite_replies_are_rejected_round_goes_on() -> None:
     failures = " ".join(strategy.traffic[1].failures)
     assert "not finite" in failures and "expected float32[2]" in failures
     assert strategy.trained_clients == {0}
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: FedOpt(optimizer="adam", server_lr=0.1, **base()),
+        lambda: FedOpt(optimizer="sgd", server_lr=0.5, momentum=0.9, **base()),
+        lambda: FedDyn(alpha=0.1, **base()),
+    ],
+    ids=["adam", "fedavgm", "feddyn"],
+)
+def test_server_state_survives_a_checkpoint_round_trip(make) -> None:
+    """Round 2 from a fresh strategy loaded with round 1's state equals round 2
+    of the strategy that never stopped."""
+    x0 = f32(1.0, 2.0)
+    first = make()
+    x1 = play(first, 1, arrays(w=x0), [
+        reply(0, arrays(w=x0 + f32(1, 0)), 1), reply(1, arrays(w=x0 + f32(0, 2)), 3),
+    ])["w"]  # fmt: skip
+    state = first.state_arrays()
+    assert all(isinstance(v, np.ndarray) for v in state.values())
+    round_two = [
+        reply(0, arrays(w=x1 + f32(1, 0)), 1), reply(1, arrays(w=x1 + f32(0, 2)), 3),
+    ]  # fmt: skip
+    resumed = make()
+    resumed.load_state_arrays(state)
+    expected = play(first, 2, arrays(w=x1), round_two)["w"]
+    np.testing.assert_array_equal(
+        play(resumed, 2, arrays(w=x1), round_two)["w"], expected
+    )
+    fresh = play(make(), 2, arrays(w=x1), round_two)["w"]
+    assert not np.array_equal(fresh, expected)  # the state mattered
