@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from .checkpoints import CheckpointError, load_resumable
+from .notify import URL_ENV, check_url
 from .results import ResultsError, check_run_dir_is_new, default_run_name
 from .settings import Settings, SettingsError
 
@@ -84,6 +85,11 @@ def prepare_run(app: Path, overrides: Sequence[str]) -> tuple[Settings, str]:
         or default_run_name(settings.strategy, settings.data_set),
         resume=settings.resume and str(Path(settings.resume).expanduser().resolve()),
     )
+    if not settings.notify_url and os.environ.get(URL_ENV):
+        try:
+            check_url(os.environ[URL_ENV], from_env=True)
+        except ValueError as err:
+            raise SettingsError(str(err)) from None
     if settings.resume:
         load_resumable(Path(settings.resume), settings.to_run_config())
     else:

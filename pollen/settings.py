@@ -19,6 +19,8 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from .notify import check_url
+
 Scalar = bool | int | float | str
 
 DATA_SETS = ("digits", "mnist", "fashion-mnist", "cifar10", "cifar100")
@@ -92,6 +94,16 @@ def in_range(low: float, high: float) -> Rule:
 
 def betas_rule() -> Rule:
     return Rule(lambda v: _parse_betas(v) is not None, "'b1,b2' with both in [0, 1)")
+
+
+def webhook_rule() -> Rule:
+    def valid(url: str) -> bool:
+        try:
+            return not url or bool(check_url(url))
+        except ValueError:
+            return False
+
+    return Rule(valid, "an http(s) URL, or empty")
 
 
 def _parse_betas(text: str) -> tuple[float, float] | None:
@@ -255,7 +267,9 @@ class Settings:
     )
     resume: str = key("", "a run directory whose latest checkpoint this run continues")
     notify_url: str = key(
-        "", "webhook for progress messages (empty: env POLLEN_NOTIFY_URL, or none)"
+        "",
+        "webhook for progress messages (empty: env POLLEN_NOTIFY_URL, or none)",
+        webhook_rule(),
     )
     notify_every: int = key(
         10, "notify every N rounds (0: start and end only)", at_least(0)
