@@ -2,6 +2,7 @@
 
     .venv/bin/python benchmarks/algorithms.py seed004 [--data-root D] [--out DIR]
     .venv/bin/python benchmarks/algorithms.py fmnist [--seeds 1 2 3] [--only fedavg ...]
+        [--model cnn]
 
 `seed004`: the notebook's grid on MNIST in two class silos (configs/seed004-*):
 FedAvg, and {SiloBN, FedBN} x server {SGD, Adagrad, Yogi, Adam}. Prints each
@@ -11,6 +12,7 @@ the whole test set after round 10, rounded like the notebook, beside its table.
 `fmnist`: configs/fmnist-2class.toml (Fashion-MNIST, 10 clients with 2
 classes each, full participation, 20 rounds) with every strategy preset and
 the settings in FMNIST below; prints final and best test accuracy per seed.
+`--model` replaces seed 003's MLP (runs are then named `fmnist-<model>-...`).
 
 Each run's directory under --out is kept; a run whose directory exists is
 read back instead of repeated, so an interrupted benchmark resumes.
@@ -103,8 +105,11 @@ def seed004(out: Path, data_root: str) -> None:
         print(f"| {label} | {column} | {cell} | {NOTEBOOK[(label, column)]} |")
 
 
-def fmnist(out: Path, data_root: str, seeds: list[int], only: list[str]) -> None:
-    data = f"data-root='{data_root}'"
+def fmnist(
+    out: Path, data_root: str, seeds: list[int], only: list[str], model: str
+) -> None:
+    data = f"data-root='{data_root}' model='{model}'"
+    prefix = "fmnist" if model == "mlp" else f"fmnist-{model}"
     names = only or list(FMNIST)
     print("| strategy | settings | " + " | ".join(f"seed {s} final (best)" for s in seeds)
           + " | mean final |")  # fmt: skip
@@ -112,7 +117,7 @@ def fmnist(out: Path, data_root: str, seeds: list[int], only: list[str]) -> None
     for name in names:
         finals, cells = [], []
         for seed in seeds:
-            summary = run(out, f"fmnist-{name}-s{seed}", FMNIST_CONFIG, data,
+            summary = run(out, f"{prefix}-{name}-s{seed}", FMNIST_CONFIG, data,
                           f"{FMNIST[name]} seed={seed}")["summary"]  # fmt: skip
             finals.append(summary["final-accuracy"])
             cells.append(
@@ -132,12 +137,13 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=PROJECT / "results" / "benchmarks")
     parser.add_argument("--seeds", type=int, nargs="+", default=[1, 2, 3])
     parser.add_argument("--only", nargs="*", default=[], choices=list(FMNIST))
+    parser.add_argument("--model", default="mlp", help="fmnist: the model to train")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     if args.suite == "seed004":
         seed004(args.out.resolve(), args.data_root)
     else:
-        fmnist(args.out.resolve(), args.data_root, args.seeds, args.only)
+        fmnist(args.out.resolve(), args.data_root, args.seeds, args.only, args.model)
 
 
 if __name__ == "__main__":
