@@ -153,6 +153,13 @@ def _train(
     device = pick_device(settings.device)
     model = settings_model(settings, dataset)
     print(_model_line(settings, model), flush=True)
+    if settings.sharing != "all":
+        print(
+            f"pollen: sharing {settings.sharing} keeps every other trained entry on "
+            "the clients; the global model's accuracy below uses their initial "
+            "values, the personal-model lines are the ones to read",
+            flush=True,
+        )
     if settings.dp:
         check_private_model(model, settings.model)
     roster = discover_roster(grid, settings.num_clients)
