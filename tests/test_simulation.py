@@ -6,6 +6,7 @@ so these tests take about a minute each on 2 cores.
 
 from __future__ import annotations
 
+import contextlib
 import http.server
 import json
 import os
@@ -16,6 +17,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import ClassVar
 
@@ -33,6 +35,33 @@ BIN = Path(sys.executable).parent
 ROUND_LINES = re.compile(
     r"=== Evaluate global model (\d+) Round ===\n\[(\d{2})\] acc=\d+\.\d{2}%, loss=\d+\.\d{6}\n"
 )
+
+
+class Webhook(http.server.BaseHTTPRequestHandler):
+    """Collects the JSON bodies POSTed to it."""
+
+    received: ClassVar[list[str]] = []
+
+    def do_POST(self) -> None:
+        length = int(self.headers["Content-Length"])
+        Webhook.received.append(json.loads(self.rfile.read(length))["text"])
+        self.send_response(200)
+        self.end_headers()
+
+    def log_message(self, *args) -> None:
+        pass
+
+
+@contextlib.contextmanager
+def webhook() -> Iterator[tuple[str, list[str]]]:
+    """A local HTTP endpoint for notifications: (its URL, the texts received)."""
+    Webhook.received = []
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Webhook)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}/hook", Webhook.received
+    finally:
+        server.shutdown()
 
 
 def superlinks() -> set[int]:
@@ -144,15 +173,17 @@ def test_real_mnist_subset_learns(shared_data: Path, tmp_path: Path) -> None:
 
 def test_failed_run_exits_non_zero_with_the_reason(tmp_path: Path) -> None:
     before = superlinks()
-    run = pollen_run(
-        f"data-set='mnist' data-root='{tmp_path}' download=false "
-        f"output-dir='{tmp_path}' run-name='fails'"
-    )
+    with webhook() as (hook, received):
+        run = pollen_run(
+            f"data-set='mnist' data-root='{tmp_path}' download=false "
+            f"notify-url='{hook}' output-dir='{tmp_path}' run-name='fails'"
+        )
     assert run.returncode == 1
     assert "no data for 'mnist'" in run.stderr
     summary = json.loads((tmp_path / "fails" / "summary.json").read_text())
     assert summary["status"] == "failed" and "no data for 'mnist'" in summary["error"]
     assert not orphaned_superlinks(before)
+    assert received[-1].startswith("pollen: run fails failed: DataError: no data")
 
 
 def test_bad_setting_stops_before_anything_starts(tmp_path: Path) -> None:
@@ -252,43 +283,22 @@ def test_every_strategy_runs_end_to_end(
     assert settings["server-update"] != "auto" and settings["local-objective"] != "auto"
 
 
-class Webhook(http.server.BaseHTTPRequestHandler):
-    """Collects the JSON bodies POSTed to it."""
-
-    received: ClassVar[list[str]] = []
-
-    def do_POST(self) -> None:
-        length = int(self.headers["Content-Length"])
-        Webhook.received.append(json.loads(self.rfile.read(length))["text"])
-        self.send_response(200)
-        self.end_headers()
-
-    def log_message(self, *args) -> None:
-        pass
-
-
 def test_resume_from_checkpoint_repeats_the_run_and_notifications_arrive(
     tmp_path: Path,
 ) -> None:
     """Round 3 played again from round 2's checkpoint (model, FedAdam's moments,
     scheduler) gives exactly the uninterrupted run's round 3."""
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Webhook)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    hook = f"http://127.0.0.1:{server.server_address[1]}/hook"
     common = "strategy='fedadam' model='mlp' lr-patience=0 lr-factor=0.5"
-    try:
+    with webhook() as (hook, texts):
         first = pollen_run(
             f"{common} rounds=3 checkpoint-every=2 checkpoint-keep=2 notify-url='{hook}' "
             f"notify-every=1 output-dir='{tmp_path}' run-name='a'"
         )
-    finally:
-        server.shutdown()
     assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
     run_dir = tmp_path / "a"
     assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == [
         "round-00002", "round-00003",
     ]  # fmt: skip
-    texts = Webhook.received
     assert len(texts) == 5, texts
     assert texts[0].startswith("pollen: run a started: fedadam on digits, 3 rounds")
     assert all(f"round {r}/3: accuracy" in texts[r] for r in (1, 2, 3))
