@@ -31,13 +31,12 @@ from .settings import Settings
 from .strategies.fedavg import CLIENT_KEY
 from .strategies.sharing import Sharing
 from .task import (
-    cached_features,
     client_shard,
     client_test_shard,
     federated_data,
     held_out_split,
+    model_inputs,
     settings_model,
-    uses_cached_features,
 )
 from .task.data import Dataset
 from .task.privacy import PrivacyPlan, check_private_model, train_private
@@ -48,7 +47,6 @@ from .task.train import (
     TrainResult,
     Transform,
     evaluate,
-    no_preprocess,
     pick_device,
     train_local,
 )
@@ -128,13 +126,10 @@ class ClientModel:
     def inputs(
         self, split: str, x: torch.Tensor, augment: bool
     ) -> tuple[torch.Tensor, Transform]:
-        """What the model sees: images and their transform, or stored backbone
-        features (`cache-features`) and the identity."""
-        if uses_cached_features(self.settings, self.model):
-            prep = self.preprocess(augment=False)
-            features = cached_features(self.settings, split, self.model, x, prep)
-            return features, no_preprocess
-        return x, self.preprocess(augment)
+        """What the model sees of `x` (see `pollen.task.model_inputs`)."""
+        return model_inputs(
+            self.settings, split, self.model, x, self.preprocess(augment)
+        )
 
     def entries(self, names: tuple[str, ...]) -> ArrayRecord:
         state = self.model.state_dict()

@@ -51,12 +51,12 @@ from .strategies import build_strategy
 from .strategies.fedavg import CLIENT_KEY, FedAvg, RoundTraffic, to_numpy
 from .strategies.sampling import OneMessagePerNode, Roster, RosterError
 from .strategies.sharing import count_parameters
-from .task import cached_features, federated_data, settings_model, uses_cached_features
+from .task import federated_data, model_inputs, settings_model
 from .task.data import Dataset
 from .task.lora import FrozenBackboneClassifier
 from .task.partition import format_label_counts, label_counts
 from .task.privacy import check_private_model
-from .task.train import Preprocess, evaluate, no_preprocess, pick_device
+from .task.train import Preprocess, evaluate, pick_device
 
 NODE_WAIT_SECONDS = 120.0
 QUERY_TIMEOUT_SECONDS = 120.0
@@ -176,7 +176,7 @@ def _train(
         arrays = _resume(checkpoint, run_dir, strategy, evaluator, history)
         first_round = checkpoint.round + 1
     grid = OneMessagePerNode(grid)
-    evaluator(0, arrays)  # starts the round clock
+    evaluator.start_clock()
     for server_round in range(first_round, settings.rounds + 1):
         arrays = _play_round(grid, strategy, server_round, arrays, train_config)
         record = evaluator(server_round, arrays)
@@ -323,10 +323,10 @@ def discover_roster(grid: Grid, num_clients: int) -> Roster:
 
 
 class RoundEvaluator:
-    """Flower's `evaluate_fn`: test the global model, step the lr, record the round.
+    """After each round: test the global model, step the lr, record the round.
 
-    Flower calls it after the round's federated evaluation, so the clients'
-    personalised results (FedBN, SiloBN) are already in `strategy.personal`.
+    Called after the round's federated evaluation, so the clients'
+    personalised results (FedBN, SiloBN, FedSA) are already in `strategy.personal`.
     """
 
     def __init__(
@@ -344,15 +344,10 @@ class RoundEvaluator:
         self.model = model
         self.device = device
         self.y_test = dataset.y_test.to(device)
-        self.preprocess = Preprocess(
-            dataset.mean, dataset.std, settings.normalize, device=device
-        )
-        self.x_test = dataset.x_test.to(device)
-        if uses_cached_features(settings, model):
-            self.x_test = cached_features(
-                settings, "test", model, self.x_test, self.preprocess
-            )
-            self.preprocess = no_preprocess
+        self.x_test, self.preprocess = model_inputs(
+            settings, "test", model, dataset.x_test.to(device),
+            Preprocess(dataset.mean, dataset.std, settings.normalize, device=device),
+        )  # fmt: skip
         self.strategy = strategy
         self.train_config = train_config
         self.history = history
@@ -375,10 +370,11 @@ class RoundEvaluator:
     def lr(self) -> float:
         return float(self._lr_holder.param_groups[0]["lr"])
 
-    def __call__(self, server_round: int, arrays: ArrayRecord) -> RoundRecord | None:
-        if server_round == 0:  # the call before the first round: start the clock
-            self._last = time.monotonic()
-            return None
+    def start_clock(self) -> None:
+        """Round times count from here (after set-up and any resume)."""
+        self._last = time.monotonic()
+
+    def __call__(self, server_round: int, arrays: ArrayRecord) -> RoundRecord:
         state = arrays.to_torch_state_dict()
         self.model.load_state_dict({k: v.to(self.device) for k, v in state.items()})
         loss, accuracy = evaluate(
@@ -411,7 +407,7 @@ class RoundEvaluator:
         left = mean_seconds * (self.settings.rounds - server_round)
         print(round_lines(record, self.settings.rounds, left), flush=True)
         self.scheduler.step(loss)
-        # Strategy.start passes this same ConfigRecord to every round's
+        # The round loop passes this same ConfigRecord to every round's
         # configure_train, so the next round's clients receive the new lr.
         self.train_config["lr"] = self.lr
         return record

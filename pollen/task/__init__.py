@@ -14,7 +14,7 @@ from .data import Dataset, load_dataset
 from .lora import FrozenBackboneClassifier
 from .models import ModelOptions, build_model
 from .partition import client_test_indices, label_counts, partition_indices
-from .train import Preprocess, backbone_features
+from .train import Preprocess, Transform, backbone_features, no_preprocess
 
 
 @dataclass(frozen=True)
@@ -128,33 +128,32 @@ def settings_model(settings: Settings, dataset: Dataset) -> nn.Module:
     )
 
 
-def uses_cached_features(settings: Settings, model: nn.Module) -> bool:
-    """Whether this model's inputs are stored backbone features, not images."""
-    return settings.cache_features and isinstance(model, FrozenBackboneClassifier)
-
-
 _FEATURES: dict[tuple, torch.Tensor] = {}
 
 
-def cached_features(
+def model_inputs(
     settings: Settings,
     split: str,
-    model: FrozenBackboneClassifier,
+    model: nn.Module,
     x: torch.Tensor,
     preprocess: Preprocess,
-) -> torch.Tensor:
-    """The frozen backbone's features of `x`, computed once per process.
+) -> tuple[torch.Tensor, Transform]:
+    """What `model` sees of `x`: the images and `preprocess`, or, with
+    `cache-features` and a frozen backbone, the backbone's features of the
+    un-augmented images (computed once per process) and the identity.
 
     `split` names what `x` is (e.g. "train-3", "test"); together with the
     settings that decide the data and the backbone it keys the cache, so any
     model instance of the run may fill it.
     """
+    if not (settings.cache_features and isinstance(model, FrozenBackboneClassifier)):
+        return x, preprocess
     key = (
         DataKey.of(settings), settings.model, settings.backbone_weights,
         settings.normalize, split, str(x.device),
     )  # fmt: skip
-    if key not in _FEATURES:
+    if key not in _FEATURES:  # a None generator: no augmentation
         _FEATURES[key] = backbone_features(
             model, x, preprocess, settings.test_batch_size
         )
-    return _FEATURES[key]
+    return _FEATURES[key], no_preprocess

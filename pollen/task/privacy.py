@@ -18,6 +18,7 @@ from __future__ import annotations
 import secrets
 import warnings
 from dataclasses import dataclass
+from functools import cache
 
 import torch
 import torch.nn.functional as F
@@ -63,13 +64,7 @@ class PrivacyPlan:
     ) -> PrivacyPlan:
         sample_rate = min(1.0, batch_size / shard_size)
         steps_per_round = local_epochs * max(1, round(1 / sample_rate))
-        sigma = get_noise_multiplier(
-            target_epsilon=epsilon,
-            target_delta=delta,
-            sample_rate=sample_rate,
-            steps=rounds * steps_per_round,
-            accountant="rdp",
-        )
+        sigma = _noise_multiplier(epsilon, delta, sample_rate, rounds * steps_per_round)
         return cls(sigma, sample_rate, max_grad_norm, delta, steps_per_round)
 
     def epsilon_after(self, steps: int) -> float:
@@ -79,6 +74,21 @@ class PrivacyPlan:
         accountant = RDPAccountant()
         accountant.history = [(self.noise_multiplier, self.sample_rate, steps)]
         return float(accountant.get_epsilon(self.delta))
+
+
+@cache
+def _noise_multiplier(
+    epsilon: float, delta: float, sample_rate: float, steps: int
+) -> float:
+    """Opacus' calibration (a search over sigma, about a second): once per
+    client and process, not every round."""
+    return get_noise_multiplier(
+        target_epsilon=epsilon,
+        target_delta=delta,
+        sample_rate=sample_rate,
+        steps=steps,
+        accountant="rdp",
+    )
 
 
 def check_private_model(model: nn.Module, name: str) -> None:
