@@ -129,6 +129,18 @@ def list_checkpoints(run_dir: Path) -> list[int]:
 
 def load_checkpoint(run_dir: Path, round: int | None = None) -> Checkpoint:
     """Read the checkpoint of `round`, or the latest one when `round` is None."""
+    round, where = _locate(run_dir, round)
+    meta = _read_meta(where / META_FILE, round)
+    return Checkpoint(
+        round=round,
+        model=_read_npz(where / MODEL_FILE),
+        strategy_state=_read_npz(where / STRATEGY_FILE),
+        extra=meta["extra"],
+    )
+
+
+def _locate(run_dir: Path, round: int | None) -> tuple[int, Path]:
+    """(round, directory) of the complete checkpoint asked for (None: latest)."""
     root = Path(run_dir) / CHECKPOINTS
     found = _complete(root) if root.is_dir() else {}
     if round is not None and round not in found:
@@ -151,14 +163,7 @@ def load_checkpoint(run_dir: Path, round: int | None = None) -> Checkpoint:
         raise CheckpointError(
             f"no checkpoint of round {round} in {root} (rounds with one: {rounds})"
         )
-    where = found[round]
-    meta = _read_meta(where / META_FILE, round)
-    return Checkpoint(
-        round=round,
-        model=_read_npz(where / MODEL_FILE),
-        strategy_state=_read_npz(where / STRATEGY_FILE),
-        extra=meta["extra"],
-    )
+    return round, found[round]
 
 
 # Run-config keys that may differ between a checkpointed run and the run
@@ -170,33 +175,38 @@ RESUMABLE_CHANGES = frozenset(
 
 
 def load_resumable(run_dir: Path, run_config: dict[str, Any]) -> Checkpoint:
-    """The latest checkpoint of `run_dir`, if `run_config` may continue it.
+    """The latest checkpoint of `run_dir`, if `run_config` may continue it."""
+    return load_checkpoint(run_dir, check_resumable(run_dir, run_config))
 
-    The checkpoint keeps the run config that wrote it (`extra["settings"]`);
-    a difference outside `RESUMABLE_CHANGES` is refused, naming the key.
+
+def check_resumable(run_dir: Path, run_config: dict[str, Any]) -> int:
+    """The round of `run_dir`'s latest checkpoint, if `run_config` may continue it.
+
+    Reads that checkpoint's `meta.json` only. The checkpoint keeps the run
+    config that wrote it (`extra["settings"]`); a difference outside
+    `RESUMABLE_CHANGES` is refused, naming the key.
     """
-    checkpoint = load_checkpoint(run_dir)
-    saved = checkpoint.extra.get("settings")
+    round, where = _locate(run_dir, None)
+    saved = _read_meta(where / META_FILE, round)["extra"].get("settings")
     if not isinstance(saved, dict):
         raise CheckpointError(
-            f"{checkpoint_dir(run_dir, checkpoint.round) / META_FILE} does not "
-            "record the settings of its run"
+            f"{where / META_FILE} does not record the settings of its run"
         )
     for key in sorted(run_config):
         if key not in RESUMABLE_CHANGES and saved.get(key) != run_config[key]:
             raise CheckpointError(
                 f"invalid value for 'resume': the checkpoint of round "
-                f"{checkpoint.round} was written with {key}={saved.get(key)!r}, this "
+                f"{round} was written with {key}={saved.get(key)!r}, this "
                 f"run has {key}={run_config[key]!r}; only "
                 f"{', '.join(sorted(RESUMABLE_CHANGES))} may change"
             )
-    if checkpoint.round >= run_config["rounds"]:
+    if round >= run_config["rounds"]:
         raise CheckpointError(
             f"invalid value for 'resume': {run_dir} has a checkpoint of round "
-            f"{checkpoint.round} and the run has rounds={run_config['rounds']}; "
+            f"{round} and the run has rounds={run_config['rounds']}; "
             "raise rounds to train further"
         )
-    return checkpoint
+    return round
 
 
 def _checked_arrays(arrays: dict[str, Any], what: str) -> dict[str, np.ndarray]:

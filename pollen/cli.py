@@ -27,7 +27,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from .checkpoints import CheckpointError, load_resumable
+from .checkpoints import CheckpointError, check_resumable
 from .notify import URL_ENV, check_url
 from .results import ResultsError, check_run_dir_is_new, default_run_name
 from .settings import Settings, SettingsError
@@ -91,7 +91,7 @@ def prepare_run(app: Path, overrides: Sequence[str]) -> tuple[Settings, str]:
         except ValueError as err:
             raise SettingsError(str(err)) from None
     if settings.resume:
-        load_resumable(Path(settings.resume), settings.to_run_config())
+        check_resumable(Path(settings.resume), settings.to_run_config())
     else:
         check_run_dir_is_new(settings.output_dir, settings.run_name)
     config = settings.to_run_config()

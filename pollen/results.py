@@ -149,6 +149,14 @@ def write_history(run_dir: Path, history: list[RoundRecord]) -> None:
     write_atomic(run_dir / "history.csv", buffer.getvalue())
 
 
+def read_history(run_dir: Path) -> list[RoundRecord]:
+    """The rounds `write_history` recorded (none if it never ran)."""
+    path = run_dir / "history.json"
+    if not path.is_file():
+        return []
+    return [RoundRecord.from_row(row) for row in json.loads(path.read_text())]
+
+
 def summarize(
     history: list[RoundRecord], status: str, seconds: float, error: str | None = None
 ) -> dict[str, Any]:

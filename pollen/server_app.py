@@ -12,7 +12,6 @@ start, progress, end and failure of the run.
 from __future__ import annotations
 
 import io
-import json
 import time
 from logging import INFO, WARNING
 from pathlib import Path
@@ -40,6 +39,7 @@ from .results import (
     default_run_name,
     plot_curves,
     plot_label_heatmap,
+    read_history,
     round_lines,
     summarize,
     write_atomic,
@@ -276,7 +276,7 @@ def _resume(
     strategy.load_state_arrays(checkpoint.strategy_state)
     evaluator.scheduler.load_state_dict(checkpoint.extra["lr-scheduler"])
     evaluator.train_config["lr"] = evaluator.lr
-    rows = _read_history(run_dir)
+    rows = read_history(run_dir)
     history.extend(r for r in rows if r.round <= checkpoint.round)
     keeps_local = strategy.sharing is not None and bool(strategy.sharing.local)
     if keeps_local or settings.local_objective == "feddyn":
@@ -286,13 +286,6 @@ def _resume(
     return ArrayRecord(
         {k: Array(np.ascontiguousarray(v)) for k, v in checkpoint.model.items()}
     )
-
-
-def _read_history(run_dir: Path) -> list[RoundRecord]:
-    path = run_dir / "history.json"
-    if not path.is_file():
-        return []
-    return [RoundRecord.from_row(row) for row in json.loads(path.read_text())]
 
 
 def discover_roster(grid: Grid, num_clients: int) -> Roster:

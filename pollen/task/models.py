@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cache
 from pathlib import Path
 
 import torch
@@ -117,39 +118,56 @@ def vgg16_features(weights: str) -> tuple[nn.Module, str]:
     `imagenet`: torchvision's ImageNet weights (downloaded once into torch's
     cache); `random`: the current torch seed; anything else: a file holding a
     state dict of VGG16 (`features.N.*` keys) or of its features alone.
-    Files are read with `weights_only`, so loading one cannot run code.
     """
     from torchvision.models import vgg
 
+    features = vgg.make_layers(vgg.cfgs["D"], batch_norm=False)
+    if weights == "random":
+        return features, "random initialisation"
+    try:
+        features.load_state_dict(_pretrained_features(weights))
+    except RuntimeError as err:  # keys or shapes that are not VGG16's
+        raise ValueError(
+            f"backbone-weights={weights!r}: not VGG16 weights ({err}); allowed: "
+            "imagenet, random, or a file saved with torch.save(vgg16().state_dict())"
+        ) from err
+    return (
+        features,
+        "imagenet (torchvision)" if weights == "imagenet" else f"file {weights}",
+    )
+
+
+@cache
+def _pretrained_features(weights: str) -> dict[str, torch.Tensor]:
+    """The features' state dict from ImageNet or a file, read once per process
+    (every message builds a fresh model). Files are read with `weights_only`,
+    so loading one cannot run code."""
     if weights == "imagenet":
+        from torchvision.models import VGG16_Weights
+
         try:
-            model = vgg.vgg16(weights=vgg.VGG16_Weights.IMAGENET1K_V1)
+            state = VGG16_Weights.IMAGENET1K_V1.get_state_dict(progress=False)
         except Exception as err:  # no network, proxy, checksum: all end here
             raise ValueError(
                 f"backbone-weights='imagenet': torchvision could not obtain the "
                 f"VGG16 ImageNet weights ({type(err).__name__}: {err}); set "
                 f"backbone-weights to a local weights file, or to 'random'"
             ) from err
-        return model.features, "imagenet (torchvision)"
-    features = vgg.make_layers(vgg.cfgs["D"], batch_norm=False)
-    if weights == "random":
-        return features, "random initialisation"
-    path = Path(weights)
-    try:
-        state = torch.load(path, map_location="cpu", weights_only=True)
-        if not isinstance(state, dict):
-            raise TypeError(f"it holds a {type(state).__name__}, not a state dict")
-        prefixed = {k: v for k, v in state.items() if k.startswith("features.")}
-        if prefixed:
-            state = {k.removeprefix("features."): v for k, v in prefixed.items()}
-        features.load_state_dict(state)
-    except Exception as err:
-        raise ValueError(
-            f"backbone-weights={weights!r}: not a VGG16 weights file "
-            f"({type(err).__name__}: {err}); allowed: imagenet, random, or a file "
-            f"saved with torch.save(vgg16().state_dict())"
-        ) from err
-    return features, f"file {path}"
+    else:
+        try:
+            state = torch.load(Path(weights), map_location="cpu", weights_only=True)
+            if not isinstance(state, dict):
+                raise TypeError(f"it holds a {type(state).__name__}, not a state dict")
+        except Exception as err:
+            raise ValueError(
+                f"backbone-weights={weights!r}: not a VGG16 weights file "
+                f"({type(err).__name__}: {err}); allowed: imagenet, random, or a "
+                f"file saved with torch.save(vgg16().state_dict())"
+            ) from err
+    prefixed = {k: v for k, v in state.items() if k.startswith("features.")}
+    if prefixed:
+        state = {k.removeprefix("features."): v for k, v in prefixed.items()}
+    return state
 
 
 def mobilenet(input_shape: Shape, num_classes: int) -> nn.Module:
