@@ -23,6 +23,7 @@ import numpy as np
 
 HISTORY_FIELDS = (
     "round", "accuracy", "loss", "lr", "seconds", "bytes-up", "bytes-down", "clients",
+    "rejected", "clipped", "skipped",
 )  # fmt: skip
 # Per-client (personalised) accuracies: mean/min/max columns in history.csv
 PERSONAL_COLUMNS = tuple(
@@ -48,7 +49,11 @@ class RoundRecord:
     bytes_up: int
     bytes_down: int
     clients: list[int] = field(default_factory=list)
+    # replies dropped (node, reason), updates scaled back by update-norm-bound,
+    # and whether too few valid replies left the model unchanged this round
     failures: list[str] = field(default_factory=list)
+    clipped: list[str] = field(default_factory=list)
+    skipped: bool = False
     eval_bytes: int = 0
     # client -> {global-accuracy, global-loss, local-accuracy, local-loss}: each
     # client's own model on the global test set and on its own test shard
@@ -140,7 +145,12 @@ def write_history(run_dir: Path, history: list[RoundRecord]) -> None:
     writer = csv.DictWriter(buffer, fieldnames=fields, extrasaction="ignore")
     writer.writeheader()
     for record, row in zip(history, rows, strict=True):
-        row = {**row, "clients": " ".join(map(str, row["clients"]))}
+        row = {
+            **row,
+            "clients": " ".join(map(str, row["clients"])),
+            "rejected": len(record.failures),
+            "clipped": len(record.clipped),
+        }
         for where in ("global", "local"):
             stats = record.personal_stats(where) or ("", "", "")
             for stat, value in zip(("mean", "min", "max"), stats, strict=True):
@@ -192,8 +202,18 @@ def round_lines(record: RoundRecord, total_rounds: int, seconds_left: float) -> 
         f"lr {record.lr:.3g}, clients {len(record.clients)}, "
         f"~{seconds_left:.0f} s left"
         + (f", dp epsilon {record.dp_epsilon:.2f}" if record.dp_epsilon else "")
+        + _fault_line(record)
         + _personal_line(record)
     )
+
+
+def _fault_line(record: RoundRecord) -> str:
+    parts = [f"{len(record.failures)} replies rejected"] if record.failures else []
+    if record.clipped:
+        parts.append(f"{len(record.clipped)} updates clipped")
+    if record.skipped:
+        parts.append("round skipped, model unchanged")
+    return f"\n     {', '.join(parts)} (history.json says why)" if parts else ""
 
 
 def _personal_line(record: RoundRecord) -> str:

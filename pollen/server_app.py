@@ -164,7 +164,7 @@ def _train(
         check_private_model(model, settings.model)
     roster = discover_roster(grid, settings.num_clients)
     log(INFO, "pollen: %d clients on %d nodes", settings.num_clients, roster.num_nodes)
-    strategy = build_strategy(settings, roster, model)
+    strategy = build_strategy(settings, roster, model, [len(s) for s in shards])
     arrays = ArrayRecord({k: v.clone() for k, v in model.state_dict().items()})
     train_config = ConfigRecord({"lr": settings.lr})
     evaluator = RoundEvaluator(
@@ -389,6 +389,8 @@ class RoundEvaluator:
             bytes_down=traffic.bytes_down,
             clients=traffic.clients,
             failures=traffic.failures,
+            clipped=traffic.clipped,
+            skipped=traffic.skipped,
             eval_bytes=traffic.eval_bytes,
             personal=self.strategy.personal.get(server_round, {}),
             dp_epsilon=traffic.dp_epsilon,

@@ -258,6 +258,21 @@ class Settings:
         1e-5, "privacy parameter delta", Rule(lambda v: 0 < v < 1, "in (0, 1)")
     )
     dp_max_grad_norm: float = key(1.0, "per-sample gradient clipping bound C", above(0))
+    # Untrusted clients: what the server does with replies it cannot use
+    min_train_replies: int = key(
+        1,
+        "fewest valid training replies a round aggregates; with fewer the round is "
+        "skipped and the model kept",
+        at_least(1),
+    )
+    update_norm_bound: float = key(
+        0.0,
+        "clip or drop an update whose norm exceeds k x the round's median (0: off)",
+        Rule(lambda v: v == 0 or v >= 1, "0 (off) or >= 1"),
+    )
+    update_norm_action: str = key(
+        "clip", "what update-norm-bound does to a larger update", one_of("clip", "drop")
+    )
     # Checkpoints and notifications
     checkpoint_every: int = key(
         0, "save global model + server state every N rounds (0: never)", at_least(0)

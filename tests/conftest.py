@@ -25,3 +25,16 @@ def task_identity():
     TaskIdentity.run_id, TaskIdentity.node_id, TaskIdentity.task_id = 1, 0, 1
     yield
     TaskIdentity._run_id = TaskIdentity._node_id = TaskIdentity._task_id = None
+
+
+def reply_from(node: int, content, message_type: str = "train"):
+    """A reply as node `node` sends it to the server (needs `task_identity`)."""
+    from flwr.app import Message
+    from flwr.supercore.task_identity import TaskIdentity
+
+    server = TaskIdentity.node_id
+    TaskIdentity.node_id = node
+    try:
+        return Message(content, dst_node_id=server, message_type=message_type)
+    finally:
+        TaskIdentity.node_id = server

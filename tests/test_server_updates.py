@@ -16,6 +16,7 @@ from pollen.strategies.fedopt import FedOpt
 from pollen.strategies.sampling import Roster
 from pollen.strategies.sharing import Sharing
 from pollen.task.models import build_model
+from tests.conftest import reply_from
 
 pytestmark = pytest.mark.usefixtures("task_identity")
 
@@ -36,7 +37,7 @@ def reply(client: int, record: ArrayRecord, examples: int) -> Message:
             "client": ConfigRecord({CLIENT_KEY: client}),
         }
     )
-    return Message(content, dst_node_id=client + 1, message_type="train")
+    return reply_from(client + 1, content)
 
 
 def base(num_clients: int = 2, **extra) -> dict:

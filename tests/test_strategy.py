@@ -16,6 +16,7 @@ from pollen.strategies.sampling import (
     sample_clients,
 )
 from pollen.task.models import build_model
+from tests.conftest import reply_from
 
 pytestmark = pytest.mark.usefixtures("task_identity")
 
@@ -47,7 +48,7 @@ def reply(client: int, node: int, arrays: ArrayRecord, examples: int) -> Message
             "client": ConfigRecord({CLIENT_KEY: client}),
         }
     )
-    return Message(content, dst_node_id=node, message_type="train")
+    return reply_from(node, content)
 
 
 def test_fedavg_averages_batchnorm_model_keeping_dtypes() -> None:

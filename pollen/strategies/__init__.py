@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from torch import nn
 
 from ..settings import Settings
@@ -12,8 +14,14 @@ from .sampling import Roster
 from .sharing import Sharing
 
 
-def build_strategy(settings: Settings, roster: Roster, model: nn.Module) -> FedAvg:
-    """The server update named by `server-update`, sharing by `sharing` and `bn-policy`."""
+def build_strategy(
+    settings: Settings,
+    roster: Roster,
+    model: nn.Module,
+    shard_sizes: Sequence[int] | None = None,
+) -> FedAvg:
+    """The server update named by `server-update`, sharing by `sharing` and
+    `bn-policy`; a client may claim at most its shard's size in examples."""
     base = {
         "roster": roster,
         "num_clients": settings.num_clients,
@@ -21,6 +29,10 @@ def build_strategy(settings: Settings, roster: Roster, model: nn.Module) -> FedA
         "seed": settings.seed,
         "sharing": Sharing.of(settings.sharing_policy, model),
         "personal_eval_every": settings.personal_eval_every,
+        "max_examples": dict(enumerate(shard_sizes or ())),
+        "min_replies": settings.min_train_replies,
+        "norm_bound": settings.update_norm_bound,
+        "norm_action": settings.update_norm_action,
     }
     if settings.server_update == "fedavg":
         return FedAvg(**base)

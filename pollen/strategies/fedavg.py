@@ -6,8 +6,12 @@ Differences from `flwr.serverapp.strategy.FedAvg`, all for exact, comparable run
   (seed, round) and routed through a `Roster`, instead of `random.sample`
   over node IDs that change from run to run;
 - only the entries the sharing policy lets travel are sent and accepted;
-- a reply with missing, extra, misshapen or non-finite entries is rejected
-  and logged, and the round goes on with the others;
+- every reply is checked (`replies.reply_problem`: its client, entries,
+  dtypes, finite values, example count, metrics); one that fails is dropped
+  and logged, and the round goes on with the others; with fewer than
+  `min_replies` left the round is skipped and the model stays as it was;
+- optionally an update whose norm exceeds `norm_bound` x the round's median
+  is clipped or dropped;
 - replies are aggregated in client order, so float sums do not depend on the
   order in which replies arrive;
 - every entry keeps its dtype (float32 weights, integer BatchNorm counters);
@@ -43,10 +47,10 @@ from flwr.serverapp import Grid
 from flwr.serverapp.strategy import FedAvg as FlowerFedAvg
 
 from .aggregate import Arrays, weighted_average
+from .replies import CLIENT_KEY, Expectation, bound_update_norms, reply_problem
 from .sampling import Roster, sample_clients
 from .sharing import Sharing
 
-CLIENT_KEY = "partition-id"
 PERSONAL_METRICS = ("global-accuracy", "global-loss", "local-accuracy", "local-loss")
 
 
@@ -58,7 +62,9 @@ class RoundTraffic:
     bytes_down: int = 0
     bytes_up: int = 0
     eval_bytes: int = 0
-    failures: list[str] = field(default_factory=list)
+    failures: list[str] = field(default_factory=list)  # replies dropped, and why
+    clipped: list[str] = field(default_factory=list)  # updates scaled back
+    skipped: bool = False  # too few valid replies: the model was not updated
     dp_epsilon: float | None = None
 
 
@@ -89,6 +95,10 @@ class FedAvg(FlowerFedAvg):
         seed: int,
         sharing: Sharing | None = None,
         personal_eval_every: int = 0,
+        max_examples: Mapping[int, int] | None = None,
+        min_replies: int = 1,
+        norm_bound: float = 0.0,
+        norm_action: str = "clip",
     ) -> None:
         super().__init__(
             fraction_train=client_frac,
@@ -101,6 +111,10 @@ class FedAvg(FlowerFedAvg):
         self.seed = seed
         self.sharing = sharing
         self.personal_eval_every = personal_eval_every
+        self.max_examples = dict(max_examples or {})
+        self.min_replies = min_replies
+        self.norm_bound = norm_bound
+        self.norm_action = norm_action
         self.traffic: dict[int, RoundTraffic] = {}
         self.personal: dict[int, dict[int, dict[str, float]]] = {}
         self.trained_clients: set[int] = set()
@@ -179,7 +193,8 @@ class FedAvg(FlowerFedAvg):
     def aggregate_train(
         self, server_round: int, replies: Iterable[Message]
     ) -> tuple[ArrayRecord | None, MetricRecord | None]:
-        """The next global model from the accepted replies, taken in client order."""
+        """The next global model from the valid replies, taken in client order
+        (None when too few are valid: the round is skipped)."""
         valid, failed = self._check_and_log_replies(
             replies, is_train=True, validate=False
         )
@@ -187,24 +202,16 @@ class FedAvg(FlowerFedAvg):
         traffic.failures = [
             f"node {m.metadata.src_node_id}: {m.error.reason}" for m in failed
         ]
-        shared = self.shared_keys(self._global)
-        accepted: list[tuple[int, RecordDict, dict[str, np.ndarray]]] = []
-        for msg in valid:
-            arrays = msg.content.get(self.arrayrecord_key)
-            if isinstance(arrays, ArrayRecord):
-                traffic.bytes_up += arrays.count_bytes()
-            problem = self._reply_problem(msg.content, shared)
-            if problem:
-                traffic.failures.append(f"node {msg.metadata.src_node_id}: {problem}")
-                log(WARNING, "pollen: rejected reply: %s", problem)
-                continue
-            client = int(msg.content["client"][CLIENT_KEY])
-            accepted.append((client, msg.content, to_numpy(arrays)))
-        if not accepted:
+        accepted = self._accepted(valid, traffic)
+        if len(accepted) < self.min_replies:
+            traffic.skipped = True
+            log(WARNING, "pollen: round %d skipped, the model is unchanged: %d valid "
+                "replies, min-train-replies is %d", server_round, len(accepted),
+                self.min_replies)  # fmt: skip
             return None, None
-        accepted.sort(key=lambda item: item[0])
         self.trained_clients.update(client for client, _, _ in accepted)
         self._record_privacy(traffic, accepted)
+        shared = self.shared_keys(self._global)
         current = {key: self._global[key] for key in shared}
         new_shared = self.update(
             current,
@@ -217,6 +224,55 @@ class FedAvg(FlowerFedAvg):
         )
         return ArrayRecord({k: Array(v) for k, v in merged.items()}), metrics
 
+    def _accepted(
+        self, replies: list[Message], traffic: RoundTraffic
+    ) -> list[tuple[int, RecordDict, Arrays]]:
+        """The replies that pass every check (and the norm bound), by client."""
+        shared = self.shared_keys(self._global)
+        current = {key: self._global[key] for key in shared}
+        expected = Expectation(
+            arrays=current,
+            owner=self.roster.owner,
+            sampled=frozenset(traffic.clients),
+            max_examples=self.max_examples,
+            weight_key=self.weighted_by_key,
+        )
+        accepted: list[tuple[int, RecordDict, Arrays]] = []
+        seen: set[int] = set()
+        for msg in replies:
+            arrays = msg.content.get(self.arrayrecord_key)
+            if isinstance(arrays, ArrayRecord):
+                traffic.bytes_up += arrays.count_bytes()
+            problem = reply_problem(msg, expected, seen)
+            if problem:
+                self._reject(traffic, msg.metadata.src_node_id, problem)
+                continue
+            client = int(msg.content["client"][CLIENT_KEY])
+            seen.add(client)
+            accepted.append((client, msg.content, to_numpy(arrays)))
+        accepted.sort(key=lambda item: item[0])
+        if not self.norm_bound or not accepted:
+            return accepted
+        bounded = bound_update_norms(
+            current, [a for _, _, a in accepted], self.norm_bound, self.norm_action
+        )
+        kept = []
+        for (client, content, _), (arrays, note) in zip(accepted, bounded, strict=True):
+            node = self.roster.owner[client]
+            if arrays is None:
+                self._reject(traffic, node, f"client {client}: {note}")
+                continue
+            if note:
+                traffic.clipped.append(f"node {node}: client {client}: {note}")
+                log(WARNING, "pollen: clipped update: client %d: %s", client, note)
+            kept.append((client, content, arrays))
+        return kept
+
+    @staticmethod
+    def _reject(traffic: RoundTraffic, node: int, problem: str) -> None:
+        traffic.failures.append(f"node {node}: {problem}")
+        log(WARNING, "pollen: rejected reply from node %d: %s", node, problem)
+
     def _record_privacy(
         self, traffic: RoundTraffic, accepted: list[tuple[int, RecordDict, Arrays]]
     ) -> None:
@@ -227,33 +283,6 @@ class FedAvg(FlowerFedAvg):
                 self.dp_epsilon[client] = epsilon
         if self.dp_epsilon:
             traffic.dp_epsilon = max(self.dp_epsilon.values())
-
-    def _reply_problem(self, content: RecordDict, shared: tuple[str, ...]) -> str:
-        """Why a training reply cannot be aggregated ("" when it can)."""
-        arrays = content.get(self.arrayrecord_key)
-        metrics = content.get("metrics")
-        client = content.get("client")
-        if not isinstance(arrays, ArrayRecord) or not isinstance(metrics, MetricRecord):
-            return "reply lacks its 'arrays' or 'metrics' record"
-        if not isinstance(client, ConfigRecord) or CLIENT_KEY not in client:
-            return f"reply does not name its client ({CLIENT_KEY})"
-        weight = metrics.get(self.weighted_by_key)
-        if not isinstance(weight, int | float) or not weight > 0:
-            return f"{self.weighted_by_key} must be a positive number, got {weight!r}"
-        if set(arrays) != set(shared):
-            missing = sorted(set(shared) - set(arrays))
-            extra = sorted(set(arrays) - set(shared))
-            return f"wrong entries (missing {missing[:3]}, unexpected {extra[:3]})"
-        for key in shared:
-            value, expected = arrays[key].numpy(), self._global[key]
-            if value.shape != expected.shape or value.dtype != expected.dtype:
-                return (
-                    f"entry {key!r} is {value.dtype}{list(value.shape)}, "
-                    f"expected {expected.dtype}{list(expected.shape)}"
-                )
-            if np.issubdtype(value.dtype, np.floating) and not np.isfinite(value).all():
-                return f"entry {key!r} is not finite"
-        return ""
 
     def update(
         self, current: Arrays, updates: list[Arrays], weights: list[float]

@@ -1,0 +1,144 @@
+"""What the server checks in a client's training reply before it trusts it.
+
+A federation cannot assume its clients are correct: a node may run other
+code, crash half-way through serialising, diverge, or lie. Every reply is
+checked against what the server sent and what it knows about the client;
+one that fails is dropped with a one-line reason and the round goes on
+with the others. Optionally (`update-norm-bound`), an update far larger than
+the round's typical one is clipped or dropped, a basic defence against a
+poisoned or broken client (cf. norm bounding, Sun et al. 2019).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import numpy as np
+from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord
+
+from .aggregate import Arrays
+
+CLIENT_KEY = "partition-id"
+NORM_ACTIONS = ("clip", "drop")
+
+
+@dataclass(frozen=True)
+class Expectation:
+    """What a valid training reply of one round looks like."""
+
+    arrays: Arrays  # the shared entries sent: names, shapes and dtypes to match
+    owner: Mapping[int, int]  # client -> the node that serves it
+    sampled: frozenset[int]  # the clients asked to train this round
+    max_examples: Mapping[int, int]  # client -> its shard size (absent: unbounded)
+    weight_key: str = "num-examples"
+
+
+def reply_problem(msg: Message, expected: Expectation, seen: set[int]) -> str:
+    """Why the training reply `msg` cannot be aggregated ("" when it can).
+
+    `seen` holds the clients already accepted this round; a second reply for
+    one of them is refused.
+    """
+    content = msg.content
+    arrays, metrics = content.get("arrays"), content.get("metrics")
+    client_record = content.get("client")
+    if not isinstance(arrays, ArrayRecord) or not isinstance(metrics, MetricRecord):
+        return "reply lacks its 'arrays' or 'metrics' record"
+    if not isinstance(client_record, ConfigRecord) or not isinstance(
+        client_record.get(CLIENT_KEY), int
+    ):
+        return f"reply does not name its client ({CLIENT_KEY})"
+    client = client_record[CLIENT_KEY]
+    if client not in expected.sampled:
+        return f"client {client} was not asked to train this round"
+    if expected.owner.get(client) != msg.metadata.src_node_id:
+        return f"client {client} is not served by node {msg.metadata.src_node_id}"
+    if client in seen:
+        return f"a second reply for client {client}"
+    return _metrics_problem(metrics, client, expected) or _arrays_problem(
+        arrays, expected.arrays
+    )
+
+
+def _metrics_problem(metrics: MetricRecord, client: int, expected: Expectation) -> str:
+    count = metrics.get(expected.weight_key)
+    bound = expected.max_examples.get(client)
+    if isinstance(count, bool) or not isinstance(count, int | float) or not count > 0:
+        return f"{expected.weight_key} must be a positive number, got {count!r}"
+    if bound is not None and count > bound:
+        return f"{expected.weight_key}={count:g} exceeds the client's shard ({bound})"
+    for name, value in metrics.items():
+        if isinstance(value, list) or not math.isfinite(value):
+            return f"metric {name!r} must be a finite number, got {value!r}"
+    return ""
+
+
+def _arrays_problem(arrays: ArrayRecord, sent: Arrays) -> str:
+    if set(arrays) != set(sent):
+        missing = sorted(set(sent) - set(arrays))
+        extra = sorted(set(arrays) - set(sent))
+        return f"wrong entries (missing {missing[:3]}, unexpected {extra[:3]})"
+    for key, expected in sent.items():
+        try:
+            value = arrays[key].numpy()
+        except Exception as err:  # a corrupt buffer: whatever numpy raises
+            return f"entry {key!r} cannot be read ({type(err).__name__})"
+        if value.shape != expected.shape or value.dtype != expected.dtype:
+            return (
+                f"entry {key!r} is {value.dtype}{list(value.shape)}, "
+                f"expected {expected.dtype}{list(expected.shape)}"
+            )
+        if np.issubdtype(value.dtype, np.floating) and not np.isfinite(value).all():
+            return f"entry {key!r} is not finite"
+    return ""
+
+
+def update_norm(current: Arrays, update: Arrays) -> float:
+    """L2 norm of update - current over the floating entries, in float64."""
+    total = 0.0
+    for key, value in current.items():
+        if np.issubdtype(value.dtype, np.floating):
+            delta = update[key].astype(np.float64) - value
+            total += float(np.dot(delta.ravel(), delta.ravel()))
+    return math.sqrt(total)
+
+
+def bound_update_norms(
+    current: Arrays, updates: list[Arrays], bound: float, action: str
+) -> list[tuple[Arrays | None, str]]:
+    """Limit each update's norm to `bound` x the median norm of the round.
+
+    With `action="clip"` an update above the limit is scaled back onto it,
+    current + (update - current) * limit / norm; with `"drop"` it becomes None.
+    Returns, in order, each update as kept and a note ("" when untouched).
+    """
+    if action not in NORM_ACTIONS:
+        raise ValueError(f"unknown action {action!r}; allowed: {NORM_ACTIONS}")
+    norms = [update_norm(current, u) for u in updates]
+    median = float(np.median(norms)) if norms else 0.0
+    out: list[tuple[Arrays | None, str]] = []
+    for update, norm in zip(updates, norms, strict=True):
+        if norm <= bound * median:
+            out.append((update, ""))
+            continue
+        note = f"update norm {norm:.4g} > {bound:g} x the median {median:.4g}"
+        if action == "clip":
+            out.append((_scaled(current, update, bound * median / norm), note))
+        else:
+            out.append((None, note))
+    return out
+
+
+def _scaled(current: Arrays, update: Arrays, factor: float) -> dict[str, np.ndarray]:
+    """current + factor * (update - current) on floating entries, dtypes kept."""
+    out = {}
+    for key, value in update.items():
+        if np.issubdtype(value.dtype, np.floating):
+            base = current[key].astype(np.float64)
+            value = (base + factor * (value.astype(np.float64) - base)).astype(
+                value.dtype
+            )
+        out[key] = value
+    return out

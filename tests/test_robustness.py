@@ -1,0 +1,203 @@
+"""Hostile and broken client replies: dropped with a reason, never a crash.
+
+Every strategy gets the same honest replies plus random malformed ones;
+its next model must equal what it makes of the honest replies alone.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+import numpy as np
+import pytest
+from flwr.app import Array, ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
+
+from pollen.strategies.fedavg import CLIENT_KEY, FedAvg
+from pollen.strategies.feddyn import FedDyn
+from pollen.strategies.fedopt import FedOpt
+from pollen.strategies.replies import bound_update_norms, update_norm
+from pollen.strategies.sampling import Roster
+from tests.conftest import reply_from
+
+pytestmark = pytest.mark.usefixtures("task_identity")
+
+HONEST = 3  # clients 0..2 reply correctly
+HOSTILE = 12  # clients 3..14 may send anything
+CLIENTS = HONEST + HOSTILE
+SHARD = 50  # every client's shard size: the most examples it may claim
+
+GLOBAL = {
+    "w": np.arange(6, dtype=np.float32).reshape(2, 3) / 10,
+    "b": np.zeros(3, np.float32),
+    "n": np.array(7, np.int64),  # an integer entry, like BatchNorm's counter
+}
+
+
+def strategies() -> dict[str, Callable[..., FedAvg]]:
+    return {
+        "fedavg": lambda **kw: FedAvg(**kw),
+        "feddyn": lambda **kw: FedDyn(alpha=0.1, **kw),
+        "fedavgm": lambda **kw: FedOpt(
+            optimizer="sgd", server_lr=1.0, momentum=0.9, **kw
+        ),
+        "fedadagrad": lambda **kw: FedOpt(optimizer="adagrad", server_lr=0.1, **kw),
+        "fedadam": lambda **kw: FedOpt(optimizer="adam", server_lr=0.1, **kw),
+        "fedyogi": lambda **kw: FedOpt(optimizer="yogi", server_lr=0.1, **kw),
+    }
+
+
+def build(name: str, **extra) -> FedAvg:
+    roster = Roster.from_nodes({c + 1: (c, CLIENTS) for c in range(CLIENTS)}, CLIENTS)
+    return strategies()[name](
+        roster=roster, num_clients=CLIENTS, client_frac=1.0, seed=0,
+        max_examples=dict.fromkeys(range(CLIENTS), SHARD), **extra,
+    )  # fmt: skip
+
+
+def record(arrays: dict[str, np.ndarray]) -> ArrayRecord:
+    return ArrayRecord({k: Array(np.asarray(v)) for k, v in arrays.items()})
+
+
+def content(client, arrays, examples=10, loss=0.5) -> RecordDict:
+    return RecordDict(
+        {
+            "arrays": record(arrays) if isinstance(arrays, dict) else arrays,
+            "metrics": MetricRecord({"num-examples": examples, "train-loss": loss}),
+            "client": ConfigRecord({CLIENT_KEY: client}),
+        }
+    )
+
+
+def honest(client: int, rng: np.random.Generator) -> Message:
+    moved = {
+        "w": GLOBAL["w"] + rng.normal(0, 0.1, (2, 3)).astype(np.float32),
+        "b": GLOBAL["b"] + rng.normal(0, 0.1, 3).astype(np.float32),
+        "n": GLOBAL["n"] + 5,
+    }
+    return reply_from(
+        client + 1, content(client, moved, examples=int(rng.integers(1, SHARD)))
+    )
+
+
+def corrupt_array() -> ArrayRecord:
+    good = record(GLOBAL)
+    good["w"] = Array(
+        dtype="float32", shape=(2, 3), stype="numpy.ndarray", data=b"junk"
+    )
+    return good
+
+
+# Each fault: (name, client -> the message a hostile client sends)
+FAULTS: list[tuple[str, Callable[[int], Message]]] = [
+    ("missing entry", lambda c: reply_from(c + 1, content(c, {"w": GLOBAL["w"], "n": GLOBAL["n"]}))),
+    ("extra entry", lambda c: reply_from(c + 1, content(c, {**GLOBAL, "x": GLOBAL["b"]}))),
+    ("wrong shape", lambda c: reply_from(c + 1, content(c, {**GLOBAL, "w": GLOBAL["w"].T.copy()}))),
+    ("wrong dtype", lambda c: reply_from(c + 1, content(c, {**GLOBAL, "w": GLOBAL["w"].astype(np.float64)}))),
+    ("int for float", lambda c: reply_from(c + 1, content(c, {**GLOBAL, "b": np.zeros(3, np.int32)}))),
+    ("nan", lambda c: reply_from(c + 1, content(c, {**GLOBAL, "b": np.array([0, math.nan, 0], np.float32)}))),
+    ("inf", lambda c: reply_from(c + 1, content(c, {**GLOBAL, "w": np.full((2, 3), np.inf, np.float32)}))),
+    ("corrupt buffer", lambda c: reply_from(c + 1, content(c, corrupt_array()))),
+    ("negative count", lambda c: reply_from(c + 1, content(c, GLOBAL, examples=-5))),
+    ("zero count", lambda c: reply_from(c + 1, content(c, GLOBAL, examples=0))),
+    ("count above shard", lambda c: reply_from(c + 1, content(c, GLOBAL, examples=10**9))),
+    ("nan count", lambda c: reply_from(c + 1, content(c, GLOBAL, examples=math.nan))),
+    ("nan metric", lambda c: reply_from(c + 1, content(c, GLOBAL, loss=math.nan))),
+    ("list metric", lambda c: reply_from(c + 1, content(c, GLOBAL, loss=[1.0, 2.0]))),
+    ("no arrays", lambda c: reply_from(c + 1, RecordDict({"metrics": MetricRecord({"num-examples": 3})}))),
+    ("no client", lambda c: reply_from(c + 1, RecordDict({"arrays": record(GLOBAL), "metrics": MetricRecord({"num-examples": 3})}))),
+    ("client as text", lambda c: reply_from(c + 1, RecordDict({"arrays": record(GLOBAL), "metrics": MetricRecord({"num-examples": 3}), "client": ConfigRecord({CLIENT_KEY: "0"})}))),
+    ("impersonates client 0", lambda c: reply_from(c + 1, content(0, GLOBAL))),
+    ("unknown client", lambda c: reply_from(c + 1, content(CLIENTS + 7, GLOBAL))),
+]  # fmt: skip
+
+
+def play(strategy: FedAvg, replies: list[Message]) -> tuple[dict | None, FedAvg]:
+    strategy.configure_train(1, record(GLOBAL), ConfigRecord(), None)
+    out, _ = strategy.aggregate_train(1, replies)
+    return (None if out is None else {k: out[k].numpy() for k in out}), strategy
+
+
+@pytest.mark.parametrize("name", list(strategies()))
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_random_malformed_replies_leave_the_honest_aggregate(
+    name: str, seed: int
+) -> None:
+    rng = np.random.default_rng(seed)
+    good = [honest(c, rng) for c in range(HONEST)]
+    picks = rng.choice(len(FAULTS), size=HOSTILE, replace=True)
+    bad = [FAULTS[f][1](HONEST + i) for i, f in enumerate(picks)]
+    bad.append(honest(1, rng))  # a second reply for client 1 comes last
+    mixed = good + bad
+    order = rng.permutation(len(good))  # honest replies arrive in any order...
+    mixed = [good[i] for i in order] + bad  # ...and hostile ones after them
+    expected, _ = play(build(name), good)
+    got, strategy = play(build(name), mixed)
+    assert expected is not None and got is not None
+    for key, value in expected.items():
+        np.testing.assert_array_equal(got[key], value, err_msg=key)
+        assert got[key].dtype == GLOBAL[key].dtype
+    failures = strategy.traffic[1].failures
+    assert len(failures) == len(bad), failures
+    assert strategy.trained_clients == set(range(HONEST))
+
+
+@pytest.mark.parametrize("fault", FAULTS, ids=[f for f, _ in FAULTS])
+def test_each_fault_is_named(fault) -> None:
+    _, make = fault
+    out, strategy = play(build("fedavg"), [make(HONEST)])
+    assert out is None  # nothing valid: the model stays as it was
+    (failure,) = strategy.traffic[1].failures
+    assert failure.startswith(f"node {HONEST + 1}: ")
+    assert strategy.traffic[1].skipped and not strategy.trained_clients
+
+
+def test_too_few_valid_replies_skip_the_round() -> None:
+    rng = np.random.default_rng(0)
+    replies = [honest(0, rng), FAULTS[5][1](HONEST)]
+    out, strategy = play(build("fedadam", min_replies=2), replies)
+    assert out is None and strategy.traffic[1].skipped
+    assert not strategy.trained_clients  # nothing of the round was kept
+
+
+def with_delta(client: int, delta: np.ndarray, examples: int) -> Message:
+    arrays = {**GLOBAL, "w": GLOBAL["w"] + delta.astype(np.float32)}
+    return reply_from(client + 1, content(client, arrays, examples=examples))
+
+
+def test_update_norm_bound_by_hand() -> None:
+    """Norms 1, 2 and 100 (median 2), bound 3: the third is cut to norm 6."""
+    unit = np.zeros((2, 3))
+    unit[0, 0] = 1.0
+    replies = [
+        with_delta(0, unit, 1),
+        with_delta(1, 2 * unit, 1),
+        with_delta(2, 100 * unit, 2),
+    ]
+    clipped, strategy = play(
+        build("fedavg", norm_bound=3.0, norm_action="clip"), replies
+    )
+    assert clipped is not None
+    # weights 1/4, 1/4, 2/4 on moves 1, 2 and 6
+    assert clipped["w"][0, 0] == pytest.approx(GLOBAL["w"][0, 0] + (1 + 2 + 2 * 6) / 4)
+    assert strategy.traffic[1].clipped and not strategy.traffic[1].failures
+    dropped, strategy = play(
+        build("fedavg", norm_bound=3.0, norm_action="drop"), replies
+    )
+    assert dropped is not None
+    assert dropped["w"][0, 0] == pytest.approx(GLOBAL["w"][0, 0] + (1 + 2) / 2)
+    assert "norm 100 > 3 x the median 2" in strategy.traffic[1].failures[0]
+    np.testing.assert_array_equal(dropped["n"], GLOBAL["n"])  # integers not clipped
+
+
+def test_clipping_keeps_direction_and_dtypes() -> None:
+    current = {"w": np.ones(4, np.float32), "n": np.array(3, np.int64)}
+    big = {"w": np.array([4, 5, 1, 1], np.float32), "n": np.array(9, np.int64)}
+    small = {"w": np.array([1, 1, 1, 2], np.float32), "n": np.array(4, np.int64)}
+    (kept_small, note_small), _, (kept_big, note_big) = bound_update_norms(
+        current, [small, small, big], bound=1.0, action="clip"
+    )  # norms 1, 1, 5
+    assert note_small == "" and kept_small is small
+    assert note_big and update_norm(current, kept_big) == pytest.approx(1.0, rel=1e-6)
+    np.testing.assert_allclose(kept_big["w"] - 1, np.array([3, 4, 0, 0]) / 5, rtol=1e-6)
+    assert kept_big["w"].dtype == np.float32 and int(kept_big["n"]) == 9
