@@ -6,8 +6,10 @@ What a client keeps between rounds lives in `context.state`, per client:
 the model entries its sharing policy keeps local (`local-<client>`: FedBN's
 BatchNorm, FedSA's LoRA B matrices), FedDyn's gradient state h_k
 (`feddyn-h-<client>`) and, under DP-SGD, the steps its privacy accountant
-has counted (`dp-steps-<client>`). Only shared entries are accepted from the
-server and only shared entries are sent back.
+has counted (`dp-steps-<client>`). When the run checkpoints, that state is
+also written to the client's disk after each round it trains and read back
+by a resumed run (`pollen.client_state`). Only shared entries are accepted
+from the server and only shared entries are sent back.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from flwr.app import (
 )
 from flwr.clientapp import ClientApp
 
+from . import client_state
 from .settings import Settings
 from .strategies.fedavg import CLIENT_KEY
 from .strategies.sharing import Sharing
@@ -61,7 +64,18 @@ def _settings(items: frozenset) -> Settings:
 
 @app.query()
 def query(msg: Message, context: Context) -> Message:
-    """Tell the server which partition this node holds (its node config)."""
+    """Tell the server which partition this node holds (its node config).
+
+    A resumed run's query also names the checkpoint it resumes from: client
+    state that earlier runs wrote after it is deleted here, before any round.
+    """
+    config = msg.content.get("config")
+    if isinstance(config, ConfigRecord):
+        store = client_state.store_for(context, config)
+        if store is not None:
+            store.forget_abandoned(
+                context.run_id, int(config.get(client_state.RESUME_ROUND, 0))
+            )
     record = ConfigRecord(
         {
             CLIENT_KEY: int(context.node_config["partition-id"]),
@@ -91,6 +105,7 @@ class ClientModel:
         client = int(config[CLIENT_KEY])
         if not 0 <= client < settings.num_clients:
             raise ValueError(f"client {client} outside 0..{settings.num_clients - 1}")
+        client_state.restore(context, client, config)
         dataset, _ = federated_data(settings)
         # Same seed as the server's model: local entries start where its do.
         model = settings_model(settings, dataset)
@@ -179,6 +194,7 @@ def train(msg: Message, context: Context) -> Message:
         context.state[h_key] = ArrayRecord(regularizer.dyn_state_after(params))
     if cm.sharing.local:
         context.state[f"local-{cm.client}"] = cm.entries(cm.sharing.local)
+    client_state.persist(context, cm.client, cm.server_round, msg.content["config"])
     metrics = MetricRecord(
         {"num-examples": result.num_examples, "train-loss": result.loss, **privacy}
     )

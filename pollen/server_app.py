@@ -12,8 +12,9 @@ start, progress, end and failure of the run.
 from __future__ import annotations
 
 import io
+import math
 import time
-from logging import INFO, WARNING
+from logging import INFO
 from pathlib import Path
 
 import numpy as np
@@ -30,6 +31,7 @@ from flwr.app import (
 from flwr.common.logger import log
 from flwr.serverapp import Grid, ServerApp
 
+from . import client_state
 from .checkpoints import Checkpoint, load_resumable, save_checkpoint
 from .notify import Notifier
 from .results import (
@@ -78,12 +80,18 @@ def main(grid: Grid, context: Context) -> None:
     notifier.run_started(
         run_name, settings.strategy, settings.data_set, settings.rounds
     )
-    history: list[RoundRecord] = []
+    # a resumed run starts from the rounds its checkpoint covers
+    history = [
+        r for r in read_history(run_dir) if checkpoint and r.round <= checkpoint.round
+    ]
+    restored = len(history)
     try:
         _train(grid, settings, run_dir, history, notifier, run_name, checkpoint)
     except BaseException as err:
         summary = summarize(history, "failed", time.monotonic() - started, _reason(err))
-        write_json(run_dir / "summary.json", summary)
+        # a resume that fails before its first round leaves the run as it was
+        if len(history) > restored or not (run_dir / "summary.json").exists():
+            write_json(run_dir / "summary.json", summary)
         notifier.run_failed(run_name, _reason(err))
         notifier.close()
         raise
@@ -162,23 +170,30 @@ def _train(
         )
     if settings.dp:
         check_private_model(model, settings.model)
-    roster = discover_roster(grid, settings.num_clients)
+    resume_round = checkpoint.round if checkpoint else 0
+    state_config = client_state.server_config(
+        run_dir, run_name, resume_round, settings.checkpoint_every > 0
+    )
+    roster = discover_roster(grid, settings.num_clients, ConfigRecord(state_config))
     log(INFO, "pollen: %d clients on %d nodes", settings.num_clients, roster.num_nodes)
     strategy = build_strategy(settings, roster, model, [len(s) for s in shards])
     arrays = ArrayRecord({k: v.clone() for k, v in model.state_dict().items()})
-    train_config = ConfigRecord({"lr": settings.lr})
+    train_config = ConfigRecord({"lr": settings.lr, **state_config})
+    eval_config = ConfigRecord(state_config)
     evaluator = RoundEvaluator(
         settings, dataset, model.to(device), device, strategy, train_config,
         history, run_dir,
     )  # fmt: skip
     first_round = 1
     if checkpoint is not None:
-        arrays = _resume(checkpoint, run_dir, strategy, evaluator, history)
+        arrays = _resume(checkpoint, strategy, evaluator)
         first_round = checkpoint.round + 1
     grid = OneMessagePerNode(grid)
     evaluator.start_clock()
     for server_round in range(first_round, settings.rounds + 1):
-        arrays = _play_round(grid, strategy, server_round, arrays, train_config)
+        arrays = _play_round(
+            grid, strategy, server_round, arrays, train_config, eval_config
+        )
         record = evaluator(server_round, arrays)
         if settings.checkpoint_every and (
             server_round % settings.checkpoint_every == 0
@@ -186,6 +201,9 @@ def _train(
         ):
             _save_checkpoint(settings, run_dir, server_round, arrays, strategy,
                              evaluator)  # fmt: skip
+            # clients may now forget their state from before this round
+            train_config[client_state.KEEP_FROM] = server_round
+            eval_config[client_state.KEEP_FROM] = server_round
         notifier.round_finished(
             run_name, server_round, settings.rounds, record.accuracy, record.loss,
             record.dp_epsilon,
@@ -204,6 +222,7 @@ def _play_round(
     server_round: int,
     arrays: ArrayRecord,
     train_config: ConfigRecord,
+    eval_config: ConfigRecord,
 ) -> ArrayRecord:
     """One round of Flower's strategy protocol: train, aggregate, evaluate.
 
@@ -218,7 +237,7 @@ def _play_round(
     new_arrays, _ = strategy.aggregate_train(server_round, replies)
     arrays = new_arrays if new_arrays is not None else arrays
     replies = grid.send_and_receive(
-        strategy.configure_evaluate(server_round, arrays, ConfigRecord(), grid),
+        strategy.configure_evaluate(server_round, arrays, eval_config, grid),
         timeout=ROUND_TIMEOUT_SECONDS,
     )
     strategy.aggregate_evaluate(server_round, replies)
@@ -260,13 +279,10 @@ def _save_checkpoint(
 
 
 def _resume(
-    checkpoint: Checkpoint,
-    run_dir: Path,
-    strategy: FedAvg,
-    evaluator: RoundEvaluator,
-    history: list[RoundRecord],
+    checkpoint: Checkpoint, strategy: FedAvg, evaluator: RoundEvaluator
 ) -> ArrayRecord:
-    """Restore model, server state, scheduler and history from `checkpoint`."""
+    """Restore model, server state and scheduler from `checkpoint` (the
+    history up to it is read back by `main`, the clients' state by the clients)."""
     settings = evaluator.settings
     if set(checkpoint.model) != set(evaluator.model.state_dict()):
         raise SettingsError(
@@ -276,20 +292,18 @@ def _resume(
     strategy.load_state_arrays(checkpoint.strategy_state)
     evaluator.scheduler.load_state_dict(checkpoint.extra["lr-scheduler"])
     evaluator.train_config["lr"] = evaluator.lr
-    rows = read_history(run_dir)
-    history.extend(r for r in rows if r.round <= checkpoint.round)
-    keeps_local = strategy.sharing is not None and bool(strategy.sharing.local)
-    if keeps_local or settings.local_objective == "feddyn":
-        log(WARNING, "pollen: resuming; client-side state (local entries, FedDyn h_k) "
-            "is not in the server's checkpoint and starts again from scratch")  # fmt: skip
     print(f"pollen: resuming after round {checkpoint.round}", flush=True)
     return ArrayRecord(
         {k: Array(np.ascontiguousarray(v)) for k, v in checkpoint.model.items()}
     )
 
 
-def discover_roster(grid: Grid, num_clients: int) -> Roster:
-    """Ask every connected node which partition it holds; map clients to nodes."""
+def discover_roster(
+    grid: Grid, num_clients: int, config: ConfigRecord | None = None
+) -> Roster:
+    """Ask every connected node which partition it holds; map clients to nodes.
+
+    `config` (the clients' state settings) travels with the question."""
     deadline = time.monotonic() + NODE_WAIT_SECONDS
     while not (node_ids := sorted(grid.get_node_ids())):
         if time.monotonic() > deadline:
@@ -298,7 +312,11 @@ def discover_roster(grid: Grid, num_clients: int) -> Roster:
             )
         time.sleep(1.0)
     queries = [
-        Message(RecordDict(), message_type=MessageType.QUERY, dst_node_id=n)
+        Message(
+            RecordDict({"config": config or ConfigRecord()}),
+            message_type=MessageType.QUERY,
+            dst_node_id=n,
+        )
         for n in node_ids
     ]
     nodes = {}
@@ -313,6 +331,41 @@ def discover_roster(grid: Grid, num_clients: int) -> Roster:
             int(info["num-partitions"]),
         )
     return Roster.from_nodes(nodes, num_clients)
+
+
+class DivergenceError(RuntimeError):
+    """The global model or its test loss is no longer finite."""
+
+
+def check_finite(
+    server_round: int, state: dict[str, torch.Tensor], loss: float, settings: Settings
+) -> None:
+    """Stop a diverged run before its round is recorded or checkpointed."""
+    broken = [
+        k for k, v in state.items() if v.is_floating_point() and not v.isfinite().all()
+    ]
+    if not broken and math.isfinite(loss):
+        return
+    what = (
+        f"{len(broken)} entries of the global model ({broken[0]!r}, ...) are"
+        if broken
+        else f"the test loss ({loss}) is"
+    )
+    raise DivergenceError(
+        f"round {server_round}: {what} not finite, the run diverged; "
+        f"likely cause: {_divergence_hint(settings)}. The last good checkpoint, "
+        "if any, is kept"
+    )
+
+
+def _divergence_hint(s: Settings) -> str:
+    hints = []
+    if s.server_update in ("sgd", "adagrad", "adam", "yogi"):
+        hints.append(f"server-lr={s.server_lr:g} too high")
+    if s.server_update == "feddyn" or s.local_objective == "feddyn":
+        hints.append(f"dyn-alpha={s.dyn_alpha:g} with lr={s.lr:g}")
+    hints.append(f"lr={s.lr:g} too high (max-grad-norm={s.max_grad_norm:g})")
+    return "; or ".join(hints)
 
 
 class RoundEvaluator:
@@ -377,6 +430,7 @@ class RoundEvaluator:
             batch_size=self.settings.test_batch_size,
             preprocess=self.preprocess,
         )
+        check_finite(server_round, state, loss, self.settings)
         now = time.monotonic()
         traffic = self.strategy.traffic.get(server_round, RoundTraffic())
         record = RoundRecord(

@@ -422,8 +422,9 @@ def _check_combination(values: dict[str, Scalar]) -> None:
         )
     if values["dp"] and values["resume"]:
         raise SettingsError(
-            "dp=true with resume: each client's privacy accountant lives in its "
-            "node state and would restart at zero; start a new run instead"
+            "dp=true with resume is not supported: the noise is calibrated for "
+            "the run as planned, and a node without its state files would count "
+            "its privacy spending from zero; start a new run instead"
         )
 
 

@@ -11,7 +11,16 @@ from collections.abc import Callable
 
 import numpy as np
 import pytest
-from flwr.app import Array, ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
+from flwr.app import (
+    Array,
+    ArrayRecord,
+    ConfigRecord,
+    Error,
+    Message,
+    MetricRecord,
+    RecordDict,
+)
+from flwr.supercore.task_identity import TaskIdentity
 
 from pollen.strategies.fedavg import CLIENT_KEY, FedAvg
 from pollen.strategies.feddyn import FedDyn
@@ -201,3 +210,17 @@ def test_clipping_keeps_direction_and_dtypes() -> None:
     assert note_big and update_norm(current, kept_big) == pytest.approx(1.0, rel=1e-6)
     np.testing.assert_allclose(kept_big["w"] - 1, np.array([3, 4, 0, 0]) / 5, rtol=1e-6)
     assert kept_big["w"].dtype == np.float32 and int(kept_big["n"]) == 9
+
+
+def test_a_failed_node_is_recorded_and_the_round_goes_on() -> None:
+    """A node that crashed or timed out comes back as a Flower error reply."""
+    strategy = build("fedavg")
+    sent = list(strategy.configure_train(1, record(GLOBAL), ConfigRecord(), None))
+    lost = next(m for m in sent if m.metadata.dst_node_id == 2)
+    TaskIdentity.node_id = 2
+    crashed = Message(Error(code=1, reason="node went away"), reply_to=lost)
+    TaskIdentity.node_id = 0
+    rng = np.random.default_rng(0)
+    out, _ = strategy.aggregate_train(1, [honest(0, rng), crashed, honest(2, rng)])
+    assert out is not None and strategy.trained_clients == {0, 2}
+    assert strategy.traffic[1].failures == ["node 2: node went away"]

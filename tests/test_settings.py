@@ -58,6 +58,9 @@ def test_pyproject_declares_every_key_with_the_same_type() -> None:
         ("rounds", "ten", "a int"),
         ("lr", float("nan"), "a float (finite)"),
         ("normalize", "yes", "a bool"),
+        ("min-train-replies", 0, ">= 1"),
+        ("update-norm-bound", 0.5, "0 (off) or >= 1"),
+        ("update-norm-action", "zero", "one of clip, drop"),
     ],
 )
 def test_invalid_value_names_key_value_and_allowed(key, value, allowed) -> None:
@@ -66,6 +69,11 @@ def test_invalid_value_names_key_value_and_allowed(key, value, allowed) -> None:
     message = str(err.value)
     assert "\n" not in message
     assert repr(key) in message and repr(value) in message and allowed in message
+
+
+def test_dp_runs_cannot_be_resumed() -> None:
+    with pytest.raises(SettingsError, match="dp=true with resume is not supported"):
+        Settings.from_run_config({"dp": True, "model": "cnn-gn", "resume": "runs/a"})
 
 
 def test_unknown_key_is_refused() -> None:

@@ -321,3 +321,98 @@ def test_resume_from_checkpoint_repeats_the_run_and_notifications_arrive(
     assert changed.returncode == 2 and "lr=0.05, this run has lr=0.5" in changed.stderr
     assert history(run_dir) == again  # a refused resume changes nothing
     assert (run_dir / "summary.json").read_text() == summary
+
+
+def descendants(pid: int) -> list[int]:
+    """Every process below `pid`, children before their parents' siblings."""
+    children: dict[int, list[int]] = {}
+    for proc in Path("/proc").iterdir():
+        try:
+            stat = (proc / "stat").read_text()
+        except OSError:
+            continue
+        if proc.name.isdigit():
+            parent = int(stat.rsplit(")", 1)[1].split()[1])
+            children.setdefault(parent, []).append(int(proc.name))
+    found, queue = [], [pid]
+    while queue:
+        for child in children.get(queue.pop(), []):
+            found.append(child)
+            queue.append(child)
+    return found
+
+
+def kill_after_checkpoint(config: str, checkpoint: Path) -> None:
+    """Start `pollen run`, and SIGKILL it with all its processes as soon as
+    `checkpoint` is complete: a crash, no clean-up of any kind (the test
+    removes the Flower home the run leaves behind)."""
+    args = [str(BIN / "pollen"), "run", str(PROJECT), "-c", config]
+    proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 300
+    while not (checkpoint / "meta.json").exists():
+        assert proc.poll() is None and time.monotonic() < deadline, "no checkpoint"
+        time.sleep(0.05)
+    processes = [*descendants(proc.pid), proc.pid]
+    homes = set()
+    for pid in processes:
+        with contextlib.suppress(OSError):
+            environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+            homes |= {v[10:].decode() for v in environ if v.startswith(b"FLWR_HOME=")}
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+    proc.wait()
+    for home in homes:
+        shutil.rmtree(home, ignore_errors=True)
+
+
+@pytest.mark.parametrize("strategy", ["fedavg", "feddyn", "fedadam"])
+def test_killed_run_resumes_to_the_uninterrupted_history(
+    strategy: str, tmp_path: Path
+) -> None:
+    """Killed after round 2's checkpoint, resumed: the same rounds, the same
+    numbers as the run that was never interrupted. FedDyn's clients read
+    their h_k back from disk; FedAdam's moments come from the checkpoint."""
+    common = (
+        f"strategy='{strategy}' rounds=6 num-clients=6 client-frac=0.5 "
+        f"local-epochs=4 checkpoint-every=2 output-dir='{tmp_path}'"
+    )
+    whole = pollen_run(f"{common} run-name='whole'")
+    assert whole.returncode == 0, whole.stdout[-3000:] + whole.stderr[-3000:]
+    before = superlinks()
+    crashed = tmp_path / "crashed"
+    kill_after_checkpoint(
+        f"{common} run-name='crashed'", crashed / "checkpoints" / "round-00002"
+    )
+    assert not (crashed / "summary.json").exists()  # it never got to write one
+    assert not superlinks() - before  # the crash took every process with it
+    if strategy == "feddyn":
+        states = list((crashed / "client-state").rglob("*.npz"))
+        assert states, "FedDyn clients kept no state on disk"
+    resumed = pollen_run(f"{common} resume='{crashed}'")
+    assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
+    assert re.search(r"resuming after round [24]\n", resumed.stdout)
+    keys = ("round", "accuracy", "loss", "lr", "clients", "bytes-up", "bytes-down")
+    assert [[r[k] for k in keys] for r in history(crashed)] == [
+        [r[k] for k in keys] for r in history(tmp_path / "whole")
+    ]
+    summary = json.loads((crashed / "summary.json").read_text())
+    assert summary["status"] == "completed" and summary["rounds"] == 6
+
+
+def test_diverged_run_stops_with_a_clear_message(tmp_path: Path) -> None:
+    """A server step of 1e17 overflows the model in round 1: the run stops
+    there, names the round and the likely cause, and records nothing of it."""
+    run = pollen_run(
+        f"strategy='fedavgm' server-lr=1e17 rounds=3 checkpoint-every=1 "
+        f"output-dir='{tmp_path}' run-name='diverged'"
+    )
+    assert run.returncode == 1
+    assert re.search(
+        r"DivergenceError: round 1: .* not finite, the run diverged", run.stderr
+    )
+    assert "likely cause: server-lr=1e+17 too high" in run.stderr
+    run_dir = tmp_path / "diverged"
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["status"] == "failed" and "round 1" in summary["error"]
+    assert summary["rounds"] == 0 and not (run_dir / "checkpoints").exists()
+    assert not (run_dir / "model.pt").exists()

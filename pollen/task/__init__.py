@@ -13,7 +13,12 @@ from ..settings import Settings
 from .data import Dataset, load_dataset
 from .lora import FrozenBackboneClassifier
 from .models import ModelOptions, build_model
-from .partition import client_test_indices, label_counts, partition_indices
+from .partition import (
+    PartitionError,
+    client_test_indices,
+    label_counts,
+    partition_indices,
+)
 from .train import Preprocess, Transform, backbone_features, no_preprocess
 
 
@@ -51,6 +56,7 @@ def client_shard(
     settings: Settings, client: int, device: torch.device
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One client's images and labels on the training device, gathered once."""
+    _check_client(settings, client)
     return _client_shard(DataKey.of(settings), client, str(device))
 
 
@@ -65,7 +71,17 @@ def client_test_shard(
     settings: Settings, client: int, device: torch.device
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One client's own test examples (same label mix as its training shard)."""
+    _check_client(settings, client)
     return _client_test_shard(DataKey.of(settings), client, str(device))
+
+
+def _check_client(settings: Settings, client: int) -> None:
+    """Refuse a client index without a shard (a negative one would wrap around)."""
+    if not 0 <= client < settings.num_clients:
+        raise PartitionError(
+            f"client {client} has no shard: num-clients={settings.num_clients} "
+            f"gives clients 0..{settings.num_clients - 1}"
+        )
 
 
 @cache

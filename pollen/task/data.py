@@ -3,7 +3,8 @@
 Sources are tried in order, all under `data-root`:
 
 1. the decoded cache `.pollen-cache/<name>/` (plain `.npy` files, memory-mapped),
-   valid while its source file is unchanged;
+   valid while its source file is unchanged and its files match their CRC-32
+   (a damaged cache is decoded again from the source);
 2. a Keras-layout `<name>.npz` (`x_train`, `y_train`, `x_test`, `y_test`);
 3. an image folder `<name>/` or archive `<name>.tar.gz` / `<name>-jpeg.tar.gz`
    holding `train/<class>/*` and `test/<class>/*` (class index = sorted names);
@@ -22,7 +23,9 @@ import io
 import json
 import shutil
 import tarfile
+import warnings
 import zipfile
+import zlib
 from collections.abc import Iterable
 from dataclasses import dataclass
 from functools import cache
@@ -34,7 +37,7 @@ from PIL import Image
 
 SPLITS = ("x_train", "y_train", "x_test", "y_test")
 CACHE_DIR = ".pollen-cache"
-CACHE_VERSION = 1
+CACHE_VERSION = 2  # 2: per-file CRC-32 in source.json
 
 
 class DataError(ValueError):
@@ -128,11 +131,17 @@ def _arrays_from_sources(
     fingerprint: dict[str, object] | None,
 ) -> tuple[dict[str, np.ndarray], str]:
     cache_dir = root / CACHE_DIR / spec.name
-    cached = _read_cache(cache_dir, fingerprint)
+    damage = ""
+    try:
+        cached = _read_cache(spec, cache_dir, fingerprint)
+    except DataError as err:
+        cached, damage = None, str(err)
     if cached is not None:
         arrays, decoded_from = cached
         return arrays, f"{cache_dir} (decoded from {decoded_from})"
     if source is not None:
+        if damage:
+            warnings.warn(f"{damage}; decoding {source} again", stacklevel=2)
         arrays = _decode(spec, source)
     elif download:
         arrays = _download(spec, root)
@@ -142,6 +151,7 @@ def _arrays_from_sources(
         raise DataError(
             f"no data for {spec.name!r} in {root}: expected {stems}.npz, an image "
             f"folder {stems}/ or {stems}.tar.gz; set download=true to fetch it"
+            + (f" ({damage})" if damage else "")
         )
     _validate(spec, arrays, str(source))
     _write_cache(cache_dir, arrays, fingerprint, str(source))
@@ -174,22 +184,42 @@ def _fingerprint(path: Path) -> dict[str, object]:
 
 
 def _read_cache(
-    cache_dir: Path, fingerprint: dict[str, object] | None
+    spec: DataSpec, cache_dir: Path, fingerprint: dict[str, object] | None
 ) -> tuple[dict[str, np.ndarray], str] | None:
-    """The cached arrays and the source they were decoded from, if still valid."""
+    """The cached arrays and the source they were decoded from, if still valid.
+
+    None when there is no cache or it is stale (other version or source);
+    `DataError` when it is damaged: a file missing, unreadable or not matching
+    the CRC-32 written with it, or arrays that fail `_validate`.
+    """
     meta_path = cache_dir / "source.json"
     if not meta_path.exists():
         return None
     try:
         meta = json.loads(meta_path.read_text())
+        if not isinstance(meta, dict):
+            raise DataError("source.json does not hold a JSON object")
         if meta.get("version") != CACHE_VERSION:
             return None
         if fingerprint is not None and meta.get("fingerprint") != fingerprint:
             return None
+        for k in SPLITS:
+            if _crc32(cache_dir / f"{k}.npy") != meta["checksums"][k]:
+                raise DataError(f"{k}.npy does not match the CRC-32 written with it")
         arrays = {k: np.load(cache_dir / f"{k}.npy", mmap_mode="r") for k in SPLITS}
+        _validate(spec, arrays, str(cache_dir))
         return arrays, str(meta["source"])
-    except (OSError, ValueError, KeyError):
-        return None  # a damaged cache is rebuilt from the source
+    except (OSError, ValueError, KeyError, TypeError) as err:  # DataError too
+        raise DataError(f"decoded cache {cache_dir} is damaged: {err}") from err
+
+
+def _crc32(path: Path) -> str:
+    """CRC-32 of a file's bytes as 8 hex digits (read in 4 MiB chunks)."""
+    crc = 0
+    with path.open("rb") as f:
+        while chunk := f.read(1 << 22):
+            crc = zlib.crc32(chunk, crc)
+    return f"{crc:08x}"
 
 
 def _write_cache(
@@ -204,7 +234,12 @@ def _write_cache(
         tmp.mkdir(parents=True)
         for k in SPLITS:
             np.save(tmp / f"{k}.npy", np.ascontiguousarray(arrays[k]))
-        meta = {"version": CACHE_VERSION, "fingerprint": fingerprint, "source": source}
+        meta = {
+            "version": CACHE_VERSION,
+            "fingerprint": fingerprint,
+            "source": source,
+            "checksums": {k: _crc32(tmp / f"{k}.npy") for k in SPLITS},
+        }
         (tmp / "source.json").write_text(json.dumps(meta))
         shutil.rmtree(cache_dir, ignore_errors=True)
         tmp.rename(cache_dir)
@@ -223,27 +258,47 @@ def _decode(spec: DataSpec, source: Path) -> dict[str, np.ndarray]:
 
 
 def _read_npz(path: Path) -> dict[str, np.ndarray]:
+    """The four arrays of a Keras-layout .npz; `DataError` for anything else."""
     try:
-        with np.load(path, allow_pickle=False) as npz:
-            missing = [k for k in SPLITS if k not in npz.files]
-            if missing:
+        with path.open("rb") as f:
+            loaded = np.load(f, allow_pickle=False)
+            if not isinstance(loaded, np.lib.npyio.NpzFile):
                 raise DataError(
-                    f"{path} lacks {', '.join(missing)}; a Keras-layout .npz holds "
+                    f"{path} is a single .npy array; a Keras-layout .npz holds "
                     f"{', '.join(SPLITS)}"
                 )
-            return {k: npz[k] for k in SPLITS}
-    except (zipfile.BadZipFile, EOFError, OSError, ValueError) as err:
+            with loaded as npz:
+                missing = [k for k in SPLITS if k not in npz.files]
+                if missing:
+                    raise DataError(
+                        f"{path} lacks {', '.join(missing)}; a Keras-layout .npz "
+                        f"holds {', '.join(SPLITS)}"
+                    )
+                return {k: npz[k] for k in SPLITS}
+    except (zipfile.BadZipFile, zlib.error, EOFError, OSError, ValueError) as err:
         if isinstance(err, DataError):
             raise
-        raise DataError(f"cannot read {path}: truncated or not a .npz ({err})") from err
+        raise DataError(
+            f"cannot read {path}: truncated or not a .npz, or its data is "
+            f"corrupted ({err})"
+        ) from err
 
 
 def _decode_image(data: bytes | Path, spec: DataSpec, where: str) -> np.ndarray:
+    """One image file as uint8 `[H, W]` or `[H, W, 3]`; `DataError` naming it."""
     try:
         with Image.open(io.BytesIO(data) if isinstance(data, bytes) else data) as im:
             return np.asarray(im.convert("L" if spec.channels == 1 else "RGB"))
-    except OSError as err:
-        raise DataError(f"cannot decode image {where}: {err}") from err
+    except Image.UnidentifiedImageError as err:
+        raise DataError(
+            f"cannot decode image {where}: not an image format Pillow reads "
+            "(JPEG, PNG, ...); the file is corrupted or not an image"
+        ) from err
+    except (OSError, ValueError, Image.DecompressionBombError) as err:
+        raise DataError(
+            f"cannot decode image {where}: {err}; the file is truncated or "
+            "corrupted, replace or remove it"
+        ) from err
 
 
 def _stack_split(
@@ -290,12 +345,32 @@ def _read_image_folder_archive(spec: DataSpec, path: Path) -> dict[str, np.ndarr
                 data = tar.extractfile(m).read()  # type: ignore[union-attr]
                 image = _decode_image(data, spec, f"{path}:{m.name}")
                 items[parts[0]].append((parts[1], parts[2], image))
-    except (tarfile.TarError, EOFError, OSError) as err:
+            _check_archive_end(tar, path, len(members))
+    except (tarfile.TarError, zlib.error, EOFError, OSError) as err:
         raise DataError(
-            f"cannot read {path}: truncated or not a tar archive ({err})"
+            f"cannot read {path}: truncated, corrupted or not a tar archive ({err})"
         ) from err
     splits = {s: _stack_split(v, f"{path}:{base}{s}/") for s, v in items.items()}
     return _folder_arrays(splits, str(path))
+
+
+def _check_archive_end(tar: tarfile.TarFile, path: Path, members: int) -> None:
+    """Refuse an archive whose member list ended at a damaged header.
+
+    `tarfile` ends the listing silently at the first unreadable header, so
+    what follows the last member must be the zero end-of-archive padding.
+    Reading it to the end also makes gzip (bz2, xz) check its CRC.
+    """
+    f = tar.fileobj
+    assert f is not None
+    f.seek(tar.offset)
+    while chunk := f.read(1 << 20):
+        if chunk.strip(b"\0"):
+            raise DataError(
+                f"cannot read {path}: damaged tar archive, the listing stops after "
+                f"{members} files at a header that is neither a file nor the end "
+                "of the archive; re-create or re-download it"
+            )
 
 
 def _split_parent(names: Iterable[str]) -> str:

@@ -12,7 +12,9 @@ Schemes (`partition`):
 - `silos`: clients own contiguous class groups, all samples of those classes
   (2 clients on 10 classes: 0-4 and 5-9).
 
-The same labels, scheme and seed always give the same shards.
+The same labels, scheme and seed always give the same shards. A partition
+that would leave a client without training samples is refused with a
+`PartitionError` naming the scheme, the client count and the key to change.
 """
 
 from __future__ import annotations
@@ -37,12 +39,13 @@ def partition_indices(
     classes_per_client: int = 2,
     seed: int = 845,
 ) -> list[np.ndarray]:
-    """Return one sorted index array into `labels` per client."""
+    """Return one sorted index array into `labels` per client (none empty)."""
     n = len(labels)
     if num_clients > n:
         raise PartitionError(
             f"invalid value for 'num-clients': {num_clients}; the training split has "
-            f"only {n} samples"
+            f"only {n} samples, so partition {scheme!r} would leave clients without "
+            f"any; use at most {n} clients"
         )
     if scheme == "silos":
         shards = _silos(labels, num_classes, num_clients)
@@ -54,11 +57,25 @@ def partition_indices(
     empty = [i for i, s in enumerate(shards) if len(s) == 0]
     if empty:
         raise PartitionError(
-            f"partition {scheme!r} leaves client {empty[0]} without samples "
-            f"({len(empty)} empty of {num_clients}); use fewer clients or another "
-            "partition"
+            f"partition {scheme!r} with num-clients={num_clients} leaves client "
+            f"{empty[0]} without training samples ({len(empty)} of {num_clients} "
+            f"clients empty); {_remedy(scheme, min_size, classes_per_client)}"
         )
     return [np.sort(s) for s in shards]
+
+
+def _remedy(scheme: str, min_size: int, classes_per_client: int) -> str:
+    """What to change when `scheme` leaves a client empty."""
+    if scheme == "niid":
+        return f"raise min-size (now {min_size}) to at least 1 or use fewer clients"
+    if scheme == "pathological":
+        return (
+            "use fewer clients or a lower classes-per-client (now "
+            f"{classes_per_client})"
+        )
+    if scheme == "silos":
+        return "some classes have no training samples; use fewer clients"
+    return "use fewer clients"
 
 
 def _silos(labels: np.ndarray, num_classes: int, num_clients: int) -> list[np.ndarray]:
@@ -98,7 +115,8 @@ def _flwr_partition(
         if min_size * num_clients > len(labels):
             raise PartitionError(
                 f"invalid value for 'min-size': {min_size}; {num_clients} clients x "
-                f"{min_size} exceeds the {len(labels)} training samples"
+                f"{min_size} exceeds the {len(labels)} training samples; lower "
+                "min-size or use fewer clients"
             )
         partitioner = DirichletPartitioner(
             num_partitions=num_clients,
@@ -136,6 +154,13 @@ def _flwr_partition(
                 f"invalid value for 'min-size': {min_size}; Dirichlet(alpha={alpha}) "
                 f"could not give all {num_clients} clients {min_size} samples in repeated "
                 f"draws; lower min-size or raise alpha ({err})"
+            ) from err
+        if scheme == "pathological":  # flwr-datasets: a class has too few samples
+            raise PartitionError(
+                f"partition 'pathological' with num-clients={num_clients} and "
+                f"classes-per-client={classes_per_client} would leave clients "
+                f"without samples of their classes ({str(err).split('. ')[0]}); "
+                f"{_remedy(scheme, min_size, classes_per_client)}"
             ) from err
         raise PartitionError(f"partition {scheme!r} failed: {err}") from err
 

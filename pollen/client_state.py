@@ -1,0 +1,236 @@
+"""A client's private state on its own disk, so that a resumed run continues it.
+
+What a client keeps between rounds (FedBN/SiloBN/FedSA local entries,
+FedDyn's h_k, the DP accountant's step count) lives in `context.state`,
+which Flower keeps in memory for one run: a resumed run (a new Flower run)
+or a restarted SuperNode starts without it. When the run checkpoints, each
+client also writes its state after every round it trains, to
+
+    <root>/client-<c>/round-<r:05d>.run-<run-id>.npz
+
+where the root is `<state-dir>/<run-name>` with `state-dir` from the node
+config (a SuperNode's own disk) or, without one, the server's
+`<run-dir>/client-state` (right when server and clients share a file
+system: simulation, a local deployment). The state never leaves the
+client's machine through Flower.
+
+A resumed run continues from the server's checkpoint of round R. Files of
+rounds after R written by an earlier run belong to a future that was
+abandoned: they are never read and are deleted at the run's start. A client
+without in-memory state reads its newest valid file. After each save a
+client deletes what no resume can need any more: everything older than its
+newest file at or before the server's latest checkpoint.
+
+Files are written to a temporary name and renamed, and read with
+`allow_pickle=False`.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import tempfile
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+from flwr.app import Array, ArrayRecord, ConfigRecord, Context
+
+STATE_DIR = "state-dir"  # node config (wins) or server config: where to keep it
+RUN_NAME = "run-name"  # server config: the run's name, a folder under a node's dir
+RESUME_ROUND = "resume-round"  # server config: the checkpoint this run started from
+KEEP_FROM = "keep-from"  # server config: the newest round a resume may start from
+
+_MARKER = "state-round-"  # context.state: this client's state is in memory
+_FILE = re.compile(r"round-(\d{5,})\.run-(\d+)\.npz")
+
+
+class ClientStateError(RuntimeError):
+    """A client's state file cannot be written or read."""
+
+
+@dataclass(frozen=True)
+class StateFile:
+    path: Path
+    round: int
+    run_id: int
+
+
+class ClientStateStore:
+    """Per-client state files under one directory (see module docstring)."""
+
+    def __init__(self, root: str | Path) -> None:
+        self.root = Path(root).expanduser()
+
+    def _files(self, client: int) -> list[StateFile]:
+        folder = self.root / f"client-{client}"
+        if not folder.is_dir():
+            return []
+        files = []
+        for path in folder.iterdir():
+            if match := _FILE.fullmatch(path.name):
+                files.append(StateFile(path, int(match[1]), int(match[2])))
+        return sorted(files, key=lambda f: f.round)
+
+    def save(
+        self, client: int, server_round: int, run_id: int, state: dict[str, np.ndarray]
+    ) -> Path:
+        """Write the client's state after `server_round`, atomically."""
+        folder = self.root / f"client-{client}"
+        path = folder / f"round-{server_round:05d}.run-{run_id}.npz"
+        try:
+            folder.mkdir(parents=True, exist_ok=True)
+            fd, tmp = tempfile.mkstemp(dir=folder, prefix=".", suffix=".npz")
+            try:
+                with os.fdopen(fd, "wb") as f:
+                    np.savez(f, **state)
+                os.replace(tmp, path)
+            except BaseException:
+                Path(tmp).unlink(missing_ok=True)
+                raise
+        except OSError as err:
+            raise ClientStateError(
+                f"client {client}: cannot write its state to {path}: {err}"
+            ) from err
+        return path
+
+    def load(
+        self, client: int, run_id: int, resume_round: int
+    ) -> tuple[int, dict[str, np.ndarray]] | None:
+        """(round, state) of the client's newest valid file, or None.
+
+        Valid: written by this run, or by an earlier one at or before the
+        checkpoint this run resumed from.
+        """
+        valid = [
+            f
+            for f in self._files(client)
+            if f.run_id == run_id or f.round <= resume_round
+        ]
+        if not valid:
+            return None
+        newest = max(valid, key=lambda f: (f.round, f.run_id == run_id))
+        try:
+            with np.load(newest.path, allow_pickle=False) as data:
+                return newest.round, {name: data[name] for name in data.files}
+        except (OSError, ValueError) as err:
+            raise ClientStateError(
+                f"client {client}: its state file {newest.path} is unreadable "
+                f"({err}); delete it to start this client's state from scratch"
+            ) from err
+
+    def prune(self, client: int, keep_from: int) -> None:
+        """Delete files older than the newest one at or before `keep_from`."""
+        files = self._files(client)
+        older = [f for f in files if f.round <= keep_from]
+        if not older:
+            return
+        anchor = max(f.round for f in older)
+        for f in files:
+            if f.round < anchor:
+                f.path.unlink(missing_ok=True)
+
+    def forget_abandoned(self, run_id: int, resume_round: int) -> int:
+        """Delete every client's files from earlier runs after `resume_round`
+        (a resumed run replays those rounds). Returns how many went."""
+        if not self.root.is_dir():
+            return 0
+        removed = 0
+        for folder in self.root.glob("client-*"):
+            client = folder.name.removeprefix("client-")
+            if not client.isdigit():
+                continue
+            for f in self._files(int(client)):
+                if f.run_id != run_id and f.round > resume_round:
+                    f.path.unlink(missing_ok=True)
+                    removed += 1
+        return removed
+
+
+def export_state(records: dict[str, object], client: int) -> dict[str, np.ndarray]:
+    """Flatten the client's records (`<name>-<client>` in `context.state`) into
+    named arrays: `<name>/array/<entry>` and `<name>/config/<key>`."""
+    suffix = f"-{client}"
+    out: dict[str, np.ndarray] = {}
+    for key, record in records.items():
+        if not key.endswith(suffix) or key.startswith(_MARKER):
+            continue
+        name = key.removesuffix(suffix)
+        if isinstance(record, ArrayRecord):
+            for entry in record:
+                out[f"{name}/array/{entry}"] = record[entry].numpy()
+        elif isinstance(record, ConfigRecord):
+            for entry, value in record.items():
+                out[f"{name}/config/{entry}"] = np.asarray(value)
+    return out
+
+
+def import_state(
+    arrays: dict[str, np.ndarray], client: int
+) -> dict[str, ArrayRecord | ConfigRecord]:
+    """The `context.state` records `export_state` flattened."""
+    grouped: dict[tuple[str, str], dict[str, np.ndarray]] = {}
+    for path, value in arrays.items():
+        name, kind, entry = path.split("/", 2)
+        grouped.setdefault((name, kind), {})[entry] = value
+    records: dict[str, ArrayRecord | ConfigRecord] = {}
+    for (name, kind), entries in grouped.items():
+        records[f"{name}-{client}"] = (
+            ArrayRecord({k: Array(np.ascontiguousarray(v)) for k, v in entries.items()})
+            if kind == "array"
+            else ConfigRecord({k: v.item() for k, v in entries.items()})
+        )
+    return records
+
+
+def store_for(
+    context: Context, config: Mapping[str, object]
+) -> ClientStateStore | None:
+    """The node's own `state-dir`, else the server's, else None (memory only)."""
+    own = context.node_config.get(STATE_DIR)
+    if own:
+        return ClientStateStore(Path(str(own)) / str(config.get(RUN_NAME, "run")))
+    root = config.get(STATE_DIR)
+    return ClientStateStore(str(root)) if root else None
+
+
+def restore(context: Context, client: int, config: Mapping[str, object]) -> None:
+    """Read the client's state from disk into `context.state`, once per run."""
+    marker = f"{_MARKER}{client}"
+    if marker in context.state:
+        return
+    store = store_for(context, config)
+    loaded = store and store.load(
+        client, context.run_id, int(config.get(RESUME_ROUND, 0))
+    )
+    if loaded:
+        for key, record in import_state(loaded[1], client).items():
+            context.state[key] = record
+    context.state[marker] = ConfigRecord({"round": loaded[0] if loaded else 0})
+
+
+def persist(
+    context: Context, client: int, server_round: int, config: Mapping[str, object]
+) -> None:
+    """Write the client's state after a round it trained (when a store is set)."""
+    store = store_for(context, config)
+    if store is None:
+        return
+    state = export_state(dict(context.state.items()), client)
+    if not state:  # plain local training keeps nothing between rounds
+        return
+    store.save(client, server_round, context.run_id, state)
+    store.prune(client, int(config.get(KEEP_FROM, server_round)))
+
+
+def server_config(
+    run_dir: Path, run_name: str, resume_round: int, checkpoints: bool
+) -> dict[str, str | int]:
+    """What the server tells clients about their state, in every message."""
+    config: dict[str, str | int] = {
+        RUN_NAME: run_name, RESUME_ROUND: resume_round, KEEP_FROM: resume_round,
+    }  # fmt: skip
+    if checkpoints:
+        config[STATE_DIR] = str(run_dir / "client-state")
+    return config

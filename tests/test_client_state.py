@@ -1,0 +1,171 @@
+"""Client state on the client's disk: what a resumed run reads back, and what
+it must never read (state from rounds the resumed run plays again)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Message, RecordDict
+
+from pollen import client_app
+from pollen.client_state import (
+    KEEP_FROM,
+    RESUME_ROUND,
+    RUN_NAME,
+    STATE_DIR,
+    ClientStateError,
+    ClientStateStore,
+    export_state,
+    import_state,
+)
+from pollen.settings import Settings
+from pollen.strategies.fedavg import CLIENT_KEY
+from pollen.strategies.sharing import Sharing
+from pollen.task.models import build_model
+from tests.test_sharing import run_config
+
+pytestmark = pytest.mark.usefixtures("task_identity")
+
+
+def state(value: float) -> dict[str, np.ndarray]:
+    return {"h/array/w": np.full(3, value, np.float32)}
+
+
+def rounds(store: ClientStateStore, client: int) -> list[tuple[int, int]]:
+    return [(f.round, f.run_id) for f in store._files(client)]
+
+
+def test_records_round_trip_with_dtypes() -> None:
+    records = {
+        "local-3": ArrayRecord({"bn.mean": Array(np.arange(3, dtype=np.float32))}),
+        "feddyn-h-3": ArrayRecord({"w": Array(np.ones((2, 2), np.float32))}),
+        "dp-steps-3": ConfigRecord({"steps": 42}),
+        "local-13": ArrayRecord({"bn.mean": Array(np.zeros(3, np.float32))}),  # another
+        "state-round-3": ConfigRecord({"round": 1}),  # the marker stays in memory
+    }
+    flat = export_state(records, 3)
+    assert set(flat) == {
+        "local/array/bn.mean",
+        "feddyn-h/array/w",
+        "dp-steps/config/steps",
+    }
+    back = import_state(flat, 3)
+    assert set(back) == {"local-3", "feddyn-h-3", "dp-steps-3"}
+    assert back["dp-steps-3"]["steps"] == 42
+    restored = back["local-3"]["bn.mean"].numpy()
+    assert restored.dtype == np.float32 and restored.tolist() == [0, 1, 2]
+
+
+def test_a_resumed_run_never_reads_the_abandoned_future(tmp_path: Path) -> None:
+    store = ClientStateStore(tmp_path)
+    for r in (1, 2, 3, 4):  # run 7 trained rounds 1-4, checkpointed round 2, died
+        store.save(0, r, 7, state(r))
+    loaded = store.load(0, run_id=8, resume_round=2)  # run 8 resumes after round 2
+    assert loaded is not None and loaded[0] == 2 and loaded[1]["h/array/w"][0] == 2
+    store.save(0, 3, 8, state(30))  # run 8 replays round 3
+    loaded = store.load(0, run_id=8, resume_round=2)
+    assert loaded is not None and loaded[1]["h/array/w"][0] == 30
+    assert store.forget_abandoned(run_id=8, resume_round=2) == 2  # 7's rounds 3, 4
+    assert rounds(store, 0) == [(1, 7), (2, 7), (3, 8)]
+    assert store.load(0, run_id=9, resume_round=0) is None  # a fresh run: nothing
+
+
+def test_prune_keeps_what_a_resume_can_need(tmp_path: Path) -> None:
+    store = ClientStateStore(tmp_path)
+    for r in (1, 3, 5, 6):
+        store.save(2, r, 1, state(r))
+    store.prune(2, keep_from=4)  # latest checkpoint: round 4, its state is round 3's
+    assert rounds(store, 2) == [(3, 1), (5, 1), (6, 1)]
+    store.prune(2, keep_from=0)  # no checkpoint yet: nothing can go
+    assert len(rounds(store, 2)) == 3
+
+
+def test_unreadable_state_file_is_a_clear_error(tmp_path: Path) -> None:
+    store = ClientStateStore(tmp_path)
+    path = store.save(1, 1, 1, state(1))
+    path.write_bytes(b"not an npz")
+    with pytest.raises(
+        ClientStateError, match=r"client 1: its state file .* unreadable"
+    ):
+        store.load(1, run_id=1, resume_round=0)
+
+
+def message(
+    kind: str, arrays: ArrayRecord, client: int, r: int, extra: dict
+) -> Message:
+    config = ConfigRecord(
+        {"lr": 0.05, "server-round": r, CLIENT_KEY: client, RUN_NAME: "run", **extra}
+    )
+    return Message(
+        RecordDict({"arrays": arrays, "config": config}),
+        dst_node_id=1,
+        message_type=kind,
+    )
+
+
+@pytest.mark.parametrize(
+    ("overrides", "where"),
+    [
+        ({"strategy": "feddyn", "bn-policy": "shared"}, "server"),
+        ({"strategy": "fedavg", "bn-policy": "fedbn"}, "server"),
+        ({"strategy": "feddyn", "bn-policy": "silobn"}, "node"),
+    ],
+    ids=["feddyn-h", "fedbn-local", "node-state-dir"],
+)
+def test_resumed_client_trains_exactly_as_if_it_never_stopped(
+    tmp_path: Path, overrides: dict, where: str
+) -> None:
+    """Round 2 on a fresh node of a new run that resumes after round 1 gives
+    the same reply as round 2 on the node that kept its state in memory."""
+    settings = run_config(**overrides)
+    model = build_model("mlp-bn", (1, 8, 8), 10, settings["seed"])
+    sharing = Sharing.of(Settings.from_run_config(settings).sharing_policy, model)
+    sent = ArrayRecord({k: model.state_dict()[k] for k in sharing.shared})
+    node_config = {STATE_DIR: str(tmp_path / "node")} if where == "node" else {}
+    extra = {KEEP_FROM: 1}  # the server's latest checkpoint is round 1's
+    if where == "server":
+        extra[STATE_DIR] = str(tmp_path / "run" / "client-state")
+
+    first = Context(101, 1, node_config, RecordDict(), settings)
+    up = client_app.train(message("train", sent, 1, 1, extra), first)
+    theta = up.content["arrays"]
+    reference = client_app.train(message("train", theta, 1, 2, extra), first)
+
+    resumed = Context(202, 1, node_config, RecordDict(), settings)  # new run, new node
+    again = client_app.train(
+        message("train", theta, 1, 2, {**extra, RESUME_ROUND: 1}), resumed
+    )
+    for name in sharing.shared:
+        np.testing.assert_array_equal(
+            again.content["arrays"][name].numpy(),
+            reference.content["arrays"][name].numpy(),
+            err_msg=name,
+        )
+    cold = Context(303, 1, node_config, RecordDict(), settings)  # no state to read
+    fresh = client_app.train(
+        message("train", theta, 1, 2, {**extra, RESUME_ROUND: 0}), cold
+    )
+    assert any(
+        not np.array_equal(
+            fresh.content["arrays"][n].numpy(), reference.content["arrays"][n].numpy()
+        )
+        for n in sharing.shared
+    )  # the state mattered
+    root = tmp_path / ("node/run" if where == "node" else "run/client-state")
+    assert sorted(p.name for p in (root / "client-1").iterdir()) == [
+        "round-00001.run-101.npz", "round-00002.run-101.npz",
+        "round-00002.run-202.npz", "round-00002.run-303.npz",
+    ]  # fmt: skip
+
+
+def test_no_state_dir_means_memory_only(tmp_path: Path, monkeypatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    settings = run_config(strategy="feddyn")
+    model = build_model("mlp-bn", (1, 8, 8), 10, settings["seed"])
+    context = Context(1, 1, {}, RecordDict(), settings)
+    client_app.train(
+        message("train", ArrayRecord(model.state_dict()), 0, 1, {}), context
+    )
+    assert "feddyn-h-0" in context.state and list(tmp_path.iterdir()) == []
