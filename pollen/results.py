@@ -208,12 +208,20 @@ def round_lines(record: RoundRecord, total_rounds: int, seconds_left: float) -> 
 
 
 def _fault_line(record: RoundRecord) -> str:
-    parts = [f"{len(record.failures)} replies rejected"] if record.failures else []
+    parts = []
+    if record.failures:
+        parts.append(
+            _count(len(record.failures), "reply", "replies") + " failed or rejected"
+        )
     if record.clipped:
-        parts.append(f"{len(record.clipped)} updates clipped")
+        parts.append(_count(len(record.clipped), "update", "updates") + " clipped")
     if record.skipped:
         parts.append("round skipped, model unchanged")
     return f"\n     {', '.join(parts)} (history.json says why)" if parts else ""
+
+
+def _count(n: int, one: str, many: str) -> str:
+    return f"{n} {one if n == 1 else many}"
 
 
 def _personal_line(record: RoundRecord) -> str:

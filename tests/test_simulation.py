@@ -239,7 +239,7 @@ SUITE = [
     ("fedavgm", "silobn", "mlp-bn", ""),
     ("fedadagrad", "fedbn", "mlp-bn", ""),
     ("fedadam", "shared", "mlp-bn", ""),
-    ("fedyogi", "shared", "mlp", ""),
+    ("fedyogi", "shared", "mlp", "update-norm-bound=1 min-train-replies=2"),
     ("feddyn", "shared", "mlp-bn", ""),
     ("fedprox", "shared", "cnn-gn", "dp=true dp-epsilon=4"),
     ("fedsam", "shared", "mlp-bn", ""),
@@ -268,6 +268,9 @@ def test_every_strategy_runs_end_to_end(
     per_client = ArrayRecord({k: state[k] for k in shared}).count_bytes()
     for r in rows:  # exactly the shared entries travelled, both ways
         assert r["bytes-down"] == r["bytes-up"] == per_client * len(r["clients"])
+    if "update-norm-bound=1" in extra:  # of 2 updates, the larger is cut to the median
+        assert [len(r["clipped"]) for r in rows] == [1, 1]
+        assert "1 update clipped (history.json says why)" in run.stdout
     epsilons = [r["dp-epsilon"] for r in rows]
     if "dp=true" in extra:  # the largest client epsilon, within the budget
         assert 0 < epsilons[0] <= epsilons[1] <= 4.0 and "dp epsilon" in run.stdout
