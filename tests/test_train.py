@@ -58,6 +58,26 @@ def test_local_sgd_learns_digits_and_is_deterministic() -> None:
     assert all(torch.equal(state[k], state_again[k]) for k in state)
 
 
+def test_dropout_masks_follow_the_seed_not_the_process_history() -> None:
+    """A replayed round (a resumed run, another Ray actor) repeats its dropout."""
+    ds = load_dataset("digits", "unused", download=False)
+    x, y = ds.x_train[:256], ds.y_train[:256]
+
+    def run() -> dict:
+        model = build_model("cnn-lora", ds.input_shape, 10, seed=1)
+        train_local(
+            model, x, y, epochs=1, batch_size=64,
+            optimizer=ClientOptimizer("sgd", 0.1), preprocess=Preprocess(ds.mean, ds.std),
+            seed=3,
+        )  # fmt: skip
+        return model.state_dict()
+
+    first = run()
+    torch.rand(1000)  # the process's generator moves on, as it does between rounds
+    again = run()
+    assert all(torch.equal(first[k], again[k]) for k in first)
+
+
 def test_evaluate_counts_correct_predictions() -> None:
     model = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(1, 2, bias=False))
     model[1].weight.data = torch.tensor([[-1.0], [1.0]])

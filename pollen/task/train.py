@@ -215,6 +215,9 @@ def train_local(
     opt = optimizer.build(params)
     order_gen = torch.Generator().manual_seed(seed)
     aug_gen = torch.Generator(device=device).manual_seed(seed + 1)
+    # dropout draws from torch's global generator: seeded per round and client
+    # too, so that a replayed (resumed) round repeats its masks
+    torch.manual_seed(seed + 2)
     has_bn = any(isinstance(m, _BatchNorm) for m in model.modules())
     model.train()
     total, steps = torch.zeros((), device=device), 0
