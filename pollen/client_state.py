@@ -32,10 +32,12 @@ import re
 import tempfile
 from collections.abc import Mapping
 from dataclasses import dataclass
+from logging import WARNING
 from pathlib import Path
 
 import numpy as np
 from flwr.app import Array, ArrayRecord, ConfigRecord, Context
+from flwr.common.logger import log
 
 STATE_DIR = "state-dir"  # node config (wins) or server config: where to keep it
 RUN_NAME = "run-name"  # server config: the run's name, a folder under a node's dir
@@ -220,7 +222,12 @@ def persist(
     state = export_state(dict(context.state.items()), client)
     if not state:  # plain local training keeps nothing between rounds
         return
-    store.save(client, server_round, context.run_id, state)
+    try:
+        store.save(client, server_round, context.run_id, state)
+    except ClientStateError as err:  # the round's reply is still good: go on
+        log(WARNING, "pollen: %s; a resumed run would start this client's state "
+            "from scratch (set state-dir in the node config)", err)  # fmt: skip
+        return
     store.prune(client, int(config.get(KEEP_FROM, server_round)))
 
 

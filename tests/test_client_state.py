@@ -169,3 +169,22 @@ def test_no_state_dir_means_memory_only(tmp_path: Path, monkeypatch) -> None:
         message("train", ArrayRecord(model.state_dict()), 0, 1, {}), context
     )
     assert "feddyn-h-0" in context.state and list(tmp_path.iterdir()) == []
+
+
+def test_a_state_dir_that_cannot_be_written_does_not_fail_training(
+    tmp_path: Path, caplog
+) -> None:
+    blocked = tmp_path / "a-file"
+    blocked.write_text("not a directory")
+    settings = run_config(strategy="feddyn")
+    model = build_model("mlp-bn", (1, 8, 8), 10, settings["seed"])
+    context = Context(1, 1, {}, RecordDict(), settings)
+    reply = client_app.train(
+        message(
+            "train", ArrayRecord(model.state_dict()), 0, 1, {STATE_DIR: str(blocked)}
+        ),
+        context,
+    )
+    assert "arrays" in reply.content and "feddyn-h-0" in context.state
+    assert "cannot write its state" in caplog.text
+    assert blocked.read_text() == "not a directory"
