@@ -139,7 +139,10 @@ def test_default_run_trains_digits_and_writes_results(default_runs) -> None:
     assert all(len(r["clients"]) == 5 and r["bytes-up"] > 0 for r in rows)
     assert all(r["bytes-down"] == r["bytes-up"] for r in rows)  # full model both ways
     csv_header = (run_dir / "history.csv").read_text().splitlines()[0]
-    assert csv_header == "round,accuracy,loss,lr,seconds,bytes-up,bytes-down,clients"
+    assert csv_header == (
+        "round,accuracy,loss,lr,seconds,bytes-up,bytes-down,clients,rejected,clipped,"
+        "skipped"
+    )
     settings = json.loads((run_dir / "settings.json").read_text())
     assert settings["data-set"] == "digits" and settings["num-clients"] == 10
 
