@@ -6,7 +6,7 @@ Differences from `flwr.serverapp.strategy.FedAvg`, all for exact, comparable run
   (seed, round) and routed through a `Roster`, instead of `random.sample`
   over node IDs that change from run to run;
 - only the entries the sharing policy lets travel are sent and accepted;
-- every reply is checked (`replies.reply_problem`: its client, entries,
+- every reply is checked (`replies.checked_reply`: its client, entries,
   dtypes, finite values, example count, metrics); one that fails is dropped
   and logged, and the round goes on with the others; with fewer than
   `min_replies` left the round is skipped and the model stays as it was;
@@ -47,7 +47,13 @@ from flwr.serverapp import Grid
 from flwr.serverapp.strategy import FedAvg as FlowerFedAvg
 
 from .aggregate import Arrays, weighted_average
-from .replies import CLIENT_KEY, Expectation, bound_update_norms, reply_problem
+from .replies import (
+    CLIENT_KEY,
+    Expectation,
+    ReplyError,
+    bound_update_norms,
+    checked_reply,
+)
 from .sampling import Roster, sample_clients
 from .sharing import Sharing
 
@@ -243,13 +249,13 @@ class FedAvg(FlowerFedAvg):
             arrays = msg.content.get(self.arrayrecord_key)
             if isinstance(arrays, ArrayRecord):
                 traffic.bytes_up += arrays.count_bytes()
-            problem = reply_problem(msg, expected, seen)
-            if problem:
-                self._reject(traffic, msg.metadata.src_node_id, problem)
+            try:
+                client, decoded = checked_reply(msg, expected, seen)
+            except ReplyError as problem:
+                self._reject(traffic, msg.metadata.src_node_id, str(problem))
                 continue
-            client = int(msg.content["client"][CLIENT_KEY])
             seen.add(client)
-            accepted.append((client, msg.content, to_numpy(arrays)))
+            accepted.append((client, msg.content, decoded))
         accepted.sort(key=lambda item: item[0])
         if not self.norm_bound or not accepted:
             return accepted

@@ -35,8 +35,15 @@ class Expectation:
     weight_key: str = "num-examples"
 
 
-def reply_problem(msg: Message, expected: Expectation, seen: set[int]) -> str:
-    """Why the training reply `msg` cannot be aggregated ("" when it can).
+class ReplyError(ValueError):
+    """Why a reply cannot be aggregated (one line, for the log and history)."""
+
+
+def checked_reply(
+    msg: Message, expected: Expectation, seen: set[int]
+) -> tuple[int, dict[str, np.ndarray]]:
+    """The client a training reply names and its entries, decoded once, after
+    every check has passed; `ReplyError` saying which check failed otherwise.
 
     `seen` holds the clients already accepted this round; a second reply for
     one of them is refused.
@@ -45,54 +52,64 @@ def reply_problem(msg: Message, expected: Expectation, seen: set[int]) -> str:
     arrays, metrics = content.get("arrays"), content.get("metrics")
     client_record = content.get("client")
     if not isinstance(arrays, ArrayRecord) or not isinstance(metrics, MetricRecord):
-        return "reply lacks its 'arrays' or 'metrics' record"
+        raise ReplyError("reply lacks its 'arrays' or 'metrics' record")
     if not isinstance(client_record, ConfigRecord) or not isinstance(
         client_record.get(CLIENT_KEY), int
     ):
-        return f"reply does not name its client ({CLIENT_KEY})"
+        raise ReplyError(f"reply does not name its client ({CLIENT_KEY})")
     client = client_record[CLIENT_KEY]
     if client not in expected.sampled:
-        return f"client {client} was not asked to train this round"
+        raise ReplyError(f"client {client} was not asked to train this round")
     if expected.owner.get(client) != msg.metadata.src_node_id:
-        return f"client {client} is not served by node {msg.metadata.src_node_id}"
+        raise ReplyError(
+            f"client {client} is not served by node {msg.metadata.src_node_id}"
+        )
     if client in seen:
-        return f"a second reply for client {client}"
-    return _metrics_problem(metrics, client, expected) or _arrays_problem(
-        arrays, expected.arrays
-    )
+        raise ReplyError(f"a second reply for client {client}")
+    _check_metrics(metrics, client, expected)
+    return client, _decoded(arrays, expected.arrays)
 
 
-def _metrics_problem(metrics: MetricRecord, client: int, expected: Expectation) -> str:
+def _check_metrics(metrics: MetricRecord, client: int, expected: Expectation) -> None:
     count = metrics.get(expected.weight_key)
     bound = expected.max_examples.get(client)
     if isinstance(count, bool) or not isinstance(count, int | float) or not count > 0:
-        return f"{expected.weight_key} must be a positive number, got {count!r}"
+        raise ReplyError(
+            f"{expected.weight_key} must be a positive number, got {count!r}"
+        )
     if bound is not None and count > bound:
-        return f"{expected.weight_key}={count:g} exceeds the client's shard ({bound})"
+        raise ReplyError(
+            f"{expected.weight_key}={count:g} exceeds the client's shard ({bound})"
+        )
     for name, value in metrics.items():
         if isinstance(value, list) or not math.isfinite(value):
-            return f"metric {name!r} must be a finite number, got {value!r}"
-    return ""
+            raise ReplyError(f"metric {name!r} must be a finite number, got {value!r}")
 
 
-def _arrays_problem(arrays: ArrayRecord, sent: Arrays) -> str:
+def _decoded(arrays: ArrayRecord, sent: Arrays) -> dict[str, np.ndarray]:
     if set(arrays) != set(sent):
         missing = sorted(set(sent) - set(arrays))
         extra = sorted(set(arrays) - set(sent))
-        return f"wrong entries (missing {missing[:3]}, unexpected {extra[:3]})"
+        raise ReplyError(
+            f"wrong entries (missing {missing[:3]}, unexpected {extra[:3]})"
+        )
+    decoded = {}
     for key, expected in sent.items():
         try:
             value = arrays[key].numpy()
         except Exception as err:  # a corrupt buffer: whatever numpy raises
-            return f"entry {key!r} cannot be read ({type(err).__name__})"
+            raise ReplyError(
+                f"entry {key!r} cannot be read ({type(err).__name__})"
+            ) from err
         if value.shape != expected.shape or value.dtype != expected.dtype:
-            return (
+            raise ReplyError(
                 f"entry {key!r} is {value.dtype}{list(value.shape)}, "
                 f"expected {expected.dtype}{list(expected.shape)}"
             )
         if np.issubdtype(value.dtype, np.floating) and not np.isfinite(value).all():
-            return f"entry {key!r} is not finite"
-    return ""
+            raise ReplyError(f"entry {key!r} is not finite")
+        decoded[key] = value
+    return decoded
 
 
 def update_norm(current: Arrays, update: Arrays) -> float:
