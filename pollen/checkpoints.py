@@ -29,7 +29,7 @@ import zipfile
 import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 from urllib.parse import quote, unquote
 
 import numpy as np
@@ -100,8 +100,8 @@ def save_checkpoint(run_dir: Path, checkpoint: Checkpoint, keep: int) -> Path:
     old = root / f".{final.name}.old"
     tmp.mkdir()  # _tidy removed any leftover
     try:
-        _write_npz(tmp / MODEL_FILE, model)
-        _write_npz(tmp / STRATEGY_FILE, state)
+        write_npz(tmp / MODEL_FILE, model)
+        write_npz(tmp / STRATEGY_FILE, state)
         write_json(tmp / META_FILE, meta)  # last: marks the checkpoint complete
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -133,8 +133,8 @@ def load_checkpoint(run_dir: Path, round: int | None = None) -> Checkpoint:
     meta = _read_meta(where / META_FILE, round)
     return Checkpoint(
         round=round,
-        model=_read_npz(where / MODEL_FILE),
-        strategy_state=_read_npz(where / STRATEGY_FILE),
+        model=read_npz(where / MODEL_FILE),
+        strategy_state=read_npz(where / STRATEGY_FILE),
         extra=meta["extra"],
     )
 
@@ -225,20 +225,22 @@ def _checked_arrays(arrays: dict[str, Any], what: str) -> dict[str, np.ndarray]:
     return checked
 
 
-def _write_npz(path: Path, arrays: dict[str, np.ndarray]) -> None:
-    """An uncompressed npz like `np.savez`'s, with percent-encoded member names.
+def write_npz(target: Path | BinaryIO, arrays: dict[str, np.ndarray]) -> None:
+    """An uncompressed npz like `np.savez`'s, with percent-encoded member names,
+    into a file path or an open binary file.
 
     Written by hand rather than with `np.savez(path, **arrays)`, whose keyword
     arguments would clash with names such as "file" or "allow_pickle".
     """
-    with zipfile.ZipFile(path, "w", zipfile.ZIP_STORED, allowZip64=True) as archive:
+    with zipfile.ZipFile(target, "w", zipfile.ZIP_STORED, allowZip64=True) as archive:
         for name, array in arrays.items():
             member = quote(name, safe="") + ".npy"
             with archive.open(member, "w", force_zip64=True) as f:
                 np.lib.format.write_array(f, array, allow_pickle=False)
 
 
-def _read_npz(path: Path) -> dict[str, np.ndarray]:
+def read_npz(path: Path) -> dict[str, np.ndarray]:
+    """What `write_npz` wrote, without pickle; `CheckpointError` otherwise."""
     try:
         with path.open("rb") as f:
             loaded = np.load(f, allow_pickle=False)

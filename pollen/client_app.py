@@ -34,6 +34,7 @@ from .settings import Settings
 from .strategies.fedavg import CLIENT_KEY
 from .strategies.sharing import Sharing
 from .task import (
+    check_client,
     client_shard,
     client_test_shard,
     federated_data,
@@ -103,8 +104,7 @@ class ClientModel:
         settings = _settings(frozenset(context.run_config.items()))
         config = msg.content["config"]
         client = int(config[CLIENT_KEY])
-        if not 0 <= client < settings.num_clients:
-            raise ValueError(f"client {client} outside 0..{settings.num_clients - 1}")
+        check_client(settings, client)
         client_state.restore(context, client, config)
         dataset, _ = federated_data(settings)
         # Same seed as the server's model: local entries start where its do.

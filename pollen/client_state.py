@@ -21,15 +21,14 @@ without in-memory state reads its newest valid file. After each save a
 client deletes what no resume can need any more: everything older than its
 newest file at or before the server's latest checkpoint.
 
-Files are written to a temporary name and renamed, and read with
-`allow_pickle=False`.
+Files are the checkpoints' pickle-free npz, written to a temporary name and
+renamed.
 """
 
 from __future__ import annotations
 
-import os
+import io
 import re
-import tempfile
 from collections.abc import Mapping
 from dataclasses import dataclass
 from logging import WARNING
@@ -38,6 +37,9 @@ from pathlib import Path
 import numpy as np
 from flwr.app import Array, ArrayRecord, ConfigRecord, Context
 from flwr.common.logger import log
+
+from .checkpoints import CheckpointError, read_npz, write_npz
+from .results import write_atomic
 
 STATE_DIR = "state-dir"  # node config (wins) or server config: where to keep it
 RUN_NAME = "run-name"  # server config: the run's name, a folder under a node's dir
@@ -81,16 +83,11 @@ class ClientStateStore:
         """Write the client's state after `server_round`, atomically."""
         folder = self.root / f"client-{client}"
         path = folder / f"round-{server_round:05d}.run-{run_id}.npz"
+        buffer = io.BytesIO()
+        write_npz(buffer, state)
         try:
             folder.mkdir(parents=True, exist_ok=True)
-            fd, tmp = tempfile.mkstemp(dir=folder, prefix=".", suffix=".npz")
-            try:
-                with os.fdopen(fd, "wb") as f:
-                    np.savez(f, **state)
-                os.replace(tmp, path)
-            except BaseException:
-                Path(tmp).unlink(missing_ok=True)
-                raise
+            write_atomic(path, buffer.getvalue())
         except OSError as err:
             raise ClientStateError(
                 f"client {client}: cannot write its state to {path}: {err}"
@@ -114,9 +111,8 @@ class ClientStateStore:
             return None
         newest = max(valid, key=lambda f: (f.round, f.run_id == run_id))
         try:
-            with np.load(newest.path, allow_pickle=False) as data:
-                return newest.round, {name: data[name] for name in data.files}
-        except (OSError, ValueError) as err:
+            return newest.round, read_npz(newest.path)
+        except CheckpointError as err:
             raise ClientStateError(
                 f"client {client}: its state file {newest.path} is unreadable "
                 f"({err}); delete it to start this client's state from scratch"

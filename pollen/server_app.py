@@ -80,10 +80,9 @@ def main(grid: Grid, context: Context) -> None:
     notifier.run_started(
         run_name, settings.strategy, settings.data_set, settings.rounds
     )
-    # a resumed run starts from the rounds its checkpoint covers
-    history = [
-        r for r in read_history(run_dir) if checkpoint and r.round <= checkpoint.round
-    ]
+    history: list[RoundRecord] = []
+    if checkpoint:  # a resumed run starts from the rounds its checkpoint covers
+        history = [r for r in read_history(run_dir) if r.round <= checkpoint.round]
     restored = len(history)
     try:
         _train(grid, settings, run_dir, history, notifier, run_name, checkpoint)

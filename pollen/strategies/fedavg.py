@@ -208,7 +208,9 @@ class FedAvg(FlowerFedAvg):
         traffic.failures = [
             f"node {m.metadata.src_node_id}: {m.error.reason}" for m in failed
         ]
-        accepted = self._accepted(valid, traffic)
+        shared = self.shared_keys(self._global)
+        current = {key: self._global[key] for key in shared}
+        accepted = self._accepted(valid, current, traffic)
         if len(accepted) < self.min_replies:
             traffic.skipped = True
             log(WARNING, "pollen: round %d skipped, the model is unchanged: %d valid "
@@ -217,8 +219,6 @@ class FedAvg(FlowerFedAvg):
             return None, None
         self.trained_clients.update(client for client, _, _ in accepted)
         self._record_privacy(traffic, accepted)
-        shared = self.shared_keys(self._global)
-        current = {key: self._global[key] for key in shared}
         new_shared = self.update(
             current,
             [arrays for _, _, arrays in accepted],
@@ -231,11 +231,10 @@ class FedAvg(FlowerFedAvg):
         return ArrayRecord({k: Array(v) for k, v in merged.items()}), metrics
 
     def _accepted(
-        self, replies: list[Message], traffic: RoundTraffic
+        self, replies: list[Message], current: Arrays, traffic: RoundTraffic
     ) -> list[tuple[int, RecordDict, Arrays]]:
-        """The replies that pass every check (and the norm bound), by client."""
-        shared = self.shared_keys(self._global)
-        current = {key: self._global[key] for key in shared}
+        """The replies that pass every check against the `current` shared
+        entries (and the norm bound), in client order."""
         expected = Expectation(
             arrays=current,
             owner=self.roster.owner,

@@ -56,7 +56,7 @@ def client_shard(
     settings: Settings, client: int, device: torch.device
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One client's images and labels on the training device, gathered once."""
-    _check_client(settings, client)
+    check_client(settings, client)
     return _client_shard(DataKey.of(settings), client, str(device))
 
 
@@ -71,11 +71,11 @@ def client_test_shard(
     settings: Settings, client: int, device: torch.device
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One client's own test examples (same label mix as its training shard)."""
-    _check_client(settings, client)
+    check_client(settings, client)
     return _client_test_shard(DataKey.of(settings), client, str(device))
 
 
-def _check_client(settings: Settings, client: int) -> None:
+def check_client(settings: Settings, client: int) -> None:
     """Refuse a client index without a shard (a negative one would wrap around)."""
     if not 0 <= client < settings.num_clients:
         raise PartitionError(
