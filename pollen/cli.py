@@ -16,8 +16,6 @@ import dataclasses
 import json
 import os
 import shutil
-import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -27,13 +25,16 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from . import deploy
 from .checkpoints import CheckpointError, check_resumable
+from .deploy import entry_point, flower_env, free_port
 from .notify import URL_ENV, check_url
 from .results import ResultsError, check_run_dir_is_new, default_run_name
 from .settings import Settings, SettingsError
 
 SUPERLINK_START_SECONDS = 60.0
 EXIT_FAILED, EXIT_BAD_INPUT = 1, 2
+DEPLOY_DIR = Path(".pollen-deploy")
 
 
 class CliError(RuntimeError):
@@ -45,6 +46,7 @@ def resolve_run_config(app: Path, overrides: Sequence[str]) -> dict[str, Any]:
 
     Unlike `flwr run`, TOML files and "key=value" strings may be mixed.
     """
+    from click import ClickException
     from flwr.common.config import get_project_config, parse_config_args
 
     try:
@@ -56,7 +58,7 @@ def resolve_run_config(app: Path, overrides: Sequence[str]) -> dict[str, Any]:
     for value in overrides:
         try:
             parsed = parse_config_args([value])
-        except (ValueError, OSError) as err:
+        except (ValueError, OSError, ClickException) as err:
             raise CliError(f"invalid --run-config {value!r}: {err}") from err
         unknown = sorted(set(parsed) - set(config))
         if unknown:
@@ -98,12 +100,6 @@ def prepare_run(app: Path, overrides: Sequence[str]) -> tuple[Settings, str]:
     return settings, " ".join(f"{k}={json.dumps(v)}" for k, v in config.items())
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 class LocalSuperLink:
     """A simulation SuperLink owned by this command, in its own Flower home."""
 
@@ -115,16 +111,7 @@ class LocalSuperLink:
 
     @property
     def env(self) -> dict[str, str]:
-        return {
-            **os.environ,
-            # the SuperLink starts `flower-superexec` & co. from PATH: use ours
-            "PATH": os.pathsep.join(
-                [str(Path(sys.executable).parent), os.environ["PATH"]]
-            ),
-            "FLWR_HOME": str(self.home),
-            "FLWR_DISABLE_UPDATE_CHECK": "1",
-            "FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION": "1",
-        }
+        return flower_env(self.home)
 
     def __enter__(self) -> LocalSuperLink:
         (self.home / "config.toml").write_text(
@@ -132,7 +119,7 @@ class LocalSuperLink:
             f'[superlink.pollen]\naddress = "127.0.0.1:{self.port}"\ninsecure = true\n'
         )
         command = [
-            _sibling("flower-superlink"), "--insecure", "--simulation",
+            entry_point("flower-superlink"), "--insecure", "--simulation",
             "--isolation", "subprocess", "--host", "127.0.0.1", "--port", str(self.port),
             "--disable-runtime-dependency-installation",
             "--log-file", str(self.log_path),
@@ -168,21 +155,9 @@ class LocalSuperLink:
         raise CliError(f"flower-superlink did not start in {SUPERLINK_START_SECONDS} s")
 
     def __exit__(self, *exc: object) -> None:
-        if self.process is not None and self.process.poll() is None:
-            for sig, wait in ((signal.SIGTERM, 10), (signal.SIGKILL, 5)):
-                try:
-                    os.killpg(self.process.pid, sig)
-                    self.process.wait(timeout=wait)
-                    break
-                except (ProcessLookupError, subprocess.TimeoutExpired):
-                    continue
+        if self.process is not None:
+            deploy.stop(self.process.pid)
         shutil.rmtree(self.home, ignore_errors=True)
-
-
-def _sibling(name: str) -> str:
-    """An entry point installed next to this Python (the project's venv)."""
-    candidate = Path(sys.executable).with_name(name)
-    return str(candidate) if candidate.exists() else name
 
 
 def run(args: argparse.Namespace) -> int:
@@ -192,18 +167,29 @@ def run(args: argparse.Namespace) -> int:
     except (SettingsError, CliError, ResultsError, CheckpointError) as err:
         print(f"pollen: error: {err}", file=sys.stderr)
         return EXIT_BAD_INPUT
+    if args.deployment:
+        try:
+            deployment = _running_deployment(Path(args.deployment), args.connection)
+        except deploy.DeployError as err:
+            print(f"pollen: error: {err}", file=sys.stderr)
+            return EXIT_BAD_INPUT
     run_dir = Path(settings.resume or Path(settings.output_dir) / settings.run_name)
     flwr_args = ["run", str(app)]
     federation = list(args.federation_config)
-    if args.connection is None and not any(
-        f.startswith("num-supernodes") for f in federation
+    if (
+        args.connection is None
+        and not args.deployment
+        and not any(f.startswith("num-supernodes") for f in federation)
     ):
         federation.append(f"num-supernodes={settings.num_clients}")
     flwr_args += ["--run-config", run_config]
     for value in federation:
         flwr_args += ["--federation-config", value]
     flwr_args.append("--stream")
-    if args.connection is None:
+    if args.deployment:
+        flwr_args.insert(2, deploy.CONNECTION)
+        _flwr(flwr_args, flower_env(deployment.flwr_home))
+    elif args.connection is None:
         with LocalSuperLink() as link:
             _flwr(flwr_args, link.env)
             _keep_log(link.log_path, run_dir)
@@ -213,8 +199,20 @@ def run(args: argparse.Namespace) -> int:
     return report(run_dir)
 
 
+def _running_deployment(directory: Path, connection: str | None) -> deploy.Deployment:
+    if connection is not None:
+        raise deploy.DeployError("give a CONNECTION or --deployment, not both")
+    deployment = deploy.Deployment.load(directory.expanduser().resolve())
+    if not deploy.alive(deployment.superlink_pid):
+        raise deploy.DeployError(
+            f"the deployment in {deployment.root} is not running; start it with "
+            f"`pollen deploy up --dir {directory}`"
+        )
+    return deployment
+
+
 def _flwr(flwr_args: list[str], env: dict[str, str]) -> None:
-    subprocess.run([_sibling("flwr"), *flwr_args], env=env, check=False)
+    subprocess.run([entry_point("flwr"), *flwr_args], env=env, check=False)
 
 
 def _keep_log(log_path: Path, run_dir: Path) -> None:
@@ -268,8 +266,117 @@ def build_parser() -> argparse.ArgumentParser:
         "--federation-config", action="append", default=[],
         help='e.g. "num-supernodes=10" (default: num-clients)',
     )  # fmt: skip
+    run_parser.add_argument(
+        "--deployment", metavar="DIR", default=None,
+        help="submit to the deployment `pollen deploy up` started in DIR",
+    )  # fmt: skip
     run_parser.set_defaults(handler=run)
+    _add_deploy_parser(commands)
     return parser
+
+
+def _add_deploy_parser(commands: argparse._SubParsersAction) -> None:
+    parser = commands.add_parser(
+        "deploy", help="a deployment of real Flower processes on this machine",
+        description=deploy.__doc__.split("\n\n")[0],
+    )  # fmt: skip
+    actions = parser.add_subparsers(dest="action", required=True)
+    where = argparse.ArgumentParser(add_help=False)
+    where.add_argument(
+        "--dir", default=DEPLOY_DIR, type=Path,
+        help=f"the deployment's directory (default {DEPLOY_DIR})",
+    )  # fmt: skip
+    up = actions.add_parser(
+        "up", parents=[where], help="start a SuperLink and N SuperNodes"
+    )
+    up.add_argument("--nodes", type=int, default=3, help="SuperNodes (default 3)")
+    up.add_argument("--host", default="127.0.0.1",
+                    help="address the SuperLink listens on (default 127.0.0.1)")  # fmt: skip
+    up.add_argument(
+        "--port", type=int, default=9093, help="SuperLink port (default 9093)"
+    )
+    up.add_argument(
+        "--san", action="append", default=[],
+        help="another host name or IP address SuperNodes use to reach the SuperLink "
+        "(repeatable; added to its certificate)",
+    )  # fmt: skip
+    up.add_argument("--data-root", default="", help="every node's data-root")
+    up.add_argument(
+        "--node-config", action="append", default=[], metavar="K:KEY=VALUE",
+        help='extra node config for node K, e.g. 0:data-file="/silo/own.npz" (repeatable)',
+    )  # fmt: skip
+    up.add_argument(
+        "--insecure", action="store_true",
+        help="no TLS and no SuperNode authentication (trusted networks only)",
+    )  # fmt: skip
+    actions.add_parser("down", parents=[where], help="stop what `up` started")
+    actions.add_parser("status", parents=[where], help="processes and online nodes")
+    restart = actions.add_parser(
+        "restart", parents=[where], help="restart one SuperNode (same key and config)"
+    )
+    restart.add_argument("partition_id", type=int)
+    certs = actions.add_parser(
+        "certs", help="make a CA and a SuperLink certificate (multi-machine)"
+    )
+    certs.add_argument("out", type=Path, help="directory for ca.pem, server.pem/.key")
+    certs.add_argument("hosts", nargs="+", help="the SuperLink's host names / IPs")
+    key = actions.add_parser("key", help="make a SuperNode key pair (multi-machine)")
+    key.add_argument("path", type=Path, help="private key path (PATH.pub: public)")
+    parser.set_defaults(handler=deploy_command)
+
+
+def deploy_command(args: argparse.Namespace) -> int:
+    try:
+        if args.action == "up":
+            extra = _node_extra(args.node_config, args.nodes)
+            if args.insecure:
+                print("pollen: warning: insecure deployment: no TLS, any SuperNode "
+                      "may join; use it on a trusted network only", file=sys.stderr)  # fmt: skip
+            deploy.up(
+                args.dir, args.nodes, host=args.host, port=args.port, san=args.san,
+                insecure=args.insecure, data_root=args.data_root, node_extra=extra,
+            )  # fmt: skip
+            print(deploy.status(args.dir))
+        elif args.action == "down":
+            stopped = deploy.down(args.dir)
+            print(f"pollen: stopped {len(stopped)} processes; files kept in {args.dir}")
+        elif args.action == "status":
+            print(deploy.status(args.dir))
+        elif args.action == "restart":
+            node = deploy.restart_node(args.dir, args.partition_id)
+            print(f"pollen: node {node.partition_id} restarted (pid {node.pid})")
+        elif args.action == "certs":
+            deploy.make_certificates(args.out, args.hosts)
+            print(f"pollen: CA and SuperLink certificate for {', '.join(args.hosts)} "
+                  f"in {args.out}")  # fmt: skip
+        else:
+            public = deploy.make_node_key(args.path)
+            print(f"pollen: SuperNode key {args.path}; register {public} with "
+                  "`flwr supernode register`")  # fmt: skip
+    except deploy.DeployError as err:
+        print(f"pollen: error: {err}", file=sys.stderr)
+        return EXIT_FAILED
+    return 0
+
+
+def _node_extra(values: Sequence[str], num_nodes: int) -> dict[int, dict[str, str]]:
+    """`K:key=value` flags -> {K: {key: value}} (values parsed as TOML)."""
+    from click import ClickException
+    from flwr.common.config import parse_config_args
+
+    extra: dict[int, dict[str, str]] = {}
+    for value in values:
+        node, sep, pairs = value.partition(":")
+        if not (sep and node.isdigit() and int(node) < num_nodes):
+            raise deploy.DeployError(
+                f"--node-config {value!r}: expected K:key=value with K a node "
+                f"index 0..{num_nodes - 1}"
+            )
+        try:
+            extra.setdefault(int(node), {}).update(parse_config_args([pairs]))
+        except (ValueError, ClickException) as err:
+            raise deploy.DeployError(f"--node-config {value!r}: {err}") from None
+    return extra
 
 
 def main(argv: Sequence[str] | None = None) -> int:

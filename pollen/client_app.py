@@ -10,11 +10,19 @@ has counted (`dp-steps-<client>`). When the run checkpoints, that state is
 also written to the client's disk after each round it trains and read back
 by a resumed run (`pollen.client_state`). Only shared entries are accepted
 from the server and only shared entries are sent back.
+
+Where a node's examples come from is its own business (node config, both
+optional): `data-root` replaces the run's `data-root` (a path on the server's
+machine) as the folder this node loads the run's data set from, and
+`data-file` names a .npz of the node's own examples, which it trains on whole
+as client `partition-id` instead of a shard of the data set
+(`pollen.task.data.read_node_file`).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Hashable
+from dataclasses import dataclass, replace
 from functools import cache
 
 import numpy as np
@@ -33,15 +41,7 @@ from . import client_state
 from .settings import Settings
 from .strategies.fedavg import CLIENT_KEY
 from .strategies.sharing import Sharing
-from .task import (
-    check_client,
-    client_shard,
-    client_test_shard,
-    federated_data,
-    held_out_split,
-    model_inputs,
-    settings_model,
-)
+from .task import NodeData, OwnData, model_inputs, settings_model
 from .task.data import Dataset
 from .task.privacy import PrivacyPlan, check_private_model, train_private
 from .task.train import (
@@ -57,15 +57,50 @@ from .task.train import (
 
 app = ClientApp()
 
+DATA_ROOT = "data-root"  # node config: where this node finds the run's data set
+DATA_FILE = "data-file"  # node config: a .npz of this node's own examples
+
 
 @cache
 def _settings(items: frozenset) -> Settings:
     return Settings.from_run_config(dict(items))
 
 
+def node_settings(context: Context) -> Settings:
+    """The run's settings as this node uses them: with its own `data-root`
+    where its node config names one."""
+    settings = _settings(frozenset(context.run_config.items()))
+    root = _node_path(context, DATA_ROOT)
+    return settings if root is None else replace(settings, data_root=root)
+
+
+def node_data(context: Context) -> NodeData:
+    """Where this node's examples come from: shards of the run's data set or,
+    with node config `data-file`, its own file (client `partition-id`'s)."""
+    settings = node_settings(context)
+    path = _node_path(context, DATA_FILE)
+    if path is None:
+        return NodeData(settings)
+    client = int(context.node_config["partition-id"])
+    return NodeData(settings, OwnData.of(settings.data_set, path, client))
+
+
+def _node_path(context: Context, key: str) -> str | None:
+    """Node-config `key` as a path; None where it is absent or empty."""
+    value = context.node_config.get(key, "")
+    if not isinstance(value, str):
+        raise ValueError(
+            f"node config {key}={value!r}: expected a path in quotes "
+            f'({key}="/path/to/it")'
+        )
+    return value or None
+
+
 @app.query()
 def query(msg: Message, context: Context) -> Message:
-    """Tell the server which partition this node holds (its node config).
+    """Tell the server which partition this node holds (its node config),
+    how many examples it trains that client on and whether they are its own
+    (node config `data-file`) rather than a shard of the run's data set.
 
     A resumed run's query also names the checkpoint it resumes from: client
     state that earlier runs wrote after it is deleted here, before any round.
@@ -77,10 +112,14 @@ def query(msg: Message, context: Context) -> Message:
             store.forget_abandoned(
                 context.run_id, int(config.get(client_state.RESUME_ROUND, 0))
             )
+    data = node_data(context)
+    client = int(context.node_config["partition-id"])
     record = ConfigRecord(
         {
-            CLIENT_KEY: int(context.node_config["partition-id"]),
+            CLIENT_KEY: client,
             "num-partitions": int(context.node_config["num-partitions"]),
+            "num-examples": data.num_examples(client),
+            "own-data": data.own is not None,
         }
     )
     return Message(RecordDict({"node": record}), reply_to=msg)
@@ -91,7 +130,7 @@ class ClientModel:
     """One client's model for this message: shared entries from the server,
     local ones from `context.state` (or the common initialisation)."""
 
-    settings: Settings
+    data: NodeData
     client: int
     server_round: int
     dataset: Dataset
@@ -101,12 +140,13 @@ class ClientModel:
 
     @classmethod
     def assemble(cls, msg: Message, context: Context) -> ClientModel:
-        settings = _settings(frozenset(context.run_config.items()))
+        data = node_data(context)
+        settings = data.settings
         config = msg.content["config"]
         client = int(config[CLIENT_KEY])
-        check_client(settings, client)
+        data.check_client(client)
         client_state.restore(context, client, config)
-        dataset, _ = federated_data(settings)
+        dataset = data.dataset()
         # Same seed as the server's model: local entries start where its do.
         model = settings_model(settings, dataset)
         sharing = Sharing.of(settings.sharing_policy, model)
@@ -125,9 +165,13 @@ class ClientModel:
         model.load_state_dict(state)
         device = pick_device(settings.device)
         return cls(
-            settings, client, int(config["server-round"]), dataset, model.to(device),
+            data, client, int(config["server-round"]), dataset, model.to(device),
             sharing, device,
         )  # fmt: skip
+
+    @property
+    def settings(self) -> Settings:
+        return self.data.settings
 
     def preprocess(self, augment: bool) -> Preprocess:
         return Preprocess(
@@ -139,11 +183,23 @@ class ClientModel:
         )
 
     def inputs(
-        self, split: str, x: torch.Tensor, augment: bool
+        self, split: Hashable, x: torch.Tensor, augment: bool
     ) -> tuple[torch.Tensor, Transform]:
         """What the model sees of `x` (see `pollen.task.model_inputs`)."""
         return model_inputs(
             self.settings, split, self.model, x, self.preprocess(augment)
+        )
+
+    def loss_and_accuracy(
+        self, split: Hashable, examples: tuple[torch.Tensor, torch.Tensor] | None
+    ) -> tuple[float, float]:
+        """The model's test loss and accuracy on `examples`; NaN for none."""
+        if examples is None or not len(examples[1]):
+            return float("nan"), float("nan")
+        images, y = examples
+        x, prep = self.inputs(split, images, augment=False)
+        return evaluate(
+            self.model, x, y, batch_size=self.settings.test_batch_size, preprocess=prep
         )
 
     def entries(self, names: tuple[str, ...]) -> ArrayRecord:
@@ -166,8 +222,8 @@ def train(msg: Message, context: Context) -> Message:
     """The local objective on this client's shard, from the global model."""
     cm = ClientModel.assemble(msg, context)
     s = cm.settings
-    images, y = client_shard(s, cm.client, cm.device)
-    x, prep = cm.inputs(f"train-{cm.client}", images, s.augment)
+    images, y = cm.data.train_shard(cm.client, cm.device)
+    x, prep = cm.inputs(cm.data.split_key("train", cm.client), images, s.augment)
     regularizer, h_key = _regularizer(cm, context)
     optimizer = ClientOptimizer(
         s.client_optimizer,
@@ -256,29 +312,19 @@ def _regularizer(cm: ClientModel, context: Context) -> tuple[Regularizer | None,
 @app.evaluate()
 def evaluate_personal(msg: Message, context: Context) -> Message:
     """This client's model (shared + local entries) on the global test set and
-    on its own test shard."""
+    on its own test shard; NaN for either where the node has none (a node
+    with its own data file and no copy of the data set has no global one)."""
     cm = ClientModel.assemble(msg, context)
-    batch = cm.settings.test_batch_size
-    images, y_test = held_out_split(cm.settings, cm.device)
-    x_test, prep = cm.inputs("test", images, augment=False)
-    g_loss, g_acc = evaluate(
-        cm.model, x_test, y_test, batch_size=batch, preprocess=prep
-    )
-    own, y_own = client_test_shard(cm.settings, cm.client, cm.device)
-    if len(y_own):
-        x_own, prep = cm.inputs(f"test-{cm.client}", own, augment=False)
-        l_loss, l_acc = evaluate(
-            cm.model, x_own, y_own, batch_size=batch, preprocess=prep
-        )
-    else:
-        l_loss, l_acc = float("nan"), float("nan")
+    g_loss, g_acc = cm.loss_and_accuracy("test", cm.data.global_test(cm.device))
+    own = cm.data.test_shard(cm.client, cm.device)
+    l_loss, l_acc = cm.loss_and_accuracy(cm.data.split_key("test", cm.client), own)
     metrics = MetricRecord(
         {
             "global-accuracy": g_acc,
             "global-loss": g_loss,
             "local-accuracy": l_acc,
             "local-loss": l_loss,
-            "num-examples": len(y_own),
+            "num-examples": len(own[1]),
         }
     )
     return cm.reply(msg, metrics)

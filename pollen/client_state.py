@@ -14,6 +14,9 @@ config (a SuperNode's own disk) or, without one, the server's
 system: simulation, a local deployment). The state never leaves the
 client's machine through Flower.
 
+A SuperNode restarted during a run has lost `context.state`; with its own
+`state-dir` it reads its newest file back and goes on where it was.
+
 A resumed run continues from the server's checkpoint of round R. Files of
 rounds after R written by an earlier run belong to a future that was
 abandoned: they are never read and are deleted at the run's start. A client
@@ -230,10 +233,13 @@ def persist(
 def server_config(
     run_dir: Path, run_name: str, resume_round: int, checkpoints: bool
 ) -> dict[str, str | int]:
-    """What the server tells clients about their state, in every message."""
-    config: dict[str, str | int] = {
-        RUN_NAME: run_name, RESUME_ROUND: resume_round, KEEP_FROM: resume_round,
-    }  # fmt: skip
+    """What the server tells clients about their state, in every message.
+
+    Without checkpoints no run can resume from an earlier round, so
+    `KEEP_FROM` is left out: a node with its own `state-dir` keeps only its
+    newest file (what it reads back after a SuperNode restart)."""
+    config: dict[str, str | int] = {RUN_NAME: run_name, RESUME_ROUND: resume_round}
     if checkpoints:
         config[STATE_DIR] = str(run_dir / "client-state")
+        config[KEEP_FROM] = resume_round
     return config

@@ -23,6 +23,7 @@ import ipaddress
 import json
 import os
 import signal
+import socket
 import ssl
 import subprocess
 import sys
@@ -65,8 +66,11 @@ def make_certificates(directory: Path, hosts: Sequence[str], days: int = 365) ->
 
     if not hosts:
         raise DeployError("certificates need at least one host name or address")
-    now = datetime.datetime.now(datetime.timezone.utc)
-    valid_from, valid_to = now - datetime.timedelta(minutes=5), now + datetime.timedelta(days=days)
+    now = datetime.datetime.now(datetime.UTC)
+    valid_from, valid_to = (
+        now - datetime.timedelta(minutes=5),
+        now + datetime.timedelta(days=days),
+    )
     ca_key = ec.generate_private_key(ec.SECP256R1())
     ca_name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "pollen CA")])
     ca = (
@@ -78,15 +82,7 @@ def make_certificates(directory: Path, hosts: Sequence[str], days: int = 365) ->
         .not_valid_before(valid_from)
         .not_valid_after(valid_to)
         .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
-        .add_extension(
-            x509.KeyUsage(
-                digital_signature=True, key_cert_sign=True, crl_sign=True,
-                content_commitment=False, key_encipherment=False,
-                data_encipherment=False, key_agreement=False,
-                encipher_only=False, decipher_only=False,
-            ),
-            critical=True,
-        )  # fmt: skip
+        .add_extension(_ca_key_usage(), critical=True)
         .sign(ca_key, hashes.SHA256())
     )
     server_key = ec.generate_private_key(ec.SECP256R1())
@@ -98,7 +94,9 @@ def make_certificates(directory: Path, hosts: Sequence[str], days: int = 365) ->
         .serial_number(x509.random_serial_number())
         .not_valid_before(valid_from)
         .not_valid_after(valid_to)
-        .add_extension(x509.SubjectAlternativeName([_san(h) for h in hosts]), critical=False)
+        .add_extension(
+            x509.SubjectAlternativeName([_san(h) for h in hosts]), critical=False
+        )
         .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
         .add_extension(
             x509.ExtendedKeyUsage([x509.oid.ExtendedKeyUsageOID.SERVER_AUTH]),
@@ -117,6 +115,16 @@ def make_certificates(directory: Path, hosts: Sequence[str], days: int = 365) ->
     write_private(directory / "server.key", server_key.private_bytes(**private))
     (directory / "ca.pem").write_bytes(ca.public_bytes(pem))
     (directory / "server.pem").write_bytes(server.public_bytes(pem))
+
+
+def _ca_key_usage():
+    """A CA's key signs certificates (and revocation lists), nothing else."""
+    from cryptography import x509
+
+    uses = ("digital_signature", "key_cert_sign", "crl_sign")
+    others = ("content_commitment", "key_encipherment", "data_encipherment",
+              "key_agreement", "encipher_only", "decipher_only")  # fmt: skip
+    return x509.KeyUsage(**dict.fromkeys(uses, True), **dict.fromkeys(others, False))
 
 
 def _san(host: str):
@@ -269,15 +277,26 @@ class Deployment:
             raw["nodes"] = [Node(**n) for n in raw["nodes"]]
             return cls(**raw)
         except FileNotFoundError:
-            raise DeployError(f"no deployment in {directory} ({STATE_FILE} missing)") from None
+            raise DeployError(
+                f"no deployment in {directory} ({STATE_FILE} missing)"
+            ) from None
         except (ValueError, TypeError, KeyError) as err:
-            raise DeployError(f"{path} is not a pollen deployment record: {err}") from None
+            raise DeployError(
+                f"{path} is not a pollen deployment record: {err}"
+            ) from None
+
+    def running(self) -> list[int]:
+        """PIDs of this deployment's processes that are still alive."""
+        pids = [self.superlink_pid, *(n.pid for n in self.nodes)]
+        return [pid for pid in pids if pid and alive(pid)]
 
     def write_flower_config(self) -> None:
         """The connection `flwr run . pollen` uses with FLWR_HOME=flwr_home."""
         lines = ['[superlink]', f'default = "{CONNECTION}"', "", f"[superlink.{CONNECTION}]",
                  f'address = "{self.address}"']  # fmt: skip
-        lines.append("insecure = true" if self.insecure else f'root-certificates = "{self.ca}"')
+        lines.append(
+            "insecure = true" if self.insecure else f'root-certificates = "{self.ca}"'
+        )
         self.flwr_home.mkdir(parents=True, exist_ok=True)
         (self.flwr_home / "config.toml").write_text("\n".join(lines) + "\n")
 
@@ -293,3 +312,228 @@ class Deployment:
                 f"{result.stdout[-2000:]}{result.stderr[-2000:]}"
             )
         return result
+
+    @property
+    def certs(self) -> Path:
+        return self.root / "certs"
+
+    def node(self, partition_id: int) -> Node:
+        for node in self.nodes:
+            if node.partition_id == partition_id:
+                return node
+        known = ", ".join(str(n.partition_id) for n in self.nodes)
+        raise DeployError(f"no node with partition-id {partition_id}; nodes: {known}")
+
+    def start_superlink(self, host: str, port: int) -> None:
+        command = [
+            entry_point("flower-superlink"), "--isolation", "subprocess",
+            "--host", host, "--port", str(port),
+            "--database", str(self.root / "superlink.db"),
+            "--disable-runtime-dependency-installation",
+        ]  # fmt: skip
+        if self.insecure:
+            command.append("--insecure")
+        else:
+            command += [
+                "--ssl-ca-certfile", str(self.ca),
+                "--ssl-certfile", str(self.certs / "server.pem"),
+                "--ssl-keyfile", str(self.certs / "server.key"),
+                "--enable-supernode-auth",
+            ]  # fmt: skip
+        log = self.root / "logs" / "superlink.log"
+        self.superlink_pid = start(command, self.root / "superlink-home", log)
+        self._wait_healthy(log)
+
+    def _wait_healthy(self, log: Path) -> None:
+        scheme = "http" if self.insecure else "https"
+        context = None if self.insecure else ssl.create_default_context(cafile=self.ca)
+        deadline = time.monotonic() + START_SECONDS
+        while time.monotonic() < deadline:
+            if not alive(self.superlink_pid):
+                raise DeployError(
+                    f"flower-superlink exited; the end of {log}:\n{_tail(log)}"
+                )
+            try:
+                with urllib.request.urlopen(
+                    f"{scheme}://{self.address}/health", timeout=1.0, context=context
+                ) as response:
+                    if response.status == 200:
+                        return
+            except OSError:
+                time.sleep(0.3)
+        raise DeployError(f"flower-superlink did not answer in {START_SECONDS:.0f} s")
+
+    def start_node(self, partition_id: int, node_config: str) -> Node:
+        """Start (or restart, with the same key) the SuperNode of `partition_id`.
+
+        With authentication its key is registered once; a restarted node
+        presents the same key and keeps its node ID."""
+        name = f"node-{partition_id}"
+        command = [
+            entry_point("flower-supernode"), "--superlink", self.address,
+            "--node-config", node_config, "--isolation", "subprocess",
+            "--port", str(free_port()),
+        ]  # fmt: skip
+        key = self.root / "keys" / name
+        if self.insecure:
+            command.append("--insecure")
+        else:
+            if not key.exists():
+                public = make_node_key(key)
+                self.flwr("supernode", "register", str(public), "--name", name)
+            command += ["--root-certificates", str(self.ca),
+                        "--auth-supernode-private-key", str(key)]  # fmt: skip
+        log = self.root / "logs" / f"{name}.log"
+        pid = start(command, self.root / "nodes" / name, log)
+        node = Node(
+            partition_id, pid, node_config, str(log), "" if self.insecure else str(key)
+        )
+        self.nodes = [n for n in self.nodes if n.partition_id != partition_id] + [node]
+        self.nodes.sort(key=lambda n: n.partition_id)
+        return node
+
+    def online_nodes(self) -> int:
+        """How many SuperNodes the SuperLink lists as online."""
+        listing = json.loads(self.flwr("supernode", "list", "--format", "json").stdout)
+        return sum(1 for n in listing.get("nodes", []) if n.get("status") == "online")
+
+    def wait_online(self, count: int, timeout: float = START_SECONDS) -> None:
+        deadline = time.monotonic() + timeout
+        while self.online_nodes() < count:
+            dead = [n for n in self.nodes if not alive(n.pid)]
+            if dead:
+                raise DeployError(
+                    f"SuperNode {dead[0].partition_id} exited; the end of "
+                    f"{dead[0].log}:\n{_tail(Path(dead[0].log))}"
+                )
+            if time.monotonic() > deadline:
+                raise DeployError(
+                    f"only {self.online_nodes()} of {count} SuperNodes came online "
+                    f"in {timeout:.0f} s; see the logs in {self.root / 'logs'}"
+                )
+            time.sleep(0.5)
+
+
+def _tail(path: Path, chars: int = 2000) -> str:
+    try:
+        return path.read_text(errors="replace")[-chars:]
+    except OSError:
+        return "(no log)"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def node_config(
+    partition_id: int, num_partitions: int, extra: dict[str, str | int | float | bool]
+) -> str:
+    """`--node-config` text: partition-id, num-partitions, then `extra`."""
+    items = {"partition-id": partition_id, "num-partitions": num_partitions, **extra}
+    return " ".join(f"{k}={json.dumps(v)}" for k, v in items.items())
+
+
+def up(
+    directory: Path,
+    num_nodes: int,
+    *,
+    host: str = "127.0.0.1",
+    port: int = 9093,
+    san: Sequence[str] = (),
+    insecure: bool = False,
+    data_root: str = "",
+    node_extra: dict[int, dict[str, str]] | None = None,
+) -> Deployment:
+    """Start a SuperLink and `num_nodes` SuperNodes; record them in `directory`.
+
+    Node k gets `partition-id=k num-partitions=num_nodes`, `state-dir` under
+    `directory/state/node-k` (its client state survives a restart),
+    `data-root` when given, and whatever `node_extra[k]` adds or overrides.
+    """
+    if num_nodes < 1:
+        raise DeployError(f"--nodes must be at least 1, got {num_nodes}")
+    directory = directory.expanduser().resolve()
+    record = directory / STATE_FILE
+    if record.exists():
+        running = Deployment.load(directory).running()
+        if running:
+            raise DeployError(
+                f"a deployment is already up in {directory} (PIDs "
+                f"{', '.join(map(str, running))}); `pollen deploy down` it first"
+            )
+    directory.mkdir(parents=True, exist_ok=True)
+    address = f"{'127.0.0.1' if host in ('0.0.0.0', '::') else host}:{port}"
+    deployment = Deployment(str(directory), address, insecure)
+    if not insecure:
+        hosts = list(dict.fromkeys([*DEFAULT_HOSTS, host, *san]))
+        make_certificates(
+            deployment.certs, [h for h in hosts if h not in ("0.0.0.0", "::")]
+        )
+    deployment.write_flower_config()
+    try:
+        deployment.start_superlink(host, port)
+        deployment.save()
+        for k in range(num_nodes):
+            extra: dict[str, str] = {
+                "state-dir": str(directory / "state" / f"node-{k}")
+            }
+            if data_root:
+                extra["data-root"] = str(Path(data_root).expanduser().resolve())
+            extra.update((node_extra or {}).get(k, {}))
+            deployment.start_node(k, node_config(k, num_nodes, extra))
+            deployment.save()
+        deployment.wait_online(num_nodes)
+    except BaseException:
+        down(directory)
+        raise
+    return deployment
+
+
+def down(directory: Path) -> list[int]:
+    """Stop every process `up` recorded (SuperNodes first); the PIDs stopped.
+
+    Files stay: logs, the state database, certificates, keys and node state,
+    so a later `up` in the same directory keeps the clients' state."""
+    deployment = Deployment.load(directory.expanduser().resolve())
+    stopped = deployment.running()
+    for node in deployment.nodes:
+        stop(node.pid)
+    stop(deployment.superlink_pid)
+    return stopped
+
+
+def restart_node(directory: Path, partition_id: int) -> Node:
+    """Stop the SuperNode of `partition_id` if it runs, start it again with
+    its recorded node config and key."""
+    deployment = Deployment.load(directory.expanduser().resolve())
+    old = deployment.node(partition_id)
+    stop(old.pid)
+    node = deployment.start_node(partition_id, old.node_config)
+    deployment.save()
+    return node
+
+
+def status(directory: Path) -> str:
+    """One line per process (alive or not), and the SuperLink's node list."""
+    deployment = Deployment.load(directory.expanduser().resolve())
+    state = {True: "running", False: "stopped"}
+    lines = [
+        f"deployment {deployment.root} at {deployment.address} "
+        f"({'insecure' if deployment.insecure else 'TLS + SuperNode authentication'})",
+        f"superlink  pid {deployment.superlink_pid:>7}  "
+        f"{state[alive(deployment.superlink_pid)]}",
+    ]
+    for node in deployment.nodes:
+        lines.append(
+            f"node {node.partition_id:<5} pid {node.pid:>7}  {state[alive(node.pid)]:8} "
+            f"{node.node_config}"
+        )
+    if alive(deployment.superlink_pid):
+        lines.append(f"online SuperNodes: {deployment.online_nodes()}")
+    lines.append(
+        f"submit runs with: pollen run . --deployment {deployment.root}  "
+        f"(or FLWR_HOME={deployment.flwr_home} flwr run . {CONNECTION} --stream)"
+    )
+    return "\n".join(lines)

@@ -24,15 +24,13 @@ from flwr.app import (
     ArrayRecord,
     ConfigRecord,
     Context,
-    Message,
-    MessageType,
-    RecordDict,
 )
 from flwr.common.logger import log
 from flwr.serverapp import Grid, ServerApp
 
 from . import client_state
 from .checkpoints import Checkpoint, load_resumable, save_checkpoint
+from .membership import Membership
 from .notify import Notifier
 from .results import (
     ResultsError,
@@ -50,8 +48,8 @@ from .results import (
 )
 from .settings import Settings, SettingsError
 from .strategies import build_strategy
-from .strategies.fedavg import CLIENT_KEY, FedAvg, RoundTraffic, to_numpy
-from .strategies.sampling import OneMessagePerNode, Roster, RosterError
+from .strategies.fedavg import FedAvg, RoundTraffic, to_numpy
+from .strategies.sampling import OneMessagePerNode
 from .strategies.sharing import count_parameters
 from .task import federated_data, model_inputs, settings_model
 from .task.data import Dataset
@@ -59,10 +57,6 @@ from .task.lora import FrozenBackboneClassifier
 from .task.partition import format_label_counts, label_counts
 from .task.privacy import check_private_model
 from .task.train import Preprocess, evaluate, pick_device
-
-NODE_WAIT_SECONDS = 120.0
-QUERY_TIMEOUT_SECONDS = 120.0
-ROUND_TIMEOUT_SECONDS = 3600.0
 
 app = ServerApp()
 
@@ -173,7 +167,12 @@ def _train(
     state_config = client_state.server_config(
         run_dir, run_name, resume_round, settings.checkpoint_every > 0
     )
-    roster = discover_roster(grid, settings.num_clients, ConfigRecord(state_config))
+    membership = Membership(
+        grid, settings.num_clients, ConfigRecord(state_config),
+        min_available=settings.min_available_nodes, wait=settings.node_wait,
+        shard_sizes={c: len(shard) for c, shard in enumerate(shards)},
+    )  # fmt: skip
+    roster = membership.refresh()
     log(INFO, "pollen: %d clients on %d nodes", settings.num_clients, roster.num_nodes)
     strategy = build_strategy(settings, roster, model, [len(s) for s in shards])
     arrays = ArrayRecord({k: v.clone() for k, v in model.state_dict().items()})
@@ -190,9 +189,12 @@ def _train(
     grid = OneMessagePerNode(grid)
     evaluator.start_clock()
     for server_round in range(first_round, settings.rounds + 1):
+        strategy.roster = membership.refresh()
+        strategy.max_examples.update(membership.own_examples)
         arrays = _play_round(
-            grid, strategy, server_round, arrays, train_config, eval_config
-        )
+            grid, strategy, server_round, arrays, train_config, eval_config,
+            settings.round_timeout,
+        )  # fmt: skip
         record = evaluator(server_round, arrays)
         if settings.checkpoint_every and (
             server_round % settings.checkpoint_every == 0
@@ -222,6 +224,7 @@ def _play_round(
     arrays: ArrayRecord,
     train_config: ConfigRecord,
     eval_config: ConfigRecord,
+    timeout: float,
 ) -> ArrayRecord:
     """One round of Flower's strategy protocol: train, aggregate, evaluate.
 
@@ -231,13 +234,13 @@ def _play_round(
     log(INFO, "[ROUND %d]", server_round)
     replies = grid.send_and_receive(
         strategy.configure_train(server_round, arrays, train_config, grid),
-        timeout=ROUND_TIMEOUT_SECONDS,
+        timeout=timeout,
     )
     new_arrays, _ = strategy.aggregate_train(server_round, replies)
     arrays = new_arrays if new_arrays is not None else arrays
     replies = grid.send_and_receive(
         strategy.configure_evaluate(server_round, arrays, eval_config, grid),
-        timeout=ROUND_TIMEOUT_SECONDS,
+        timeout=timeout,
     )
     strategy.aggregate_evaluate(server_round, replies)
     return arrays
@@ -295,41 +298,6 @@ def _resume(
     return ArrayRecord(
         {k: Array(np.ascontiguousarray(v)) for k, v in checkpoint.model.items()}
     )
-
-
-def discover_roster(
-    grid: Grid, num_clients: int, config: ConfigRecord | None = None
-) -> Roster:
-    """Ask every connected node which partition it holds; map clients to nodes.
-
-    `config` (the clients' state settings) travels with the question."""
-    deadline = time.monotonic() + NODE_WAIT_SECONDS
-    while not (node_ids := sorted(grid.get_node_ids())):
-        if time.monotonic() > deadline:
-            raise RosterError(
-                f"no SuperNode connected within {NODE_WAIT_SECONDS:.0f} s"
-            )
-        time.sleep(1.0)
-    queries = [
-        Message(
-            RecordDict({"config": config or ConfigRecord()}),
-            message_type=MessageType.QUERY,
-            dst_node_id=n,
-        )
-        for n in node_ids
-    ]
-    nodes = {}
-    for reply in grid.send_and_receive(queries, timeout=QUERY_TIMEOUT_SECONDS):
-        if reply.has_error():
-            log(INFO, "pollen: node %d did not answer: %s", reply.metadata.src_node_id,
-                reply.error.reason)  # fmt: skip
-            continue
-        info = reply.content["node"]
-        nodes[reply.metadata.src_node_id] = (
-            int(info[CLIENT_KEY]),
-            int(info["num-partitions"]),
-        )
-    return Roster.from_nodes(nodes, num_clients)
 
 
 class DivergenceError(RuntimeError):

@@ -273,6 +273,30 @@ class Settings:
     update_norm_action: str = key(
         "clip", "what update-norm-bound does to a larger update", one_of("clip", "drop")
     )
+    # Participation: who must be there, how long to wait for them
+    min_available_nodes: int = key(
+        1,
+        "connected SuperNodes needed before a round starts; waits up to node-wait s, "
+        "then stops the run",
+        at_least(1),
+    )
+    min_train_nodes: int = key(
+        1,
+        "fewest clients sampled per round (more than client-frac x num-clients "
+        "when larger; capped by the clients whose node is connected)",
+        at_least(1),
+    )
+    node_wait: float = key(
+        120.0,
+        "seconds to wait for min-available-nodes (and for a first node at start)",
+        at_least(0),
+    )
+    round_timeout: float = key(
+        3600.0,
+        "seconds to wait for a round's replies; a client without a reply by then "
+        "is recorded as a failure",
+        above(0),
+    )
     # Checkpoints and notifications
     checkpoint_every: int = key(
         0, "save global model + server state every N rounds (0: never)", at_least(0)

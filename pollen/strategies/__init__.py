@@ -31,6 +31,7 @@ def build_strategy(
         "personal_eval_every": settings.personal_eval_every,
         "max_examples": dict(enumerate(shard_sizes or ())),
         "min_replies": settings.min_train_replies,
+        "min_train_nodes": settings.min_train_nodes,
         "norm_bound": settings.update_norm_bound,
         "norm_action": settings.update_norm_action,
     }

@@ -3,12 +3,14 @@
 Differences from `flwr.serverapp.strategy.FedAvg`, all for exact, comparable runs:
 
 - clients (data partitions) are sampled by a generator seeded with
-  (seed, round) and routed through a `Roster`, instead of `random.sample`
-  over node IDs that change from run to run;
+  (seed, round) among those whose node is connected, and routed through a
+  `Roster`, instead of `random.sample` over node IDs that change from run
+  to run; the server keeps the roster current as nodes leave and join;
 - only the entries the sharing policy lets travel are sent and accepted;
 - every reply is checked (`replies.checked_reply`: its client, entries,
   dtypes, finite values, example count, metrics); one that fails is dropped
-  and logged, and the round goes on with the others; with fewer than
+  and logged, as is every sampled client whose node sent no reply in time,
+  and the round goes on with the others; with fewer than
   `min_replies` left the round is skipped and the model stays as it was;
 - optionally an update whose norm exceeds `norm_bound` x the round's median
   is clipped or dropped;
@@ -103,14 +105,15 @@ class FedAvg(FlowerFedAvg):
         personal_eval_every: int = 0,
         max_examples: Mapping[int, int] | None = None,
         min_replies: int = 1,
+        min_train_nodes: int = 1,
         norm_bound: float = 0.0,
         norm_action: str = "clip",
     ) -> None:
         super().__init__(
             fraction_train=client_frac,
             fraction_evaluate=0.0,  # the ServerApp evaluates the global model itself
-            min_train_nodes=1,
-            min_available_nodes=1,
+            min_train_nodes=min_train_nodes,
+            min_available_nodes=1,  # waited for by the ServerApp, bounded in time
         )
         self.roster = roster
         self.num_clients = num_clients
@@ -188,8 +191,9 @@ class FedAvg(FlowerFedAvg):
         """One message per sampled client, addressed to the node that serves it."""
         self._global = to_numpy(arrays)
         clients = sample_clients(
-            self.num_clients, self.fraction_train, self.seed, server_round
-        )
+            self.num_clients, self.fraction_train, self.seed, server_round,
+            available=sorted(self.roster.owner), minimum=self.min_train_nodes,
+        )  # fmt: skip
         payload = self.outgoing(arrays)
         self.traffic[server_round] = RoundTraffic(
             clients=clients, bytes_down=payload.count_bytes() * len(clients)
@@ -207,7 +211,7 @@ class FedAvg(FlowerFedAvg):
         traffic = self.traffic.setdefault(server_round, RoundTraffic())
         traffic.failures = [
             f"node {m.metadata.src_node_id}: {m.error.reason}" for m in failed
-        ]
+        ] + self._silent(traffic.clients, [*valid, *failed])
         shared = self.shared_keys(self._global)
         current = {key: self._global[key] for key in shared}
         accepted = self._accepted(valid, current, traffic)
@@ -229,6 +233,27 @@ class FedAvg(FlowerFedAvg):
             [content for _, content, _ in accepted], self.weighted_by_key
         )
         return ArrayRecord({k: Array(v) for k, v in merged.items()}), metrics
+
+    def _silent(self, clients: list[int], replies: list[Message]) -> list[str]:
+        """A failure for each node that answered fewer of its sampled clients'
+        messages than it was sent (it timed out, or vanished unnoticed)."""
+        sent: dict[int, list[int]] = {}
+        for client in clients:
+            sent.setdefault(self.roster.owner[client], []).append(client)
+        answered: dict[int, int] = {}
+        for msg in replies:
+            node = msg.metadata.src_node_id
+            answered[node] = answered.get(node, 0) + 1
+        notes = []
+        for node, served in sent.items():
+            missing = len(served) - answered.get(node, 0)
+            if missing > 0:
+                notes.append(
+                    f"node {node}: no reply for {missing} of clients {served} "
+                    "within round-timeout"
+                )
+                log(WARNING, "pollen: %s", notes[-1])
+        return notes
 
     def _accepted(
         self, replies: list[Message], current: Arrays, traffic: RoundTraffic
@@ -313,7 +338,7 @@ class FedAvg(FlowerFedAvg):
         if not self.evaluates_personal(server_round):
             return []
         payload = self.outgoing(arrays)
-        clients = sorted(self.trained_clients)
+        clients = sorted(self.trained_clients & set(self.roster.owner))
         traffic = self.traffic.setdefault(server_round, RoundTraffic())
         traffic.eval_bytes += payload.count_bytes() * len(clients)
         return self._messages(

@@ -15,7 +15,7 @@ the same settings samples the same clients whatever the node IDs are.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -35,11 +35,20 @@ class Roster:
 
     @classmethod
     def from_nodes(cls, nodes: dict[int, tuple[int, int]], num_clients: int) -> Roster:
-        """Build from {node id: (partition-id, num-partitions)} reported by nodes."""
+        """Build from {node id: (partition-id, num-partitions)} reported by nodes.
+
+        With one node per client, clients whose node is not (yet) connected
+        are simply absent; they are served when their node joins (`joined`).
+        """
         if not nodes:
             raise RosterError("no SuperNode answered; nothing can train")
         by_partition: dict[int, int] = {}
-        for node_id, (pid, _) in sorted(nodes.items(), key=lambda kv: kv[1]):
+        for node_id, (pid, count) in sorted(nodes.items(), key=lambda kv: kv[1]):
+            if not 0 <= pid < count:
+                raise RosterError(
+                    f"node {node_id} reports partition-id {pid} of num-partitions "
+                    f"{count}; a partition-id must be in 0..num-partitions - 1"
+                )
             if pid in by_partition:
                 raise RosterError(
                     f"nodes {by_partition[pid]} and {node_id} both hold partition-id "
@@ -47,7 +56,7 @@ class Roster:
                 )
             by_partition[pid] = node_id
         reported = {n for _, n in nodes.values()}
-        if reported == {num_clients} and len(by_partition) == num_clients:
+        if reported == {num_clients}:
             return cls(owner=by_partition)
         n = len(by_partition)
         if (
@@ -63,18 +72,62 @@ class Roster:
             f"num-partitions={num_clients})"
         )
 
+    def joined(
+        self,
+        connected: Iterable[int],
+        new: dict[int, tuple[int, int]],
+        num_clients: int,
+    ) -> tuple[Roster, list[str]]:
+        """The roster after nodes left (not in `connected`) and `new` nodes
+        joined, with a note for each new node that cannot serve a client.
+
+        A new node takes over its partition when the node that held it has
+        left (a restarted SuperNode without a registered key gets a new ID);
+        while that node is still connected, the newcomer is not used.
+        """
+        connected = set(connected)
+        owner = {c: n for c, n in self.owner.items() if n in connected}
+        notes = []
+        for node_id, (pid, count) in sorted(new.items()):
+            if count != num_clients or not 0 <= pid < count:
+                notes.append(
+                    f"node {node_id} reports partition-id {pid} of {count}; this run "
+                    f"has num-clients={num_clients}: not used"
+                )
+            elif pid in owner:
+                notes.append(
+                    f"node {node_id} also holds partition-id {pid}, served by node "
+                    f"{owner[pid]}: not used while that node is connected"
+                )
+            else:
+                owner[pid] = node_id
+        return Roster(owner=dict(sorted(owner.items()))), notes
+
     @property
     def num_nodes(self) -> int:
         return len(set(self.owner.values()))
 
 
 def sample_clients(
-    num_clients: int, fraction: float, seed: int, server_round: int
+    num_clients: int,
+    fraction: float,
+    seed: int,
+    server_round: int,
+    available: Sequence[int] | None = None,
+    minimum: int = 1,
 ) -> list[int]:
-    """max(1, floor(fraction * K)) distinct clients, seeded by (seed, round)."""
-    count = max(1, int(fraction * num_clients + 1e-9))
+    """max(minimum, floor(fraction * K)) distinct clients, seeded by (seed, round).
+
+    Drawn from `available` (the clients whose node is connected; all K when
+    None), and never more than there are. With every client available the
+    draw is the same as from range(K), so simulations do not depend on it.
+    """
+    pool = np.arange(num_clients) if available is None else np.asarray(available)
+    count = min(max(minimum, int(fraction * num_clients + 1e-9)), len(pool))
+    if count == 0:
+        return []
     rng = np.random.default_rng([seed, server_round])
-    return sorted(int(c) for c in rng.choice(num_clients, size=count, replace=False))
+    return sorted(int(c) for c in rng.choice(pool, size=count, replace=False))
 
 
 class OneMessagePerNode:

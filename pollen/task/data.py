@@ -10,11 +10,17 @@ Sources are tried in order, all under `data-root`:
    holding `train/<class>/*` and `test/<class>/*` (class index = sorted names);
 4. a torchvision download, when `download` is true.
 
+A node with its own examples (node config `data-file`) reads them from one
+.npz instead (`read_node_file`): `x_train`, `y_train` and optionally
+`x_test`, `y_test`, normalised with the data set's statistics from `SPECS`,
+so that it needs no copy of the data set.
+
 `digits` is scikit-learn's handwritten digits (8x8, 1,797 images): it ships
 with a dependency, so the default run needs neither files nor internet.
 
 Whatever the source, the result is validated (dtype, shape, label range) and
-returned as tensors `x` uint8 `[N, C, H, W]` and `y` int64 `[N]`.
+returned as tensors `x` uint8 `[N, C, H, W]` and `y` int64 `[N]`. Images may
+come as `[N, H, W]` (grey), `[N, H, W, C]` or `[N, C, H, W]`.
 """
 
 from __future__ import annotations
@@ -46,25 +52,41 @@ class DataError(ValueError):
 
 @dataclass(frozen=True)
 class DataSpec:
-    """What a named data set must look like."""
+    """What a named data set must look like, and its training split's
+    per-channel pixel mean and std (0..1): what a node normalises with when it
+    holds its own examples instead of the data set (a loaded data set uses
+    the statistics of the copy it was loaded from)."""
 
     name: str
     num_classes: int
     channels: int
     size: int
     torchvision_class: str | None
+    mean: tuple[float, ...]
+    std: tuple[float, ...]
 
 
+# digits, mnist and fashion-mnist: as the loader computes them (from
+# scikit-learn's copy and ../shared/data; checked by tests/test_node_data.py).
+# cifar10, cifar100: the original arrays' (torchvision's download); the JPEG copy
+# cifar10-jpeg.tar.gz gives the same means and stds about 0.002 lower.
 SPECS = {
     s.name: s
     for s in (
-        DataSpec("digits", 10, 1, 8, None),
-        DataSpec("mnist", 10, 1, 28, "MNIST"),
-        DataSpec("fashion-mnist", 10, 1, 28, "FashionMNIST"),
-        DataSpec("cifar10", 10, 3, 32, "CIFAR10"),
-        DataSpec("cifar100", 100, 3, 32, "CIFAR100"),
+        DataSpec("digits", 10, 1, 8, None,
+                 (0.30549564554423025,), (0.37587373215482484,)),
+        DataSpec("mnist", 10, 1, 28, "MNIST",
+                 (0.13066047627384283,), (0.3081078038564627,)),
+        DataSpec("fashion-mnist", 10, 1, 28, "FashionMNIST",
+                 (0.2860405969887955,), (0.35302424451492254,)),
+        DataSpec("cifar10", 10, 3, 32, "CIFAR10",
+                 (0.4913997551666284, 0.48215855929893703, 0.4465309133731618),
+                 (0.24703225141799082, 0.24348516474564, 0.2615878392604963)),
+        DataSpec("cifar100", 100, 3, 32, "CIFAR100",
+                 (0.5070751592371323, 0.48654887331495095, 0.4409178433670343),
+                 (0.2673342858792401, 0.2564384629170883, 0.27615047132568404)),
     )
-}
+}  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -92,15 +114,47 @@ def load_dataset(name: str, data_root: str | Path, download: bool) -> Dataset:
 
     Loaded once per process, and again only when the source file changes.
     """
-    spec = SPECS.get(name)
-    if spec is None:
-        raise DataError(f"unknown data set {name!r}; allowed: {', '.join(SPECS)}")
+    spec = _spec(name)
     if name == "digits":
         return _digits_dataset()
     root = Path(data_root).expanduser().resolve()
     source = _find_local_source(spec, root)
     fingerprint = tuple(_fingerprint(source).items()) if source else None
     return _load_cached(spec, root, download, source, fingerprint)
+
+
+def read_node_file(name: str, path: Path) -> Dataset:
+    """A node's own examples of data set `name` (node config `data-file`).
+
+    The .npz holds `x_train`, `y_train` and optionally `x_test`, `y_test` (the
+    node's own test examples; without them the test split is empty), checked
+    as a data set's splits are. The node needs no copy of the data set: its
+    inputs are normalised with the whole data set's statistics from `SPECS`,
+    as the server's and the other nodes' are.
+    """
+    spec = _spec(name)
+    optional = SPLITS[2:]
+    arrays = _read_npz(path, SPLITS[:2], optional, kind="a node data-file")
+    present = [k for k in optional if k in arrays]
+    if len(present) == 1:
+        raise DataError(
+            f"{path} holds {present[0]} without its pair; a node data-file holds "
+            "both x_test and y_test (its own test examples) or neither"
+        )
+    if not present:
+        c, s = spec.channels, spec.size
+        arrays.update(x_test=np.zeros((0, c, s, s), np.uint8), y_test=np.zeros(0))
+    _validate(
+        spec, arrays, str(path), splits=("train", "test") if present else ("train",)
+    )
+    return _to_dataset(spec, arrays, str(path), spec_stats=True)
+
+
+def _spec(name: str) -> DataSpec:
+    spec = SPECS.get(name)
+    if spec is None:
+        raise DataError(f"unknown data set {name!r}; allowed: {', '.join(SPECS)}")
+    return spec
 
 
 @cache
@@ -257,30 +311,50 @@ def _decode(spec: DataSpec, source: Path) -> dict[str, np.ndarray]:
     return _read_image_folder_archive(spec, source)
 
 
-def _read_npz(path: Path) -> dict[str, np.ndarray]:
-    """The four arrays of a Keras-layout .npz; `DataError` for anything else."""
+def _read_npz(
+    path: Path,
+    keys: tuple[str, ...] = SPLITS,
+    optional: tuple[str, ...] = (),
+    kind: str = "a Keras-layout .npz",
+) -> dict[str, np.ndarray]:
+    """The arrays `keys`, and those of `optional` it has, of a .npz (`kind`
+    names what it should be); `DataError` for anything else."""
+    holds = ", ".join(keys) + (
+        f", optionally {', '.join(optional)}" if optional else ""
+    )
     try:
         with path.open("rb") as f:
             loaded = np.load(f, allow_pickle=False)
             if not isinstance(loaded, np.lib.npyio.NpzFile):
-                raise DataError(
-                    f"{path} is a single .npy array; a Keras-layout .npz holds "
-                    f"{', '.join(SPLITS)}"
-                )
+                raise DataError(f"{path} is a single .npy array; {kind} holds {holds}")
             with loaded as npz:
-                missing = [k for k in SPLITS if k not in npz.files]
+                missing = [k for k in keys if k not in npz.files]
                 if missing:
                     raise DataError(
-                        f"{path} lacks {', '.join(missing)}; a Keras-layout .npz "
-                        f"holds {', '.join(SPLITS)}"
+                        f"{path} lacks {', '.join(missing)}; {kind} holds {holds}"
                     )
-                return {k: npz[k] for k in SPLITS}
+                wanted = [k for k in (*keys, *optional) if k in npz.files]
+                return {k: _npz_array(npz, k, path) for k in wanted}
     except (zipfile.BadZipFile, zlib.error, EOFError, OSError, ValueError) as err:
         if isinstance(err, DataError):
             raise
         raise DataError(
             f"cannot read {path}: truncated or not a .npz, or its data is "
             f"corrupted ({err})"
+        ) from err
+
+
+def _npz_array(npz: np.lib.npyio.NpzFile, key: str, path: Path) -> np.ndarray:
+    """One array of an open .npz; an object array is refused, not unpickled."""
+    try:
+        return npz[key]
+    except ValueError as err:
+        if "allow_pickle" not in str(err):
+            raise
+        raise DataError(
+            f"cannot read {path}: {key} holds pickled Python objects ({err}); "
+            "unpickling could run code, so only plain arrays are read: uint8 "
+            "images and integer labels"
         ) from err
 
 
@@ -422,25 +496,39 @@ def _digits() -> dict[str, np.ndarray]:
     return {"x_train": x[tr], "y_train": y[tr], "x_test": x[te], "y_test": y[te]}
 
 
-def _validate(spec: DataSpec, arrays: dict[str, np.ndarray], where: str) -> None:
+def _image_shapes(spec: DataSpec) -> list[tuple[int, ...]]:
+    """The shapes one image may have: HW (grey only), HWC or CHW.
+
+    A data set's channels (1, 3) never equal its size, so HWC and CHW are
+    told apart by their shape alone.
+    """
     c, s = spec.channels, spec.size
-    expected = f"[N, {s}, {s}]" if c == 1 else f"[N, {s}, {s}, {c}] (HWC)"
-    for split in ("train", "test"):
+    return ([(s, s)] if c == 1 else []) + [(s, s, c), (c, s, s)]
+
+
+def _validate(
+    spec: DataSpec,
+    arrays: dict[str, np.ndarray],
+    where: str,
+    splits: tuple[str, ...] = ("train", "test"),
+) -> None:
+    shapes = [f"[N, {', '.join(map(str, shape))}]" for shape in _image_shapes(spec)]
+    expected = ", ".join(shapes[:-1]) + f" or {shapes[-1]}"
+    for split in splits:
         x, y = arrays[f"x_{split}"], arrays[f"y_{split}"]
         if x.dtype != np.uint8:
             raise DataError(
                 f"{where}: x_{split} has dtype {x.dtype}; expected uint8 pixels 0..255"
             )
-        per_sample = x.shape[1:]
-        ok = per_sample in ((s, s), (s, s, 1)) if c == 1 else per_sample == (s, s, c)
-        if x.ndim < 3 or not ok:
+        if x.shape[1:] not in _image_shapes(spec):
             raise DataError(
                 f"{where}: x_{split} has shape {list(x.shape)}; {spec.name} needs "
                 f"{expected}"
             )
         if y.ndim != 1 or len(y) != len(x):
             raise DataError(
-                f"{where}: y_{split} has shape {list(y.shape)}; expected [{len(x)}]"
+                f"{where}: y_{split} has shape {list(y.shape)}; expected [{len(x)}], "
+                f"one label per image of x_{split}"
             )
         if not np.issubdtype(y.dtype, np.integer):
             raise DataError(f"{where}: y_{split} has dtype {y.dtype}; expected ints")
@@ -454,17 +542,28 @@ def _validate(spec: DataSpec, arrays: dict[str, np.ndarray], where: str) -> None
             )
 
 
-def _to_dataset(spec: DataSpec, arrays: dict[str, np.ndarray], source: str) -> Dataset:
+def _to_dataset(
+    spec: DataSpec,
+    arrays: dict[str, np.ndarray],
+    source: str,
+    spec_stats: bool = False,
+) -> Dataset:
+    """Validated arrays as a `Dataset`, normalised with its training split's
+    statistics (or, with `spec_stats`, with those in `spec`)."""
+
     def images(x: np.ndarray) -> torch.Tensor:
         x = np.array(x)  # a private, writable copy (the cache is memory-mapped)
-        x = x[:, None] if x.ndim == 3 else x.transpose(0, 3, 1, 2)
+        if x.ndim == 3:
+            x = x[:, None]
+        elif x.shape[1:] != (spec.channels, spec.size, spec.size):
+            x = x.transpose(0, 3, 1, 2)
         return torch.from_numpy(np.ascontiguousarray(x))
 
     def labels(y: np.ndarray) -> torch.Tensor:
         return torch.from_numpy(np.asarray(y).astype(np.int64))
 
     x_train = images(arrays["x_train"])
-    mean, std = _channel_stats(x_train)
+    mean, std = (spec.mean, spec.std) if spec_stats else _channel_stats(x_train)
     return Dataset(
         name=spec.name,
         num_classes=spec.num_classes,

@@ -1,0 +1,165 @@
+"""Which SuperNodes are connected, and which client each serves, round by round.
+
+In a deployment nodes come and go: a SuperNode is killed, a machine
+reboots, a restarted node rejoins (with the same node ID when its key is
+registered, with a new one otherwise). Before every round the ServerApp
+asks the SuperLink which nodes are connected, waits a bounded time
+(`node-wait`) for `min-available-nodes` of them, asks each node it has not
+met (or that left and came back) which partition it holds, and updates the
+`Roster`: clients of nodes that left are not sampled, a node that joins
+serves its partition from then on.
+
+A node's answer also says how many training examples it holds for its
+client and whether they are its own data file rather than a shard of the
+shared data set: for such a node that count bounds the examples its
+replies may claim (the server cannot compute its shard).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from logging import INFO, WARNING
+
+from flwr.app import ConfigRecord, Message, MessageType, RecordDict
+from flwr.common.logger import log
+from flwr.serverapp import Grid
+
+from .strategies.replies import CLIENT_KEY
+from .strategies.sampling import Roster, RosterError
+
+QUERY_TIMEOUT_SECONDS = 120.0
+POLL_SECONDS = 1.0
+
+
+@dataclass(frozen=True)
+class NodeReport:
+    """A node's answer to the server's query."""
+
+    partition_id: int
+    num_partitions: int
+    num_examples: int
+    own_data: bool
+
+    @classmethod
+    def parse(cls, msg: Message) -> NodeReport:
+        """The report in `msg`, or ValueError saying what is wrong with it."""
+        info = msg.content.get("node") if msg.content else None
+        if not isinstance(info, ConfigRecord):
+            raise ValueError("no 'node' config record")
+        values = {}
+        for key, kind in ((CLIENT_KEY, int), ("num-partitions", int),
+                          ("num-examples", int), ("own-data", bool)):  # fmt: skip
+            value = info.get(key)
+            if kind is int and (isinstance(value, bool) or not isinstance(value, int)):
+                raise ValueError(f"{key!r} is {value!r}, not an integer")
+            if kind is bool and not isinstance(value, bool):
+                raise ValueError(f"{key!r} is {value!r}, not true or false")
+            values[key] = value
+        if values["num-examples"] < 0:
+            raise ValueError(f"'num-examples' is {values['num-examples']}, below 0")
+        return cls(*values.values())
+
+
+class Membership:
+    """The run's view of its nodes; `refresh` before every round."""
+
+    def __init__(
+        self,
+        grid: Grid,
+        num_clients: int,
+        config: ConfigRecord,
+        *,
+        min_available: int = 1,
+        wait: float = 120.0,
+        shard_sizes: dict[int, int] | None = None,
+    ) -> None:
+        self.grid = grid
+        self.num_clients = num_clients
+        self.config = config
+        self.min_available = min_available
+        self.wait = wait
+        self.shard_sizes = shard_sizes or {}
+        self.roster: Roster | None = None
+        self.own_examples: dict[int, int] = {}  # client -> examples of its own data
+        self._met: set[int] = set()
+
+    def connected(self) -> set[int]:
+        """The connected node IDs once there are `min_available`, waiting at
+        most `wait` s for them (RosterError after that)."""
+        deadline = time.monotonic() + self.wait
+        while len(nodes := set(self.grid.get_node_ids())) < self.min_available:
+            if time.monotonic() >= deadline:
+                raise RosterError(
+                    f"{len(nodes)} SuperNode(s) connected after waiting "
+                    f"{self.wait:.0f} s (node-wait); min-available-nodes is "
+                    f"{self.min_available}: start more SuperNodes or lower "
+                    "min-available-nodes"
+                )
+            time.sleep(POLL_SECONDS)
+        return nodes
+
+    def refresh(self) -> Roster:
+        """The roster for the next round (see module docstring)."""
+        nodes = self.connected()
+        left = self._met - nodes
+        self._met &= nodes
+        reports = self._query(sorted(nodes - self._met))
+        self._met |= set(reports)
+        pairs = {n: (r.partition_id, r.num_partitions) for n, r in reports.items()}
+        if self.roster is None:
+            self.roster = Roster.from_nodes(pairs, self.num_clients)
+        else:
+            self.roster, notes = self.roster.joined(nodes, pairs, self.num_clients)
+            for note in notes:
+                log(WARNING, "pollen: %s", note)
+        if left:
+            log(WARNING, "pollen: node(s) %s left; their clients are not sampled "
+                "until they rejoin", sorted(left))  # fmt: skip
+        self._note_examples(reports)
+        return self.roster
+
+    def _query(self, node_ids: list[int]) -> dict[int, NodeReport]:
+        if not node_ids:
+            return {}
+        queries = [
+            Message(
+                RecordDict({"config": self.config}),
+                message_type=MessageType.QUERY,
+                dst_node_id=n,
+            )
+            for n in node_ids
+        ]
+        reports = {}
+        for reply in self.grid.send_and_receive(queries, timeout=QUERY_TIMEOUT_SECONDS):
+            node = reply.metadata.src_node_id
+            try:
+                if reply.has_error():
+                    raise ValueError(reply.error.reason)
+                reports[node] = NodeReport.parse(reply)
+            except ValueError as problem:
+                log(WARNING, "pollen: node %d is not used: its answer to the query "
+                    "is unusable: %s", node, problem)  # fmt: skip
+        if self.roster is not None and reports:
+            log(INFO, "pollen: node(s) %s joined", sorted(reports))
+        return reports
+
+    def _note_examples(self, reports: dict[int, NodeReport]) -> None:
+        """Record own-data nodes' example counts; warn when a node's shard of
+        the shared data set is not the one the server computed."""
+        assert self.roster is not None
+        for node, report in reports.items():
+            client = report.partition_id
+            if self.roster.owner.get(client) != node:
+                continue
+            if report.own_data:
+                self.own_examples[client] = report.num_examples
+            elif (
+                client in self.shard_sizes
+                and (report.num_examples != self.shard_sizes[client])
+                and report.num_partitions == self.num_clients
+            ):
+                log(WARNING, "pollen: node %d holds %d examples for client %d, the "
+                    "server's partition gives it %d: is its data set the same "
+                    "file?", node, report.num_examples, client,
+                    self.shard_sizes[client])  # fmt: skip

@@ -1,0 +1,133 @@
+"""Nodes leaving and joining: the roster, sampling among connected clients,
+bounded waits for min-available-nodes, and clients whose node never replied."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from flwr.app import Array, ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
+
+from pollen.membership import Membership
+from pollen.strategies.fedavg import CLIENT_KEY, FedAvg
+from pollen.strategies.sampling import Roster, RosterError, sample_clients
+from tests.conftest import reply_from
+
+pytestmark = pytest.mark.usefixtures("task_identity")
+
+
+def test_roster_with_one_node_per_client_may_miss_clients() -> None:
+    roster = Roster.from_nodes({11: (0, 3), 33: (2, 3)}, 3)
+    assert roster.owner == {0: 11, 2: 33}  # client 1 waits for its node
+    with pytest.raises(RosterError, match="partition-id 3 of num-partitions 3"):
+        Roster.from_nodes({11: (3, 3)}, 3)
+
+
+def test_joined_drops_nodes_that_left_and_hands_their_partition_on() -> None:
+    roster = Roster.from_nodes({11: (0, 3), 22: (1, 3), 33: (2, 3)}, 3)
+    after, notes = roster.joined({11, 33}, {}, 3)
+    assert after.owner == {0: 11, 2: 33} and not notes
+    back, notes = after.joined({11, 33, 44}, {44: (1, 3)}, 3)
+    assert back.owner == {0: 11, 1: 44, 2: 33} and not notes
+
+
+def test_joined_does_not_use_a_second_holder_or_a_foreign_node() -> None:
+    roster = Roster.from_nodes({11: (0, 2), 22: (1, 2)}, 2)
+    after, notes = roster.joined({11, 22, 55, 66}, {55: (1, 2), 66: (0, 5)}, 2)
+    assert after.owner == roster.owner
+    assert "node 55 also holds partition-id 1, served by node 22" in notes[0]
+    assert "node 66 reports partition-id 0 of 5" in notes[1]
+
+
+def test_sampling_draws_from_connected_clients_and_honours_the_minimum() -> None:
+    everyone = sample_clients(10, 0.3, 7, 2)
+    assert sample_clients(10, 0.3, 7, 2, available=range(10)) == everyone
+    some = sample_clients(10, 0.3, 7, 2, available=[1, 4, 5, 8])
+    assert len(some) == 3 and set(some) <= {1, 4, 5, 8}
+    assert sample_clients(10, 0.1, 7, 2, minimum=4) == sorted(
+        sample_clients(10, 0.1, 7, 2, minimum=4)
+    )
+    assert len(sample_clients(10, 0.1, 7, 2, minimum=4)) == 4
+    assert sample_clients(10, 0.5, 7, 2, available=[3, 6]) == [3, 6]
+    assert sample_clients(10, 0.5, 7, 2, available=[]) == []
+
+
+class NodeGrid:
+    """A Grid whose nodes answer queries from their node config."""
+
+    def __init__(self, nodes: dict[int, dict]) -> None:
+        self.nodes = nodes
+        self.asked: list[int] = []
+
+    def get_node_ids(self) -> list[int]:
+        return list(self.nodes)
+
+    def send_and_receive(self, messages, *, timeout=None):
+        replies = []
+        for m in messages:
+            node = m.metadata.dst_node_id
+            self.asked.append(node)
+            info = ConfigRecord(self.nodes[node])
+            replies.append(reply_from(node, RecordDict({"node": info}), "query"))
+        return replies
+
+
+def report(pid: int, parts: int, examples: int = 100, own: bool = False) -> dict:
+    return {CLIENT_KEY: pid, "num-partitions": parts, "num-examples": examples,
+            "own-data": own}  # fmt: skip
+
+
+def test_membership_follows_nodes_leaving_and_rejoining() -> None:
+    grid = NodeGrid({11: report(0, 2), 22: report(1, 2, 40, own=True)})
+    members = Membership(grid, 2, ConfigRecord(), wait=0.0)
+    assert members.refresh().owner == {0: 11, 1: 22}
+    assert members.own_examples == {1: 40}  # own data: the node's count bounds it
+    assert members.refresh().owner == {0: 11, 1: 22} and grid.asked == [11, 22]
+    del grid.nodes[22]
+    assert members.refresh().owner == {0: 11}
+    grid.nodes[22] = report(1, 2)  # the same node ID back (a registered key)
+    assert members.refresh().owner == {0: 11, 1: 22}
+    assert grid.asked == [11, 22, 22]  # asked again: its state may be gone
+
+
+def test_membership_waits_a_bounded_time_then_says_why() -> None:
+    grid = NodeGrid({11: report(0, 3)})
+    members = Membership(grid, 3, ConfigRecord(), min_available=2, wait=0.0)
+    with pytest.raises(RosterError, match=r"1 SuperNode.*min-available-nodes is 2"):
+        members.refresh()
+
+
+def test_membership_ignores_a_node_with_an_unusable_answer() -> None:
+    grid = NodeGrid({11: report(0, 2), 22: {CLIENT_KEY: "one"}})
+    members = Membership(grid, 2, ConfigRecord(), wait=0.0)
+    assert members.refresh().owner == {0: 11}
+
+
+def test_a_client_whose_node_never_replied_is_a_recorded_failure() -> None:
+    roster = Roster.from_nodes({11: (0, 2), 22: (1, 2)}, 2)
+    strategy = FedAvg(roster=roster, num_clients=2, client_frac=1.0, seed=0)
+    arrays = ArrayRecord({"w": Array(np.ones(2, np.float32))})
+    strategy.configure_train(1, arrays, ConfigRecord(), None)
+    content = RecordDict(
+        {
+            "arrays": arrays,
+            "metrics": MetricRecord({"num-examples": 5, "train-loss": 1.0}),
+            "client": ConfigRecord({CLIENT_KEY: 0}),
+        }
+    )
+    new, _ = strategy.aggregate_train(1, [reply_from(11, content)])
+    assert new is not None
+    assert strategy.traffic[1].failures == [
+        "node 22: no reply for 1 of clients [1] within round-timeout"
+    ]
+
+
+def test_personal_evaluation_asks_only_connected_clients() -> None:
+    roster = Roster.from_nodes({11: (0, 2)}, 2)
+    strategy = FedAvg(roster=roster, num_clients=2, client_frac=1.0, seed=0)
+    strategy.trained_clients = {0, 1}
+    strategy.personal_eval_every = 1
+    strategy.sharing = type("S", (), {"local": ("bn",), "shared": ("w",)})()
+    arrays = ArrayRecord({"w": Array(np.ones(2, np.float32))})
+    messages = list(strategy.configure_evaluate(1, arrays, ConfigRecord(), None))
+    assert [m.metadata.dst_node_id for m in messages] == [11]
+    assert isinstance(messages[0], Message)
