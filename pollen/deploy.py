@@ -240,6 +240,7 @@ class Node:
     node_config: str
     log: str
     key: str = ""
+    prefix: list[str] = field(default_factory=list)  # e.g. `ip netns exec NS`
 
 
 @dataclass
@@ -363,8 +364,12 @@ class Deployment:
                 time.sleep(0.3)
         raise DeployError(f"flower-superlink did not answer in {START_SECONDS:.0f} s")
 
-    def start_node(self, partition_id: int, node_config: str) -> Node:
-        """Start (or restart, with the same key) the SuperNode of `partition_id`.
+    def start_node(
+        self, partition_id: int, node_config: str, prefix: Sequence[str] = ()
+    ) -> Node:
+        """Start (or restart, with the same key) the SuperNode of `partition_id`,
+        its command behind `prefix` (e.g. `ip netns exec NS` for a node in a
+        network namespace).
 
         With authentication its key is registered once; a restarted node
         presents the same key and keeps its node ID."""
@@ -384,10 +389,11 @@ class Deployment:
             command += ["--root-certificates", str(self.ca),
                         "--auth-supernode-private-key", str(key)]  # fmt: skip
         log = self.root / "logs" / f"{name}.log"
-        pid = start(command, self.root / "nodes" / name, log)
+        pid = start([*prefix, *command], self.root / "nodes" / name, log)
         node = Node(
-            partition_id, pid, node_config, str(log), "" if self.insecure else str(key)
-        )
+            partition_id, pid, node_config, str(log),
+            "" if self.insecure else str(key), list(prefix),
+        )  # fmt: skip
         self.nodes = [n for n in self.nodes if n.partition_id != partition_id] + [node]
         self.nodes.sort(key=lambda n: n.partition_id)
         return node
@@ -445,12 +451,14 @@ def up(
     insecure: bool = False,
     data_root: str = "",
     node_extra: dict[int, dict[str, str]] | None = None,
+    node_prefix: dict[int, list[str]] | None = None,
 ) -> Deployment:
     """Start a SuperLink and `num_nodes` SuperNodes; record them in `directory`.
 
     Node k gets `partition-id=k num-partitions=num_nodes`, `state-dir` under
     `directory/state/node-k` (its client state survives a restart),
-    `data-root` when given, and whatever `node_extra[k]` adds or overrides.
+    `data-root` when given, and whatever `node_extra[k]` adds or overrides;
+    its command runs behind `node_prefix[k]` when given.
     """
     if num_nodes < 1:
         raise DeployError(f"--nodes must be at least 1, got {num_nodes}")
@@ -482,7 +490,8 @@ def up(
             if data_root:
                 extra["data-root"] = str(Path(data_root).expanduser().resolve())
             extra.update((node_extra or {}).get(k, {}))
-            deployment.start_node(k, node_config(k, num_nodes, extra))
+            config = node_config(k, num_nodes, extra)
+            deployment.start_node(k, config, (node_prefix or {}).get(k, ()))
             deployment.save()
         deployment.wait_online(num_nodes)
     except BaseException:
@@ -510,7 +519,7 @@ def restart_node(directory: Path, partition_id: int) -> Node:
     deployment = Deployment.load(directory.expanduser().resolve())
     old = deployment.node(partition_id)
     stop(old.pid)
-    node = deployment.start_node(partition_id, old.node_config)
+    node = deployment.start_node(partition_id, old.node_config, old.prefix)
     deployment.save()
     return node
 

@@ -28,7 +28,7 @@ from flwr.serverapp import Grid
 from .strategies.replies import CLIENT_KEY
 from .strategies.sampling import Roster, RosterError
 
-QUERY_TIMEOUT_SECONDS = 120.0
+QUERY_TIMEOUT_SECONDS = 300.0  # a first query may decode a data set
 POLL_SECONDS = 1.0
 
 

@@ -16,7 +16,8 @@ from flwr.app import ArrayRecord, ConfigRecord, Context, Message, RecordDict
 import pollen.task
 from pollen import client_app
 from pollen.settings import Settings
-from pollen.task import federated_data
+from pollen.strategies.sharing import Sharing
+from pollen.task import federated_data, settings_model
 from pollen.task.data import SPECS, DataError, load_dataset
 from pollen.task.models import build_model
 from pollen.task.partition import PartitionError
@@ -194,6 +195,42 @@ def test_global_metrics_come_from_the_data_set_where_the_node_has_it(
     assert got["global-loss"] == pytest.approx(expected["global-loss"], rel=1e-12)
     assert got["global-accuracy"] == expected["global-accuracy"]
     assert math.isnan(got["local-accuracy"]) and got["num-examples"] == 0
+
+
+def test_cached_backbone_features_of_a_file_are_its_own(tmp_path: Path) -> None:
+    """Client 0's features from a shard of the data set, cached first in this
+    process, are not taken for the features of client 0's own file."""
+    rng = np.random.default_rng(0)
+    pixels = rng.integers(0, 256, (60, 32, 32, 3), np.uint8)
+    np.savez(
+        tmp_path / "cifar10.npz",
+        x_train=pixels[:40], y_train=np.arange(40) % 10,
+        x_test=pixels[40:], y_test=np.arange(20) % 10,
+    )  # fmt: skip
+    path = write_node_file(
+        tmp_path / "mine.npz", x_train=pixels[20:], y_train=np.arange(40) % 10
+    )
+    replies = {}
+    for cache in (True, False):
+        config = run_config(
+            "cifar10", **{
+                "data-root": str(tmp_path), "model": "vgg16-lora",
+                "backbone-weights": "random", "augment": False, "sharing": "lora",
+                "cache-features": cache, "num-clients": 1, "lora-rank": 2,
+            },
+        )  # fmt: skip
+        settings = Settings.from_run_config(config)
+        model = settings_model(settings, federated_data(settings)[0])
+        shared = Sharing.of(settings.sharing_policy, model).shared
+        sent = ArrayRecord({k: model.state_dict()[k] for k in shared})
+        simulated = Context(1, 1, node(0, 1), RecordDict(), config)
+        client_app.train(message("train", sent, 0, 1), simulated)
+        cached = len(pollen.task._FEATURES)
+        own = Context(2, 1, node(0, 1, **{"data-file": path}), RecordDict(), config)
+        replies[cache] = arrays_of(client_app.train(message("train", sent, 0, 1), own))
+        assert len(pollen.task._FEATURES) == cached + cache  # the file's, not reused
+    for name, value in replies[True].items():
+        np.testing.assert_allclose(value, replies[False][name], atol=1e-5)
 
 
 def test_a_data_file_node_serves_its_partition_id_only(tmp_path: Path) -> None:

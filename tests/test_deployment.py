@@ -1,0 +1,185 @@
+"""Real Flower processes: a SuperLink and three SuperNodes started by
+`pollen deploy up` (TLS and SuperNode authentication), runs submitted with
+`pollen run --deployment`, a node with its own data file, a SuperNode killed
+mid-round and restarted, and SuperNodes the SuperLink must refuse."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from pollen import deploy
+from pollen.checkpoints import read_npz
+from tests.conftest import PROJECT, SHARED_DATA
+
+BIN = Path(sys.executable).parent
+NODES = 3
+OWN = 2  # node 2 trains on a data file of its own, not on a shard
+pytestmark = pytest.mark.skipif(
+    not (SHARED_DATA / "mnist.npz").exists(), reason=f"real MNIST not at {SHARED_DATA}"
+)
+
+
+@pytest.fixture(scope="module")
+def deployment(tmp_path_factory) -> Iterator[deploy.Deployment]:
+    """3 SuperNodes on a real MNIST subset; node 2 holds its own examples."""
+    root = tmp_path_factory.mktemp("deploy")
+    data = root / "data"
+    data.mkdir()
+    with np.load(SHARED_DATA / "mnist.npz") as full:
+        np.savez(
+            data / "mnist.npz",
+            x_train=full["x_train"][:6000], y_train=full["y_train"][:6000],
+            x_test=full["x_test"][:2000], y_test=full["y_test"][:2000],
+        )  # fmt: skip
+        np.savez(
+            root / "own.npz",
+            x_train=full["x_train"][50000:51500], y_train=full["y_train"][50000:51500],
+            x_test=full["x_test"][5000:5300], y_test=full["y_test"][5000:5300],
+        )  # fmt: skip
+    site = root / "site"
+    started = deploy.up(
+        site, NODES, port=deploy.free_port(), data_root=str(data),
+        node_extra={OWN: {"data-file": str(root / "own.npz")}},
+    )  # fmt: skip
+    try:
+        yield started
+    finally:
+        deploy.down(site)
+        assert not deploy.Deployment.load(site).running()
+
+
+def submit(deployment: deploy.Deployment, out: Path, config: str) -> subprocess.Popen:
+    args = [
+        str(BIN / "pollen"), "run", str(PROJECT), "--deployment", deployment.directory,
+        "-c", f"data-set='mnist' data-root='{deployment.root.parent / 'data'}' "
+        f"download=false num-clients={NODES} client-frac=1.0 local-epochs=1 "
+        f"batch-size=32 output-dir='{out}' {config}",
+    ]  # fmt: skip
+    return subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True)  # fmt: skip
+
+
+def finish(run: subprocess.Popen, timeout: float = 400) -> str:
+    output, _ = run.communicate(timeout=timeout)
+    assert run.returncode == 0, output[-4000:]
+    return output
+
+
+def history(run_dir: Path) -> list[dict]:
+    return json.loads((run_dir / "history.json").read_text())
+
+
+def test_fedavg_and_feddyn_train_on_real_processes(
+    deployment: deploy.Deployment, tmp_path: Path
+) -> None:
+    finish(submit(deployment, tmp_path, "strategy='fedavg' rounds=2 run-name='avg'"))
+    rows = history(tmp_path / "avg")
+    assert [r["clients"] for r in rows] == [[0, 1, 2], [0, 1, 2]]
+    assert rows[-1]["accuracy"] > 0.8 and not any(r["rejected"] for r in rows)
+    # the own-data node claimed (and was allowed) its file's 1500 examples
+    assert "examples" not in json.dumps([r.get("failures") for r in rows])
+
+    dyn = "strategy='feddyn' rounds=2 checkpoint-every=1 run-name='dyn'"
+    finish(submit(deployment, tmp_path, dyn))
+    assert len(history(tmp_path / "dyn")) == 2
+    for k in range(NODES):  # h_k, kept on the node's own disk after each round
+        files = sorted(
+            (deployment.root / "state" / f"node-{k}" / "dyn" / f"client-{k}").glob(
+                "round-*.npz"
+            )
+        )
+        assert [f.name[:11] for f in files] == ["round-00001", "round-00002"]
+        first, second = (read_npz(f) for f in files)
+        h_keys = [name for name in first if name.startswith(f"feddyn-h-{k}/")]
+        assert h_keys
+        assert all(np.abs(first[n]).sum() > 0 for n in h_keys)
+        assert any(not np.array_equal(first[n], second[n]) for n in h_keys)
+
+
+def node_id(node: deploy.Node) -> int:
+    for line in reversed(Path(node.log).read_text().splitlines()):
+        if "SuperNode ID:" in line:
+            return int(line.rsplit(":", 1)[1])
+    raise AssertionError(f"no node ID in {node.log}")
+
+
+def wait_for_rounds(run_dir: Path, count: int, run: subprocess.Popen) -> None:
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline and run.poll() is None:
+        try:
+            if len(history(run_dir)) >= count:
+                return
+        except (OSError, ValueError):
+            pass
+        time.sleep(0.5)
+    raise AssertionError(f"round {count} did not finish")
+
+
+def test_a_killed_supernode_fails_its_round_and_rejoins_after_restart(
+    deployment: deploy.Deployment, tmp_path: Path
+) -> None:
+    victim = deployment.node(1)
+    victim_id = node_id(victim)
+    run = submit(deployment, tmp_path, "rounds=4 round-timeout=120 run-name='kill'")
+    wait_for_rounds(tmp_path / "kill", 1, run)
+    os.killpg(victim.pid, signal.SIGKILL)  # the node and its ClientApp, mid-round
+    wait_for_rounds(tmp_path / "kill", 2, run)
+    deploy.restart_node(deployment.root, 1)
+    output = finish(run)
+    rows = history(tmp_path / "kill")
+    assert len(rows) == 4
+    failed = rows[1]["failures"]
+    assert failed and all(f.startswith(f"node {victim_id}:") for f in failed)
+    assert rows[1]["rejected"] == len(failed) and rows[1]["clients"] == [0, 1, 2]
+    assert 1 in rows[3]["clients"] and not rows[3]["failures"], output[-3000:]
+    assert node_id(deploy.Deployment.load(deployment.root).node(1)) == victim_id
+
+
+def test_unregistered_and_plaintext_supernodes_are_refused(
+    deployment: deploy.Deployment, tmp_path: Path
+) -> None:
+    stranger = deploy.make_node_key(tmp_path / "stranger")
+    assert stranger.exists()
+    common = [str(BIN / "flower-supernode"), "--superlink", deployment.address,
+              "--node-config", "partition-id=0 num-partitions=3",
+              "--max-retries", "2", "--max-wait-time", "20"]  # fmt: skip
+    attempts = {
+        "unregistered key": [
+            "--root-certificates", str(deployment.ca),
+            "--auth-supernode-private-key", str(tmp_path / "stranger"),
+        ],
+        "no TLS": ["--insecure"],
+        "no key": ["--root-certificates", str(deployment.ca)],
+    }  # fmt: skip
+    for name, extra in attempts.items():
+        refused = subprocess.run(
+            [*common, *extra, "--port", str(deploy.free_port())],
+            env=deploy.flower_env(tmp_path / name.replace(" ", "-")),
+            capture_output=True, text=True, timeout=120, check=False,
+        )  # fmt: skip
+        assert refused.returncode != 0, f"{name}: {refused.stdout[-2000:]}"
+    assert deployment.online_nodes() == NODES
+
+
+def test_a_failed_deployed_run_exits_non_zero_and_says_why(
+    deployment: deploy.Deployment, tmp_path: Path
+) -> None:
+    run = submit(
+        deployment, tmp_path,
+        "rounds=1 min-available-nodes=5 node-wait=2 run-name='few'",
+    )  # fmt: skip
+    output, _ = run.communicate(timeout=300)
+    assert run.returncode == 1
+    assert "min-available-nodes is 5" in output
+    summary = json.loads((tmp_path / "few" / "summary.json").read_text())
+    assert summary["status"] == "failed"
