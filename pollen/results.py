@@ -14,6 +14,7 @@ import json
 import math
 import os
 import tempfile
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from datetime import datetime
 from pathlib import Path
@@ -260,6 +261,24 @@ def plot_curves(history: list[RoundRecord], path: Path, title: str) -> None:
     ax_loss.plot(rounds, [r.loss for r in history], marker="o", ms=3, color="C3")
     ax_loss.set(xlabel="round", ylabel="test cross-entropy", title="Loss")
     fig.suptitle(title)
+    fig.tight_layout()
+    _save(fig, path)
+
+
+def plot_accuracy_against(
+    series: Mapping[str, tuple[Sequence[float], Sequence[float]]],
+    path: Path,
+    title: str,
+    xlabel: str,
+) -> None:
+    """Test accuracy (%) of several runs against a common x (round, seconds,
+    megabytes), one line per run, for comparing strategies on one figure."""
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(7, 4.5), dpi=110)
+    for name, (x, accuracy) in series.items():
+        ax.plot(x, [100 * a for a in accuracy], marker="o", ms=3, label=name)
+    ax.set(xlabel=xlabel, ylabel="test accuracy (%)", title=title)
+    ax.legend()
     fig.tight_layout()
     _save(fig, path)
 
