@@ -55,9 +55,9 @@ COMMON = (
 def subset(source: Path, target: Path, train: int) -> Path:
     """The first `train` training and 2,000 test images of Fashion-MNIST."""
     target.mkdir(parents=True, exist_ok=True)
-    path = target / "fashion-mnist.npz"
+    path = target / "fashion_mnist.npz"
     if not path.exists():
-        with np.load(source / "fashion-mnist.npz") as full:
+        with np.load(source / "fashion_mnist.npz") as full:
             np.savez(
                 path,
                 x_train=full["x_train"][:train], y_train=full["y_train"][:train],
