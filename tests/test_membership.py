@@ -131,3 +131,27 @@ def test_personal_evaluation_asks_only_connected_clients() -> None:
     messages = list(strategy.configure_evaluate(1, arrays, ConfigRecord(), None))
     assert [m.metadata.dst_node_id for m in messages] == [11]
     assert isinstance(messages[0], Message)
+
+
+def test_flowers_node_unavailable_error_is_told_as_the_lost_nodes_reason() -> None:
+    """Flower answers for a lost node with an error whose source is not that
+    node; the failure still names the node that went silent."""
+    from flwr.app import Error
+
+    roster = Roster.from_nodes({11: (0, 2), 22: (1, 2)}, 2)
+    strategy = FedAvg(roster=roster, num_clients=2, client_frac=1.0, seed=0)
+    arrays = ArrayRecord({"w": Array(np.ones(2, np.float32))})
+    sent = list(strategy.configure_train(1, arrays, ConfigRecord(), None))
+    lost = Message(Error(code=3, reason="Node Unavailable"), reply_to=sent[1])
+    lost.metadata.__dict__["_src_node_id"] = 1  # as the SuperLink sends it
+    content = RecordDict(
+        {
+            "arrays": arrays,
+            "metrics": MetricRecord({"num-examples": 5, "train-loss": 1.0}),
+            "client": ConfigRecord({CLIENT_KEY: 0}),
+        }
+    )
+    strategy.aggregate_train(1, [reply_from(11, content), lost])
+    assert strategy.traffic[1].failures == [
+        "node 22: no reply for 1 of clients [1]: Node Unavailable"
+    ]

@@ -209,9 +209,7 @@ class FedAvg(FlowerFedAvg):
             replies, is_train=True, validate=False
         )
         traffic = self.traffic.setdefault(server_round, RoundTraffic())
-        traffic.failures = [
-            f"node {m.metadata.src_node_id}: {m.error.reason}" for m in failed
-        ] + self._silent(traffic.clients, [*valid, *failed])
+        traffic.failures = self._failures(traffic.clients, valid, failed)
         shared = self.shared_keys(self._global)
         current = {key: self._global[key] for key in shared}
         accepted = self._accepted(valid, current, traffic)
@@ -234,26 +232,39 @@ class FedAvg(FlowerFedAvg):
         )
         return ArrayRecord({k: Array(v) for k, v in merged.items()}), metrics
 
-    def _silent(self, clients: list[int], replies: list[Message]) -> list[str]:
-        """A failure for each node that answered fewer of its sampled clients'
-        messages than it was sent (it timed out, or vanished unnoticed)."""
+    def _failures(
+        self, clients: list[int], valid: list[Message], failed: list[Message]
+    ) -> list[str]:
+        """One line per error reply, and one per node that answered fewer of
+        its sampled clients' messages than it was sent.
+
+        Flower's error reply for a node it has lost ("Node Unavailable") does
+        not name that node as its source, so such an error is told as the
+        reason of the nodes that went silent; without one they timed out."""
+        nodes = set(self.roster.owner.values())
+        lines = [f"node {m.metadata.src_node_id}: {m.error.reason}"
+                 for m in failed if m.metadata.src_node_id in nodes]  # fmt: skip
+        unattributed = sorted(
+            {m.error.reason for m in failed if m.metadata.src_node_id not in nodes}
+        )
+        why = (
+            ": " + "; ".join(unattributed) if unattributed else " within round-timeout"
+        )
         sent: dict[int, list[int]] = {}
         for client in clients:
             sent.setdefault(self.roster.owner[client], []).append(client)
         answered: dict[int, int] = {}
-        for msg in replies:
+        for msg in [*valid, *failed]:
             node = msg.metadata.src_node_id
             answered[node] = answered.get(node, 0) + 1
-        notes = []
         for node, served in sent.items():
             missing = len(served) - answered.get(node, 0)
             if missing > 0:
-                notes.append(
-                    f"node {node}: no reply for {missing} of clients {served} "
-                    "within round-timeout"
+                lines.append(
+                    f"node {node}: no reply for {missing} of clients {served}{why}"
                 )
-                log(WARNING, "pollen: %s", notes[-1])
-        return notes
+                log(WARNING, "pollen: %s", lines[-1])
+        return lines
 
     def _accepted(
         self, replies: list[Message], current: Arrays, traffic: RoundTraffic
