@@ -18,6 +18,7 @@ SuperNode's key pair; the README shows the `flower-superlink`,
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import ipaddress
 import json
@@ -212,22 +213,54 @@ def alive(pid: int) -> bool:
         return True
 
 
+def descendants(pid: int) -> list[int]:
+    """Every process below `pid` (from /proc), children first."""
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            parent = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):
+            continue
+        children.setdefault(parent, []).append(int(entry.name))
+    found, todo = [], [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            found.append(child)
+            todo.append(child)
+    return found
+
+
 def stop(pid: int, grace: float = 10.0) -> None:
-    """SIGTERM the process group `pid` leads, then SIGKILL it after `grace` s."""
+    """SIGTERM the process group `pid` leads, then SIGKILL it after `grace` s;
+    then SIGKILL whatever it had started in other process groups (Flower's
+    SuperExec starts ServerApps and ClientApps in sessions of their own)."""
+    strays = descendants(pid)
     for sig, wait in ((signal.SIGTERM, grace), (signal.SIGKILL, 5.0)):
         try:
             os.killpg(pid, sig)
         except ProcessLookupError:
-            return
-        deadline = time.monotonic() + wait
-        while time.monotonic() < deadline:
-            try:
-                if os.waitpid(pid, os.WNOHANG) != (0, 0):
-                    return
-            except ChildProcessError:  # not our child: poll instead
-                if not alive(pid):
-                    return
-            time.sleep(0.1)
+            break
+        if _reaped(pid, wait):
+            break
+    for stray in strays:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(stray, signal.SIGKILL)
+
+
+def _reaped(pid: int, wait: float) -> bool:
+    """Whether `pid` ended within `wait` s (reaped when it is our child)."""
+    deadline = time.monotonic() + wait
+    while time.monotonic() < deadline:
+        try:
+            if os.waitpid(pid, os.WNOHANG) != (0, 0):
+                return True
+        except ChildProcessError:  # not our child: poll instead
+            if not alive(pid):
+                return True
+        time.sleep(0.1)
+    return False
 
 
 # --- the deployment ----------------------------------------------------------
