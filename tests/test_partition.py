@@ -84,3 +84,33 @@ def test_label_count_table() -> None:
     lines = text.splitlines()
     assert lines[0].split()[:2] == ["client", "total"]
     assert lines[1].split()[:3] == ["0", "500", "100"]
+
+
+def test_shards_are_kept_on_disk_and_read_back_unchanged(tmp_path, monkeypatch) -> None:
+    """A deployed ClientApp (a fresh process per message) reads the shards
+    instead of importing flwr-datasets again; a damaged file is recomputed."""
+    from pollen.task import partition as module
+
+    labels = np.random.default_rng(0).integers(0, 10, 3000)
+    args = (labels, 10, 6, "niid")
+    fresh = partition_indices(*args, alpha=0.3, seed=5)
+    cached = partition_indices(*args, alpha=0.3, seed=5, cache_dir=tmp_path)
+    (saved,) = tmp_path.glob("*.npz")
+    assert all(np.array_equal(a, b) for a, b in zip(fresh, cached, strict=True))
+
+    def no_recompute(*_):
+        raise AssertionError("recomputed although cached")
+
+    with monkeypatch.context() as patch:
+        patch.setattr(module, "_flwr_partition", no_recompute)
+        again = partition_indices(*args, alpha=0.3, seed=5, cache_dir=tmp_path)
+    assert all(np.array_equal(a, b) for a, b in zip(fresh, again, strict=True))
+    other = partition_indices(*args, alpha=0.3, seed=6, cache_dir=tmp_path)
+    assert len(list(tmp_path.glob("*.npz"))) == 2  # another seed, another file
+    assert any(not np.array_equal(a, b) for a, b in zip(fresh, other, strict=True))
+    saved.write_bytes(saved.read_bytes()[:100])  # damaged: computed again
+    repaired = partition_indices(*args, alpha=0.3, seed=5, cache_dir=tmp_path)
+    assert all(np.array_equal(a, b) for a, b in zip(fresh, repaired, strict=True))
+    blocked = tmp_path / "file"
+    blocked.write_text("")  # a cache dir that cannot be made: only slower
+    partition_indices(*args, alpha=0.3, seed=5, cache_dir=blocked / "sub")

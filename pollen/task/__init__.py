@@ -14,7 +14,7 @@ from flwr.common.logger import log
 from torch import nn
 
 from ..settings import Settings
-from .data import DataError, Dataset, load_dataset, read_node_file
+from .data import CACHE_DIR, DataError, Dataset, load_dataset, read_node_file
 from .lora import FrozenBackboneClassifier
 from .models import ModelOptions, build_model
 from .partition import (
@@ -209,6 +209,11 @@ def _local_test_split(
     return dataset.x_test.to(device), dataset.y_test.to(device)
 
 
+def partition_cache(data_root: str) -> Path:
+    """Where shards computed from the data sets under `data_root` are kept."""
+    return Path(data_root).expanduser().resolve() / CACHE_DIR / "partitions"
+
+
 @cache
 def _federated_data(key: DataKey) -> tuple[Dataset, list[np.ndarray]]:
     dataset = load_dataset(key.data_set, key.data_root, key.download)
@@ -221,6 +226,7 @@ def _federated_data(key: DataKey) -> tuple[Dataset, list[np.ndarray]]:
         min_size=key.min_size,
         classes_per_client=key.classes_per_client,
         seed=key.seed,
+        cache_dir=None if key.data_set == "digits" else partition_cache(key.data_root),
     )
     return dataset, shards
 

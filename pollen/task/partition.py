@@ -15,11 +15,28 @@ Schemes (`partition`):
 The same labels, scheme and seed always give the same shards. A partition
 that would leave a client without training samples is refused with a
 `PartitionError` naming the scheme, the client count and the key to change.
+
+flwr-datasets' partitioners are kept, but importing them (with `datasets`,
+pandas and pyarrow) takes about 10 s, which a deployed ClientApp, a fresh
+process per message, would pay every round. Given a `cache_dir`, shards are
+therefore kept on disk under a digest of everything that decides them (the
+labels, the scheme and its parameters, the seed, the flwr-datasets
+version) and read back instead of recomputed; an unreadable or
+inconsistent file is recomputed, a cache that cannot be written is skipped.
 """
 
 from __future__ import annotations
 
+import contextlib
+import hashlib
+import json
+import os
+import tempfile
+import zipfile
+import zlib
 from collections.abc import Sequence
+from importlib.metadata import version
+from pathlib import Path
 
 import numpy as np
 
@@ -38,8 +55,10 @@ def partition_indices(
     min_size: int = 10,
     classes_per_client: int = 2,
     seed: int = 845,
+    cache_dir: Path | None = None,
 ) -> list[np.ndarray]:
-    """Return one sorted index array into `labels` per client (none empty)."""
+    """Return one sorted index array into `labels` per client (none empty),
+    from `cache_dir` when it holds them (see module docstring)."""
     n = len(labels)
     if num_clients > n:
         raise PartitionError(
@@ -50,10 +69,13 @@ def partition_indices(
     if scheme == "silos":
         shards = _silos(labels, num_classes, num_clients)
     else:
-        shards = _flwr_partition(
-            labels, num_classes, num_clients, scheme, alpha, min_size,
-            classes_per_client, seed,
-        )  # fmt: skip
+        params = (num_classes, num_clients, scheme, alpha, min_size,
+                  classes_per_client, seed)  # fmt: skip
+        path = cache_dir and cache_dir / f"{_digest(labels, params)}.npz"
+        shards = _read_shards(path, num_clients, n)
+        if shards is None:
+            shards = _flwr_partition(labels, *params)
+            _write_shards(path, shards)
     empty = [i for i, s in enumerate(shards) if len(s) == 0]
     if empty:
         raise PartitionError(
@@ -62,6 +84,51 @@ def partition_indices(
             f"clients empty); {_remedy(scheme, min_size, classes_per_client)}"
         )
     return [np.sort(s) for s in shards]
+
+
+def _digest(labels: np.ndarray, params: tuple) -> str:
+    """What decides a flwr-datasets partition, hashed."""
+    h = hashlib.sha256(np.ascontiguousarray(labels, np.int64).tobytes())
+    h.update(json.dumps([list(params), version("flwr-datasets")]).encode())
+    return h.hexdigest()[:32]
+
+
+def _read_shards(
+    path: Path | None, num_clients: int, n: int
+) -> list[np.ndarray] | None:
+    """The cached shards at `path`, or None (absent, unreadable, inconsistent)."""
+    if path is None or not path.exists():
+        return None
+    try:
+        with np.load(path, allow_pickle=False) as saved:
+            shards = [saved[f"shard-{c}"] for c in range(num_clients)]
+    except (OSError, ValueError, KeyError, EOFError, zipfile.BadZipFile, zlib.error):
+        return None
+    for shard in shards:
+        if shard.dtype.kind not in "iu" or (
+            len(shard) and not 0 <= shard.min() <= shard.max() < n
+        ):
+            return None
+    return shards
+
+
+def _write_shards(path: Path | None, shards: list[np.ndarray]) -> None:
+    """Keep `shards` at `path` (atomically); a cache that cannot be written is
+    only slower."""
+    if path is None:
+        return
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        descriptor, temp = tempfile.mkstemp(dir=path.parent, suffix=".tmp")
+    except OSError:
+        return
+    try:
+        with os.fdopen(descriptor, "wb") as f:
+            np.savez(f, **{f"shard-{c}": s for c, s in enumerate(shards)})
+        os.replace(temp, path)
+    except OSError:
+        with contextlib.suppress(OSError):
+            os.unlink(temp)
 
 
 def _remedy(scheme: str, min_size: int, classes_per_client: int) -> str:
