@@ -224,13 +224,14 @@ def shaped_round_seconds(tmp_path: Path, name: str, shape: str) -> float:
 
 
 def test_a_round_over_a_shaped_network_takes_its_round_trips(tmp_path: Path) -> None:
-    """One-way delay 1 s: fetching the round's message and returning the reply
-    take at least two more round trips (4 s) than on an unshaped link."""
+    """One-way delay 0.5 s. A round is many HTTPS requests of each SuperNode
+    (pull, run, FAB, objects, push: about 26 round trips per round measured
+    with 1 s); require at least four more round trips (4 s) than unshaped."""
     from pollen.network import netns_available
 
     if reason := netns_available():
         pytest.skip(f"network namespaces unavailable: {reason}")
     plain = shaped_round_seconds(tmp_path, "plain", "")
-    slow = shaped_round_seconds(tmp_path, "slow", "delay=1000ms,up=10mbit,down=50mbit")
+    slow = shaped_round_seconds(tmp_path, "slow", "delay=500ms,up=10mbit,down=50mbit")
     assert slow - plain >= 4.0, (plain, slow)
-    assert slow < plain + 60.0, (plain, slow)  # delay, not a hang or a timeout
+    assert slow < plain + 120.0, (plain, slow)  # delay, not a hang or a timeout
