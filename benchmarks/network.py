@@ -18,7 +18,9 @@ the processes and the namespaces are removed at the end, also on errors.
 Data: a Fashion-MNIST subset (the first `--train` training and 2,000 test
 images, written under --out) split over the nodes by Dirichlet(0.5), model
 `cnn`, one local epoch per round, every node in every round. `fedsa` uses
-`cnn-lora` (only its LoRA A matrices travel).
+`cnn-lora` (only its LoRA A matrices travel). Each strategy's numbers are
+kept in `<out>/<name>.json`; a rerun with the same --out reads them back and
+runs only the strategies that have none.
 """
 
 from __future__ import annotations
@@ -40,14 +42,14 @@ from pollen.network import LinkShape, ShapedNetwork, netns_available  # noqa: E4
 from pollen.results import plot_accuracy_against  # noqa: E402
 
 STRATEGIES = {
-    "fedavg": "strategy='fedavg'",
-    "feddyn": "strategy='feddyn'",
-    "fedadam": "strategy='fedadam' server-lr=0.003",
-    "fedbn": "strategy='fedavg' bn-policy='fedbn'",
+    "fedavg": "strategy='fedavg' model='cnn'",
+    "feddyn": "strategy='feddyn' model='cnn'",
+    "fedadam": "strategy='fedadam' server-lr=0.003 model='cnn'",
+    "fedbn": "strategy='fedavg' bn-policy='fedbn' model='cnn'",
     "fedsa": "strategy='fedsa' model='cnn-lora'",
 }
 COMMON = (
-    "data-set='fashion-mnist' download=false model='cnn' partition='niid' alpha=0.5 "
+    "data-set='fashion-mnist' download=false partition='niid' alpha=0.5 "
     "client-frac=1.0 local-epochs=1 batch-size=32 lr=0.05 seed=845"
 )
 
@@ -84,13 +86,15 @@ def run_strategy(
     if run.returncode != 0:
         raise RuntimeError(f"{name} failed; see {out / f'{name}.log'}")
     history = json.loads((out / name / "history.json").read_text())
-    return {
+    result = {
         "name": name,
         "wall-seconds": wall,
         "rounds": history,
         "wire-up": sum(a[0] - b[0] for a, b in zip(after, before, strict=True)),
         "wire-down": sum(a[1] - b[1] for a, b in zip(after, before, strict=True)),
     }
+    (out / f"{name}.json").write_text(json.dumps(result))  # read back on a rerun
+    return result
 
 
 def table(results: list[dict], shape: LinkShape, nodes: int) -> str:
@@ -156,6 +160,9 @@ def main() -> None:
         )  # fmt: skip
         try:
             for name in args.only or STRATEGIES:
+                if (out / f"{name}.json").exists():
+                    results.append(json.loads((out / f"{name}.json").read_text()))
+                    continue
                 config = (
                     f"{COMMON} {STRATEGIES[name]} data-root='{data}' rounds="
                     f"{args.rounds} num-clients={args.nodes} output-dir='{out}' "
