@@ -26,6 +26,7 @@ import pytest
 from flwr.app import ArrayRecord
 
 from pollen.cli import free_port
+from pollen.deploy import descendants
 from pollen.strategies.sharing import Sharing
 from pollen.task.models import build_model
 from tests.conftest import PROJECT
@@ -327,25 +328,6 @@ def test_resume_from_checkpoint_repeats_the_run_and_notifications_arrive(
     assert changed.returncode == 2 and "lr=0.05, this run has lr=0.5" in changed.stderr
     assert history(run_dir) == again  # a refused resume changes nothing
     assert (run_dir / "summary.json").read_text() == summary
-
-
-def descendants(pid: int) -> list[int]:
-    """Every process below `pid`, children before their parents' siblings."""
-    children: dict[int, list[int]] = {}
-    for proc in Path("/proc").iterdir():
-        try:
-            stat = (proc / "stat").read_text()
-        except OSError:
-            continue
-        if proc.name.isdigit():
-            parent = int(stat.rsplit(")", 1)[1].split()[1])
-            children.setdefault(parent, []).append(int(proc.name))
-    found, queue = [], [pid]
-    while queue:
-        for child in children.get(queue.pop(), []):
-            found.append(child)
-            queue.append(child)
-    return found
 
 
 def kill_after_checkpoint(config: str, checkpoint: Path) -> None:
