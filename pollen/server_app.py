@@ -167,14 +167,15 @@ def _train(
     state_config = client_state.server_config(
         run_dir, run_name, resume_round, settings.checkpoint_every > 0
     )
+    shard_sizes = [len(shard) for shard in shards]
     membership = Membership(
         grid, settings.num_clients, ConfigRecord(state_config),
         min_available=settings.min_available_nodes, wait=settings.node_wait,
-        shard_sizes={c: len(shard) for c, shard in enumerate(shards)},
+        shard_sizes=dict(enumerate(shard_sizes)),
     )  # fmt: skip
     roster = membership.refresh()
     log(INFO, "pollen: %d clients on %d nodes", settings.num_clients, roster.num_nodes)
-    strategy = build_strategy(settings, roster, model, [len(s) for s in shards])
+    strategy = build_strategy(settings, roster, model, shard_sizes)
     arrays = ArrayRecord({k: v.clone() for k, v in model.state_dict().items()})
     train_config = ConfigRecord({"lr": settings.lr, **state_config})
     eval_config = ConfigRecord(state_config)
