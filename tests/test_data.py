@@ -8,6 +8,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 from PIL import Image
 
 from pollen.task.data import CACHE_DIR, DataError, load_dataset
@@ -47,6 +48,20 @@ def test_npz_is_decoded_once_and_cached(tmp_path: Path) -> None:
     assert np.array_equal(ds.x_train[:, 0].numpy(), arrays["x_train"])
     assert (tmp_path / CACHE_DIR / "mnist" / "x_train.npy").exists()
     assert ds.source.endswith("mnist.npz")
+
+
+def test_cache_goes_to_pollen_cache_dir_when_set(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A read-only data-root (a container's data volume) keeps its cache elsewhere."""
+    data, elsewhere = tmp_path / "data", tmp_path / "cache"
+    write_npz(data, "mnist", fake_mnist())
+    monkeypatch.setenv("POLLEN_CACHE_DIR", str(elsewhere))
+    first = load_dataset("mnist", data, download=False)
+    again = load_dataset("mnist", data, download=False)
+    assert (elsewhere / "mnist" / "x_train.npy").exists()
+    assert not (data / CACHE_DIR).exists()
+    assert torch.equal(first.x_train, again.x_train)
 
 
 def test_cache_is_rebuilt_when_the_source_changes(tmp_path: Path) -> None:

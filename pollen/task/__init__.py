@@ -14,7 +14,7 @@ from flwr.common.logger import log
 from torch import nn
 
 from ..settings import Settings
-from .data import CACHE_DIR, DataError, Dataset, load_dataset, read_node_file
+from .data import DataError, Dataset, cache_root, load_dataset, read_node_file
 from .lora import FrozenBackboneClassifier
 from .models import ModelOptions, build_model
 from .partition import (
@@ -211,7 +211,7 @@ def _local_test_split(
 
 def partition_cache(data_root: str) -> Path:
     """Where shards computed from the data sets under `data_root` are kept."""
-    return Path(data_root).expanduser().resolve() / CACHE_DIR / "partitions"
+    return cache_root(data_root) / "partitions"
 
 
 @cache

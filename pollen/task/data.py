@@ -2,7 +2,8 @@
 
 Sources are tried in order, all under `data-root`:
 
-1. the decoded cache `.pollen-cache/<name>/` (plain `.npy` files, memory-mapped),
+1. the decoded cache `.pollen-cache/<name>/` (plain `.npy` files, memory-mapped;
+   under `$POLLEN_CACHE_DIR` instead when that is set, for read-only data),
    valid while its source file is unchanged and its files match their CRC-32
    (a damaged cache is decoded again from the source);
 2. a Keras-layout `<name>.npz` (`x_train`, `y_train`, `x_test`, `y_test`);
@@ -26,6 +27,7 @@ come as `[N, H, W]` (grey), `[N, H, W, C]` or `[N, C, H, W]`.
 from __future__ import annotations
 
 import io
+import os
 import json
 import shutil
 import tarfile
@@ -43,6 +45,7 @@ from PIL import Image
 
 SPLITS = ("x_train", "y_train", "x_test", "y_test")
 CACHE_DIR = ".pollen-cache"
+CACHE_ENV = "POLLEN_CACHE_DIR"
 CACHE_VERSION = 2  # 2: per-file CRC-32 in source.json
 
 
@@ -177,6 +180,15 @@ def _load_cached(
     return _to_dataset(spec, arrays, where)
 
 
+def cache_root(data_root: str | Path) -> Path:
+    """Where decoded data sets and shards are kept: `$POLLEN_CACHE_DIR` when it
+    is set (a writable place for a read-only data-root, as in the containers),
+    otherwise `.pollen-cache` beside the data."""
+    if os.environ.get(CACHE_ENV):
+        return Path(os.environ[CACHE_ENV]).expanduser().resolve()
+    return Path(data_root).expanduser().resolve() / CACHE_DIR
+
+
 def _arrays_from_sources(
     spec: DataSpec,
     root: Path,
@@ -184,7 +196,7 @@ def _arrays_from_sources(
     source: Path | None,
     fingerprint: dict[str, object] | None,
 ) -> tuple[dict[str, np.ndarray], str]:
-    cache_dir = root / CACHE_DIR / spec.name
+    cache_dir = cache_root(root) / spec.name
     damage = ""
     try:
         cached = _read_cache(spec, cache_dir, fingerprint)
