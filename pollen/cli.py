@@ -320,6 +320,9 @@ def _add_deploy_parser(commands: argparse._SubParsersAction) -> None:
     )
     certs.add_argument("out", type=Path, help="directory for ca.pem, server.pem/.key")
     certs.add_argument("hosts", nargs="+", help="the SuperLink's host names / IPs")
+    certs.add_argument(
+        "--force", action="store_true", help="replace certificates already in OUT"
+    )
     key = actions.add_parser("key", help="make a SuperNode key pair (multi-machine)")
     key.add_argument("path", type=Path, help="private key path (PATH.pub: public)")
     parser.set_defaults(handler=deploy_command)
@@ -346,6 +349,14 @@ def deploy_command(args: argparse.Namespace) -> int:
             node = deploy.restart_node(args.dir, args.partition_id)
             print(f"pollen: node {node.partition_id} restarted (pid {node.pid})")
         elif args.action == "certs":
+            existing = [
+                p.name for p in deploy.certificate_files(args.out) if p.exists()
+            ]
+            if existing and not args.force:
+                raise deploy.DeployError(
+                    f"{args.out} already has {', '.join(existing)}; nodes may trust "
+                    "them: keep them, or replace them with --force"
+                )
             deploy.make_certificates(args.out, args.hosts)
             print(f"pollen: CA and SuperLink certificate for {', '.join(args.hosts)} "
                   f"in {args.out}")  # fmt: skip

@@ -112,10 +112,22 @@ def make_certificates(directory: Path, hosts: Sequence[str], days: int = 365) ->
         encryption_algorithm=serialization.NoEncryption(),
     )
     directory.mkdir(parents=True, exist_ok=True)
-    write_private(directory / "ca.key", ca_key.private_bytes(**private))
-    write_private(directory / "server.key", server_key.private_bytes(**private))
-    (directory / "ca.pem").write_bytes(ca.public_bytes(pem))
-    (directory / "server.pem").write_bytes(server.public_bytes(pem))
+    ca_pem, ca_private, server_pem, server_private = certificate_files(directory)
+    write_private(ca_private, ca_key.private_bytes(**private))
+    write_private(server_private, server_key.private_bytes(**private))
+    ca_pem.write_bytes(ca.public_bytes(pem))
+    server_pem.write_bytes(server.public_bytes(pem))
+
+
+def certificate_files(directory: Path) -> tuple[Path, Path, Path, Path]:
+    """The files `make_certificates` writes: CA certificate and key, SuperLink
+    certificate and key."""
+    return (
+        directory / "ca.pem",
+        directory / "ca.key",
+        directory / "server.pem",
+        directory / "server.key",
+    )
 
 
 def _ca_key_usage():

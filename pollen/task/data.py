@@ -27,8 +27,8 @@ come as `[N, H, W]` (grey), `[N, H, W, C]` or `[N, C, H, W]`.
 from __future__ import annotations
 
 import io
-import os
 import json
+import os
 import shutil
 import tarfile
 import warnings
