@@ -247,6 +247,19 @@ def report(run_dir: Path) -> int:
     return 0
 
 
+def _public_keys(paths: Sequence[Path]) -> list[Path]:
+    """The public key files named, directories expanded to their *.pub files."""
+    keys = []
+    for path in paths:
+        if path.is_dir():
+            keys += sorted(path.glob("*.pub"))
+        elif path.is_file():
+            keys.append(path)
+        else:
+            raise deploy.DeployError(f"no public key at {path}")
+    return keys
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pollen", description=__doc__.split("\n")[0])
     commands = parser.add_subparsers(dest="command", required=True)
@@ -325,6 +338,18 @@ def _add_deploy_parser(commands: argparse._SubParsersAction) -> None:
     )
     key = actions.add_parser("key", help="make a SuperNode key pair (multi-machine)")
     key.add_argument("path", type=Path, help="private key path (PATH.pub: public)")
+    register = actions.add_parser(
+        "register", help="register SuperNode public keys with a SuperLink"
+    )
+    register.add_argument(
+        "keys", nargs="+", type=Path,
+        help="public key files, or directories whose *.pub files are registered",
+    )  # fmt: skip
+    register.add_argument(
+        "--connection",
+        required=True,
+        help="the SuperLink's connection in the Flower config",
+    )
     parser.set_defaults(handler=deploy_command)
 
 
@@ -360,6 +385,13 @@ def deploy_command(args: argparse.Namespace) -> int:
             deploy.make_certificates(args.out, args.hosts)
             print(f"pollen: CA and SuperLink certificate for {', '.join(args.hosts)} "
                   f"in {args.out}")  # fmt: skip
+        elif args.action == "register":
+            for public in _public_keys(args.keys):
+                new = deploy.register_key(public, args.connection, dict(os.environ))
+                print(
+                    f"pollen: {public.stem} "
+                    + ("registered" if new else "was registered")
+                )
         else:
             public = deploy.make_node_key(args.path)
             print(f"pollen: SuperNode key {args.path}; register {public} with "

@@ -149,6 +149,24 @@ def _san(host: str):
         return x509.DNSName(host)
 
 
+def register_key(public: Path, connection: str, env: dict[str, str]) -> bool:
+    """Register a SuperNode's public key (named after its file) with the
+    SuperLink of `connection`; False when the SuperLink already has it."""
+    result = subprocess.run(
+        [entry_point("flwr"), "supernode", "register", str(public), connection,
+         "--name", public.stem],
+        env=env, capture_output=True, text=True, check=False,
+    )  # fmt: skip
+    if result.returncode == 0:
+        return True
+    output = result.stdout + result.stderr
+    if "already in use" in output:
+        return False
+    raise DeployError(
+        f"registering {public} failed ({result.returncode}):\n{output[-2000:]}"
+    )
+
+
 def make_node_key(path: Path) -> Path:
     """A SuperNode's authentication key pair (OpenSSH ECDSA P-384, as
     `flower-supernode --auth-supernode-private-key` reads): `path` and
@@ -429,8 +447,7 @@ class Deployment:
             command.append("--insecure")
         else:
             if not key.exists():
-                public = make_node_key(key)
-                self.flwr("supernode", "register", str(public), "--name", name)
+                register_key(make_node_key(key), CONNECTION, flower_env(self.flwr_home))
             command += ["--root-certificates", str(self.ca),
                         "--auth-supernode-private-key", str(key)]  # fmt: skip
         log = self.root / "logs" / f"{name}.log"

@@ -62,3 +62,24 @@ def test_commands_on_a_missing_deployment_say_so(tmp_path: Path, capsys) -> None
     assert "--nodes must be at least 1" in capsys.readouterr().err
     assert main(["run", ".", "--deployment", str(tmp_path / "y")]) == 2
     assert "no deployment in" in capsys.readouterr().err
+
+
+def test_certs_are_never_replaced_without_force(tmp_path: Path, capsys) -> None:
+    """Nodes trust the CA in place: a second `certs` must not swap it."""
+    assert main(["deploy", "certs", str(tmp_path), "localhost"]) == 0
+    ca = (tmp_path / "ca.pem").read_bytes()
+    assert main(["deploy", "certs", str(tmp_path), "localhost"]) == 1
+    assert (
+        "already has ca.pem, ca.key, server.pem, server.key" in capsys.readouterr().err
+    )
+    assert (tmp_path / "ca.pem").read_bytes() == ca
+    assert main(["deploy", "certs", str(tmp_path), "localhost", "--force"]) == 0
+    assert (tmp_path / "ca.pem").read_bytes() != ca
+
+
+def test_register_names_a_missing_key_before_contacting_anyone(
+    tmp_path: Path, capsys
+) -> None:
+    args = ["deploy", "register", "--connection", "nowhere", str(tmp_path / "none.pub")]
+    assert main(args) == 1
+    assert f"no public key at {tmp_path / 'none.pub'}" in capsys.readouterr().err
