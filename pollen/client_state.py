@@ -90,7 +90,7 @@ class ClientStateStore:
         write_npz(buffer, state)
         try:
             folder.mkdir(parents=True, exist_ok=True)
-            write_atomic(path, buffer.getvalue())
+            write_atomic(path, buffer.getvalue(), private=True)  # h_k, local entries
         except OSError as err:
             raise ClientStateError(
                 f"client {client}: cannot write its state to {path}: {err}"

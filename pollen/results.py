@@ -115,11 +115,26 @@ def create_run_dir(output_dir: str, run_name: str) -> Path:
     return path
 
 
-def write_atomic(path: Path, data: bytes | str) -> None:
-    """Write via a temporary file in the same folder and an atomic rename."""
+def _current_umask() -> int:
+    """The process's umask (read once, at import, before any thread starts)."""
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+_UMASK = _current_umask()
+
+
+def write_atomic(path: Path, data: bytes | str, private: bool = False) -> None:
+    """Write via a temporary file in the same folder and an atomic rename.
+
+    The file gets the permissions a plainly created one would (0666 less the
+    umask: results a container writes stay readable on the host), or 0600
+    when `private`."""
     raw = data.encode() if isinstance(data, str) else data
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
     try:
+        os.fchmod(fd, 0o600 if private else 0o666 & ~_UMASK)
         with os.fdopen(fd, "wb") as f:
             f.write(raw)
         os.replace(tmp, path)

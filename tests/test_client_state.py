@@ -3,6 +3,7 @@ it must never read (state from rounds the resumed run plays again)."""
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import numpy as np
@@ -20,6 +21,7 @@ from pollen.client_state import (
     export_state,
     import_state,
 )
+from pollen.results import write_json
 from pollen.settings import Settings
 from pollen.strategies.fedavg import CLIENT_KEY
 from pollen.strategies.sharing import Sharing
@@ -70,6 +72,18 @@ def test_a_resumed_run_never_reads_the_abandoned_future(tmp_path: Path) -> None:
     assert store.forget_abandoned(run_id=8, resume_round=2) == 2  # 7's rounds 3, 4
     assert rounds(store, 0) == [(1, 7), (2, 7), (3, 8)]
     assert store.load(0, run_id=9, resume_round=0) is None  # a fresh run: nothing
+
+
+def test_state_files_are_private_and_results_are_readable(tmp_path: Path) -> None:
+    """A client's h_k and local entries are its own (0600); results written by
+    a container's root stay readable on the host (0666 less the umask)."""
+    ClientStateStore(tmp_path / "state").save(0, 1, 7, state(1))
+    (saved,) = (tmp_path / "state").rglob("*.npz")
+    assert saved.stat().st_mode & 0o777 == 0o600
+    write_json(tmp_path / "summary.json", {"status": "completed"})
+    umask = os.umask(0o022)
+    os.umask(umask)
+    assert (tmp_path / "summary.json").stat().st_mode & 0o777 == 0o666 & ~umask
 
 
 def test_prune_keeps_what_a_resume_can_need(tmp_path: Path) -> None:
