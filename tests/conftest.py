@@ -4,10 +4,30 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 PROJECT = Path(__file__).resolve().parents[1]
 SHARED_DATA = PROJECT.parent / "shared" / "data"
+
+
+def write_mnist_slices(data_dir: Path, own_file: Path) -> None:
+    """Real MNIST for deployment tests: 6,000 training and 2,000 test images
+    as `data_dir/mnist.npz` (the shared data set), and 1,500 + 300 others as
+    `own_file` (a silo's own examples)."""
+    data_dir.mkdir(parents=True, exist_ok=True)
+    own_file.parent.mkdir(parents=True, exist_ok=True)
+    with np.load(SHARED_DATA / "mnist.npz") as full:
+        np.savez(
+            data_dir / "mnist.npz",
+            x_train=full["x_train"][:6000], y_train=full["y_train"][:6000],
+            x_test=full["x_test"][:2000], y_test=full["y_test"][:2000],
+        )  # fmt: skip
+        np.savez(
+            own_file,
+            x_train=full["x_train"][50000:51500], y_train=full["y_train"][50000:51500],
+            x_test=full["x_test"][5000:5300], y_test=full["y_test"][5000:5300],
+        )  # fmt: skip
 
 
 @pytest.fixture

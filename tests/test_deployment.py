@@ -19,7 +19,7 @@ import pytest
 
 from pollen import deploy
 from pollen.checkpoints import read_npz
-from tests.conftest import PROJECT, SHARED_DATA
+from tests.conftest import PROJECT, SHARED_DATA, write_mnist_slices
 
 BIN = Path(sys.executable).parent
 NODES = 3
@@ -34,18 +34,7 @@ def deployment(tmp_path_factory) -> Iterator[deploy.Deployment]:
     """3 SuperNodes on a real MNIST subset; node 2 holds its own examples."""
     root = tmp_path_factory.mktemp("deploy")
     data = root / "data"
-    data.mkdir()
-    with np.load(SHARED_DATA / "mnist.npz") as full:
-        np.savez(
-            data / "mnist.npz",
-            x_train=full["x_train"][:6000], y_train=full["y_train"][:6000],
-            x_test=full["x_test"][:2000], y_test=full["y_test"][:2000],
-        )  # fmt: skip
-        np.savez(
-            root / "own.npz",
-            x_train=full["x_train"][50000:51500], y_train=full["y_train"][50000:51500],
-            x_test=full["x_test"][5000:5300], y_test=full["y_test"][5000:5300],
-        )  # fmt: skip
+    write_mnist_slices(data, root / "own.npz")
     site = root / "site"
     started = deploy.up(
         site, NODES, port=deploy.free_port(), data_root=str(data),

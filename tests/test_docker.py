@@ -31,11 +31,10 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-import numpy as np
 import pytest
 
 from pollen.deploy import free_port, make_node_key
-from tests.conftest import PROJECT, SHARED_DATA
+from tests.conftest import PROJECT, SHARED_DATA, write_mnist_slices
 
 COMPOSE = str(Path(sys.executable).parent / "docker-compose")
 BASE_PACKAGES = "python3,python3-venv,ca-certificates"
@@ -260,19 +259,7 @@ def federation(image, tmp_path_factory) -> Iterator[Federation]:
     file of its own, each from its own host directory, read-only."""
     root = tmp_path_factory.mktemp("compose")
     shared, silo = root / "data", root / "silo"
-    shared.mkdir()
-    silo.mkdir()
-    with np.load(SHARED_DATA / "mnist.npz") as full:
-        np.savez(
-            shared / "mnist.npz",
-            x_train=full["x_train"][:6000], y_train=full["y_train"][:6000],
-            x_test=full["x_test"][:2000], y_test=full["y_test"][:2000],
-        )  # fmt: skip
-        np.savez(
-            silo / "own.npz",
-            x_train=full["x_train"][50000:51500], y_train=full["y_train"][50000:51500],
-            x_test=full["x_test"][5000:5300], y_test=full["y_test"][5000:5300],
-        )  # fmt: skip
+    write_mnist_slices(shared, silo / "own.npz")
     port = free_port()
     env = {
         **os.environ,
