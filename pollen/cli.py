@@ -25,7 +25,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from . import deploy
+from . import compare, deploy
 from .checkpoints import CheckpointError, check_resumable
 from .deploy import entry_point, flower_env, free_port
 from .notify import URL_ENV, check_url
@@ -285,7 +285,77 @@ def build_parser() -> argparse.ArgumentParser:
     )  # fmt: skip
     run_parser.set_defaults(handler=run)
     _add_deploy_parser(commands)
+    _add_compare_parsers(commands)
     return parser
+
+
+def _add_compare_parsers(commands: argparse._SubParsersAction) -> None:
+    grid = commands.add_parser(
+        "compare", help="run a grid of simulations and compare them",
+        description=compare.__doc__.split("\n\n")[1],
+    )  # fmt: skip
+    grid.add_argument("grid", type=Path, help="TOML file: [base], [grid], target")
+    grid.add_argument("app", nargs="?", default=".", help="Flower App folder")
+    grid.add_argument(
+        "--out", type=Path, required=True, help="the comparison's directory"
+    )
+    grid.add_argument(
+        "-c", "--run-config", action="append", default=[],
+        help="TOML file or \"key=value ...\" applied to every cell (repeatable)",
+    )  # fmt: skip
+    grid.set_defaults(handler=run_comparison)
+    again = commands.add_parser(
+        "report", help="tables and plots from result directories, without training",
+        description=compare.__doc__.split("\n\n")[2],
+    )  # fmt: skip
+    again.add_argument("directory", type=Path, help="a comparison, or a folder of runs")
+    again.add_argument(
+        "--target", type=float, default=None,
+        help="accuracy in (0, 1] whose first round the table gives (default: the grid's)",
+    )  # fmt: skip
+    again.set_defaults(handler=report_comparison)
+
+
+def run_comparison(args: argparse.Namespace) -> int:
+    app = Path(args.app).expanduser().resolve()
+
+    def validate(config: str) -> None:
+        try:
+            Settings.from_run_config(
+                resolve_run_config(app, [*args.run_config, config])
+            )
+        except (SettingsError, CliError) as err:
+            raise compare.CompareError(f"cell {config!r}: {err}") from None
+
+    try:
+        grid = compare.Grid.load(args.grid)
+        compare.keep_grid(args.grid, args.out)
+        compare.run_grid(
+            grid, args.out, compare.pollen_run_cell(app, args.out, args.run_config),
+            validate,
+        )  # fmt: skip
+        table = compare.report(args.out, grid.target)
+    except compare.CompareError as err:
+        print(f"pollen: error: {err}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    print(table.read_text(), end="")
+    print(f"pollen: comparison in {args.out}")
+    return 0
+
+
+def report_comparison(args: argparse.Namespace) -> int:
+    try:
+        target = args.target
+        if target is None and (args.directory / "grid.toml").exists():
+            target = compare.Grid.load(args.directory / "grid.toml").target
+        if target is not None and not 0 < target <= 1:
+            raise compare.CompareError(f"--target must be in (0, 1], got {target}")
+        table = compare.report(args.directory, target)
+    except compare.CompareError as err:
+        print(f"pollen: error: {err}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    print(table.read_text(), end="")
+    return 0
 
 
 def _add_deploy_parser(commands: argparse._SubParsersAction) -> None:

@@ -1,0 +1,403 @@
+"""Comparisons: a grid of simulation runs, and the tables and plots made from
+result directories.
+
+`pollen compare GRID.toml --out DIR` runs every cell of a grid (the product of
+the values listed under `[grid]`, each cell a complete `pollen run` with the
+settings under `[base]`) into `DIR/runs/<cell>/`, skipping cells whose run
+has finished, so an interrupted comparison resumes where it stopped (an
+interrupted cell's directory is moved to `DIR/incomplete/`, never deleted).
+Every cell's settings are validated before the first run starts; the grid
+is kept as `DIR/grid.toml`, and a different grid is refused there.
+
+`pollen report DIR` (and `compare`, after its last cell) reads every run
+directory under `DIR/runs/` (or `DIR` itself), groups the runs that differ
+only in `seed`, and writes `comparison.json`, `comparison.md` (final and best
+accuracy, the round reaching `target`, wall time, bytes up and down; mean
+and standard deviation over seeds) and `plots/`: accuracy per round and
+against bytes, one figure per setting with a line per strategy, and the
+label distribution of each setting's partition.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+import tomllib
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from .results import plot_accuracy_against, write_atomic, write_json
+from .settings import PRESETS
+
+# Keys that name where or how a run ran, not what it computed.
+NOT_COMPARED = frozenset(
+    {"run-name", "output-dir", "data-root", "device", "resume", "notify-url",
+     "notify-every", "checkpoint-every", "checkpoint-keep", "print-labels"}
+)  # fmt: skip
+# Keys drawn as separate lines on one figure; the other varying keys (but the
+# seed, averaged over) make separate figures.
+SERIES_KEYS = ("strategy", "server-update", "local-objective", "bn-policy", "sharing")
+MB = 1e6
+PRESET_KEYS = frozenset(k for preset in PRESETS.values() for k in preset)
+
+
+class CompareError(ValueError):
+    """A grid or a results directory that cannot be used, and why."""
+
+
+@dataclass(frozen=True)
+class Grid:
+    """Run-config values shared by every cell (`base`), the values each
+    varying key takes (`axes`; the cells are their product) and the accuracy
+    whose first round the report gives (`target`)."""
+
+    base: dict[str, Any]
+    axes: dict[str, list[Any]]
+    target: float | None = None
+
+    @classmethod
+    def load(cls, path: Path) -> Grid:
+        try:
+            document = tomllib.loads(path.read_text())
+        except (OSError, tomllib.TOMLDecodeError) as err:
+            raise CompareError(f"cannot read grid {path}: {err}") from err
+        unknown = set(document) - {"base", "grid", "target"}
+        if unknown:
+            raise CompareError(
+                f"{path}: unknown table or key {sorted(unknown)[0]!r}; "
+                "a grid has [base], [grid] and an optional target"
+            )
+        axes = document.get("grid", {})
+        for key, values in axes.items():
+            if not isinstance(values, list) or not values:
+                raise CompareError(
+                    f"{path}: grid key {key!r} must be a non-empty list, got {values!r}"
+                )
+        target = document.get("target")
+        if target is not None and not (
+            isinstance(target, int | float) and 0 < target <= 1
+        ):
+            raise CompareError(
+                f"{path}: target must be an accuracy in (0, 1], got {target!r}"
+            )
+        return cls(dict(document.get("base", {})), dict(axes), target)
+
+    def cells(self) -> list[dict[str, Any]]:
+        """Each cell's values of the varying keys, in the grid's order."""
+        keys = list(self.axes)
+        return [
+            dict(zip(keys, combo, strict=True))
+            for combo in itertools.product(*self.axes.values())
+        ]
+
+
+def keep_grid(grid_file: Path, out: Path) -> None:
+    """Keep the grid beside its runs; refuse to mix another grid's runs in."""
+    kept = out / "grid.toml"
+    text = grid_file.read_text()
+    if kept.exists() and kept.read_text() != text:
+        raise CompareError(
+            f"{out} holds the runs of another grid ({kept}); use another --out"
+        )
+    out.mkdir(parents=True, exist_ok=True)
+    write_atomic(kept, text)
+
+
+def cell_name(values: Mapping[str, Any]) -> str:
+    """A directory name for a cell: `strategy-fedavg_seed-1`."""
+    parts = [f"{key}-{value}" for key, value in values.items()]
+    name = "_".join(parts) or "all"
+    return "".join(c if c.isalnum() or c in "-_." else "-" for c in name)
+
+
+def config_text(values: Mapping[str, Any]) -> str:
+    """Run-config values as one `--run-config` string (TOML scalars)."""
+    return " ".join(f"{key}={json.dumps(value)}" for key, value in values.items())
+
+
+def run_grid(
+    grid: Grid,
+    out: Path,
+    run_cell: Callable[[str, str, Path], int],
+    validate: Callable[[str], None],
+    echo: Callable[[str], None] = print,
+) -> None:
+    """Run every unfinished cell of `grid` into `out/runs/`, a progress line
+    per cell. `validate(config)` checks a cell's run config before anything
+    runs; `run_cell(config, name, log)` runs one (exit status)."""
+    cells = [(cell_name(values), {**grid.base, **values}) for values in grid.cells()]
+    names = [name for name, _ in cells]
+    if len(set(names)) != len(names):
+        raise CompareError(
+            "two cells share a directory name; make the grid values distinct"
+        )
+    for _, values in cells:
+        validate(config_text(values))
+    runs, logs = out / "runs", out / "logs"
+    runs.mkdir(parents=True, exist_ok=True)
+    logs.mkdir(exist_ok=True)
+    spent: list[float] = []
+    for index, (name, values) in enumerate(cells, 1):
+        prefix = f"[{index}/{len(cells)}] {name}:"
+        if _finished(runs / name):
+            echo(f"{prefix} done before, kept")
+            continue
+        if (runs / name).exists():  # interrupted: kept aside, never deleted
+            aside = out / "incomplete" / f"{name}-{int(time.time())}"
+            aside.parent.mkdir(exist_ok=True)
+            (runs / name).rename(aside)
+        started = time.monotonic()
+        status = run_cell(config_text(values), name, logs / f"{name}.log")
+        spent.append(time.monotonic() - started)
+        left = sum(1 for n, _ in cells[index:] if not _finished(runs / n))
+        eta = statistics.fmean(spent) * left
+        outcome = (
+            _outcome(runs / name) if status == 0 else f"failed (see {logs / name}.log)"
+        )
+        echo(
+            f"{prefix} {outcome}, {spent[-1]:.0f} s; {left} left, ETA {_duration(eta)}"
+        )
+
+
+def _finished(run_dir: Path) -> bool:
+    try:
+        return (
+            json.loads((run_dir / "summary.json").read_text())["status"] == "completed"
+        )
+    except (OSError, ValueError, KeyError):
+        return False
+
+
+def _outcome(run_dir: Path) -> str:
+    summary = json.loads((run_dir / "summary.json").read_text())
+    return (
+        f"final {100 * summary['final-accuracy']:.2f}%, best "
+        f"{100 * summary['best-accuracy']:.2f}% (round {summary['best-round']})"
+    )
+
+
+def _duration(seconds: float) -> str:
+    if seconds < 90:
+        return f"{seconds:.0f} s"
+    if seconds < 5400:
+        return f"{seconds / 60:.0f} min"
+    return f"{seconds / 3600:.1f} h"
+
+
+def pollen_run_cell(app: Path, out: Path, overrides: Sequence[str]) -> Callable:
+    """`run_cell` for `run_grid`: a `pollen run` simulation per cell."""
+
+    def run_cell(config: str, name: str, log: Path) -> int:
+        command = [str(Path(sys.executable).parent / "pollen"), "run", str(app)]
+        for value in [*overrides, config, config_text(
+            {"output-dir": str((out / "runs").resolve()), "run-name": name}
+        )]:  # fmt: skip
+            command += ["-c", value]
+        with log.open("w") as sink:
+            return subprocess.run(
+                command, stdout=sink, stderr=subprocess.STDOUT
+            ).returncode
+
+    return run_cell
+
+
+# --- reports -----------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Run:
+    name: str
+    path: Path
+    settings: dict[str, Any]
+    summary: dict[str, Any]
+    history: list[dict[str, Any]]
+
+    @classmethod
+    def read(cls, path: Path) -> Run:
+        try:
+            return cls(
+                path.name, path,
+                json.loads((path / "settings.json").read_text()),
+                json.loads((path / "summary.json").read_text()),
+                json.loads((path / "history.json").read_text()),
+            )  # fmt: skip
+        except (OSError, ValueError) as err:
+            raise CompareError(
+                f"{path} is not a finished run directory: {err}"
+            ) from err
+
+    def round_reaching(self, target: float) -> int | None:
+        return next((r["round"] for r in self.history if r["accuracy"] >= target), None)
+
+
+def read_runs(directory: Path) -> list[Run]:
+    """Every finished run under `directory/runs/` (or `directory`)."""
+    root = directory / "runs" if (directory / "runs").is_dir() else directory
+    paths = sorted(p.parent for p in root.glob("*/summary.json"))
+    if not paths:
+        raise CompareError(f"no run directories (with summary.json) under {root}")
+    return [Run.read(p) for p in paths]
+
+
+def varying_keys(runs: Sequence[Run]) -> list[str]:
+    """Settings that differ between runs, in settings order; keys a strategy
+    preset sets (`local-objective` of `fedprox`, ...) only where they vary
+    within one strategy."""
+
+    def differs(key: str, among: Sequence[Run]) -> bool:
+        return len({json.dumps(r.settings.get(key)) for r in among}) > 1
+
+    by_strategy: dict[Any, list[Run]] = {}
+    for run in runs:
+        by_strategy.setdefault(run.settings.get("strategy"), []).append(run)
+    return [
+        k for k in runs[0].settings
+        if k not in NOT_COMPARED and differs(k, runs)
+        and (k not in PRESET_KEYS or any(differs(k, g) for g in by_strategy.values()))
+    ]  # fmt: skip
+
+
+def _mean_std(values: Sequence[float]) -> tuple[float, float]:
+    return statistics.fmean(values), statistics.stdev(values) if len(
+        values
+    ) > 1 else 0.0
+
+
+def summarize_groups(runs: Sequence[Run], target: float | None) -> list[dict[str, Any]]:
+    """One row per setting (runs equal but for the seed): means and standard
+    deviations over its seeds."""
+    keys = [k for k in varying_keys(runs) if k != "seed"]
+    groups: dict[tuple, list[Run]] = {}
+    for run in runs:
+        groups.setdefault(
+            tuple(json.dumps(run.settings.get(k)) for k in keys), []
+        ).append(run)
+    rows = []
+    for members in groups.values():
+        first = members[0].settings
+        row: dict[str, Any] = {
+            "setting": {k: first.get(k) for k in keys},
+            "runs": [m.name for m in members],
+            "seeds": [m.settings.get("seed") for m in members],
+        }
+        for field, values in {
+            "final-accuracy": [m.summary["final-accuracy"] for m in members],
+            "best-accuracy": [m.summary["best-accuracy"] for m in members],
+            "seconds": [m.summary["total-seconds"] for m in members],
+            "mb-up": [m.summary["total-bytes-up"] / MB for m in members],
+            "mb-down": [m.summary["total-bytes-down"] / MB for m in members],
+        }.items():
+            row[field] = dict(zip(("mean", "std"), _mean_std(values), strict=True))
+        if target is not None:
+            reached = [m.round_reaching(target) for m in members]
+            row["round-to-target"] = reached
+        rows.append(row)
+    return rows
+
+
+def markdown_table(rows: Sequence[Mapping[str, Any]], target: float | None) -> str:
+    keys = list(rows[0]["setting"]) if rows else []
+    head = [*keys, "seeds", "final acc. (%)", "best acc. (%)"]
+    if target is not None:
+        head.append(f"round to {100 * target:g}%")
+    head += ["time (s)", "MB up", "MB down"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for row in rows:
+        cells = [str(row["setting"][k]) for k in keys]
+        cells.append(str(len(row["seeds"])))
+        cells.append(_pm(row["final-accuracy"], 100, 2))
+        cells.append(_pm(row["best-accuracy"], 100, 2))
+        if target is not None:
+            cells.append(_reached(row["round-to-target"]))
+        cells += [
+            _pm(row["seconds"], 1, 0),
+            _pm(row["mb-up"], 1, 1),
+            _pm(row["mb-down"], 1, 1),
+        ]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def _pm(stat: Mapping[str, float], scale: float, digits: int) -> str:
+    mean, std = scale * stat["mean"], scale * stat["std"]
+    return f"{mean:.{digits}f} ± {std:.{digits}f}" if std else f"{mean:.{digits}f}"
+
+
+def _reached(rounds: Sequence[int | None]) -> str:
+    hit = [r for r in rounds if r is not None]
+    if not hit:
+        return "never"
+    text = f"{statistics.fmean(hit):.1f}"
+    return (
+        text if len(hit) == len(rounds) else f"{text} ({len(hit)}/{len(rounds)} seeds)"
+    )
+
+
+def plot_groups(runs: Sequence[Run], plots: Path) -> list[Path]:
+    """Accuracy per round and against bytes (means over seeds), one figure
+    per setting with a line per strategy; each setting's label distribution."""
+    keys = [k for k in varying_keys(runs) if k != "seed"]
+    series_keys = [k for k in keys if k in SERIES_KEYS]
+    figure_keys = [k for k in keys if k not in SERIES_KEYS]
+    figures: dict[str, dict[str, list[Run]]] = {}
+    for run in runs:
+        figure = cell_name({k: run.settings[k] for k in figure_keys})
+        line = ", ".join(str(run.settings[k]) for k in series_keys) or run.name
+        figures.setdefault(figure, {}).setdefault(line, []).append(run)
+    plots.mkdir(parents=True, exist_ok=True)
+    written = []
+    for slug, lines in figures.items():
+        some = next(iter(lines.values()))[0].settings
+        figure = ", ".join(f"{k}={some[k]}" for k in figure_keys)
+        by_round, by_bytes = {}, {}
+        for line, members in lines.items():
+            accuracy = _mean_curve(
+                [[r["accuracy"] for r in m.history] for m in members]
+            )
+            megabytes = _mean_curve([_cumulative_mb(m.history) for m in members])
+            rounds = list(range(1, len(accuracy) + 1))
+            by_round[line], by_bytes[line] = (rounds, accuracy), (megabytes, accuracy)
+        title = ": ".join(t for t in (str(some.get("data-set", "")), figure) if t)
+        for suffix, series, xlabel in (
+            ("rounds", by_round, "round"),
+            ("bytes", by_bytes, "MB sent and received (cumulative)"),
+        ):
+            path = plots / f"accuracy-{suffix}-{slug}.png"
+            plot_accuracy_against(series, path, title, xlabel)
+            written.append(path)
+        labels = next(iter(lines.values()))[0].path / "labels.png"
+        if labels.exists():
+            written.append(plots / f"labels-{slug}.png")
+            shutil.copyfile(labels, written[-1])
+    return written
+
+
+def _mean_curve(curves: Sequence[Sequence[float]]) -> list[float]:
+    """Mean per round over seeds, as long as the shortest curve."""
+    length = min(len(c) for c in curves)
+    return [statistics.fmean(c[i] for c in curves) for i in range(length)]
+
+
+def _cumulative_mb(history: Sequence[Mapping[str, Any]]) -> list[float]:
+    return list(
+        itertools.accumulate((r["bytes-up"] + r["bytes-down"]) / MB for r in history)
+    )
+
+
+def report(directory: Path, target: float | None = None) -> Path:
+    """Write comparison.json, comparison.md and plots/ for the runs under
+    `directory`; the markdown table's path."""
+    runs = read_runs(directory)
+    rows = summarize_groups(runs, target)
+    table = markdown_table(rows, target)
+    write_json(directory / "comparison.json", {"target": target, "groups": rows})
+    write_atomic(directory / "comparison.md", table)
+    plot_groups(runs, directory / "plots")
+    return directory / "comparison.md"

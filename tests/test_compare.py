@@ -1,0 +1,200 @@
+"""`pollen compare` and `pollen report`: the grid, resuming, aggregation over
+seeds, the table, the plots; and a real comparison of two tiny runs."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from pollen import compare
+from pollen.cli import main
+from tests.conftest import PROJECT
+
+
+def write_run(
+    root: Path, name: str, settings: dict, accuracy: list[float], seconds: float = 10.0
+) -> Path:
+    """A finished run directory as `pollen run` leaves it (what reports read)."""
+    run = root / name
+    run.mkdir(parents=True)
+    settings = {"seed": 1, "data-set": "digits", "run-name": name, **settings}
+    history = [
+        {"round": i + 1, "accuracy": a, "bytes-up": 1_000_000, "bytes-down": 2_000_000}
+        for i, a in enumerate(accuracy)
+    ]
+    summary = {
+        "status": "completed", "rounds": len(accuracy),
+        "final-accuracy": accuracy[-1], "best-accuracy": max(accuracy),
+        "best-round": accuracy.index(max(accuracy)) + 1, "total-seconds": seconds,
+        "total-bytes-up": 1_000_000 * len(accuracy),
+        "total-bytes-down": 2_000_000 * len(accuracy),
+    }  # fmt: skip
+    for file, content in (
+        ("settings", settings),
+        ("summary", summary),
+        ("history", history),
+    ):
+        (run / f"{file}.json").write_text(json.dumps(content))
+    return run
+
+
+def grid_file(tmp_path: Path, text: str) -> Path:
+    path = tmp_path / "grid.toml"
+    path.write_text(text)
+    return path
+
+
+def test_grid_cells_are_the_product_in_order_with_readable_names(
+    tmp_path: Path,
+) -> None:
+    grid = compare.Grid.load(grid_file(tmp_path, """
+target = 0.8
+[base]
+rounds = 3
+[grid]
+strategy = ["fedavg", "fedprox"]
+seed = [1, 2]
+"""))  # fmt: skip
+    assert grid.base == {"rounds": 3} and grid.target == 0.8
+    assert [compare.cell_name(c) for c in grid.cells()] == [
+        "strategy-fedavg_seed-1", "strategy-fedavg_seed-2",
+        "strategy-fedprox_seed-1", "strategy-fedprox_seed-2",
+    ]  # fmt: skip
+    assert compare.cell_name({"data-root": "/a b"}) == "data-root--a-b"
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ("[grid]\nseed = 1\n", "grid key 'seed' must be a non-empty list"),
+        ("[grid]\nseed = []\n", "must be a non-empty list"),
+        ("target = 80\n", r"target must be an accuracy in \(0, 1\], got 80"),
+        ("[cells]\n", "unknown table or key 'cells'"),
+        ("[grid\n", "cannot read grid"),
+    ],
+)
+def test_bad_grids_are_refused_with_the_reason(
+    tmp_path: Path, text: str, message: str
+) -> None:
+    with pytest.raises(compare.CompareError, match=message):
+        compare.Grid.load(grid_file(tmp_path, text))
+
+
+def fake_cell(out: Path, ran: list[str], accuracy: float = 0.5):
+    """A `run_cell` that writes a finished run and records its name."""
+
+    def run_cell(config: str, name: str, log: Path) -> int:
+        ran.append(name)
+        write_run(out / "runs", name, {"strategy": name.split("_")[0]}, [accuracy])
+        return 0
+
+    return run_cell
+
+
+def test_a_grid_resumes_and_keeps_an_interrupted_cell_aside(tmp_path: Path) -> None:
+    grid = compare.Grid(
+        {"rounds": 1}, {"strategy": ["fedavg", "fedsam"], "seed": [1, 2]}
+    )
+    lines, ran = [], []
+    compare.run_grid(
+        grid, tmp_path, fake_cell(tmp_path, ran), lambda c: None, lines.append
+    )
+    assert len(ran) == 4 and lines[-1].startswith(
+        "[4/4] strategy-fedsam_seed-2: final 50.00%"
+    )
+    assert "ETA" in lines[0]
+    broken = tmp_path / "runs" / "strategy-fedsam_seed-1"
+    (broken / "summary.json").unlink()  # as if killed mid-run
+    ran.clear()
+    lines.clear()
+    compare.run_grid(
+        grid, tmp_path, fake_cell(tmp_path, ran), lambda c: None, lines.append
+    )
+    assert ran == ["strategy-fedsam_seed-1"]
+    assert sum("done before, kept" in line for line in lines) == 3
+    (aside,) = (tmp_path / "incomplete").iterdir()
+    assert (
+        aside.name.startswith("strategy-fedsam_seed-1-")
+        and (aside / "history.json").exists()
+    )
+
+
+def test_an_invalid_cell_stops_the_grid_before_anything_runs(tmp_path: Path) -> None:
+    grid = compare.Grid({}, {"lr": [0.1, -1.0]})
+
+    def validate(config: str) -> None:
+        if "-1.0" in config:
+            raise compare.CompareError(f"cell {config!r}: lr must be > 0")
+
+    ran: list[str] = []
+    with pytest.raises(compare.CompareError, match="lr must be > 0"):
+        compare.run_grid(grid, tmp_path, fake_cell(tmp_path, ran), validate, print)
+    assert ran == [] and not (tmp_path / "runs").exists()
+
+
+def test_groups_average_over_seeds_and_the_table_shows_it(tmp_path: Path) -> None:
+    for seed, curve in ((1, [0.6, 0.8, 0.9]), (2, [0.5, 0.7, 0.8])):
+        write_run(tmp_path, f"avg-{seed}", {"strategy": "fedavg", "seed": seed}, curve)
+    write_run(tmp_path, "sam-1", {"strategy": "fedsam", "seed": 1}, [0.7, 0.75], 20.0)
+    runs = compare.read_runs(tmp_path)
+    assert compare.varying_keys(runs) == ["seed", "strategy"]  # not run-name
+    avg, sam = compare.summarize_groups(runs, target=0.75)
+    assert avg["setting"] == {"strategy": "fedavg"} and avg["seeds"] == [1, 2]
+    assert avg["final-accuracy"]["mean"] == pytest.approx(0.85)
+    assert avg["final-accuracy"]["std"] == pytest.approx(0.0707107, rel=1e-5)
+    assert avg["round-to-target"] == [2, 3] and sam["round-to-target"] == [2]
+    table = compare.markdown_table([avg, sam], target=0.75)
+    assert (
+        "| strategy | seeds | final acc. (%) | best acc. (%) | round to 75% |" in table
+    )
+    assert (
+        "| fedavg | 2 | 85.00 ± 7.07 | 85.00 ± 7.07 | 2.5 | 10 | 3.0 | 6.0 |" in table
+    )
+    assert "| fedsam | 1 | 75.00 | 75.00 | 2.0 | 20 | 2.0 | 4.0 |" in table
+    high = compare.summarize_groups(runs, target=0.95)
+    assert compare.markdown_table(high, target=0.95).count("| never |") == 2
+
+
+def test_report_regenerates_tables_and_plots_without_training(tmp_path: Path) -> None:
+    for strategy, alpha in (("fedavg", 0.1), ("fedsam", 0.1), ("fedavg", 1.0)):
+        write_run(tmp_path / "runs", f"{strategy}-{alpha}",
+                  {"strategy": strategy, "alpha": alpha}, [0.4, 0.6])  # fmt: skip
+    assert main(["report", str(tmp_path), "--target", "0.5"]) == 0
+    groups = json.loads((tmp_path / "comparison.json").read_text())["groups"]
+    assert len(groups) == 3
+    plots = sorted(p.name for p in (tmp_path / "plots").iterdir())
+    assert plots == [
+        "accuracy-bytes-alpha-0.1.png", "accuracy-bytes-alpha-1.0.png",
+        "accuracy-rounds-alpha-0.1.png", "accuracy-rounds-alpha-1.0.png",
+    ]  # fmt: skip
+    assert main(["report", str(tmp_path / "nothing")]) == 2
+
+
+def test_a_real_comparison_of_two_tiny_runs_resumes_and_reports(
+    tmp_path: Path, capsys
+) -> None:
+    grid = grid_file(tmp_path, """
+target = 0.3
+[base]
+data-set = "digits"
+rounds = 2
+num-clients = 2
+client-frac = 1.0
+[grid]
+strategy = ["fedavg", "fedprox"]
+""")  # fmt: skip
+    out = tmp_path / "cmp"
+    assert main(["compare", str(grid), str(PROJECT), "--out", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert "[2/2] strategy-fedprox:" in printed and "| fedprox | 1 |" in printed
+    for name in ("strategy-fedavg", "strategy-fedprox"):
+        settings = json.loads((out / "runs" / name / "settings.json").read_text())
+        assert settings["strategy"] == name.split("-")[1] and settings["rounds"] == 2
+    assert (out / "plots" / "labels-all.png").exists()
+    assert main(["compare", str(grid), str(PROJECT), "--out", str(out)]) == 0
+    assert capsys.readouterr().out.count("done before, kept") == 2
+    grid.write_text(grid.read_text().replace('"fedprox"', '"fedsam"'))
+    assert main(["compare", str(grid), str(PROJECT), "--out", str(out)]) == 2
+    assert "holds the runs of another grid" in capsys.readouterr().err
