@@ -303,6 +303,11 @@ def _add_compare_parsers(commands: argparse._SubParsersAction) -> None:
         "-c", "--run-config", action="append", default=[],
         help="TOML file or \"key=value ...\" applied to every cell (repeatable)",
     )  # fmt: skip
+    grid.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="validate and list the cells, run nothing",
+    )
     grid.set_defaults(handler=run_comparison)
     again = commands.add_parser(
         "report", help="tables and plots from result directories, without training",
@@ -329,6 +334,9 @@ def run_comparison(args: argparse.Namespace) -> int:
 
     try:
         grid = compare.Grid.load(args.grid)
+        if args.dry_run:
+            compare.run_grid(grid, args.out, None, validate, dry_run=True)
+            return 0
         compare.keep_grid(args.grid, args.out)
         compare.run_grid(
             grid, args.out, compare.pollen_run_cell(app, args.out, args.run_config),

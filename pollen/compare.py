@@ -125,24 +125,32 @@ def config_text(values: Mapping[str, Any]) -> str:
 def run_grid(
     grid: Grid,
     out: Path,
-    run_cell: Callable[[str, str, Path], int],
+    run_cell: Callable[[str, str, Path], int] | None,
     validate: Callable[[str], None],
     echo: Callable[[str], None] = print,
+    dry_run: bool = False,
 ) -> None:
     """Run every unfinished cell of `grid` into `out/runs/`, a progress line
     per cell. `validate(config)` checks a cell's run config before anything
-    runs; `run_cell(config, name, log)` runs one (exit status)."""
+    runs; `run_cell(config, name, log)` runs one (exit status). `dry_run`
+    only validates and lists the cells."""
     cells = [(cell_name(values), {**grid.base, **values}) for values in grid.cells()]
     names = [name for name, _ in cells]
     if len(set(names)) != len(names):
         raise CompareError(
             "two cells share a directory name; make the grid values distinct"
         )
-    for _, values in cells:
+    for name, values in cells:
         validate(config_text(values))
+        if dry_run:
+            state = "done" if _finished(out / "runs" / name) else "to run"
+            echo(f"{name}: {state}: {config_text(values)}")
+    if dry_run:
+        return
     runs, logs = out / "runs", out / "logs"
     runs.mkdir(parents=True, exist_ok=True)
     logs.mkdir(exist_ok=True)
+    assert run_cell is not None, "run_cell is needed unless dry_run"
     spent: list[float] = []
     for index, (name, values) in enumerate(cells, 1):
         prefix = f"[{index}/{len(cells)}] {name}:"

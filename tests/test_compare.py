@@ -134,6 +134,20 @@ def test_an_invalid_cell_stops_the_grid_before_anything_runs(tmp_path: Path) -> 
     assert ran == [] and not (tmp_path / "runs").exists()
 
 
+def test_the_suite_grid_validates_and_a_dry_run_lists_its_cells(
+    tmp_path: Path, capsys
+) -> None:
+    args = ["compare", str(PROJECT / "configs" / "grids" / "fmnist-2class.toml"),
+            str(PROJECT), "--out", str(tmp_path / "cmp"), "--dry-run",
+            "-c", str(PROJECT / "configs" / "fmnist-2class.toml")]  # fmt: skip
+    assert main(args) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert len(lines) == 21 and lines[0].startswith("strategy-fedavg_seed-1: to run:")
+    assert not (tmp_path / "cmp").exists()
+    assert main([*args, "-c", "lr=-1"]) == 2
+    assert "lr" in capsys.readouterr().err
+
+
 def test_groups_average_over_seeds_and_the_table_shows_it(tmp_path: Path) -> None:
     for seed, curve in ((1, [0.6, 0.8, 0.9]), (2, [0.5, 0.7, 0.8])):
         write_run(tmp_path, f"avg-{seed}", {"strategy": "fedavg", "seed": seed}, curve)
