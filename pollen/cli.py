@@ -25,7 +25,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from . import compare, deploy
+from . import centralized, compare, deploy
 from .checkpoints import CheckpointError, check_resumable
 from .deploy import entry_point, flower_env, free_port
 from .notify import URL_ENV, check_url
@@ -286,7 +286,47 @@ def build_parser() -> argparse.ArgumentParser:
     run_parser.set_defaults(handler=run)
     _add_deploy_parser(commands)
     _add_compare_parsers(commands)
+    central = commands.add_parser(
+        "centralized", help="the centralised baseline: the run's model and data, no federation",
+        description=centralized.__doc__.split("\n\n")[1],
+    )  # fmt: skip
+    central.add_argument("app", nargs="?", default=".", help="Flower App folder")
+    central.add_argument(
+        "-c", "--run-config", action="append", default=[],
+        help='TOML file or "key=value ..." overrides (repeatable)',
+    )  # fmt: skip
+    central.add_argument(
+        "--epochs", type=int, default=None, help="default: rounds x local-epochs"
+    )
+    central.set_defaults(handler=run_centralized)
     return parser
+
+
+def run_centralized(args: argparse.Namespace) -> int:
+    app = Path(args.app).expanduser().resolve()
+    try:
+        settings = Settings.from_run_config(resolve_run_config(app, args.run_config))
+        if settings.resume:
+            raise CliError("a centralised run cannot resume; leave out resume")
+        if args.epochs is not None and args.epochs < 1:
+            raise CliError(f"--epochs must be at least 1, got {args.epochs}")
+        settings = dataclasses.replace(
+            settings,
+            data_root=str(Path(settings.data_root).expanduser().resolve()),
+            output_dir=str(Path(settings.output_dir).expanduser().resolve()),
+            run_name=settings.run_name
+            or default_run_name(centralized.STRATEGY, settings.data_set),
+        )
+        check_run_dir_is_new(settings.output_dir, settings.run_name)
+    except (SettingsError, CliError, ResultsError) as err:
+        print(f"pollen: error: {err}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    epochs = args.epochs or settings.rounds * settings.local_epochs
+    run_dir, summary = centralized.train_centrally(settings, epochs)
+    print(f"pollen: centralised {epochs} epochs: final accuracy "
+          f"{100 * summary['final-accuracy']:.2f}%, {summary['total-seconds']:.1f} s")  # fmt: skip
+    print(f"pollen: results in {run_dir}")
+    return 0
 
 
 def _add_compare_parsers(commands: argparse._SubParsersAction) -> None:

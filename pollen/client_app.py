@@ -178,7 +178,7 @@ class ClientModel:
             self.dataset.mean,
             self.dataset.std,
             normalize=self.settings.normalize,
-            augment=augment and self.dataset.input_shape[0] == 3,
+            augment=augment and self.dataset.augmentable,
             device=self.device,
         )
 

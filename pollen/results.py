@@ -266,15 +266,17 @@ def _pyplot():
     return plt
 
 
-def plot_curves(history: list[RoundRecord], path: Path, title: str) -> None:
-    """Test accuracy and loss per round, side by side."""
+def plot_curves(
+    history: list[RoundRecord], path: Path, title: str, xlabel: str = "round"
+) -> None:
+    """Test accuracy and loss per round (or epoch), side by side."""
     plt = _pyplot()
     rounds = [r.round for r in history]
     fig, (ax_acc, ax_loss) = plt.subplots(1, 2, figsize=(10, 4), dpi=110)
     ax_acc.plot(rounds, [100 * r.accuracy for r in history], marker="o", ms=3)
-    ax_acc.set(xlabel="round", ylabel="test accuracy (%)", title="Accuracy")
+    ax_acc.set(xlabel=xlabel, ylabel="test accuracy (%)", title="Accuracy")
     ax_loss.plot(rounds, [r.loss for r in history], marker="o", ms=3, color="C3")
-    ax_loss.set(xlabel="round", ylabel="test cross-entropy", title="Loss")
+    ax_loss.set(xlabel=xlabel, ylabel="test cross-entropy", title="Loss")
     fig.suptitle(title)
     fig.tight_layout()
     _save(fig, path)

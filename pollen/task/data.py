@@ -111,6 +111,12 @@ class Dataset:
         c, h, w = self.x_train.shape[1:]
         return c, h, w
 
+    @property
+    def augmentable(self) -> bool:
+        """Random crops and flips suit colour photographs (CIFAR), not digits
+        or clothing: `augment` applies to 3-channel data sets only."""
+        return self.input_shape[0] == 3
+
 
 def load_dataset(name: str, data_root: str | Path, download: bool) -> Dataset:
     """Load `name` from the first source that has it (see module docstring).

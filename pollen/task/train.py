@@ -200,6 +200,7 @@ def train_local(
     max_grad_norm: float = 0.0,
     sam_rho: float = 0.0,
     regularizer: Regularizer | None = None,
+    after_epoch: Callable[[int], None] | None = None,
 ) -> TrainResult:
     """Local training over `epochs` of a shard: the local-objective engine.
 
@@ -208,6 +209,8 @@ def train_local(
     rho g / (||g|| + 1e-12), with BatchNorm statistics frozen, and theta is
     restored before the step. A `regularizer` (FedProx, FedDyn) adds its
     gradient; `max_grad_norm` > 0 clips the total; the optimiser steps.
+    `after_epoch(epoch)` is called after each epoch (the centralised
+    baseline evaluates there).
     """
     device = x.device
     named = {n: p for n, p in model.named_parameters() if p.requires_grad}
@@ -221,7 +224,7 @@ def train_local(
     has_bn = any(isinstance(m, _BatchNorm) for m in model.modules())
     model.train()
     total, steps = torch.zeros((), device=device), 0
-    for _ in range(epochs):
+    for epoch in range(1, epochs + 1):
         order = torch.randperm(len(y), generator=order_gen).to(device)
         for idx in order.split(batch_size):
             if len(idx) < 2 and has_bn:
@@ -244,6 +247,9 @@ def train_local(
             opt.step()
             total += loss.detach()
             steps += 1
+        if after_epoch is not None:
+            after_epoch(epoch)
+            model.train()
     if steps == 0:
         raise ValueError(f"a shard of {len(y)} samples gives no training step")
     return TrainResult(loss=float(total) / steps, num_examples=len(y), steps=steps)
