@@ -4,7 +4,7 @@ result directories.
 `pollen compare GRID.toml --out DIR` runs every cell of a grid (the product of
 the values listed under `[grid]`, each cell a complete `pollen run` with the
 settings under `[base]`) into `DIR/runs/<cell>/`, skipping cells whose run
-has finished, so an interrupted comparison resumes where it stopped (an
+has completed, so an interrupted comparison resumes where it stopped (an
 interrupted cell's directory is moved to `DIR/incomplete/`, never deleted).
 Every cell's settings are validated before the first run starts; the grid
 is kept as `DIR/grid.toml`, and a different grid is refused there.
@@ -246,12 +246,16 @@ class Run:
 
 
 def read_runs(directory: Path) -> list[Run]:
-    """Every finished run under `directory/runs/` (or `directory`)."""
+    """Every completed run under `directory/runs/` (or `directory`); failed
+    runs (diverged, stopped) have no final numbers to compare."""
     root = directory / "runs" if (directory / "runs").is_dir() else directory
-    paths = sorted(p.parent for p in root.glob("*/summary.json"))
-    if not paths:
-        raise CompareError(f"no run directories (with summary.json) under {root}")
-    return [Run.read(p) for p in paths]
+    runs = [Run.read(p.parent) for p in sorted(root.glob("*/summary.json"))]
+    completed = [r for r in runs if r.summary.get("status") == "completed"]
+    if not completed:
+        raise CompareError(
+            f"no completed run directories (with summary.json) under {root}"
+        )
+    return completed
 
 
 def varying_keys(runs: Sequence[Run]) -> list[str]:

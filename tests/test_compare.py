@@ -152,7 +152,10 @@ def test_groups_average_over_seeds_and_the_table_shows_it(tmp_path: Path) -> Non
     for seed, curve in ((1, [0.6, 0.8, 0.9]), (2, [0.5, 0.7, 0.8])):
         write_run(tmp_path, f"avg-{seed}", {"strategy": "fedavg", "seed": seed}, curve)
     write_run(tmp_path, "sam-1", {"strategy": "fedsam", "seed": 1}, [0.7, 0.75], 20.0)
-    runs = compare.read_runs(tmp_path)
+    diverged = write_run(tmp_path, "dyn-1", {"strategy": "feddyn"}, [0.1])
+    summary = json.loads((diverged / "summary.json").read_text())
+    (diverged / "summary.json").write_text(json.dumps({**summary, "status": "failed"}))
+    runs = compare.read_runs(tmp_path)  # the failed run is left out
     assert compare.varying_keys(runs) == ["seed", "strategy"]  # not run-name
     avg, sam = compare.summarize_groups(runs, target=0.75)
     assert avg["setting"] == {"strategy": "fedavg"} and avg["seeds"] == [1, 2]
