@@ -9,8 +9,8 @@ interrupted cell's directory is moved to `DIR/incomplete/`, never deleted).
 Every cell's settings are validated before the first run starts; the grid
 is kept as `DIR/grid.toml`, and a different grid is refused there.
 
-`pollen report DIR` (and `compare`, after its last cell) reads every run
-directory under `DIR/runs/` (or `DIR` itself), groups the runs that differ
+`pollen report DIR` (and `compare`, after its last cell) reads every completed
+run directory under `DIR/runs/` (or `DIR` itself), groups the runs that differ
 only in `seed`, and writes `comparison.json`, `comparison.md` (final and best
 accuracy, the round reaching `target`, wall time, bytes up and down; mean
 and standard deviation over seeds) and `plots/`: accuracy per round and
