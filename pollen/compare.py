@@ -311,7 +311,14 @@ def summarize_groups(runs: Sequence[Run], target: float | None) -> list[dict[str
             reached = [m.round_reaching(target) for m in members]
             row["round-to-target"] = reached
         rows.append(row)
-    return rows
+    return sorted(rows, key=lambda row: [_order(v) for v in row["setting"].values()])
+
+
+def _order(value: Any) -> tuple[int, Any]:
+    """Numbers before text, numbers by value (5 before 10)."""
+    if isinstance(value, int | float) and not isinstance(value, bool):
+        return 0, value
+    return 1, str(value)
 
 
 def markdown_table(rows: Sequence[Mapping[str, Any]], target: float | None) -> str:
@@ -358,10 +365,20 @@ def plot_groups(runs: Sequence[Run], plots: Path) -> list[Path]:
     keys = [k for k in varying_keys(runs) if k != "seed"]
     series_keys = [k for k in keys if k in SERIES_KEYS]
     figure_keys = [k for k in keys if k not in SERIES_KEYS]
+    if not series_keys and figure_keys:  # one strategy: compare along a setting
+        series_keys = [figure_keys.pop()]
     figures: dict[str, dict[str, list[Run]]] = {}
     for run in runs:
         figure = cell_name({k: run.settings[k] for k in figure_keys})
-        line = ", ".join(str(run.settings[k]) for k in series_keys) or run.name
+        line = (
+            ", ".join(
+                f"{k}={run.settings[k]}"
+                if k not in SERIES_KEYS
+                else str(run.settings[k])
+                for k in series_keys
+            )
+            or run.name
+        )
         figures.setdefault(figure, {}).setdefault(line, []).append(run)
     plots.mkdir(parents=True, exist_ok=True)
     written = []
@@ -384,10 +401,14 @@ def plot_groups(runs: Sequence[Run], plots: Path) -> list[Path]:
             path = plots / f"accuracy-{suffix}-{slug}.png"
             plot_accuracy_against(series, path, title, xlabel)
             written.append(path)
-        labels = next(iter(lines.values()))[0].path / "labels.png"
-        if labels.exists():
-            written.append(plots / f"labels-{slug}.png")
-            shutil.copyfile(labels, written[-1])
+    partition_keys = [k for k in keys if k not in SERIES_KEYS]  # not the strategy
+    for run in runs:  # each setting's partition (the first seed's)
+        labels = run.path / "labels.png"
+        setting = {k: run.settings[k] for k in partition_keys}
+        target = plots / f"labels-{cell_name(setting)}.png"
+        if labels.exists() and not target.exists():
+            shutil.copyfile(labels, target)
+            written.append(target)
     return written
 
 
@@ -411,5 +432,9 @@ def report(directory: Path, target: float | None = None) -> Path:
     table = markdown_table(rows, target)
     write_json(directory / "comparison.json", {"target": target, "groups": rows})
     write_atomic(directory / "comparison.md", table)
-    plot_groups(runs, directory / "plots")
+    fresh, plots = directory / ".plots-new", directory / "plots"
+    shutil.rmtree(fresh, ignore_errors=True)
+    plot_groups(runs, fresh)
+    shutil.rmtree(plots, ignore_errors=True)  # made by an earlier report
+    fresh.rename(plots)
     return directory / "comparison.md"

@@ -215,3 +215,16 @@ strategy = ["fedavg", "fedprox"]
     grid.write_text(grid.read_text().replace('"fedprox"', '"fedsam"'))
     assert main(["compare", str(grid), str(PROJECT), "--out", str(out)]) == 2
     assert "holds the runs of another grid" in capsys.readouterr().err
+
+
+def test_rows_follow_the_numbers_and_one_strategy_draws_a_line_per_setting(
+    tmp_path: Path,
+) -> None:
+    for k in (10, 5, 20):
+        for partition in ("iid", "niid"):
+            write_run(tmp_path, f"k{k}-{partition}",
+                      {"num-clients": k, "partition": partition}, [0.5])  # fmt: skip
+    rows = compare.summarize_groups(compare.read_runs(tmp_path), target=None)
+    assert [r["setting"]["num-clients"] for r in rows] == [5, 5, 10, 10, 20, 20]
+    plots = compare.plot_groups(compare.read_runs(tmp_path), tmp_path / "plots")
+    assert len(plots) == 6  # a figure pair per K, with a line per partition
