@@ -70,6 +70,19 @@ def resolve_run_config(app: Path, overrides: Sequence[str]) -> dict[str, Any]:
     return config
 
 
+def pin_paths(settings: Settings, strategy: str) -> Settings:
+    """`data-root`, `output-dir` and `resume` made absolute against this
+    shell's directory, and an empty `run-name` given a generated one (named
+    after `strategy`), so this command knows where results land."""
+    return dataclasses.replace(
+        settings,
+        data_root=str(Path(settings.data_root).expanduser().resolve()),
+        output_dir=str(Path(settings.output_dir).expanduser().resolve()),
+        run_name=settings.run_name or default_run_name(strategy, settings.data_set),
+        resume=settings.resume and str(Path(settings.resume).expanduser().resolve()),
+    )
+
+
 def prepare_run(app: Path, overrides: Sequence[str]) -> tuple[Settings, str]:
     """Validate the run config and pin what the ServerApp must not guess.
 
@@ -79,14 +92,7 @@ def prepare_run(app: Path, overrides: Sequence[str]) -> tuple[Settings, str]:
     (with `resume`: the directory being resumed). Returns the settings and the complete run config as one "key=value" string.
     """
     settings = Settings.from_run_config(resolve_run_config(app, overrides))
-    settings = dataclasses.replace(
-        settings,
-        data_root=str(Path(settings.data_root).expanduser().resolve()),
-        output_dir=str(Path(settings.output_dir).expanduser().resolve()),
-        run_name=settings.run_name
-        or default_run_name(settings.strategy, settings.data_set),
-        resume=settings.resume and str(Path(settings.resume).expanduser().resolve()),
-    )
+    settings = pin_paths(settings, settings.strategy)
     if not settings.notify_url and os.environ.get(URL_ENV):
         try:
             check_url(os.environ[URL_ENV], from_env=True)
@@ -310,13 +316,7 @@ def run_centralized(args: argparse.Namespace) -> int:
             raise CliError("a centralised run cannot resume; leave out resume")
         if args.epochs is not None and args.epochs < 1:
             raise CliError(f"--epochs must be at least 1, got {args.epochs}")
-        settings = dataclasses.replace(
-            settings,
-            data_root=str(Path(settings.data_root).expanduser().resolve()),
-            output_dir=str(Path(settings.output_dir).expanduser().resolve()),
-            run_name=settings.run_name
-            or default_run_name(centralized.STRATEGY, settings.data_set),
-        )
+        settings = pin_paths(settings, centralized.STRATEGY)
         check_run_dir_is_new(settings.output_dir, settings.run_name)
     except (SettingsError, CliError, ResultsError) as err:
         print(f"pollen: error: {err}", file=sys.stderr)
