@@ -151,10 +151,12 @@ def run_grid(
     runs.mkdir(parents=True, exist_ok=True)
     logs.mkdir(exist_ok=True)
     assert run_cell is not None, "run_cell is needed unless dry_run"
+    done = {name for name, _ in cells if _finished(runs / name)}
+    left = len(cells) - len(done)
     spent: list[float] = []
     for index, (name, values) in enumerate(cells, 1):
         prefix = f"[{index}/{len(cells)}] {name}:"
-        if _finished(runs / name):
+        if name in done:
             echo(f"{prefix} done before, kept")
             continue
         if (runs / name).exists():  # interrupted: kept aside, never deleted
@@ -164,7 +166,7 @@ def run_grid(
         started = time.monotonic()
         status = run_cell(config_text(values), name, logs / f"{name}.log")
         spent.append(time.monotonic() - started)
-        left = sum(1 for n, _ in cells[index:] if not _finished(runs / n))
+        left -= 1
         eta = statistics.fmean(spent) * left
         outcome = (
             _outcome(runs / name) if status == 0 else f"failed (see {logs / name}.log)"
