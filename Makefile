@@ -31,7 +31,7 @@ $(UV):
 	.tools/bin/pip install --quiet uv==$(UV_VERSION)
 
 .venv/.synced: uv.lock pyproject.toml | $(UV)
-	$(UV) sync --locked
+	$(UV) sync --locked --compile-bytecode
 	.venv/bin/python -c "import torch, torchvision; torchvision.ops.nms(torch.zeros(1, 4), torch.ones(1), 0.5)"
 	touch $@
 

@@ -25,9 +25,10 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from . import centralized, compare, deploy
+from . import compare, deploy
 from .checkpoints import CheckpointError, check_resumable
 from .deploy import entry_point, flower_env, free_port
+from .fab import staged_app
 from .notify import URL_ENV, check_url
 from .results import ResultsError, check_run_dir_is_new, default_run_name
 from .settings import Settings, SettingsError
@@ -173,6 +174,7 @@ def run(args: argparse.Namespace) -> int:
     except (SettingsError, CliError, ResultsError, CheckpointError) as err:
         print(f"pollen: error: {err}", file=sys.stderr)
         return EXIT_BAD_INPUT
+    deployment = None
     if args.deployment:
         try:
             deployment = _running_deployment(Path(args.deployment), args.connection)
@@ -180,19 +182,34 @@ def run(args: argparse.Namespace) -> int:
             print(f"pollen: error: {err}", file=sys.stderr)
             return EXIT_BAD_INPUT
     run_dir = Path(settings.resume or Path(settings.output_dir) / settings.run_name)
+    with staged_app(app) as staged:
+        _submit(args, staged, run_config, settings.num_clients, run_dir, deployment)
+    return report(run_dir)
+
+
+def _submit(
+    args: argparse.Namespace,
+    app: Path,
+    run_config: str,
+    num_clients: int,
+    run_dir: Path,
+    deployment: deploy.Deployment | None,
+) -> None:
+    """`flwr run` the app: on a SuperLink of its own (simulation), on a
+    `pollen deploy` deployment, or on the SuperLink named by a connection."""
     flwr_args = ["run", str(app)]
     federation = list(args.federation_config)
     if (
         args.connection is None
-        and not args.deployment
+        and deployment is None
         and not any(f.startswith("num-supernodes") for f in federation)
     ):
-        federation.append(f"num-supernodes={settings.num_clients}")
+        federation.append(f"num-supernodes={num_clients}")
     flwr_args += ["--run-config", run_config]
     for value in federation:
         flwr_args += ["--federation-config", value]
     flwr_args.append("--stream")
-    if args.deployment:
+    if deployment is not None:
         flwr_args.insert(2, deploy.CONNECTION)
         _flwr(flwr_args, flower_env(deployment.flwr_home))
     elif args.connection is None:
@@ -202,7 +219,6 @@ def run(args: argparse.Namespace) -> int:
     else:
         flwr_args.insert(2, args.connection)
         _flwr(flwr_args, dict(os.environ))
-    return report(run_dir)
 
 
 def _running_deployment(directory: Path, connection: str | None) -> deploy.Deployment:
@@ -294,7 +310,9 @@ def build_parser() -> argparse.ArgumentParser:
     _add_compare_parsers(commands)
     central = commands.add_parser(
         "centralized", help="the centralised baseline: the run's model and data, no federation",
-        description=centralized.__doc__.split("\n\n")[1],
+        description="Reads the same run config as `pollen run` and trains its model "
+        "on the whole training set with the client optimiser, testing after "
+        "every epoch; writes a run directory that `pollen report` reads.",
     )  # fmt: skip
     central.add_argument("app", nargs="?", default=".", help="Flower App folder")
     central.add_argument(
@@ -309,6 +327,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def run_centralized(args: argparse.Namespace) -> int:
+    from . import centralized  # imports torch: only this command pays for it
+
     app = Path(args.app).expanduser().resolve()
     try:
         settings = Settings.from_run_config(resolve_run_config(app, args.run_config))

@@ -1,0 +1,75 @@
+"""The staged app folder packs into the same FAB as the app folder itself."""
+
+from __future__ import annotations
+
+import io
+import zipfile
+from pathlib import Path
+
+from flwr.cli.build import build_fab_from_disk
+
+from pollen.fab import fab_files, staged_app
+
+PROJECT = Path(__file__).resolve().parents[1]
+
+
+def _write(path: Path, text: str = "x = 1\n") -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text)
+
+
+def _fab_contents(app: Path) -> dict[str, bytes]:
+    """Every file of the FAB built from `app`, except Flower's build metadata."""
+    with zipfile.ZipFile(io.BytesIO(build_fab_from_disk(app))) as fab:
+        return {
+            name: fab.read(name)
+            for name in fab.namelist()
+            if not name.startswith(".info")
+        }
+
+
+def _make_app(root: Path) -> None:
+    root.mkdir()
+    (root / "pyproject.toml").write_text((PROJECT / "pyproject.toml").read_text())
+    _write(root / ".gitignore", "results/\n*.log\nsecret.py\n")
+    _write(root / "pollen" / "__init__.py", "")
+    _write(root / "pollen" / "task" / "models.py")
+    _write(root / "configs" / "a.toml", "seed = 1\n")
+    _write(root / "README.md", "# app\n")
+    _write(root / "LICENSE", "Apache-2.0\n")
+    _write(root / "secret.py")  # ignored by .gitignore
+    _write(root / "results" / "run" / "history.json", "[]")  # ignored folder
+    _write(root / "run.log")  # not a FAB file type and ignored
+    _write(root / "data" / "mnist.npz", "binary")  # not a FAB file type
+    _write(root / ".venv" / "pyvenv.cfg", "home = /usr\n")  # hidden venv
+    _write(root / ".venv" / "lib" / "site.py")
+    _write(root / "env" / "pyvenv.cfg", "home = /usr\n")  # venv under any name
+    _write(root / "env" / "lib" / "site.py")
+    _write(root / "pollen" / "__pycache__" / "models.json", "{}")
+
+
+def test_staged_app_packs_the_same_fab(tmp_path: Path) -> None:
+    app = tmp_path / "app"
+    _make_app(app)
+    with staged_app(app) as staged:
+        staged_fab = _fab_contents(staged)
+    in_place = _fab_contents(app)
+    assert staged_fab == in_place
+    assert "pollen/task/models.py" in in_place and "configs/a.toml" in in_place
+    assert not staged.exists()  # removed on exit
+
+
+def test_fab_files_never_enter_environments_or_ignored_folders(tmp_path: Path) -> None:
+    app = tmp_path / "app"
+    _make_app(app)
+    listed = {path.as_posix() for path in fab_files(app)}
+    assert listed == {
+        ".gitignore", "LICENSE", "README.md", "pyproject.toml", "configs/a.toml",
+        "pollen/__init__.py", "pollen/task/models.py",
+    }  # fmt: skip
+
+
+def test_project_fab_is_unchanged_by_staging() -> None:
+    """This project, with its .venv inside: the same FAB either way."""
+    with staged_app(PROJECT) as staged:
+        assert _fab_contents(staged) == _fab_contents(PROJECT)
