@@ -1,0 +1,101 @@
+"""What the benchmarks measure: a command's wall time and its peak memory.
+
+Peak memory is the largest sum, over samples every 0.2 s, of the resident
+set sizes of a process and all its descendants (Linux /proc). A `pollen run`
+is a tree (CLI, SuperLink, simulation, Ray's daemons and ClientApp actors),
+so its memory is the tree's; pages shared between processes (torch's
+libraries) count once per process, an overestimate stated with the numbers.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+PROJECT = Path(__file__).resolve().parents[1]
+POLLEN = str(Path(sys.executable).parent / "pollen")
+
+
+def _children() -> dict[int, list[int]]:
+    tree: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            stat = Path(f"/proc/{entry}/stat").read_text()
+        except OSError:
+            continue
+        parent = int(stat.rsplit(")", 1)[1].split()[1])
+        tree.setdefault(parent, []).append(int(entry))
+    return tree
+
+
+def _rss_bytes(pid: int) -> int:
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
+
+
+def tree_rss_bytes(root: int) -> int:
+    """Resident bytes of `root` and every descendant, now."""
+    tree, todo, total = _children(), [root], 0
+    while todo:
+        pid = todo.pop()
+        total += _rss_bytes(pid)
+        todo.extend(tree.get(pid, []))
+    return total
+
+
+def measure(
+    command: list[str], **popen
+) -> tuple[float, int, subprocess.CompletedProcess]:
+    """Run `command` to completion: (wall seconds, peak tree RSS bytes, result)."""
+    started = time.monotonic()
+    process = subprocess.Popen(
+        command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, **popen
+    )
+    peak = [0]
+    done = threading.Event()
+
+    def sample() -> None:
+        while not done.wait(0.2):
+            peak[0] = max(peak[0], tree_rss_bytes(process.pid))
+
+    sampler = threading.Thread(target=sample, daemon=True)
+    sampler.start()
+    output, _ = process.communicate()
+    wall = time.monotonic() - started
+    done.set()
+    sampler.join()
+    result = subprocess.CompletedProcess(command, process.returncode, output)
+    if process.returncode != 0:
+        raise RuntimeError(f"{' '.join(command)} failed:\n{output[-3000:]}")
+    return wall, peak[0], result
+
+
+def run_pollen(config: list[str], out: Path, name: str, **popen) -> dict[str, float]:
+    """One complete `pollen run` of this project, timed from the command's
+    start to its exit: wall, start-up (wall less the rounds' own seconds, as
+    the ServerApp times them), every round's seconds, accuracy and peak RSS."""
+    args = [POLLEN, "run", str(PROJECT)]
+    for value in [*config, f"output-dir='{out}' run-name='{name}'"]:
+        args += ["-c", value]
+    wall, peak, _ = measure(args, **popen)
+    history = json.loads((out / name / "history.json").read_text())
+    rounds = [r["seconds"] for r in history]
+    return {
+        "wall": wall,
+        "start-up": wall - sum(rounds),
+        "rounds": rounds,
+        "accuracy": history[-1]["accuracy"],
+        "peak-rss": peak,
+    }

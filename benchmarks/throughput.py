@@ -1,0 +1,269 @@
+"""pollen against the compute floor and against a plain PyTorch loop, on the same work.
+
+    .venv/bin/python benchmarks/throughput.py [--workloads fmnist-mlp ...]
+        [--rounds 10] [--data-root ../shared/data]
+
+Per workload (10 clients, all participating every round, 1 local epoch,
+FedAvg, SGD with pollen's default momentum, weight decay and gradient clip,
+the same seed) three arms run one after another in this one invocation:
+
+1. pollen: `pollen run` through Flower's Ray simulation, end to end. Its
+   start-up is its wall time less the rounds' own seconds (as the ServerApp
+   times them); a round includes testing the global model on the test set.
+2. floor: the same optimiser steps on the same shards, in one process, on
+   tensors loaded before the clock starts: pollen's own partition, seeds and
+   `train_local`, the clients' models averaged, nothing else (no federation,
+   no messages, no evaluation).
+3. plain: the loop users write first (the seeds' style): a torchvision-style
+   data set that turns each sample into a PIL image and runs per-sample
+   transforms, a DataLoader, a deep copy of the global model per client,
+   clients one after another, state dicts averaged, the global model tested
+   with a DataLoader after every round.
+
+Each arm is a fresh process, measured by the same sampler (benchmarks/measure.py):
+peak resident memory of its whole process tree. The table gives seconds per
+round (mean; the first round apart, since it pays one-time warm-up), start-up
+(wall time not spent in rounds), per-round overhead (pollen's round less the
+floor's), the ratios pollen/floor (rounds only, and end to end) and
+plain/pollen (rounds only), and each arm's final test accuracy.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from measure import PROJECT, measure, run_pollen
+
+WORKLOADS = {
+    "fmnist-mlp": "data-set='fashion-mnist' model='mlp' augment=false",
+    "fmnist-cnn": "data-set='fashion-mnist' model='cnn' augment=false",
+    "cifar10-cnn": "data-set='cifar10' model='cnn' augment=true",
+}
+COMMON = (
+    "strategy='fedavg' num-clients=10 client-frac=1.0 local-epochs=1 "
+    "batch-size=32 lr=0.01 partition='iid'"
+)
+
+
+def run_config(workload: str, rounds: int, data_root: str) -> str:
+    return f"{COMMON} {WORKLOADS[workload]} rounds={rounds} data-root='{data_root}'"
+
+
+def _settings(config: str):
+    from pollen.cli import resolve_run_config
+    from pollen.settings import Settings
+
+    return Settings.from_run_config(resolve_run_config(PROJECT, [config]))
+
+
+def floor_arm(config: str) -> dict:
+    """pollen's client computation alone: train_local per client, then average."""
+    import torch
+
+    from pollen.client_app import _client_seed
+    from pollen.task import federated_data, settings_model
+    from pollen.task.train import (
+        ClientOptimizer,
+        Preprocess,
+        evaluate,
+        pick_device,
+        train_local,
+    )
+
+    s = _settings(config)
+    dataset, shards = federated_data(s)
+    device = pick_device(s.device)
+    model = settings_model(s, dataset).to(device)
+    prep = Preprocess(dataset.mean, dataset.std, s.normalize,
+                      augment=s.augment and dataset.augmentable, device=device)  # fmt: skip
+    clients = [
+        (dataset.x_train[shard].to(device), dataset.y_train[shard].to(device))
+        for shard in shards
+    ]
+    optimizer = ClientOptimizer(
+        s.client_optimizer, s.lr, s.momentum, s.weight_decay, s.client_betas
+    )
+    weights = [len(y) / sum(len(y) for _, y in clients) for _, y in clients]
+    global_state = {k: v.clone() for k, v in model.state_dict().items()}
+    seconds = []
+    for server_round in range(1, s.rounds + 1):
+        started = time.perf_counter()
+        summed = {k: torch.zeros_like(v, dtype=torch.float32) for k, v in global_state.items()}  # fmt: skip
+        for client, ((x, y), weight) in enumerate(zip(clients, weights, strict=True)):
+            model.load_state_dict(global_state)
+            train_local(
+                model, x, y, epochs=s.local_epochs, batch_size=s.batch_size,
+                optimizer=optimizer, preprocess=prep,
+                seed=_client_seed(s.seed, server_round, client),
+                max_grad_norm=s.max_grad_norm,
+            )  # fmt: skip
+            for name, value in model.state_dict().items():
+                summed[name] += weight * value.float()
+        global_state = {
+            k: v.to(global_state[k].dtype) for k, v in summed.items()
+        }  # fmt: skip
+        seconds.append(time.perf_counter() - started)
+    model.load_state_dict(global_state)
+    test_prep = Preprocess(dataset.mean, dataset.std, s.normalize, device=device)
+    loss, accuracy = evaluate(model, dataset.x_test.to(device), dataset.y_test.to(device),
+                              batch_size=s.test_batch_size, preprocess=test_prep)  # fmt: skip
+    return {"rounds": seconds, "accuracy": accuracy, "loss": loss}
+
+
+def plain_arm(config: str) -> dict:
+    """The first loop users write: PIL images, per-sample transforms, a
+    DataLoader, a deep copy of the model per client, clients in turn."""
+    import numpy as np
+    import torch
+    from PIL import Image
+    from torch.nn import functional as F
+    from torch.utils.data import DataLoader, Subset
+    from torchvision import transforms
+
+    from pollen.task import federated_data, settings_model
+
+    class ImageArrays(torch.utils.data.Dataset):
+        """Like torchvision's MNIST/CIFAR10 classes: uint8 arrays in memory,
+        each sample made a PIL image and transformed when it is read."""
+
+        def __init__(self, images: np.ndarray, labels: np.ndarray, transform) -> None:
+            self.images, self.labels, self.transform = images, labels, transform
+
+        def __len__(self) -> int:
+            return len(self.labels)
+
+        def __getitem__(self, i: int):
+            return self.transform(Image.fromarray(self.images[i])), int(self.labels[i])
+
+    s = _settings(config)
+    torch.manual_seed(s.seed)
+    dataset, shards = federated_data(s)
+    model = settings_model(s, dataset)
+    as_hwc = (lambda x: x[:, 0]) if dataset.input_shape[0] == 1 else (
+        lambda x: x.permute(0, 2, 3, 1))  # fmt: skip
+    normalize = [transforms.ToTensor(), transforms.Normalize(dataset.mean, dataset.std)]
+    augment = [transforms.RandomCrop(dataset.input_shape[1], padding=4),
+               transforms.RandomHorizontalFlip()]  # fmt: skip
+    train_transform = transforms.Compose(
+        (augment if s.augment and dataset.augmentable else []) + normalize
+    )
+    train = ImageArrays(as_hwc(dataset.x_train).numpy(), dataset.y_train.numpy(),
+                        train_transform)  # fmt: skip
+    test = ImageArrays(as_hwc(dataset.x_test).numpy(), dataset.y_test.numpy(),
+                       transforms.Compose(normalize))  # fmt: skip
+    seconds, accuracy = [], 0.0
+    for _ in range(s.rounds):
+        started = time.perf_counter()
+        states, sizes = [], []
+        for shard in shards:
+            local = copy.deepcopy(model)
+            local.train()
+            opt = torch.optim.SGD(local.parameters(), lr=s.lr, momentum=s.momentum,
+                                  weight_decay=s.weight_decay)  # fmt: skip
+            loader = DataLoader(Subset(train, shard.tolist()), batch_size=s.batch_size,
+                                shuffle=True)  # fmt: skip
+            for _ in range(s.local_epochs):
+                for xb, yb in loader:
+                    opt.zero_grad()
+                    F.cross_entropy(local(xb), yb).backward()
+                    torch.nn.utils.clip_grad_norm_(local.parameters(), s.max_grad_norm)
+                    opt.step()
+            states.append(local.state_dict())
+            sizes.append(len(shard))
+        model.load_state_dict({
+            name: sum(st[name].float() * n for st, n in zip(states, sizes, strict=True))
+            .div(sum(sizes)).to(states[0][name].dtype)
+            for name in states[0]
+        })  # fmt: skip
+        model.eval()
+        correct = 0
+        with torch.no_grad():
+            for xb, yb in DataLoader(test, batch_size=s.test_batch_size):
+                correct += int((model(xb).argmax(1) == yb).sum())
+        accuracy = correct / len(test)
+        seconds.append(time.perf_counter() - started)
+    return {"rounds": seconds, "accuracy": accuracy}
+
+
+ARMS = {"floor": floor_arm, "plain": plain_arm}
+
+
+def run_arm(arm: str, config: str) -> dict:
+    """One arm in a fresh process: its rounds, accuracy, wall and peak memory."""
+    command = [sys.executable, __file__, "--arm", arm, "--config", config]
+    wall, peak, done = measure(command)
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    return {**result, "wall": wall, "start-up": wall - sum(result["rounds"]),
+            "peak-rss": peak}  # fmt: skip
+
+
+def warm_data_cache(config: str) -> None:
+    """Decode the data set once, so that no arm pays for the first decode."""
+    from pollen.task import federated_data
+
+    federated_data(_settings(config))
+
+
+def later_mean(rounds: list[float]) -> float:
+    """Mean seconds of the rounds after the first (the first if only one)."""
+    later = rounds[1:] or rounds
+    return sum(later) / len(later)
+
+
+def row(workload: str, arm: str, r: dict, pollen: dict, floor: dict) -> str:
+    rounds, mean = r["rounds"], later_mean(r["rounds"])
+    if arm == "pollen":
+        versus = (
+            f"{sum(rounds) / sum(floor['rounds']):.2f}x floor "
+            f"({r['wall'] / floor['wall']:.2f}x end to end)"
+        )
+        overhead = f"{mean - later_mean(floor['rounds']):.2f}"
+    elif arm == "plain":
+        versus = f"{sum(rounds) / sum(pollen['rounds']):.1f}x pollen"
+        overhead = "-"
+    else:
+        versus, overhead = "1", "-"
+    return (
+        f"| {workload} | {arm} | {r['wall']:.1f} | {r['start-up']:.1f} | "
+        f"{rounds[0]:.2f} | {mean:.2f} | {overhead} | {versus} | "
+        f"{r['peak-rss'] / 2**30:.2f} | {100 * r['accuracy']:.2f}% |"
+    )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--workloads", nargs="+", choices=WORKLOADS,
+                        default=["fmnist-mlp", "fmnist-cnn"])  # fmt: skip
+    parser.add_argument("--rounds", type=int, default=10)
+    parser.add_argument("--data-root", default=str(PROJECT.parent / "shared" / "data"))
+    parser.add_argument("--arm", choices=ARMS, help=argparse.SUPPRESS)
+    parser.add_argument("--config", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.arm:  # a child process: one arm, its result as the last line
+        print(json.dumps(ARMS[args.arm](args.config)))
+        return
+    print(
+        "| workload | arm | wall s | start-up s | round 1 s | later rounds s | "
+        "overhead s/round | rounds time | peak RSS GiB | accuracy |\n"
+        "|---|---|---|---|---|---|---|---|---|---|",
+        flush=True,
+    )
+    for workload in args.workloads:
+        config = run_config(workload, args.rounds, args.data_root)
+        warm_data_cache(config)
+        with tempfile.TemporaryDirectory() as out:
+            pollen = run_pollen([config], Path(out), "run")
+        floor = run_arm("floor", config)
+        plain = run_arm("plain", config)
+        for arm, result in (("floor", floor), ("pollen", pollen), ("plain", plain)):
+            print(row(workload, arm, result, pollen, floor), flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,171 @@
+"""`pollen run` on a real two-node Ray cluster: ClientApps run on both nodes.
+
+Flower's Ray backend calls `ray.init()` without an address, so Ray's own
+`RAY_ADDRESS` makes a simulation join an existing cluster instead of starting
+a private one. This test starts a head and a worker node on this machine
+(loopback only, one CPU each, free ports, a private temp dir), runs a short
+simulation with one CPU per ClientApp, and reads from the cluster's GCS that
+ClientAppActor actors lived on both nodes: the simulation really spread over
+the cluster. It stops only the Ray processes it started (by process group,
+never `ray stop`, which would stop every Ray on the machine) and checks that
+none is left.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+
+from pollen.deploy import free_port, stop
+from tests.conftest import PROJECT
+
+pytestmark = pytest.mark.integration
+BIN = Path(sys.executable).parent
+LOOPBACK = "127.0.0.1"
+CLUSTER_START_SECONDS = 180
+
+# Run in a subprocess so that pytest itself never holds a Ray driver. The
+# state API needs the dashboard, which is off; the GCS-backed private API
+# does not. Prints the alive node IDs (once `want` are alive, or at the
+# deadline) and every actor as [class, state, node ID].
+QUERY = """
+import json, sys, time
+import ray
+import ray._private.state as state
+
+address, want, seconds = sys.argv[1], int(sys.argv[2]), float(sys.argv[3])
+ray.init(address=address, logging_level="ERROR", log_to_driver=False)
+deadline = time.monotonic() + seconds
+while True:
+    alive = [n["NodeID"] for n in ray.nodes() if n["Alive"]]
+    if len(alive) >= want or time.monotonic() > deadline:
+        break
+    time.sleep(0.5)
+actors = [
+    [a["ActorClassName"], a["State"], a["Address"]["NodeID"]]
+    for a in state.actors().values()
+]
+print(json.dumps({"nodes": alive, "actors": actors}))
+"""
+
+
+@dataclass
+class Cluster:
+    address: str
+    env: dict[str, str]
+    strays: list[int] = field(default_factory=list)
+
+
+def distinct_free_ports(n: int) -> list[int]:
+    ports: list[int] = []
+    while len(ports) < n:
+        port = free_port()
+        if port not in ports:
+            ports.append(port)
+    return ports
+
+
+def marked(temp_dir: str) -> list[int]:
+    """PIDs of processes whose environment or command line names `temp_dir`."""
+    mark, found = temp_dir.encode(), []
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit() or int(proc.name) == os.getpid():
+            continue
+        with contextlib.suppress(OSError):
+            seen = (proc / "environ").read_bytes() + (proc / "cmdline").read_bytes()
+            if mark in seen:
+                found.append(int(proc.name))
+    return found
+
+
+def query(cluster: Cluster, want: int = 0, seconds: float = 0) -> dict:
+    done = subprocess.run(
+        [sys.executable, "-c", QUERY, cluster.address, str(want), str(seconds)],
+        env=cluster.env, capture_output=True, text=True, timeout=seconds + 120,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout.splitlines()[-1])
+
+
+@contextlib.contextmanager
+def ray_cluster(logs: Path) -> Iterator[Cluster]:
+    """A head and a worker node, one CPU each, until the block ends; then
+    their process groups are stopped, and any of their processes that
+    escaped the groups is killed and listed in `strays`."""
+    # Ray's socket paths must stay under ~107 characters: a short temp dir.
+    temp_dir = tempfile.mkdtemp(prefix="rt", dir="/tmp")
+    gcs, client, head_agent, worker_agent = distinct_free_ports(4)
+    env = {
+        **os.environ,
+        "RAY_TMPDIR": temp_dir,
+        "RAY_USAGE_STATS_ENABLED": "0",
+        "RAY_ADDRESS": f"{LOOPBACK}:{gcs}",
+    }
+    cluster = Cluster(f"{LOOPBACK}:{gcs}", env)
+    common = [str(BIN / "ray"), "start", "--block", "--num-cpus=1",
+              f"--node-ip-address={LOOPBACK}", "--disable-usage-stats"]  # fmt: skip
+    nodes = {
+        "head": [*common, "--head", f"--port={gcs}", "--include-dashboard=false",
+                 f"--ray-client-server-port={client}",
+                 f"--dashboard-agent-listen-port={head_agent}"],
+        "worker": [*common, f"--address={cluster.address}",
+                   f"--dashboard-agent-listen-port={worker_agent}"],
+    }  # fmt: skip
+    started: list[subprocess.Popen[bytes]] = []
+    try:
+        for name, command in nodes.items():
+            with (logs / f"ray-{name}.log").open("wb") as log:
+                node = subprocess.Popen(
+                    command, env=env, stdin=subprocess.DEVNULL, stdout=log,
+                    stderr=subprocess.STDOUT, start_new_session=True,
+                )  # fmt: skip
+            started.append(node)
+        yield cluster
+    finally:
+        for process in reversed(started):  # the worker first, then the head
+            stop(process.pid)
+        cluster.strays = marked(temp_dir)
+        for pid in cluster.strays:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        shutil.rmtree(temp_dir, ignore_errors=True)
+
+
+def test_simulation_spreads_client_apps_over_a_two_node_cluster(
+    tmp_path: Path,
+) -> None:
+    with ray_cluster(tmp_path) as cluster:
+        started = time.monotonic()
+        nodes = query(cluster, want=2, seconds=CLUSTER_START_SECONDS)["nodes"]
+        logs = "".join(p.read_text()[-2000:] for p in tmp_path.glob("ray-*.log"))
+        assert len(nodes) == 2, f"cluster did not come up: {nodes}\n{logs}"
+        print(f"cluster up in {time.monotonic() - started:.1f} s")
+        run = subprocess.run(
+            [str(BIN / "pollen"), "run", str(PROJECT),
+             "-c", f"rounds=2 output-dir='{tmp_path}' run-name='cluster'",
+             "--federation-config", "client-resources-num-cpus=1"],
+            env=cluster.env, capture_output=True, text=True, timeout=600,
+        )  # fmt: skip
+        assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+        after = query(cluster)
+    rows = json.loads((tmp_path / "cluster" / "history.json").read_text())
+    assert [r["round"] for r in rows] == [1, 2]
+    assert all(len(r["clients"]) == 5 and not r["failures"] for r in rows)
+    summary = json.loads((tmp_path / "cluster" / "summary.json").read_text())
+    assert summary["status"] == "completed" and summary["rounds"] == 2
+    actors = after["actors"]
+    client_nodes = {node for name, _, node in actors if name == "ClientAppActor"}
+    assert client_nodes == set(after["nodes"]) == set(nodes), after
+    assert not cluster.strays, f"Ray processes outside node groups: {cluster.strays}"
