@@ -26,7 +26,7 @@ Scalar = bool | int | float | str
 DATA_SETS = ("digits", "mnist", "fashion-mnist", "cifar10", "cifar100")
 MODELS = ("mlp", "mlp-bn", "cnn", "cnn-gn", "cnn-lora", "mobilenet", "vgg16-lora")
 LORA_MODELS = ("cnn-lora", "vgg16-lora")
-PARTITIONS = ("iid", "niid", "pathological", "silos")
+PARTITIONS = ("iid", "niid", "niid-client", "pathological", "silos")
 SERVER_UPDATES = ("fedavg", "feddyn", "sgd", "adagrad", "adam", "yogi")
 LOCAL_OBJECTIVES = ("plain", "sam", "feddyn", "prox")
 BN_POLICIES = ("shared", "fedbn", "silobn")
@@ -315,9 +315,11 @@ class Settings:
     )
     # Partitioning
     partition: str = key("iid", "how training data is split", one_of(*PARTITIONS))
-    alpha: float = key(0.5, "Dirichlet concentration for partition=niid", above(0))
+    alpha: float = key(
+        0.5, "Dirichlet concentration for partition=niid and niid-client", above(0)
+    )
     min_size: int = key(
-        10, "minimum samples per client for partition=niid", at_least(0)
+        10, "minimum samples per client for partition=niid and niid-client", at_least(0)
     )
     classes_per_client: int = key(
         2, "classes per client for partition=pathological", at_least(1)

@@ -41,6 +41,28 @@ def test_niid_min_size_the_data_cannot_meet() -> None:
         shards("niid", min_size=200)
 
 
+def test_niid_client_deals_equal_skewed_shards_to_many_clients() -> None:
+    """100 clients of 10 samples at alpha 0.1, where per-class Dirichlet fails."""
+    with pytest.raises(PartitionError, match="'min-size'"):
+        shards("niid", num_clients=100, alpha=0.1, min_size=5)
+    parts = shards("niid-client", num_clients=100, alpha=0.1, min_size=5, seed=3)
+    assert [len(p) for p in parts] == [10] * 100
+    assert np.array_equal(np.sort(np.concatenate(parts)), np.arange(1000))
+    skewed = label_counts(LABELS, parts, 10)
+    near_iid = label_counts(LABELS, shards("niid-client", 100, alpha=1e3, seed=3), 10)
+    assert _top_class_share(skewed) > 0.5 > 0.3 > _top_class_share(near_iid)
+
+
+def _top_class_share(counts: np.ndarray) -> float:
+    """How much of a shard its largest class is, on average over shards."""
+    return float((counts.max(1) / counts.sum(1)).mean())
+
+
+def test_niid_client_min_size_above_an_equal_share() -> None:
+    with pytest.raises(PartitionError, match="gives each of 100 clients 10 samples"):
+        shards("niid-client", num_clients=100, min_size=11)
+
+
 def test_pathological_gives_k_classes_per_client() -> None:
     parts = shards("pathological", classes_per_client=2, seed=1)
     counts = label_counts(LABELS, parts, 10)
@@ -67,7 +89,7 @@ def test_silos_need_at_most_one_client_per_class() -> None:
         shards("silos", num_clients=11)
 
 
-@pytest.mark.parametrize("scheme", ["iid", "niid", "pathological"])
+@pytest.mark.parametrize("scheme", ["iid", "niid", "niid-client", "pathological"])
 def test_same_seed_same_shards_other_seed_other_shards(scheme: str) -> None:
     a, b, c = (shards(scheme, seed=s) for s in (5, 5, 6))
     assert all(np.array_equal(x, y) for x, y in zip(a, b, strict=True))
