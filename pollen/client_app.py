@@ -242,7 +242,7 @@ def train(msg: Message, context: Context) -> Message:
             cm.model, x, y,
             epochs=s.local_epochs, batch_size=s.batch_size, optimizer=optimizer,
             preprocess=prep, seed=seed, max_grad_norm=s.max_grad_norm,
-            sam_rho=s.sam_rho if s.local_objective == "sam" else 0.0,
+            sam_rho=s.local_sam_rho,
             regularizer=regularizer,
         )  # fmt: skip
     if h_key and regularizer is not None:
@@ -292,9 +292,9 @@ def _train_private(
 def _regularizer(cm: ClientModel, context: Context) -> tuple[Regularizer | None, str]:
     """FedProx's or FedDyn's term around the received model (and h_k's state key)."""
     s = cm.settings
-    if s.local_objective not in ("prox", "feddyn"):
+    if not s.regularizer:
         return None, ""
-    dyn = s.local_objective == "feddyn"
+    dyn = s.regularizer == "feddyn"
     names = cm.sharing.trained_shared(exclude_bn=dyn and s.feddyn_exclude_bn)
     params = dict(cm.model.named_parameters())
     anchor = {name: params[name].detach().clone() for name in names}

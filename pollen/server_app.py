@@ -330,7 +330,7 @@ def _divergence_hint(s: Settings) -> str:
     hints = []
     if s.server_update in ("sgd", "adagrad", "adam", "yogi"):
         hints.append(f"server-lr={s.server_lr:g} too high")
-    if s.server_update == "feddyn" or s.local_objective == "feddyn":
+    if s.server_update == "feddyn" or s.regularizer == "feddyn":
         hints.append(f"dyn-alpha={s.dyn_alpha:g} with lr={s.lr:g}")
     hints.append(f"lr={s.lr:g} too high (max-grad-norm={s.max_grad_norm:g})")
     return "; or ".join(hints)

@@ -28,7 +28,9 @@ MODELS = ("mlp", "mlp-bn", "cnn", "cnn-gn", "cnn-lora", "mobilenet", "vgg16-lora
 LORA_MODELS = ("cnn-lora", "vgg16-lora")
 PARTITIONS = ("iid", "niid", "niid-client", "pathological", "silos")
 SERVER_UPDATES = ("fedavg", "feddyn", "sgd", "adagrad", "adam", "yogi")
-LOCAL_OBJECTIVES = ("plain", "sam", "feddyn", "prox")
+# "<regulariser>-sam": that regulariser, with the data gradient taken at SAM's
+# perturbed point
+LOCAL_OBJECTIVES = ("plain", "sam", "feddyn", "prox", "feddyn-sam", "prox-sam")
 BN_POLICIES = ("shared", "fedbn", "silobn")
 SHARING = ("all", "lora-a", "lora")
 OPTIMIZERS = ("sgd", "adam", "adamw")
@@ -191,9 +193,13 @@ class Settings:
         10.0, "clip each local gradient to this L2 norm (0: no clipping)", at_least(0)
     )
     sam_rho: float = key(
-        0.05, "SAM neighbourhood radius (local-objective=sam)", above(0)
+        0.05,
+        "SAM neighbourhood radius (local-objective sam, feddyn-sam, prox-sam)",
+        above(0),
     )
-    prox_mu: float = key(0.01, "FedProx weight mu (local-objective=prox)", at_least(0))
+    prox_mu: float = key(
+        0.01, "FedProx weight mu (local-objective prox, prox-sam)", at_least(0)
+    )
     dyn_alpha: float = key(
         0.1, "FedDyn alpha, client regulariser and server state", above(0)
     )
@@ -372,6 +378,17 @@ class Settings:
         return self.bn_policy if self.sharing == "all" else self.sharing
 
     @property
+    def regularizer(self) -> str:
+        """The local objective's regulariser: "prox", "feddyn" or "" (none)."""
+        base = self.local_objective.removesuffix("-sam")
+        return base if base in ("prox", "feddyn") else ""
+
+    @property
+    def local_sam_rho(self) -> float:
+        """SAM's radius where the local objective takes SAM steps, else 0."""
+        return self.sam_rho if self.local_objective.endswith("sam") else 0.0
+
+    @property
     def client_betas(self) -> tuple[float, float]:
         """`betas` as numbers (validated when the settings were made)."""
         return _parse_betas(self.betas) or (0.9, 0.999)
@@ -441,9 +458,10 @@ def _check_combination(values: dict[str, Scalar]) -> None:
             "cache-features=true with augment=true: features are computed once, "
             "from un-augmented images; set augment=false or cache-features=false"
         )
-    if values["dp"] and values["local-objective"] == "sam":
+    if values["dp"] and str(values["local-objective"]).endswith("sam"):
         raise SettingsError(
-            "dp=true with local-objective='sam': SAM's second pass has no "
+            f"dp=true with local-objective={values['local-objective']!r}: SAM's "
+            "second pass has no "
             "per-sample clipping; allowed with dp: plain, prox, feddyn"
         )
     if values["dp"] and values["resume"]:

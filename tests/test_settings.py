@@ -125,6 +125,22 @@ def test_explicit_parts_override_the_preset() -> None:
 
 
 @pytest.mark.parametrize(
+    ("objective", "regularizer", "rho"),
+    [("plain", "", 0.0), ("sam", "", 0.2), ("prox", "prox", 0.0),
+     ("feddyn", "feddyn", 0.0), ("prox-sam", "prox", 0.2),
+     ("feddyn-sam", "feddyn", 0.2)],
+)  # fmt: skip
+def test_local_objective_parts(objective, regularizer, rho) -> None:
+    s = Settings.from_run_config({"local-objective": objective, "sam-rho": 0.2})
+    assert (s.regularizer, s.local_sam_rho) == (regularizer, rho)
+    if rho:  # no per-sample clipping for SAM's second pass
+        with pytest.raises(SettingsError, match=f"local-objective='{objective}'"):
+            Settings.from_run_config(
+                {"local-objective": objective, "dp": True, "model": "cnn-gn"}
+            )
+
+
+@pytest.mark.parametrize(
     "preset", sorted(p.name for p in (PROJECT / "configs").glob("*.toml"))
 )
 def test_every_preset_file_is_valid(preset) -> None:

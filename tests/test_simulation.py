@@ -244,7 +244,7 @@ SUITE = [
     ("fedadagrad", "fedbn", "mlp-bn", ""),
     ("fedadam", "shared", "mlp-bn", ""),
     ("fedyogi", "shared", "mlp", "update-norm-bound=1 min-train-replies=2"),
-    ("feddyn", "shared", "mlp-bn", ""),
+    ("feddyn", "shared", "mlp-bn", "local-objective='feddyn-sam'"),
     ("fedprox", "shared", "cnn-gn", "dp=true dp-epsilon=4"),
     ("fedsam", "shared", "mlp-bn", ""),
     ("fedsa", "lora-a", "cnn-lora", ""),
