@@ -82,6 +82,16 @@ def measure(
     return wall, peak[0], result
 
 
+def settings_of(config: str):
+    """What `pollen run` validates: the project's defaults under one `-c` value."""
+    from pollen.cli import (
+        resolve_run_config,  # only scripts that ask pay
+    )
+    from pollen.settings import Settings
+
+    return Settings.from_run_config(resolve_run_config(PROJECT, [config]))
+
+
 def run_pollen(config: list[str], out: Path, name: str, **popen) -> dict[str, float]:
     """One complete `pollen run` of this project, timed from the command's
     start to its exit: wall, start-up (wall less the rounds' own seconds, as

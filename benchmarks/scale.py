@@ -38,9 +38,8 @@ from pathlib import Path
 
 import torch
 from flwr.app import ArrayRecord
-from measure import PROJECT, run_pollen
+from measure import PROJECT, run_pollen, settings_of
 
-from pollen.cli import resolve_run_config
 from pollen.settings import Scalar, Settings
 from pollen.strategies.sharing import Sharing
 from pollen.task import federated_data, settings_model
@@ -105,11 +104,6 @@ def run_config(
 def as_text(config: dict[str, Scalar]) -> str:
     """The overrides as one `-c` value."""
     return " ".join(f"{k}={json.dumps(v)}" for k, v in config.items())
-
-
-def settings_of(config: dict[str, Scalar]) -> Settings:
-    """What `pollen run` validates: the project's defaults under `config`."""
-    return Settings.from_run_config(resolve_run_config(PROJECT, [as_text(config)]))
 
 
 def h_k_size(settings: Settings) -> tuple[int, int]:
@@ -197,8 +191,10 @@ def main() -> None:
     ]
     with tempfile.TemporaryDirectory(prefix="pollen-scale-") as tmp:
         os.environ[CACHE_ENV] = str(Path(tmp) / "cache")  # inherited by the runs
-        params, h_bytes = h_k_size(settings_of(configs[1]))
-        federated_data(settings_of(configs[-1]))  # the baseline's shards, cached
+        params, h_bytes = h_k_size(settings_of(as_text(configs[1])))
+        federated_data(
+            settings_of(as_text(configs[-1]))
+        )  # the baseline's shards, cached
         rows = [measure_run(config, Path(tmp)) for config in configs]
     print_table(rows)
     print_state_cost(rows, params, h_bytes)

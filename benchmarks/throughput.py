@@ -38,7 +38,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from measure import PROJECT, measure, run_pollen
+from measure import PROJECT, measure, run_pollen, settings_of
 
 WORKLOADS = {
     "fmnist-mlp": "data-set='fashion-mnist' model='mlp' augment=false",
@@ -55,13 +55,6 @@ def run_config(workload: str, rounds: int, data_root: str) -> str:
     return f"{COMMON} {WORKLOADS[workload]} rounds={rounds} data-root='{data_root}'"
 
 
-def _settings(config: str):
-    from pollen.cli import resolve_run_config
-    from pollen.settings import Settings
-
-    return Settings.from_run_config(resolve_run_config(PROJECT, [config]))
-
-
 def floor_arm(config: str) -> dict:
     """pollen's client computation alone: train_local per client, then average."""
     import torch
@@ -76,7 +69,7 @@ def floor_arm(config: str) -> dict:
         train_local,
     )
 
-    s = _settings(config)
+    s = settings_of(config)
     dataset, shards = federated_data(s)
     device = pick_device(s.device)
     model = settings_model(s, dataset).to(device)
@@ -141,7 +134,7 @@ def plain_arm(config: str) -> dict:
         def __getitem__(self, i: int):
             return self.transform(Image.fromarray(self.images[i])), int(self.labels[i])
 
-    s = _settings(config)
+    s = settings_of(config)
     torch.manual_seed(s.seed)
     dataset, shards = federated_data(s)
     model = settings_model(s, dataset)
@@ -207,7 +200,7 @@ def warm_data_cache(config: str) -> None:
     """Decode the data set once, so that no arm pays for the first decode."""
     from pollen.task import federated_data
 
-    federated_data(_settings(config))
+    federated_data(settings_of(config))
 
 
 def later_mean(rounds: list[float]) -> float:
