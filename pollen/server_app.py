@@ -1,7 +1,7 @@
 """ServerApp: settings -> data -> model -> strategy -> rounds -> results on disk.
 
 After every round the global model is evaluated on the test split, the
-learning rate for the next round is set by ReduceLROnPlateau on that loss,
+learning rate for the next round is set by a plateau rule on that loss,
 and the history is rewritten, so a run that dies keeps every finished round.
 Every `checkpoint-every` rounds the global model, the strategy's server
 state and the scheduler are saved; `resume` continues a run from its latest
@@ -30,6 +30,7 @@ from flwr.serverapp import Grid, ServerApp
 
 from . import client_state
 from .checkpoints import Checkpoint, load_resumable, save_checkpoint
+from .lr_schedule import PlateauSchedule
 from .membership import Membership
 from .notify import Notifier
 from .results import (
@@ -366,12 +367,8 @@ class RoundEvaluator:
         self.train_config = train_config
         self.history = history
         self.run_dir = run_dir
-        self._lr_holder = torch.optim.SGD(
-            [torch.zeros(1, requires_grad=True)], lr=settings.lr
-        )
-        self.scheduler = torch.optim.lr_scheduler.ReduceLROnPlateau(
-            self._lr_holder,
-            mode="min",
+        self.scheduler = PlateauSchedule(
+            lr=settings.lr,
             factor=settings.lr_factor,
             patience=settings.lr_patience,
             threshold=settings.lr_threshold,
@@ -382,7 +379,7 @@ class RoundEvaluator:
 
     @property
     def lr(self) -> float:
-        return float(self._lr_holder.param_groups[0]["lr"])
+        return self.scheduler.lr
 
     def start_clock(self) -> None:
         """Round times count from here (after set-up and any resume)."""
