@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 # the state a checkpoint keeps; the rest comes from the run's settings
-_STATE_KEYS = ("best", "num_bad_epochs", "cooldown_counter", "last_epoch")
+_STATE_KEYS = ("best", "num_bad_epochs", "cooldown_counter")
 
 
 @dataclass
@@ -36,11 +36,9 @@ class PlateauSchedule:
     best: float = math.inf
     num_bad_epochs: int = 0
     cooldown_counter: int = 0
-    last_epoch: int = 0
 
     def step(self, loss: float) -> float:
         """Record one round's loss; return the learning rate for the next."""
-        self.last_epoch += 1
         if loss < self.best * (1 - self.threshold):  # NaN is never better
             self.best, self.num_bad_epochs = loss, 0
         else:

@@ -461,8 +461,8 @@ def _check_combination(values: dict[str, Scalar]) -> None:
     if values["dp"] and str(values["local-objective"]).endswith("sam"):
         raise SettingsError(
             f"dp=true with local-objective={values['local-objective']!r}: SAM's "
-            "second pass has no "
-            "per-sample clipping; allowed with dp: plain, prox, feddyn"
+            "second pass has no per-sample clipping; allowed with dp: plain, "
+            "prox, feddyn"
         )
     if values["dp"] and values["resume"]:
         raise SettingsError(
