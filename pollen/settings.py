@@ -27,6 +27,7 @@ DATA_SETS = ("digits", "mnist", "fashion-mnist", "cifar10", "cifar100")
 MODELS = ("mlp", "mlp-bn", "cnn", "cnn-gn", "cnn-lora", "mobilenet", "vgg16-lora")
 LORA_MODELS = ("cnn-lora", "vgg16-lora")
 PARTITIONS = ("iid", "niid", "niid-client", "pathological", "silos")
+CLASS_ASSIGNMENTS = ("first-deterministic", "deterministic", "random")
 SERVER_UPDATES = ("fedavg", "feddyn", "sgd", "adagrad", "adam", "yogi")
 # "<regulariser>-sam": that regulariser, with the data gradient taken at SAM's
 # perturbed point
@@ -329,6 +330,16 @@ class Settings:
     )
     classes_per_client: int = key(
         2, "classes per client for partition=pathological", at_least(1)
+    )
+    class_assignment: str = key(
+        "first-deterministic",
+        "which classes each client holds for partition=pathological: "
+        "'first-deterministic' (client i's first class is i mod classes, the others "
+        "drawn by seed, as in NIID-Bench), 'deterministic' (client i holds classes "
+        "i, i+1, ... mod classes: every class on equally many clients when "
+        "num-clients x classes-per-client is a multiple of the classes), 'random' "
+        "(all drawn by seed; a class may go unused)",
+        one_of(*CLASS_ASSIGNMENTS),
     )
     print_labels: bool = key(False, "print each client's label counts")
     # ReduceLROnPlateau on the server's test loss

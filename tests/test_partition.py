@@ -70,6 +70,29 @@ def test_pathological_gives_k_classes_per_client() -> None:
     assert (counts[np.arange(10), np.arange(10)] > 0).all()  # first class = i mod 10
 
 
+def test_pathological_first_deterministic_varies_class_sharing_with_seed() -> None:
+    """NIID-Bench's assignment: only the first class is fixed, so how many
+    clients share each class depends on the seed."""
+
+    def holders(seed: int) -> tuple[int, ...]:
+        counts = label_counts(LABELS, shards("pathological", seed=seed), 10)
+        return tuple((counts > 0).sum(axis=0))
+
+    by_seed = [holders(seed) for seed in (1, 2, 3)]
+    assert len(set(by_seed)) > 1
+    assert all(max(h) > 2 for h in by_seed)
+
+
+@pytest.mark.parametrize("seed", [1, 2])
+def test_pathological_deterministic_gives_every_class_to_two_clients(seed: int) -> None:
+    parts = shards("pathological", class_assignment="deterministic", seed=seed)
+    counts = label_counts(LABELS, parts, 10)
+    held = [set(np.flatnonzero(row)) for row in counts]
+    assert held == [{i, (i + 1) % 10} for i in range(10)]
+    assert ((counts > 0).sum(axis=0) == 2).all()
+    assert sum(len(p) for p in parts) == len(LABELS)
+
+
 def test_pathological_k_above_class_count() -> None:
     with pytest.raises(
         PartitionError, match=r"'classes-per-client': 11; .* 10 classes"

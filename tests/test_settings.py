@@ -44,6 +44,11 @@ def test_pyproject_declares_every_key_with_the_same_type() -> None:
             "one of mlp, mlp-bn, cnn, cnn-gn, cnn-lora, mobilenet, vgg16-lora",
         ),
         ("partition", "random", "one of iid, niid, niid-client, pathological, silos"),
+        (
+            "class-assignment",
+            "balanced",
+            "one of first-deterministic, deterministic, random",
+        ),
         ("strategy", "fedsgd", "one of fedavg, fedavgm"),
         ("bn-policy", "bn", "one of shared, fedbn, silobn"),
         ("server-update", "avg", "one of auto, fedavg, feddyn"),

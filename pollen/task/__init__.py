@@ -38,6 +38,7 @@ class DataKey:
     alpha: float
     min_size: int
     classes_per_client: int
+    class_assignment: str
     seed: int
 
     @classmethod
@@ -225,6 +226,7 @@ def _federated_data(key: DataKey) -> tuple[Dataset, list[np.ndarray]]:
         alpha=key.alpha,
         min_size=key.min_size,
         classes_per_client=key.classes_per_client,
+        class_assignment=key.class_assignment,
         seed=key.seed,
         cache_dir=None if key.data_set == "digits" else partition_cache(key.data_root),
     )

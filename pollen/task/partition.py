@@ -13,9 +13,12 @@ Schemes (`partition`):
   still to be dealt draw from the classes left, so the last shards are the
   least skewed;
 - `pathological`: `classes-per-client` classes per client, each class's samples
-  split among the clients holding it (flwr-datasets `PathologicalPartitioner`,
-  first class of client i is i mod classes, as in Li et al. 2021); classes no
-  client drew are unused;
+  split among the clients holding it (flwr-datasets `PathologicalPartitioner`).
+  `class-assignment` picks the classes: `first-deterministic` (client i's
+  first class is i mod classes, the others drawn by seed, as in Li et al.
+  2021, so how many clients share a class varies with the seed),
+  `deterministic` (client i holds classes i, i+1, ... mod classes, whatever
+  the seed) or `random`; classes no client drew are unused;
 - `silos`: clients own contiguous class groups, all samples of those classes
   (2 clients on 10 classes: 0-4 and 5-9).
 
@@ -61,6 +64,7 @@ def partition_indices(
     alpha: float = 0.5,
     min_size: int = 10,
     classes_per_client: int = 2,
+    class_assignment: str = "first-deterministic",
     seed: int = 845,
     cache_dir: Path | None = None,
 ) -> list[np.ndarray]:
@@ -79,7 +83,7 @@ def partition_indices(
         shards = _client_mixes(labels, num_classes, num_clients, alpha, min_size, seed)
     else:
         params = (num_classes, num_clients, scheme, alpha, min_size,
-                  classes_per_client, seed)  # fmt: skip
+                  classes_per_client, class_assignment, seed)  # fmt: skip
         path = cache_dir and cache_dir / f"{_digest(labels, params)}.npz"
         shards = _read_shards(path, num_clients, n)
         if shards is None:
@@ -209,6 +213,7 @@ def _flwr_partition(
     alpha: float,
     min_size: int,
     classes_per_client: int,
+    class_assignment: str,
     seed: int,
 ) -> list[np.ndarray]:
     import datasets
@@ -248,7 +253,7 @@ def _flwr_partition(
             num_partitions=num_clients,
             partition_by="label",
             num_classes_per_partition=classes_per_client,
-            class_assignment_mode="first-deterministic",
+            class_assignment_mode=class_assignment,
             seed=seed,
         )
     else:
