@@ -2,7 +2,7 @@
 
     .venv/bin/python benchmarks/algorithms.py seed004 [--data-root D] [--out DIR]
     .venv/bin/python benchmarks/algorithms.py fmnist [--seeds 1 2 3] [--only fedavg ...]
-        [--model cnn]
+        [--model cnn] [--class-assignment deterministic]
 
 `seed004`: the notebook's grid on MNIST in two class silos (configs/seed004-*):
 FedAvg, and {SiloBN, FedBN} x server {SGD, Adagrad, Yogi, Adam}. Prints each
@@ -12,7 +12,10 @@ the whole test set after round 10, rounded like the notebook, beside its table.
 `fmnist`: configs/fmnist-2class.toml (Fashion-MNIST, 10 clients with 2
 classes each, full participation, 20 rounds) with every strategy preset and
 the settings in FMNIST below; prints final and best test accuracy per seed.
-`--model` replaces seed 003's MLP (runs are then named `fmnist-<model>-...`).
+`--model` replaces seed 003's MLP (runs are then named `fmnist-<model>-...`);
+`--class-assignment deterministic` gives client i classes i and i+1 whatever
+the seed, every class on two clients (runs named `fmnist-deterministic-...`),
+instead of NIID-Bench's assignment, where the seed draws the second class.
 
 Each run's directory under --out is kept; a run whose directory exists is
 read back instead of repeated, so an interrupted benchmark resumes.
@@ -25,6 +28,8 @@ import json
 import subprocess
 import sys
 from pathlib import Path
+
+from pollen.settings import CLASS_ASSIGNMENTS
 
 PROJECT = Path(__file__).resolve().parents[1]
 SEED004 = "configs/seed004-fedavg.toml"
@@ -110,10 +115,21 @@ def seed004(out: Path, data_root: str) -> None:
 
 
 def fmnist(
-    out: Path, data_root: str, seeds: list[int], only: list[str], model: str
+    out: Path,
+    data_root: str,
+    seeds: list[int],
+    only: list[str],
+    model: str,
+    class_assignment: str,
 ) -> None:
-    data = f"data-root='{data_root}' model='{model}'"
-    prefix = "fmnist" if model == "mlp" else f"fmnist-{model}"
+    data = (
+        f"data-root='{data_root}' model='{model}' class-assignment='{class_assignment}'"
+    )
+    prefix = "-".join(
+        ["fmnist"]
+        + ([model] if model != "mlp" else [])
+        + ([class_assignment] if class_assignment != "first-deterministic" else [])
+    )
     names = only or list(FMNIST)
     print("| strategy | settings | " + " | ".join(f"seed {s} final (best)" for s in seeds)
           + " | mean final |")  # fmt: skip
@@ -142,12 +158,19 @@ def main() -> None:
     parser.add_argument("--seeds", type=int, nargs="+", default=[1, 2, 3])
     parser.add_argument("--only", nargs="*", default=[], choices=list(FMNIST))
     parser.add_argument("--model", default="mlp", help="fmnist: the model to train")
+    parser.add_argument(
+        "--class-assignment",
+        default="first-deterministic",
+        choices=CLASS_ASSIGNMENTS,
+        help="fmnist: which classes each client holds",
+    )
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     if args.suite == "seed004":
         seed004(args.out.resolve(), args.data_root)
     else:
-        fmnist(args.out.resolve(), args.data_root, args.seeds, args.only, args.model)
+        fmnist(args.out.resolve(), args.data_root, args.seeds, args.only, args.model,
+               args.class_assignment)  # fmt: skip
 
 
 if __name__ == "__main__":
