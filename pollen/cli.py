@@ -30,7 +30,12 @@ from .checkpoints import CheckpointError, check_resumable
 from .deploy import entry_point, flower_env, free_port
 from .fab import staged_app
 from .notify import URL_ENV, check_url
-from .results import ResultsError, check_run_dir_is_new, default_run_name
+from .results import (
+    RUN_COMPLETED,
+    ResultsError,
+    check_run_dir_is_new,
+    default_run_name,
+)
 from .settings import Settings, SettingsError
 
 SUPERLINK_START_SECONDS = 60.0
@@ -234,7 +239,31 @@ def _running_deployment(directory: Path, connection: str | None) -> deploy.Deplo
 
 
 def _flwr(flwr_args: list[str], env: dict[str, str]) -> None:
-    subprocess.run([entry_point("flwr"), *flwr_args], env=env, check=False)
+    """`flwr run`, its output passed through line by line, until it exits or,
+    sooner, until the ServerApp says it completed: every result is written by
+    then, and Flower's own shutdown of the simulation (stopping Ray, draining
+    the log stream) would keep the command waiting about 4 s longer."""
+    process = subprocess.Popen(
+        [entry_point("flwr"), *flwr_args],
+        env={**env, "PYTHONUNBUFFERED": "1"},
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    assert process.stdout is not None
+    try:
+        for line in process.stdout:
+            sys.stdout.write(line)
+            sys.stdout.flush()
+            if RUN_COMPLETED in line:
+                break
+    finally:
+        if process.poll() is None:
+            process.terminate()
+            try:
+                process.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait()
 
 
 def _keep_log(log_path: Path, run_dir: Path) -> None:

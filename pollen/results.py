@@ -32,6 +32,9 @@ PERSONAL_COLUMNS = tuple(
     for where in ("global", "local")
     for stat in ("mean", "min", "max")
 )
+# The ServerApp's last line, printed once summary.json is written: `pollen run`
+# stops waiting for Flower's shutdown when it sees it.
+RUN_COMPLETED = "pollen: run completed; results in"
 
 
 class ResultsError(RuntimeError):

@@ -34,6 +34,7 @@ from .lr_schedule import PlateauSchedule
 from .membership import Membership
 from .notify import Notifier
 from .results import (
+    RUN_COMPLETED,
     ResultsError,
     RoundRecord,
     create_run_dir,
@@ -99,7 +100,7 @@ def main(grid: Grid, context: Context) -> None:
         last and last.dp_epsilon,
     )  # fmt: skip
     notifier.close()
-    print(f"pollen: run completed; results in {run_dir}", flush=True)
+    print(f"{RUN_COMPLETED} {run_dir}", flush=True)
 
 
 def _open_run_dir(settings: Settings) -> tuple[Path, str, Checkpoint | None]:

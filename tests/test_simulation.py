@@ -65,29 +65,32 @@ def webhook() -> Iterator[tuple[str, list[str]]]:
         server.shutdown()
 
 
-def superlinks() -> set[int]:
-    """PIDs of running flower-superlink processes."""
+def running(marker: bytes = b"flower-superlink") -> set[int]:
+    """PIDs of running processes whose command line holds `marker`."""
     pids = set()
     for proc in Path("/proc").iterdir():
         try:
-            if (
-                proc.name.isdigit()
-                and b"flower-superlink" in (proc / "cmdline").read_bytes()
-            ):
+            if proc.name.isdigit() and marker in (proc / "cmdline").read_bytes():
                 pids.add(int(proc.name))
         except OSError:
             continue
     return pids
 
 
-def orphaned_superlinks(before: set[int]) -> set[int]:
-    """SuperLinks started since `before` whose parent is gone (a leak).
+def superlinks() -> set[int]:
+    """PIDs of running flower-superlink processes."""
+    return running(b"flower-superlink")
 
-    Another `pollen run` on the machine (a benchmark) may own a SuperLink
-    meanwhile; that one still has its live parent, so it does not count.
+
+def orphaned(before: set[int], marker: bytes = b"flower-superlink") -> set[int]:
+    """Processes (by command-line marker) started since `before` whose parent
+    is gone (a leak).
+
+    Another `pollen run` on the machine (a benchmark) may own such processes
+    meanwhile; those still have their live parent, so they do not count.
     """
     leaked = set()
-    for pid in superlinks() - before:
+    for pid in running(marker) - before:
         try:
             stat = Path(f"/proc/{pid}/stat").read_text()
         except OSError:
@@ -117,9 +120,13 @@ def default_runs(
 ) -> tuple[Path, list[subprocess.CompletedProcess[str]]]:
     """The embedded default run, twice with the same seed."""
     out = tmp_path_factory.mktemp("default")
-    before = superlinks()
+    markers = (b"flower-superlink", b"flwr-simulation", b"raylet", b"gcs_server")
+    before = {marker: running(marker) for marker in markers}
     runs = [pollen_run(f"output-dir='{out}' run-name='{name}'") for name in ("a", "b")]
-    assert not orphaned_superlinks(before), "pollen run left a SuperLink running"
+    # pollen run stops waiting once the ServerApp has written its results, and
+    # stops the simulation (Ray included) itself
+    for marker in markers:
+        assert not orphaned(before[marker], marker), f"pollen run left {marker} running"
     return out, runs
 
 
@@ -186,7 +193,7 @@ def test_failed_run_exits_non_zero_with_the_reason(tmp_path: Path) -> None:
     assert "no data for 'mnist'" in run.stderr
     summary = json.loads((tmp_path / "fails" / "summary.json").read_text())
     assert summary["status"] == "failed" and "no data for 'mnist'" in summary["error"]
-    assert not orphaned_superlinks(before)
+    assert not orphaned(before)
     assert received[-1].startswith("pollen: run fails failed: DataError: no data")
 
 
