@@ -5,8 +5,9 @@ takes `flwr run`'s options. Without a CONNECTION it runs a simulation on a
 SuperLink of its own: private Flower home, free port, no runtime dependency
 installation, stopped (by PID) when the run ends. With a CONNECTION (from your
 Flower config, e.g. a deployment) it submits there. Either way it streams the
-log, reads the run's `summary.json`, prints where the results are, and exits
-non-zero when the run failed (`flwr run` itself exits 0).
+log until the ServerApp reports its results written (not through Flower's
+shutdown), reads the run's `summary.json`, prints where the results are, and
+exits non-zero when the run failed (`flwr run` itself exits 0).
 """
 
 from __future__ import annotations
