@@ -2,7 +2,7 @@
 
     .venv/bin/python benchmarks/algorithms.py seed004 [--data-root D] [--out DIR]
     .venv/bin/python benchmarks/algorithms.py fmnist [--seeds 1 2 3] [--only fedavg ...]
-        [--model cnn] [--class-assignment deterministic]
+        [--model cnn] [--class-assignment deterministic] [--num-clients 5]
 
 `seed004`: the notebook's grid on MNIST in two class silos (configs/seed004-*):
 FedAvg, and {SiloBN, FedBN} x server {SGD, Adagrad, Yogi, Adam}. Prints each
@@ -15,7 +15,8 @@ the settings in FMNIST below; prints final and best test accuracy per seed.
 `--model` replaces seed 003's MLP (runs are then named `fmnist-<model>-...`);
 `--class-assignment deterministic` gives client i classes i and i+1 whatever
 the seed, every class on two clients (runs named `fmnist-deterministic-...`),
-instead of NIID-Bench's assignment, where the seed draws the second class.
+instead of NIID-Bench's assignment, where the seed draws the second class;
+`--num-clients` replaces the 10 clients (runs named `fmnist-k<K>-...`).
 
 Each run's directory under --out is kept; a run whose directory exists is
 read back instead of repeated, so an interrupted benchmark resumes.
@@ -121,13 +122,16 @@ def fmnist(
     only: list[str],
     model: str,
     class_assignment: str,
+    num_clients: int,
 ) -> None:
     data = (
-        f"data-root='{data_root}' model='{model}' class-assignment='{class_assignment}'"
+        f"data-root='{data_root}' model='{model}' class-assignment='{class_assignment}' "
+        f"num-clients={num_clients}"
     )
     prefix = "-".join(
         ["fmnist"]
         + ([model] if model != "mlp" else [])
+        + ([f"k{num_clients}"] if num_clients != 10 else [])
         + ([class_assignment] if class_assignment != "first-deterministic" else [])
     )
     names = only or list(FMNIST)
@@ -159,6 +163,9 @@ def main() -> None:
     parser.add_argument("--only", nargs="*", default=[], choices=list(FMNIST))
     parser.add_argument("--model", default="mlp", help="fmnist: the model to train")
     parser.add_argument(
+        "--num-clients", type=int, default=10, help="fmnist: clients (all train)"
+    )
+    parser.add_argument(
         "--class-assignment",
         default="first-deterministic",
         choices=CLASS_ASSIGNMENTS,
@@ -170,7 +177,7 @@ def main() -> None:
         seed004(args.out.resolve(), args.data_root)
     else:
         fmnist(args.out.resolve(), args.data_root, args.seeds, args.only, args.model,
-               args.class_assignment)  # fmt: skip
+               args.class_assignment, args.num_clients)  # fmt: skip
 
 
 if __name__ == "__main__":
