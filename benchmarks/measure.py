@@ -92,13 +92,19 @@ def settings_of(config: str):
     return Settings.from_run_config(resolve_run_config(PROJECT, [config]))
 
 
-def run_pollen(config: list[str], out: Path, name: str, **popen) -> dict[str, float]:
-    """One complete `pollen run` of this project, timed from the command's
-    start to its exit: wall, start-up (wall less the rounds' own seconds, as
-    the ServerApp times them), every round's seconds, accuracy and peak RSS."""
-    args = [POLLEN, "run", str(PROJECT)]
+def run_pollen(
+    config: list[str], out: Path, name: str, tree: Path = PROJECT, **popen
+) -> dict[str, float]:
+    """One complete `pollen run` of this project (or of the checkout `tree`:
+    its app and its `pollen` package, through PYTHONPATH), timed from the
+    command's start to its exit: wall, start-up (wall less the rounds' own
+    seconds, as the ServerApp times them), every round's seconds, accuracy
+    and peak RSS."""
+    args = [POLLEN, "run", str(tree)]
     for value in [*config, f"output-dir='{out}' run-name='{name}'"]:
         args += ["-c", value]
+    if tree != PROJECT:
+        popen["env"] = {**popen.get("env", os.environ), "PYTHONPATH": str(tree)}
     wall, peak, _ = measure(args, **popen)
     history = json.loads((out / name / "history.json").read_text())
     rounds = [r["seconds"] for r in history]

@@ -1,10 +1,16 @@
 """Wall time of complete `pollen run` simulations, split into start-up and rounds.
 
     .venv/bin/python benchmarks/run_time.py [-c "key=value ..."]... [--repeat N]
+        [--against DIR]
 
 Prints one row per run: total wall time of the command (SuperLink start to
 exit), time before the first round finished, the mean of the later rounds,
 and the final accuracy. Start-up = total - sum of per-round seconds.
+
+`--against DIR` measures a change side by side: runs alternate between this
+checkout and DIR, another checkout of the project (`git worktree add DIR
+<commit>`) using this one's environment, N runs each, and the table ends
+with each tree's means.
 """
 
 from __future__ import annotations
@@ -13,29 +19,50 @@ import argparse
 import tempfile
 from pathlib import Path
 
-from measure import run_pollen
+from measure import PROJECT, run_pollen
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("-c", "--run-config", action="append", default=[])
     parser.add_argument("--repeat", type=int, default=1)
+    parser.add_argument("--against", type=Path, help="another checkout, alternated")
     args = parser.parse_args()
+    trees = {"this": PROJECT}
+    if args.against:
+        if not (args.against / "pollen" / "server_app.py").is_file():
+            parser.error(f"--against {args.against}: not a checkout of this project")
+        trees["against"] = args.against.resolve()
+    rows = []
     with tempfile.TemporaryDirectory() as tmp:
-        rows = [
-            run_pollen(args.run_config, Path(tmp), f"r{i}") for i in range(args.repeat)
-        ]
-    print(
-        "| run | wall s | start-up s | round 1 s | later rounds s | rounds | accuracy |"
-    )
-    print("|---|---|---|---|---|---|---|")
-    for i, r in enumerate(rows):
-        later = r["rounds"][1:] or [0.0]
+        for i in range(args.repeat):
+            for label, tree in trees.items():
+                run = run_pollen(args.run_config, Path(tmp), f"{label}-{i}", tree)
+                rows.append((label, i, run))
+    print("| tree | run | wall s | start-up s | round 1 s | later rounds s | rounds "
+          "| accuracy |")  # fmt: skip
+    print("|---|---|---|---|---|---|---|---|")
+    for label, i, r in rows:
         print(
-            f"| {i} | {r['wall']:.1f} | {r['start-up']:.1f} | {r['rounds'][0]:.2f} | "
-            f"{sum(later) / len(later):.2f} | {len(r['rounds'])} | "
+            f"| {label} | {i} | {r['wall']:.1f} | {r['start-up']:.1f} | "
+            f"{r['rounds'][0]:.2f} | {_later(r):.3f} | {len(r['rounds'])} | "
             f"{100 * r['accuracy']:.2f}% |"
         )
+    for label in trees:
+        runs = [r for tree, _, r in rows if tree == label]
+        n = len(runs)
+        print(
+            f"| {label} | mean of {n} | {sum(r['wall'] for r in runs) / n:.1f} | "
+            f"{sum(r['start-up'] for r in runs) / n:.1f} | "
+            f"{sum(r['rounds'][0] for r in runs) / n:.2f} | "
+            f"{sum(_later(r) for r in runs) / n:.3f} | | |"
+        )
+
+
+def _later(run: dict) -> float:
+    """Mean seconds of the rounds after the first (0 for a 1-round run)."""
+    later = run["rounds"][1:]
+    return sum(later) / len(later) if later else 0.0
 
 
 if __name__ == "__main__":
