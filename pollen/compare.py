@@ -396,12 +396,16 @@ def plot_groups(runs: Sequence[Run], plots: Path) -> list[Path]:
             rounds = list(range(1, len(accuracy) + 1))
             by_round[line], by_bytes[line] = (rounds, accuracy), (megabytes, accuracy)
         title = ": ".join(t for t in (str(some.get("data-set", "")), figure) if t)
+        if (seeds := max(len(members) for members in lines.values())) > 1:
+            title += f" (mean of {seeds} seeds)"
         for suffix, series, xlabel in (
             ("rounds", by_round, "round"),
             ("bytes", by_bytes, "MB sent and received (cumulative)"),
         ):
             path = plots / f"accuracy-{suffix}-{slug}.png"
-            plot_accuracy_against(series, path, title, xlabel)
+            plot_accuracy_against(
+                series, path, title, xlabel, integer_x=suffix == "rounds"
+            )
             written.append(path)
     partition_keys = [k for k in keys if k not in SERIES_KEYS]  # not the strategy
     for run in runs:  # each setting's partition (the first seed's)

@@ -290,14 +290,18 @@ def plot_accuracy_against(
     path: Path,
     title: str,
     xlabel: str,
+    integer_x: bool = False,
 ) -> None:
     """Test accuracy (%) of several runs against a common x (round, seconds,
-    megabytes), one line per run, for comparing strategies on one figure."""
+    megabytes), one line per run, for comparing strategies on one figure;
+    `integer_x` for rounds (no tick at round 2.5)."""
     plt = _pyplot()
     fig, ax = plt.subplots(figsize=(7, 4.5), dpi=110)
     for name, (x, accuracy) in series.items():
         ax.plot(x, [100 * a for a in accuracy], marker="o", ms=3, label=name)
     ax.set(xlabel=xlabel, ylabel="test accuracy (%)", title=title)
+    if integer_x:
+        ax.xaxis.get_major_locator().set_params(integer=True)
     ax.legend()
     fig.tight_layout()
     _save(fig, path)

@@ -61,6 +61,9 @@ from .task.privacy import check_private_model
 from .task.train import Preprocess, evaluate, pick_device
 
 app = ServerApp()
+# The simulation's in-memory Grid looks for replies every `pull_interval` s
+# (Flower's default 0.1, twice a round); a lookup there is a dict read.
+REPLY_POLL_SECONDS = 0.01
 
 
 @app.main()
@@ -189,6 +192,8 @@ def _train(
     if checkpoint is not None:
         arrays = _resume(checkpoint, strategy, evaluator)
         first_round = checkpoint.round + 1
+    if hasattr(grid, "pull_interval"):
+        grid.pull_interval = REPLY_POLL_SECONDS
     grid = OneMessagePerNode(grid)
     evaluator.start_clock()
     for server_round in range(first_round, settings.rounds + 1):
