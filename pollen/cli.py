@@ -248,14 +248,13 @@ def _flwr(flwr_args: list[str], env: dict[str, str]) -> None:
         [entry_point("flwr"), *flwr_args],
         env={**env, "PYTHONUNBUFFERED": "1"},
         stdout=subprocess.PIPE,
-        text=True,
     )
     assert process.stdout is not None
+    completed = RUN_COMPLETED.encode()
     try:
         for line in process.stdout:
-            sys.stdout.write(line)
-            sys.stdout.flush()
-            if RUN_COMPLETED in line:
+            _pass_on(line)
+            if completed in line:
                 break
     finally:
         if process.poll() is None:
@@ -265,6 +264,19 @@ def _flwr(flwr_args: list[str], env: dict[str, str]) -> None:
             except subprocess.TimeoutExpired:
                 process.kill()
                 process.wait()
+
+
+def _pass_on(line: bytes) -> None:
+    """Write `line` to stdout as it came (as text where stdout takes no bytes),
+    after anything printed before it."""
+    sys.stdout.flush()
+    buffer = getattr(sys.stdout, "buffer", None)
+    if buffer is None:
+        sys.stdout.write(line.decode(errors="replace"))
+        sys.stdout.flush()
+    else:
+        buffer.write(line)
+        buffer.flush()
 
 
 def _keep_log(log_path: Path, run_dir: Path) -> None:
