@@ -62,7 +62,8 @@ from .task.train import Preprocess, evaluate, pick_device
 
 app = ServerApp()
 # The simulation's in-memory Grid looks for replies every `pull_interval` s
-# (Flower's default 0.1, twice a round); a lookup there is a dict read.
+# (Flower's default 0.1; a wait each round, two where clients also evaluate
+# their personal models); a lookup there is a dict read.
 REPLY_POLL_SECONDS = 0.01
 
 
