@@ -93,16 +93,23 @@ def settings_of(config: str):
 
 
 def run_pollen(
-    config: list[str], out: Path, name: str, tree: Path = PROJECT, **popen
+    config: list[str],
+    out: Path,
+    name: str,
+    tree: Path = PROJECT,
+    federation: tuple[str, ...] = (),
+    **popen,
 ) -> dict[str, float]:
     """One complete `pollen run` of this project (or of the checkout `tree`:
     its app and its `pollen` package, through PYTHONPATH), timed from the
     command's start to its exit: wall, start-up (wall less the rounds' own
     seconds, as the ServerApp times them), every round's seconds, accuracy
-    and peak RSS."""
+    and peak RSS. `federation` values go to `--federation-config`."""
     args = [POLLEN, "run", str(tree)]
     for value in [*config, f"output-dir='{out}' run-name='{name}'"]:
         args += ["-c", value]
+    for value in federation:
+        args += ["--federation-config", value]
     if tree != PROJECT:
         popen["env"] = {**popen.get("env", os.environ), "PYTHONPATH": str(tree)}
     wall, peak, _ = measure(args, **popen)

@@ -9,9 +9,14 @@ default momentum, weight decay and gradient clip, or seed 003's Adam at
 batch 1024 for 3 local epochs in `fmnist-mlp-seed003`) three arms run one
 after another in this one invocation:
 
-1. pollen: `pollen run` through Flower's Ray simulation, end to end. Its
-   start-up is its wall time less the rounds' own seconds (as the ServerApp
-   times them); a round includes testing the global model on the test set.
+1. pollen: `pollen run` through Flower's Ray simulation, end to end, with
+   its default of one CPU per ClientApp actor (as many clients train at
+   once as there are cores, one torch thread each). Its start-up is its
+   wall time less the rounds' own seconds (as the ServerApp times them); a
+   round includes testing the global model on the test set.
+   pollen-serial: the same with `client-resources-num-cpus` = all cores, so
+   one client trains at a time on every core, as in the floor: its rounds
+   less the floor's are the cost of federation itself.
 2. floor: the same optimiser steps on the same shards, in one process, on
    tensors loaded before the clock starts: pollen's own partition, seeds and
    `train_local`, the clients' models averaged, nothing else (no federation,
@@ -26,7 +31,7 @@ Each arm is a fresh process, measured by the same sampler (benchmarks/measure.py
 peak resident memory of its whole process tree. The table gives seconds per
 round (mean; the first round apart, since it pays one-time warm-up), start-up
 (wall time not spent in rounds), per-round overhead (pollen's round less the
-floor's), the ratios pollen/floor (rounds only, and end to end) and
+floor's; negative where pollen's parallel clients beat the serial floor), the ratios pollen/floor (rounds only, and end to end) and
 plain/pollen (rounds only), and each arm's final test accuracy.
 """
 
@@ -35,6 +40,7 @@ from __future__ import annotations
 import argparse
 import copy
 import json
+import os
 import sys
 import tempfile
 import time
@@ -221,7 +227,7 @@ def later_mean(rounds: list[float]) -> float:
 
 def row(workload: str, arm: str, r: dict, pollen: dict, floor: dict) -> str:
     rounds, mean = r["rounds"], later_mean(r["rounds"])
-    if arm == "pollen":
+    if arm.startswith("pollen"):
         versus = (
             f"{sum(rounds) / sum(floor['rounds']):.2f}x floor "
             f"({r['wall'] / floor['wall']:.2f}x end to end)"
@@ -262,9 +268,13 @@ def main() -> None:
         warm_data_cache(config)
         with tempfile.TemporaryDirectory() as out:
             pollen = run_pollen([config], Path(out), "run")
+            serial = run_pollen([config], Path(out), "serial", federation=(
+                f"client-resources-num-cpus={os.cpu_count()}",))  # fmt: skip
         floor = run_arm("floor", config)
         plain = run_arm("plain", config)
-        for arm, result in (("floor", floor), ("pollen", pollen), ("plain", plain)):
+        arms = {"floor": floor, "pollen": pollen, "pollen-serial": serial,
+                "plain": plain}  # fmt: skip
+        for arm, result in arms.items():
             print(row(workload, arm, result, pollen, floor), flush=True)
 
 

@@ -77,11 +77,6 @@ def running(marker: bytes = b"flower-superlink") -> set[int]:
     return pids
 
 
-def superlinks() -> set[int]:
-    """PIDs of running flower-superlink processes."""
-    return running(b"flower-superlink")
-
-
 def orphaned(before: set[int], marker: bytes = b"flower-superlink") -> set[int]:
     """Processes (by command-line marker) started since `before` whose parent
     is gone (a leak).
@@ -183,7 +178,7 @@ def test_real_mnist_subset_learns(shared_data: Path, tmp_path: Path) -> None:
 
 
 def test_failed_run_exits_non_zero_with_the_reason(tmp_path: Path) -> None:
-    before = superlinks()
+    before = running()
     with webhook() as (hook, received):
         run = pollen_run(
             f"data-set='mnist' data-root='{tmp_path}' download=false "
@@ -227,7 +222,7 @@ def test_plain_flwr_run_on_flowers_default_federation(tmp_path: Path) -> None:
         "FLWR_DISABLE_UPDATE_CHECK": "1",
         "FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION": "1",
     }
-    before = superlinks()
+    before = running()
     try:
         run = subprocess.run(
             [str(BIN / "flwr"), "run", str(PROJECT), "--stream", "--run-config",
@@ -235,7 +230,7 @@ def test_plain_flwr_run_on_flowers_default_federation(tmp_path: Path) -> None:
             env=env, cwd=tmp_path, capture_output=True, text=True, timeout=600,
         )  # fmt: skip
     finally:
-        for pid in superlinks() - before:  # the detached local SuperLink flwr started
+        for pid in running() - before:  # the detached local SuperLink flwr started
             if str(home).encode() in Path(f"/proc/{pid}/cmdline").read_bytes():
                 os.kill(pid, signal.SIGTERM)
     assert run.returncode == 0, run.stdout[-3000:]
@@ -373,13 +368,13 @@ def test_killed_run_resumes_to_the_uninterrupted_history(
     )
     whole = pollen_run(f"{common} run-name='whole'")
     assert whole.returncode == 0, whole.stdout[-3000:] + whole.stderr[-3000:]
-    before = superlinks()
+    before = running()
     crashed = tmp_path / "crashed"
     kill_after_checkpoint(
         f"{common} run-name='crashed'", crashed / "checkpoints" / "round-00002"
     )
     assert not (crashed / "summary.json").exists()  # it never got to write one
-    assert not superlinks() - before  # the crash took every process with it
+    assert not running() - before  # the crash took every process with it
     if strategy == "feddyn":
         states = list((crashed / "client-state").rglob("*.npz"))
         assert states, "FedDyn clients kept no state on disk"

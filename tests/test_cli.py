@@ -1,0 +1,19 @@
+"""`pollen run`'s defaults for the simulation it starts."""
+
+from __future__ import annotations
+
+from pollen.cli import CLIENT_CPUS, simulation_federation
+
+
+def test_simulation_defaults_fill_only_the_keys_not_given() -> None:
+    assert simulation_federation([], 7) == [
+        "num-supernodes=7",
+        f"client-resources-num-cpus={CLIENT_CPUS}",
+    ]
+    given = ["num-supernodes=3 client-resources-num-gpus=0.5"]
+    assert simulation_federation(given, 7) == [
+        *given,
+        f"client-resources-num-cpus={CLIENT_CPUS}",
+    ]
+    given = ["client-resources-num-cpus=2", "num-supernodes=10"]
+    assert simulation_federation(given, 7) == given
