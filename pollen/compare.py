@@ -34,7 +34,6 @@ from pathlib import Path
 from typing import Any
 
 from .results import plot_accuracy_against, write_atomic, write_json
-from .settings import PRESETS
 
 # Keys that name where or how a run ran, not what it computed.
 NOT_COMPARED = frozenset(
@@ -45,7 +44,6 @@ NOT_COMPARED = frozenset(
 # seed, averaged over) make separate figures.
 SERIES_KEYS = ("strategy", "server-update", "local-objective", "bn-policy", "sharing")
 MB = 1e6
-PRESET_KEYS = frozenset(k for preset in PRESETS.values() for k in preset)
 
 
 class CompareError(ValueError):
@@ -261,9 +259,10 @@ def read_runs(directory: Path) -> list[Run]:
 
 
 def varying_keys(runs: Sequence[Run]) -> list[str]:
-    """Settings that differ between runs, in settings order; keys a strategy
-    preset sets (`local-objective` of `fedprox`, ...) only where they vary
-    within one strategy."""
+    """Settings that differ between runs, in settings order. Beside the
+    strategy, only keys that vary within one strategy: what a strategy
+    decides (its preset's `local-objective`, the `server-lr` that "auto"
+    resolves to, ...) follows the strategy and is not a setting of its own."""
 
     def differs(key: str, among: Sequence[Run]) -> bool:
         return len({json.dumps(r.settings.get(key)) for r in among}) > 1
@@ -274,7 +273,7 @@ def varying_keys(runs: Sequence[Run]) -> list[str]:
     return [
         k for k in runs[0].settings
         if k not in NOT_COMPARED and differs(k, runs)
-        and (k not in PRESET_KEYS or any(differs(k, g) for g in by_strategy.values()))
+        and (k == "strategy" or any(differs(k, g) for g in by_strategy.values()))
     ]  # fmt: skip
 
 

@@ -174,6 +174,19 @@ def test_groups_average_over_seeds_and_the_table_shows_it(tmp_path: Path) -> Non
     assert compare.markdown_table(high, target=0.95).count("| never |") == 2
 
 
+def test_what_a_strategy_resolves_does_not_split_the_report(tmp_path: Path) -> None:
+    """`server-lr = "auto"` is 1.0 for FedAvg and 0.01 for FedAdam in their
+    settings.json: one figure with both strategies, not one figure each."""
+    for strategy, server_lr in (("fedavg", 1.0), ("fedadam", 0.01)):
+        write_run(tmp_path, strategy, {"strategy": strategy, "server-lr": server_lr},
+                  [0.5, 0.6])  # fmt: skip
+    assert compare.varying_keys(compare.read_runs(tmp_path)) == ["strategy"]
+    write_run(tmp_path, "fedadam-0.1", {"strategy": "fedadam", "server-lr": 0.1},
+              [0.5, 0.7])  # fmt: skip
+    keys = compare.varying_keys(compare.read_runs(tmp_path))
+    assert keys == ["strategy", "server-lr"]  # varied within FedAdam: a setting
+
+
 def test_report_regenerates_tables_and_plots_without_training(tmp_path: Path) -> None:
     for strategy, alpha in (("fedavg", 0.1), ("fedsam", 0.1), ("fedavg", 1.0)):
         write_run(tmp_path / "runs", f"{strategy}-{alpha}",
