@@ -22,7 +22,7 @@ import sys
 import tempfile
 import time
 import urllib.request
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -42,14 +42,6 @@ from .settings import Settings, SettingsError
 SUPERLINK_START_SECONDS = 60.0
 EXIT_FAILED, EXIT_BAD_INPUT = 1, 2
 CLIENT_CPUS = 1  # per ClientApp actor in a simulation, unless the user says
-# The `flwr` command, imported at once and run when told so on stdin (and not
-# at all when stdin closes first); its arguments follow.
-FLWR_WHEN_TOLD = """import sys
-from flwr.cli.app import app
-if sys.stdin.readline() == "run\\n":
-    sys.argv[0] = "flwr"
-    sys.exit(app())
-"""
 DEPLOY_DIR = Path(".pollen-deploy")
 
 
@@ -153,10 +145,10 @@ class LocalSuperLink:
             stderr=subprocess.DEVNULL,
             start_new_session=True,  # its own process group, stopped as one
         )
+        self._wait_ready()
         return self
 
-    def wait_ready(self) -> None:
-        """Return once the SuperLink answers on its health endpoint."""
+    def _wait_ready(self) -> None:
         assert self.process is not None
         deadline = time.monotonic() + SUPERLINK_START_SECONDS
         url = f"http://127.0.0.1:{self.port}/health"
@@ -225,7 +217,7 @@ def _submit(
         _flwr(flwr_args, flower_env(deployment.flwr_home))
     elif args.connection is None:
         with LocalSuperLink() as link:
-            _flwr(flwr_args, link.env, link.wait_ready)
+            _flwr(flwr_args, link.env)
             _keep_log(link.log_path, run_dir)
     else:
         flwr_args.insert(2, args.connection)
@@ -265,28 +257,19 @@ def _running_deployment(directory: Path, connection: str | None) -> deploy.Deplo
     return deployment
 
 
-def _flwr(
-    flwr_args: list[str], env: dict[str, str], ready: Callable[[], None] = lambda: None
-) -> None:
+def _flwr(flwr_args: list[str], env: dict[str, str]) -> None:
     """`flwr run`, its output passed through line by line, until it exits or,
     sooner, until the ServerApp says it completed: every result is written by
     then, and Flower's own shutdown of the simulation (stopping Ray, draining
-    the log stream) would keep the command waiting about 4 s longer.
-
-    The `flwr` process imports Flower's CLI (about a second) while `ready`
-    waits (for the SuperLink to start), and runs once it returns."""
+    the log stream) would keep the command waiting about 4 s longer."""
     process = subprocess.Popen(
-        [sys.executable, "-c", FLWR_WHEN_TOLD, *flwr_args],
+        [entry_point("flwr"), *flwr_args],
         env={**env, "PYTHONUNBUFFERED": "1"},
-        stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
     )
-    assert process.stdin is not None and process.stdout is not None
+    assert process.stdout is not None
     completed = RUN_COMPLETED.encode()
     try:
-        ready()
-        process.stdin.write(b"run\n")
-        process.stdin.close()
         for line in process.stdout:
             _pass_on(line)
             if completed in line:
