@@ -6,7 +6,7 @@
 Per workload (10 clients, all participating every round, FedAvg, IID
 shards, the same seed; 1 local epoch of SGD at batch 32 with pollen's
 default momentum, weight decay and gradient clip, or seed 003's Adam at
-batch 1024 for 3 local epochs in `fmnist-mlp-seed003`) three arms run one
+batch 1024 for 3 local epochs in `fmnist-mlp-seed003`) four arms run one
 after another in this one invocation:
 
 1. pollen: `pollen run` through Flower's Ray simulation, end to end, with
@@ -31,8 +31,9 @@ Each arm is a fresh process, measured by the same sampler (benchmarks/measure.py
 peak resident memory of its whole process tree. The table gives seconds per
 round (mean; the first round apart, since it pays one-time warm-up), start-up
 (wall time not spent in rounds), per-round overhead (pollen's round less the
-floor's; negative where pollen's parallel clients beat the serial floor), the ratios pollen/floor (rounds only, and end to end) and
-plain/pollen (rounds only), and each arm's final test accuracy.
+floor's; negative where pollen's parallel clients beat the serial floor), the
+ratios pollen/floor (rounds only, and end to end) and plain/pollen (rounds
+only), and each arm's final test accuracy.
 """
 
 from __future__ import annotations

@@ -190,7 +190,11 @@ def run(args: argparse.Namespace) -> int:
             return EXIT_BAD_INPUT
     run_dir = Path(settings.resume or Path(settings.output_dir) / settings.run_name)
     with staged_app(app) as staged:
-        _submit(args, staged, run_config, settings.num_clients, run_dir, deployment)
+        try:
+            _submit(args, staged, run_config, settings.num_clients, run_dir, deployment)
+        except CliError as err:
+            print(f"pollen: error: {err}", file=sys.stderr)
+            return EXIT_BAD_INPUT
     return report(run_dir)
 
 
@@ -232,12 +236,13 @@ def simulation_federation(federation: list[str], num_clients: int) -> list[str]:
     there are cores, each with one thread (Ray sets `OMP_NUM_THREADS` from
     the actor's CPUs), which on 2 cores trains the `mlp` workload's rounds
     1.8x faster (docs/performance.md)."""
-    given = {
-        item.split("=", 1)[0].strip()
-        for value in federation
-        for item in value.split()
-        if "=" in item
-    }
+    from click import ClickException
+    from flwr.common.config import parse_config_args  # what `flwr run` reads
+
+    try:
+        given = parse_config_args(federation)
+    except (ValueError, ClickException) as err:
+        raise CliError(f"invalid --federation-config {federation}: {err}") from err
     defaults = {
         "num-supernodes": num_clients,
         "client-resources-num-cpus": CLIENT_CPUS,

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from pollen.cli import CLIENT_CPUS, simulation_federation
+import pytest
+
+from pollen.cli import CLIENT_CPUS, CliError, simulation_federation
 
 
 def test_simulation_defaults_fill_only_the_keys_not_given() -> None:
@@ -17,3 +19,5 @@ def test_simulation_defaults_fill_only_the_keys_not_given() -> None:
     ]
     given = ["client-resources-num-cpus=2", "num-supernodes=10"]
     assert simulation_federation(given, 7) == given
+    with pytest.raises(CliError, match="invalid --federation-config"):
+        simulation_federation(["num-supernodes=three"], 7)
