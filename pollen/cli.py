@@ -188,13 +188,16 @@ def run(args: argparse.Namespace) -> int:
         except deploy.DeployError as err:
             print(f"pollen: error: {err}", file=sys.stderr)
             return EXIT_BAD_INPUT
-    run_dir = Path(settings.resume or Path(settings.output_dir) / settings.run_name)
-    with staged_app(app) as staged:
+    federation = list(args.federation_config)
+    if args.connection is None and deployment is None:
         try:
-            _submit(args, staged, run_config, settings.num_clients, run_dir, deployment)
+            federation = simulation_federation(federation, settings.num_clients)
         except CliError as err:
             print(f"pollen: error: {err}", file=sys.stderr)
             return EXIT_BAD_INPUT
+    run_dir = Path(settings.resume or Path(settings.output_dir) / settings.run_name)
+    with staged_app(app) as staged:
+        _submit(args, staged, run_config, federation, run_dir, deployment)
     return report(run_dir)
 
 
@@ -202,17 +205,13 @@ def _submit(
     args: argparse.Namespace,
     app: Path,
     run_config: str,
-    num_clients: int,
+    federation: list[str],
     run_dir: Path,
     deployment: deploy.Deployment | None,
 ) -> None:
     """`flwr run` the app: on a SuperLink of its own (simulation), on a
     `pollen deploy` deployment, or on the SuperLink named by a connection."""
-    flwr_args = ["run", str(app)]
-    federation = list(args.federation_config)
-    if args.connection is None and deployment is None:
-        federation = simulation_federation(federation, num_clients)
-    flwr_args += ["--run-config", run_config]
+    flwr_args = ["run", str(app), "--run-config", run_config]
     for value in federation:
         flwr_args += ["--federation-config", value]
     flwr_args.append("--stream")
