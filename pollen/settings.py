@@ -24,7 +24,16 @@ from .notify import check_url
 Scalar = bool | int | float | str
 
 DATA_SETS = ("digits", "mnist", "fashion-mnist", "cifar10", "cifar100")
-MODELS = ("mlp", "mlp-bn", "cnn", "cnn-gn", "cnn-lora", "mobilenet", "vgg16-lora")
+MODELS = (
+    "mlp",
+    "mlp-bn",
+    "cnn",
+    "cnn-gn",
+    "simple-cnn",
+    "cnn-lora",
+    "mobilenet",
+    "vgg16-lora",
+)
 LORA_MODELS = ("cnn-lora", "vgg16-lora")
 PARTITIONS = ("iid", "niid", "niid-client", "pathological", "silos")
 CLASS_ASSIGNMENTS = ("first-deterministic", "deterministic", "random")

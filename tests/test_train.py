@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from pollen.task.data import load_dataset
@@ -95,6 +96,21 @@ def test_evaluate_counts_correct_predictions() -> None:
 
 def test_models_fit_their_inputs() -> None:
     for name, shape in [("mlp", (1, 28, 28)), ("mlp-bn", (1, 8, 8)), ("cnn", (1, 28, 28)),
-                        ("cnn", (3, 32, 32)), ("mobilenet", (3, 32, 32))]:  # fmt: skip
+                        ("cnn", (3, 32, 32)), ("mobilenet", (3, 32, 32)),
+                        ("simple-cnn", (1, 28, 28)), ("simple-cnn", (3, 32, 32))]:  # fmt: skip
         model = build_model(name, shape, 10, seed=0).eval()
         assert model(torch.zeros(2, *shape)).shape == (2, 10), name
+
+
+def test_simple_cnn_has_niid_benchs_layer_sizes() -> None:
+    """Parameter counts by hand: conv 5x5 (c -> 6), conv 5x5 (6 -> 16), then
+    16*4*4 = 256 (28x28) or 16*5*5 = 400 (32x32) features into 120-84-10."""
+    convs = {1: 1 * 6 * 25 + 6, 3: 3 * 6 * 25 + 6}
+    head = 6 * 16 * 25 + 16 + 120 * 84 + 84 + 84 * 10 + 10
+    for shape, features in [((1, 28, 28), 256), ((3, 32, 32), 400)]:
+        model = build_model("simple-cnn", shape, 10, seed=0)
+        expected = convs[shape[0]] + features * 120 + 120 + head
+        assert sum(p.numel() for p in model.parameters()) == expected
+    assert expected == 62006  # LeNet-5 on CIFAR-10, as published
+    with pytest.raises(ValueError, match="at least 16x16"):
+        build_model("simple-cnn", (1, 8, 8), 10, seed=0)
