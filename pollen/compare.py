@@ -3,7 +3,8 @@ result directories.
 
 `pollen compare GRID.toml --out DIR` runs every cell of a grid (the product of
 the values listed under `[grid]`, each cell a complete `pollen run` with the
-settings under `[base]`) into `DIR/runs/<cell>/`, skipping cells whose run
+settings under `[base]`; a value may be a table of keys set together, with a
+`name` for the cell) into `DIR/runs/<cell>/`, skipping cells whose run
 has completed, so an interrupted comparison resumes where it stopped (an
 interrupted cell's directory is moved to `DIR/incomplete/`, never deleted).
 Every cell's settings are validated before the first run starts; the grid
@@ -78,6 +79,9 @@ class Grid:
                 raise CompareError(
                     f"{path}: grid key {key!r} must be a non-empty list, got {values!r}"
                 )
+            for value in values:
+                if isinstance(value, dict):
+                    _check_named_value(path, key, value, set(axes))
         target = document.get("target")
         if target is not None and not (
             isinstance(target, int | float) and 0 < target <= 1
@@ -88,12 +92,50 @@ class Grid:
         return cls(dict(document.get("base", {})), dict(axes), target)
 
     def cells(self) -> list[dict[str, Any]]:
-        """Each cell's values of the varying keys, in the grid's order."""
+        """Each cell's values of the varying keys, in the grid's order (a named
+        value stays a table; `cell_settings` spreads it)."""
         keys = list(self.axes)
         return [
             dict(zip(keys, combo, strict=True))
             for combo in itertools.product(*self.axes.values())
         ]
+
+
+def _check_named_value(
+    path: Path, key: str, value: dict[str, Any], grid_keys: set[str]
+) -> None:
+    """A table among a grid key's values sets several keys together, e.g.
+    `{name = "feddyn-sam", strategy = "feddyn", local-objective = "feddyn-sam"}`:
+    a `name` for the cell, then scalars that are no other grid key."""
+    where = f"{path}: a table in grid key {key!r}"
+    name = value.get("name")
+    if not isinstance(name, str) or not name:
+        raise CompareError(f"{where} needs a name (a non-empty string), got {value!r}")
+    settings = {k: v for k, v in value.items() if k != "name"}
+    if not settings:
+        raise CompareError(f"{where} ({name!r}) sets no keys besides its name")
+    for setting, scalar in settings.items():
+        if isinstance(scalar, dict | list):
+            raise CompareError(
+                f"{where} ({name!r}): {setting!r} must be a single value, "
+                f"got {scalar!r}"
+            )
+        if setting != key and setting in grid_keys:
+            raise CompareError(
+                f"{where} ({name!r}) sets {setting!r}, which is itself a grid key; "
+                "set it in one place"
+            )
+
+
+def cell_settings(values: Mapping[str, Any]) -> dict[str, Any]:
+    """A cell's run-config values: named tables spread into their keys."""
+    settings: dict[str, Any] = {}
+    for key, value in values.items():
+        if isinstance(value, dict):
+            settings.update({k: v for k, v in value.items() if k != "name"})
+        else:
+            settings[key] = value
+    return settings
 
 
 def keep_grid(grid_file: Path, out: Path) -> None:
@@ -109,8 +151,12 @@ def keep_grid(grid_file: Path, out: Path) -> None:
 
 
 def cell_name(values: Mapping[str, Any]) -> str:
-    """A directory name for a cell: `strategy-fedavg_seed-1`."""
-    parts = [f"{key}-{value}" for key, value in values.items()]
+    """A directory name for a cell: `strategy-fedavg_seed-1` (a named table
+    gives its name: `strategy-feddyn-sam`)."""
+    parts = [
+        f"{key}-{value['name'] if isinstance(value, dict) else value}"
+        for key, value in values.items()
+    ]
     name = "_".join(parts) or "all"
     return "".join(c if c.isalnum() or c in "-_." else "-" for c in name)
 
@@ -132,7 +178,10 @@ def run_grid(
     per cell. `validate(config)` checks a cell's run config before anything
     runs; `run_cell(config, name, log)` runs one (exit status). `dry_run`
     only validates and lists the cells."""
-    cells = [(cell_name(values), {**grid.base, **values}) for values in grid.cells()]
+    cells = [
+        (cell_name(values), {**grid.base, **cell_settings(values)})
+        for values in grid.cells()
+    ]
     names = [name for name, _ in cells]
     if len(set(names)) != len(names):
         raise CompareError(

@@ -65,6 +65,27 @@ seed = [1, 2]
     assert compare.cell_name({"data-root": "/a b"}) == "data-root--a-b"
 
 
+def test_a_named_table_sets_keys_together_in_one_cell(tmp_path: Path) -> None:
+    grid = compare.Grid.load(grid_file(tmp_path, """
+[grid]
+strategy = ["fedavg", {name = "feddyn-sam", strategy = "feddyn", local-objective = "feddyn-sam"}]
+seed = [1]
+"""))  # fmt: skip
+    ran: dict[str, str] = {}
+
+    def run_cell(config: str, name: str, log: Path) -> int:
+        ran[name] = config
+        write_run(tmp_path / "out" / "runs", name, {}, [0.5])
+        return 0
+
+    compare.run_grid(grid, tmp_path / "out", run_cell, lambda c: None, print)
+    assert ran == {
+        "strategy-fedavg_seed-1": 'strategy="fedavg" seed=1',
+        "strategy-feddyn-sam_seed-1":
+            'strategy="feddyn" local-objective="feddyn-sam" seed=1',
+    }  # fmt: skip
+
+
 @pytest.mark.parametrize(
     ("text", "message"),
     [
@@ -73,6 +94,13 @@ seed = [1, 2]
         ("target = 80\n", r"target must be an accuracy in \(0, 1\], got 80"),
         ("[cells]\n", "unknown table or key 'cells'"),
         ("[grid\n", "cannot read grid"),
+        ("[grid]\nstrategy = [{lr = 0.1}]\n", "needs a name"),
+        ("[grid]\nstrategy = [{name = 'a'}]\n", "'a'.* sets no keys"),
+        ("[grid]\nstrategy = [{name = 'a', lr = [1]}]\n", "'lr' must be a single"),
+        (
+            "[grid]\nstrategy = [{name = 'a', seed = 2}]\nseed = [1]\n",
+            "sets 'seed', which is itself a grid key",
+        ),
     ],
 )
 def test_bad_grids_are_refused_with_the_reason(
