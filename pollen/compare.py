@@ -35,6 +35,7 @@ from pathlib import Path
 from typing import Any
 
 from .results import plot_accuracy_against, write_atomic, write_json
+from .settings import PRESETS
 
 # Keys that name where or how a run ran, not what it computed.
 NOT_COMPARED = frozenset(
@@ -309,12 +310,18 @@ def read_runs(directory: Path) -> list[Run]:
 
 def varying_keys(runs: Sequence[Run]) -> list[str]:
     """Settings that differ between runs, in settings order. Beside the
-    strategy, only keys that vary within one strategy: what a strategy
-    decides (its preset's `local-objective`, the `server-lr` that "auto"
-    resolves to, ...) follows the strategy and is not a setting of its own."""
+    strategy, only keys that vary within one strategy or depart from its
+    preset: what a strategy decides (its preset's `local-objective`, the
+    `server-lr` that "auto" resolves to, ...) follows the strategy and is not
+    a setting of its own, but `strategy=feddyn` with
+    `local-objective=feddyn-sam` is a variant the report must name."""
 
     def differs(key: str, among: Sequence[Run]) -> bool:
         return len({json.dumps(r.settings.get(key)) for r in among}) > 1
+
+    def departs(key: str, run: Run) -> bool:
+        preset = PRESETS.get(run.settings.get("strategy"), {})
+        return key in preset and run.settings.get(key) != preset[key]
 
     by_strategy: dict[Any, list[Run]] = {}
     for run in runs:
@@ -322,7 +329,8 @@ def varying_keys(runs: Sequence[Run]) -> list[str]:
     return [
         k for k in runs[0].settings
         if k not in NOT_COMPARED and differs(k, runs)
-        and (k == "strategy" or any(differs(k, g) for g in by_strategy.values()))
+        and (k == "strategy" or any(differs(k, g) for g in by_strategy.values())
+             or any(departs(k, r) for r in runs))
     ]  # fmt: skip
 
 

@@ -215,6 +215,25 @@ def test_what_a_strategy_resolves_does_not_split_the_report(tmp_path: Path) -> N
     assert keys == ["strategy", "server-lr"]  # varied within FedAdam: a setting
 
 
+def test_a_variant_that_departs_from_its_preset_is_named(tmp_path: Path) -> None:
+    """FedAvg's preset objective is plain, FedProx's prox: they follow the
+    strategy. FedDyn's is feddyn; a FedDyn run with feddyn-sam must say so."""
+    for name, strategy, objective in (("fedavg", "fedavg", "plain"),
+                                      ("fedprox", "fedprox", "prox"),
+                                      ("feddyn-sam", "feddyn", "feddyn-sam")):  # fmt: skip
+        write_run(tmp_path, name, {"strategy": strategy, "local-objective": objective},
+                  [0.5, 0.6])  # fmt: skip
+    runs = compare.read_runs(tmp_path)
+    assert compare.varying_keys(runs) == ["strategy", "local-objective"]
+    rows = compare.summarize_groups(runs, None)
+    assert {"strategy": "feddyn", "local-objective": "feddyn-sam"} in [
+        r["setting"] for r in rows
+    ]
+    (tmp_path / "feddyn-sam").rename(tmp_path / "aside")
+    (tmp_path / "aside" / "summary.json").unlink()  # only the presets remain
+    assert compare.varying_keys(compare.read_runs(tmp_path)) == ["strategy"]
+
+
 def test_report_regenerates_tables_and_plots_without_training(tmp_path: Path) -> None:
     for strategy, alpha in (("fedavg", 0.1), ("fedsam", 0.1), ("fedavg", 1.0)):
         write_run(tmp_path / "runs", f"{strategy}-{alpha}",
