@@ -176,6 +176,19 @@ def test_the_suite_grid_validates_and_a_dry_run_lists_its_cells(
     assert "lr" in capsys.readouterr().err
 
 
+def test_the_niid_bench_grid_validates_with_its_named_variant(
+    tmp_path: Path, capsys
+) -> None:
+    assert main(["compare", str(PROJECT / "configs" / "grids" / "niid-bench-fmnist.toml"),
+                 str(PROJECT), "--out", str(tmp_path / "cmp"), "--dry-run",
+                 "-c", str(PROJECT / "configs" / "niid-bench-fmnist.toml")]) == 0  # fmt: skip
+    assert capsys.readouterr().out.splitlines() == [
+        'strategy-fedavg: to run: strategy="fedavg"',
+        'strategy-feddyn-sam: to run: strategy="feddyn" local-objective="feddyn-sam"',
+        'strategy-fedprox: to run: strategy="fedprox"',
+    ]
+
+
 def test_groups_average_over_seeds_and_the_table_shows_it(tmp_path: Path) -> None:
     for seed, curve in ((1, [0.6, 0.8, 0.9]), (2, [0.5, 0.7, 0.8])):
         write_run(tmp_path, f"avg-{seed}", {"strategy": "fedavg", "seed": seed}, curve)
