@@ -186,6 +186,7 @@ def test_the_niid_bench_grid_validates_with_its_named_variant(
         'strategy-fedavg: to run: strategy="fedavg"',
         'strategy-feddyn-sam: to run: strategy="feddyn" local-objective="feddyn-sam"',
         'strategy-fedprox: to run: strategy="fedprox"',
+        'strategy-fedsam: to run: strategy="fedsam"',
     ]
 
 
