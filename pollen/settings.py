@@ -23,7 +23,15 @@ from .notify import check_url
 
 Scalar = bool | int | float | str
 
-DATA_SETS = ("digits", "mnist", "fashion-mnist", "cifar10", "cifar100")
+# Each data set's images: (channels, side); pollen.task.data.SPECS agrees
+# (tests/test_node_data.py), but importing it here would import torch.
+DATA_SETS = {
+    "digits": (1, 8),
+    "mnist": (1, 28),
+    "fashion-mnist": (1, 28),
+    "cifar10": (3, 32),
+    "cifar100": (3, 32),
+}
 MODELS = (
     "mlp",
     "mlp-bn",
@@ -456,8 +464,24 @@ def _resolve_preset(values: dict[str, Scalar]) -> None:
         values["server-lr"] = AUTO_SERVER_LR.get(str(values["server-update"]), 1.0)
 
 
+def model_input_problem(model: str, channels: int, side: int) -> str | None:
+    """Why `model` cannot take images of `channels` x `side` x `side`, or None:
+    checked on the settings, before anything starts, and by the model builder."""
+    if model == "simple-cnn" and side < 16:
+        return f"model 'simple-cnn' needs images of at least 16x16, not {side}x{side}"
+    if model == "vgg16-lora" and (channels != 3 or side < 32):
+        return (
+            f"model 'vgg16-lora' needs colour images of at least 32x32 (cifar10, "
+            f"cifar100), not {channels}x{side}x{side}"
+        )
+    return None
+
+
 def _check_combination(values: dict[str, Scalar]) -> None:
     """Refuse combinations of valid values that cannot work together."""
+    channels, side = DATA_SETS[str(values["data-set"])]
+    if problem := model_input_problem(str(values["model"]), channels, side):
+        raise SettingsError(f"{problem}; data-set={values['data-set']!r}")
     if values["sharing"] != "all" and values["model"] not in LORA_MODELS:
         raise SettingsError(
             f"sharing={values['sharing']!r} needs a model with LoRA layers; "

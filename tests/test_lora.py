@@ -118,7 +118,10 @@ def test_cached_features_give_the_same_logits() -> None:
             {"strategy": "fedsa", "model": "cnn-lora", "bn-policy": "fedbn"},
             "leave bn-policy at shared",
         ),
-        ({"model": "vgg16-lora", "augment": True}, "set augment=false"),
+        (
+            {"model": "vgg16-lora", "data-set": "cifar10", "augment": True},
+            "set augment=false",
+        ),
     ],
 )
 def test_settings_refuse_combinations_that_cannot_work(overrides, message_part) -> None:

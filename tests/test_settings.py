@@ -76,6 +76,15 @@ def test_invalid_value_names_key_value_and_allowed(key, value, allowed) -> None:
     assert repr(key) in message and repr(value) in message and allowed in message
 
 
+def test_a_model_the_data_sets_images_cannot_feed_is_refused() -> None:
+    with pytest.raises(SettingsError, match=r"'simple-cnn' needs images of at least "
+                       r"16x16, not 8x8; data-set='digits'"):  # fmt: skip
+        Settings.from_run_config({"model": "simple-cnn"})
+    with pytest.raises(SettingsError, match="'vgg16-lora' needs colour images"):
+        Settings.from_run_config({"model": "vgg16-lora", "data-set": "mnist"})
+    assert Settings.from_run_config({"model": "simple-cnn", "data-set": "mnist"})
+
+
 def test_dp_runs_cannot_be_resumed() -> None:
     with pytest.raises(SettingsError, match="dp=true with resume is not supported"):
         Settings.from_run_config({"dp": True, "model": "cnn-gn", "resume": "runs/a"})

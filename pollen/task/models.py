@@ -9,6 +9,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from ..settings import model_input_problem
 from .lora import FrozenBackboneClassifier, lora_head
 
 Shape = tuple[int, int, int]
@@ -91,11 +92,8 @@ def simple_cnn(input_shape: Shape, num_classes: int) -> nn.Module:
     benchmark numbers (Fashion-MNIST, MNIST, CIFAR-10) were measured with.
     """
     c, h, w = input_shape
-    if h < 16 or w < 16:
-        raise ValueError(
-            f"model 'simple-cnn' needs images of at least 16x16; this data set "
-            f"has {c}x{h}x{w}"
-        )
+    if problem := model_input_problem("simple-cnn", c, min(h, w)):
+        raise ValueError(problem)
     side_h, side_w = ((h - 4) // 2 - 4) // 2, ((w - 4) // 2 - 4) // 2
     return nn.Sequential(
         nn.Conv2d(c, 6, 5), nn.ReLU(), nn.MaxPool2d(2),
@@ -123,11 +121,8 @@ def vgg16_lora(
     """FedSA-FTL's model: frozen VGG16 features, global average pooling to 512,
     and a LoRA-adapted 512 -> 512 -> classes head."""
     c, h, w = input_shape
-    if c != 3 or h < 32 or w < 32:
-        raise ValueError(
-            f"model 'vgg16-lora' needs colour images of at least 32x32 (cifar10, "
-            f"cifar100); this data set has {c}x{h}x{w}"
-        )
+    if problem := model_input_problem("vgg16-lora", c, min(h, w)):
+        raise ValueError(problem)
     features, source = vgg16_features(options.backbone_weights)
     backbone = nn.Sequential(features, nn.AdaptiveAvgPool2d(1), nn.Flatten())
     head = lora_head(
