@@ -36,6 +36,7 @@ from .results import (
     ResultsError,
     check_run_dir_is_new,
     default_run_name,
+    write_atomic,
 )
 from .settings import Settings, SettingsError
 
@@ -449,24 +450,26 @@ def _add_compare_parsers(commands: argparse._SubParsersAction) -> None:
 def run_comparison(args: argparse.Namespace) -> int:
     app = Path(args.app).expanduser().resolve()
 
-    def validate(config: str) -> None:
+    def validate(config: str) -> dict[str, Any]:
         try:
-            Settings.from_run_config(
+            return Settings.from_run_config(
                 resolve_run_config(app, [*args.run_config, config])
-            )
+            ).to_run_config()
         except (SettingsError, CliError) as err:
             raise compare.CompareError(f"cell {config!r}: {err}") from None
 
     try:
         grid = compare.Grid.load(args.grid)
+        cells = compare.plan_cells(grid, args.out, validate)
         if args.dry_run:
-            compare.run_grid(grid, args.out, None, validate, dry_run=True)
+            for cell in cells:
+                print(f"{cell.name}: {compare.describe(cell)}: {cell.config}")
             return 0
-        compare.keep_grid(args.grid, args.out)
+        args.out.mkdir(parents=True, exist_ok=True)
+        write_atomic(args.out / "grid.toml", args.grid.read_text())
         compare.run_grid(
-            grid, args.out, compare.pollen_run_cell(app, args.out, args.run_config),
-            validate,
-        )  # fmt: skip
+            cells, args.out, compare.pollen_run_cell(app, args.out, args.run_config)
+        )
         table = compare.report(args.out, grid.target)
     except compare.CompareError as err:
         print(f"pollen: error: {err}", file=sys.stderr)

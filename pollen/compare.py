@@ -5,10 +5,14 @@ result directories.
 the values listed under `[grid]`, each cell a complete `pollen run` with the
 settings under `[base]`; a value may be a table of keys set together, with a
 `name` for the cell) into `DIR/runs/<cell>/`, skipping cells whose run
-has completed, so an interrupted comparison resumes where it stopped (an
-interrupted cell's directory is moved to `DIR/incomplete/`, never deleted).
-Every cell's settings are validated before the first run starts; the grid
-is kept as `DIR/grid.toml`, and a different grid is refused there.
+has completed, so an interrupted comparison resumes where it stopped: an
+interrupted cell continues from its latest checkpoint (`checkpoint-every`),
+or without one its directory is moved to `DIR/incomplete/` (never deleted)
+and it runs again. Every cell's settings are validated, and every finished
+run checked against its cell, before the first run starts: a grid may grow
+(more values, so more cells) in its directory, but a finished run computed
+with other settings than its cell now has is refused. The latest grid is
+kept as `DIR/grid.toml`.
 
 `pollen report DIR` (and `compare`, after its last cell) reads every completed
 run directory under `DIR/runs/` (or `DIR` itself), groups the runs that differ
@@ -21,6 +25,7 @@ label distribution of each setting's partition.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import json
 import shutil
@@ -34,6 +39,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from .checkpoints import CheckpointError, check_resumable
 from .results import plot_accuracy_against, write_atomic, write_json
 from .settings import PRESETS
 
@@ -139,18 +145,6 @@ def cell_settings(values: Mapping[str, Any]) -> dict[str, Any]:
     return settings
 
 
-def keep_grid(grid_file: Path, out: Path) -> None:
-    """Keep the grid beside its runs; refuse to mix another grid's runs in."""
-    kept = out / "grid.toml"
-    text = grid_file.read_text()
-    if kept.exists() and kept.read_text() != text:
-        raise CompareError(
-            f"{out} holds the runs of another grid ({kept}); use another --out"
-        )
-    out.mkdir(parents=True, exist_ok=True)
-    write_atomic(kept, text)
-
-
 def cell_name(values: Mapping[str, Any]) -> str:
     """A directory name for a cell: `strategy-fedavg_seed-1` (a named table
     gives its name: `strategy-feddyn-sam`)."""
@@ -167,57 +161,124 @@ def config_text(values: Mapping[str, Any]) -> str:
     return " ".join(f"{key}={json.dumps(value)}" for key, value in values.items())
 
 
-def run_grid(
-    grid: Grid,
-    out: Path,
-    run_cell: Callable[[str, str, Path], int] | None,
-    validate: Callable[[str], None],
-    echo: Callable[[str], None] = print,
-    dry_run: bool = False,
-) -> None:
-    """Run every unfinished cell of `grid` into `out/runs/`, a progress line
-    per cell. `validate(config)` checks a cell's run config before anything
-    runs; `run_cell(config, name, log)` runs one (exit status). `dry_run`
-    only validates and lists the cells."""
-    cells = [
-        (cell_name(values), {**grid.base, **cell_settings(values)})
-        for values in grid.cells()
-    ]
-    names = [name for name, _ in cells]
+@dataclass(frozen=True)
+class Cell:
+    """One cell of a grid: its directory name, its run config (`config`, as
+    given; `run_config`, complete and validated) and what the comparison's
+    directory already holds of it (`state`: `DONE`, `TO_RUN`, `RESUMES`
+    after round `resume_after`, or `RESTARTS`, for the reason in `note`)."""
+
+    name: str
+    config: str
+    run_config: dict[str, Any]
+    state: str = "to run"
+    resume_after: int | None = None
+    note: str = ""
+
+
+DONE, TO_RUN, RESUMES, RESTARTS = "done", "to run", "resumes", "restarts"
+
+
+def plan_cells(
+    grid: Grid, out: Path, validate: Callable[[str], dict[str, Any]]
+) -> list[Cell]:
+    """Every cell of `grid`, validated by `validate(config)` (which returns the
+    complete run config), with its state in `out/runs/`. Nothing runs or is
+    written. A finished run is kept only if its cell still asks for what it
+    computed, so a grid may grow (more values, more keys' tables) but not
+    change under its results; an interrupted run resumes from its latest
+    checkpoint when that checkpoint's settings allow it."""
+    cells = []
+    for values in grid.cells():
+        config = config_text({**grid.base, **cell_settings(values)})
+        cells.append(Cell(cell_name(values), config, validate(config)))
+    names = [cell.name for cell in cells]
     if len(set(names)) != len(names):
         raise CompareError(
             "two cells share a directory name; make the grid values distinct"
         )
-    for name, values in cells:
-        validate(config_text(values))
-        if dry_run:
-            state = "done" if _finished(out / "runs" / name) else "to run"
-            echo(f"{name}: {state}: {config_text(values)}")
-    if dry_run:
-        return
+    return [_with_state(cell, out / "runs" / cell.name) for cell in cells]
+
+
+def _with_state(cell: Cell, run_dir: Path) -> Cell:
+    if not run_dir.exists():
+        return cell
+    if _finished(run_dir):
+        _check_computed(run_dir, cell)
+        return dataclasses.replace(cell, state=DONE)
+    try:
+        round = check_resumable(run_dir, cell.run_config)
+    except (CheckpointError, OSError, ValueError) as err:
+        return dataclasses.replace(cell, state=RESTARTS, note=str(err))
+    return dataclasses.replace(cell, state=RESUMES, resume_after=round)
+
+
+def _check_computed(run_dir: Path, cell: Cell) -> None:
+    """Refuse a finished run whose recorded settings differ from its cell's
+    (keys naming only where it ran aside; a key the run did not record, from
+    an older pollen, is not compared)."""
+    try:
+        recorded = json.loads((run_dir / "settings.json").read_text())
+    except (OSError, ValueError) as err:
+        raise CompareError(f"cannot read {run_dir / 'settings.json'}: {err}") from err
+    for key, value in cell.run_config.items():
+        if key in NOT_COMPARED or key not in recorded or recorded[key] == value:
+            continue
+        raise CompareError(
+            f"{run_dir} was run with {key}={recorded[key]!r} and its cell now has "
+            f"{key}={value!r}; this directory holds another grid's runs: use "
+            "another --out"
+        )
+
+
+def describe(cell: Cell) -> str:
+    """A cell's state in words, as the dry run and the progress lines say it."""
+    if cell.state == RESUMES:
+        return f"interrupted, resumes after round {cell.resume_after}"
+    if cell.state == RESTARTS:
+        return f"interrupted, cannot resume ({cell.note}), runs again"
+    return cell.state
+
+
+def run_grid(
+    cells: Sequence[Cell],
+    out: Path,
+    run_cell: Callable[[str, str, Path], int],
+    echo: Callable[[str], None] = print,
+) -> None:
+    """Run every unfinished cell into `out/runs/`, a progress line per cell
+    with an ETA. `run_cell(config, name, log)` runs one (exit status). An
+    interrupted cell continues from its checkpoint, or its directory is moved
+    to `out/incomplete/` (never deleted) and it runs again."""
     runs, logs = out / "runs", out / "logs"
     runs.mkdir(parents=True, exist_ok=True)
     logs.mkdir(exist_ok=True)
-    assert run_cell is not None, "run_cell is needed unless dry_run"
-    done = {name for name, _ in cells if _finished(runs / name)}
-    left = len(cells) - len(done)
+    left = sum(cell.state != DONE for cell in cells)
     spent: list[float] = []
-    for index, (name, values) in enumerate(cells, 1):
-        prefix = f"[{index}/{len(cells)}] {name}:"
-        if name in done:
+    for index, cell in enumerate(cells, 1):
+        prefix = f"[{index}/{len(cells)}] {cell.name}:"
+        if cell.state == DONE:
             echo(f"{prefix} done before, kept")
             continue
-        if (runs / name).exists():  # interrupted: kept aside, never deleted
-            aside = out / "incomplete" / f"{name}-{int(time.time())}"
+        config = cell.config
+        if cell.state == RESUMES:
+            echo(f"{prefix} {describe(cell)}")
+            resume = config_text({"resume": str((runs / cell.name).resolve())})
+            config = f"{config} {resume}"
+        elif cell.state == RESTARTS:
+            aside = out / "incomplete" / f"{cell.name}-{int(time.time())}"
             aside.parent.mkdir(exist_ok=True)
-            (runs / name).rename(aside)
+            (runs / cell.name).rename(aside)
+            echo(f"{prefix} {describe(cell)}; the interrupted run is kept in {aside}")
         started = time.monotonic()
-        status = run_cell(config_text(values), name, logs / f"{name}.log")
+        status = run_cell(config, cell.name, logs / f"{cell.name}.log")
         spent.append(time.monotonic() - started)
         left -= 1
         eta = statistics.fmean(spent) * left
         outcome = (
-            _outcome(runs / name) if status == 0 else f"failed (see {logs / name}.log)"
+            _outcome(runs / cell.name)
+            if status == 0
+            else f"failed (see {logs / cell.name}.log)"
         )
         echo(
             f"{prefix} {outcome}, {spent[-1]:.0f} s; {left} left, ETA {_duration(eta)}"
@@ -258,7 +319,7 @@ def pollen_run_cell(app: Path, out: Path, overrides: Sequence[str]) -> Callable:
             {"output-dir": str((out / "runs").resolve()), "run-name": name}
         )]:  # fmt: skip
             command += ["-c", value]
-        with log.open("w") as sink:
+        with log.open("a") as sink:  # a resumed or repeated cell keeps its log
             return subprocess.run(
                 command, stdout=sink, stderr=subprocess.STDOUT
             ).returncode

@@ -4,6 +4,7 @@ seeds, the table, the plots; and a real comparison of two tiny runs."""
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -78,7 +79,8 @@ seed = [1]
         write_run(tmp_path / "out" / "runs", name, {}, [0.5])
         return 0
 
-    compare.run_grid(grid, tmp_path / "out", run_cell, lambda c: None, print)
+    out = tmp_path / "out"
+    compare.run_grid(compare.plan_cells(grid, out, lambda c: {}), out, run_cell)
     assert ran == {
         "strategy-fedavg_seed-1": 'strategy="fedavg" seed=1',
         "strategy-feddyn-sam_seed-1":
@@ -121,27 +123,31 @@ def fake_cell(out: Path, ran: list[str], accuracy: float = 0.5):
     return run_cell
 
 
+def run_fake_grid(grid: compare.Grid, out: Path, ran: list[str]) -> list[str]:
+    """Plan and run `grid` with `fake_cell`; the progress lines."""
+    lines: list[str] = []
+    cells = compare.plan_cells(grid, out, lambda c: {"rounds": 1})
+    compare.run_grid(cells, out, fake_cell(out, ran), lines.append)
+    return lines
+
+
 def test_a_grid_resumes_and_keeps_an_interrupted_cell_aside(tmp_path: Path) -> None:
     grid = compare.Grid(
         {"rounds": 1}, {"strategy": ["fedavg", "fedsam"], "seed": [1, 2]}
     )
-    lines, ran = [], []
-    compare.run_grid(
-        grid, tmp_path, fake_cell(tmp_path, ran), lambda c: None, lines.append
-    )
+    ran: list[str] = []
+    lines = run_fake_grid(grid, tmp_path, ran)
     assert len(ran) == 4 and lines[-1].startswith(
         "[4/4] strategy-fedsam_seed-2: final 50.00%"
     )
     assert "ETA" in lines[0]
     broken = tmp_path / "runs" / "strategy-fedsam_seed-1"
-    (broken / "summary.json").unlink()  # as if killed mid-run
+    (broken / "summary.json").unlink()  # as if killed mid-run, before a checkpoint
     ran.clear()
-    lines.clear()
-    compare.run_grid(
-        grid, tmp_path, fake_cell(tmp_path, ran), lambda c: None, lines.append
-    )
+    lines = run_fake_grid(grid, tmp_path, ran)
     assert ran == ["strategy-fedsam_seed-1"]
     assert sum("done before, kept" in line for line in lines) == 3
+    assert "cannot resume (no checkpoint in" in lines[2]
     (aside,) = (tmp_path / "incomplete").iterdir()
     assert (
         aside.name.startswith("strategy-fedsam_seed-1-")
@@ -149,17 +155,33 @@ def test_a_grid_resumes_and_keeps_an_interrupted_cell_aside(tmp_path: Path) -> N
     )
 
 
+def test_a_grid_may_grow_but_not_change_under_its_results(tmp_path: Path) -> None:
+    ran: list[str] = []
+    run_fake_grid(compare.Grid({}, {"strategy": ["fedavg"]}), tmp_path, ran)
+    grown = compare.Grid({}, {"strategy": ["fedavg", "fedsam"]})
+    assert run_fake_grid(grown, tmp_path, ran)[0].endswith("done before, kept")
+    assert ran == ["strategy-fedavg", "strategy-fedsam"]
+    changed = compare.Grid({}, {"strategy": ["fedavg"]})
+    with pytest.raises(compare.CompareError, match=(
+        r"strategy-fedavg was run with seed=1 and its cell now has seed=2; "
+        "this directory holds another grid's runs"
+    )):  # fmt: skip
+        compare.plan_cells(changed, tmp_path, lambda c: {"seed": 2})
+    unrecorded = compare.plan_cells(changed, tmp_path, lambda c: {"new-key": 1})
+    assert unrecorded[0].state == compare.DONE  # older runs lack newer keys
+
+
 def test_an_invalid_cell_stops_the_grid_before_anything_runs(tmp_path: Path) -> None:
     grid = compare.Grid({}, {"lr": [0.1, -1.0]})
 
-    def validate(config: str) -> None:
+    def validate(config: str) -> dict:
         if "-1.0" in config:
             raise compare.CompareError(f"cell {config!r}: lr must be > 0")
+        return {}
 
-    ran: list[str] = []
     with pytest.raises(compare.CompareError, match="lr must be > 0"):
-        compare.run_grid(grid, tmp_path, fake_cell(tmp_path, ran), validate, print)
-    assert ran == [] and not (tmp_path / "runs").exists()
+        compare.plan_cells(grid, tmp_path, validate)
+    assert not (tmp_path / "runs").exists()
 
 
 def test_the_suite_grid_validates_and_a_dry_run_lists_its_cells(
@@ -273,6 +295,7 @@ data-set = "digits"
 rounds = 2
 num-clients = 2
 client-frac = 1.0
+checkpoint-every = 1
 [grid]
 strategy = ["fedavg", "fedprox"]
 """)  # fmt: skip
@@ -286,9 +309,34 @@ strategy = ["fedavg", "fedprox"]
     assert (out / "plots" / "labels-all.png").exists()
     assert main(["compare", str(grid), str(PROJECT), "--out", str(out)]) == 0
     assert capsys.readouterr().out.count("done before, kept") == 2
-    grid.write_text(grid.read_text().replace('"fedprox"', '"fedsam"'))
-    assert main(["compare", str(grid), str(PROJECT), "--out", str(out)]) == 2
-    assert "holds the runs of another grid" in capsys.readouterr().err
+    # killed in round 2: the cell continues from its round-1 checkpoint
+    fedprox = out / "runs" / "strategy-fedprox"
+    (fedprox / "summary.json").unlink()
+    shutil.rmtree(fedprox / "checkpoints" / "round-00002")
+    dry = ["compare", str(grid), str(PROJECT), "--out", str(out), "--dry-run"]
+    assert main(dry) == 0
+    assert "strategy-fedprox: interrupted, resumes after round 1:" in (
+        capsys.readouterr().out
+    )
+    assert main(["compare", str(grid), str(PROJECT), "--out", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert "[2/2] strategy-fedprox: interrupted, resumes after round 1" in printed
+    history = json.loads((fedprox / "history.json").read_text())
+    assert [row["round"] for row in history] == [1, 2]
+    assert not (out / "incomplete").exists()
+    # a grown grid keeps the finished cells; a changed one is refused
+    grid.write_text(grid.read_text().replace('"fedprox"]', '"fedprox", "fedsam"]'))
+    assert main(dry) == 0
+    states = [line.split(": ")[:2] for line in capsys.readouterr().out.splitlines()]
+    assert states == [
+        ["strategy-fedavg", "done"], ["strategy-fedprox", "done"],
+        ["strategy-fedsam", "to run"],
+    ]  # fmt: skip
+    grid.write_text(grid.read_text().replace("rounds = 2", "rounds = 3"))
+    assert main(dry) == 2
+    assert "was run with rounds=2 and its cell now has rounds=3" in (
+        capsys.readouterr().err
+    )
 
 
 def test_rows_follow_the_numbers_and_one_strategy_draws_a_line_per_setting(
