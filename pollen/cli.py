@@ -430,6 +430,11 @@ def _add_compare_parsers(commands: argparse._SubParsersAction) -> None:
         help="TOML file or \"key=value ...\" applied to every cell (repeatable)",
     )  # fmt: skip
     grid.add_argument(
+        "--only", action="append", default=[], metavar="KEY=VALUE",
+        help="run only the cells with this grid value, as cell names spell it "
+        "(repeatable; e.g. --only strategy=fedavg)",
+    )  # fmt: skip
+    grid.add_argument(
         "--dry-run",
         action="store_true",
         help="validate and list the cells, run nothing",
@@ -460,7 +465,7 @@ def run_comparison(args: argparse.Namespace) -> int:
 
     try:
         grid = compare.Grid.load(args.grid)
-        cells = compare.plan_cells(grid, args.out, validate)
+        cells = compare.plan_cells(grid.select(args.only), args.out, validate)
         if args.dry_run:
             for cell in cells:
                 print(f"{cell.name}: {compare.describe(cell)}: {cell.config}")

@@ -107,6 +107,27 @@ class Grid:
             for combo in itertools.product(*self.axes.values())
         ]
 
+    def select(self, only: Sequence[str]) -> Grid:
+        """The grid narrowed to the cells whose values `only` names, as
+        `key=value` with the value spelled as in the cell's directory name
+        (`strategy=fedavg`, `seed=2`, a named table's name); several values of
+        one key select all of them."""
+        chosen: dict[str, list[Any]] = {}
+        for selector in only:
+            key, _, label = selector.partition("=")
+            if key not in self.axes or not label:
+                raise CompareError(
+                    f"--only {selector!r}: expected key=value with a grid key "
+                    f"({', '.join(self.axes) or 'this grid has none'})"
+                )
+            labels = [_label(value) for value in self.axes[key]]
+            if label not in labels:
+                raise CompareError(
+                    f"--only {selector!r}: {key} takes {', '.join(labels)} in this grid"
+                )
+            chosen.setdefault(key, []).append(self.axes[key][labels.index(label)])
+        return dataclasses.replace(self, axes={**self.axes, **chosen})
+
 
 def _check_named_value(
     path: Path, key: str, value: dict[str, Any], grid_keys: set[str]
@@ -148,12 +169,14 @@ def cell_settings(values: Mapping[str, Any]) -> dict[str, Any]:
 def cell_name(values: Mapping[str, Any]) -> str:
     """A directory name for a cell: `strategy-fedavg_seed-1` (a named table
     gives its name: `strategy-feddyn-sam`)."""
-    parts = [
-        f"{key}-{value['name'] if isinstance(value, dict) else value}"
-        for key, value in values.items()
-    ]
+    parts = [f"{key}-{_label(value)}" for key, value in values.items()]
     name = "_".join(parts) or "all"
     return "".join(c if c.isalnum() or c in "-_." else "-" for c in name)
+
+
+def _label(value: Any) -> str:
+    """A grid value as cell names spell it: a named table by its name."""
+    return value["name"] if isinstance(value, dict) else str(value)
 
 
 def config_text(values: Mapping[str, Any]) -> str:

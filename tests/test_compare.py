@@ -88,6 +88,22 @@ seed = [1]
     }  # fmt: skip
 
 
+def test_only_selects_cells_by_the_values_their_names_spell() -> None:
+    named = {"name": "feddyn-sam", "strategy": "feddyn"}
+    grid = compare.Grid({}, {"strategy": ["fedavg", named, "fedsam"], "seed": [1, 2]})
+    chosen = grid.select(["strategy=feddyn-sam", "strategy=fedavg", "seed=2"])
+    assert [compare.cell_name(c) for c in chosen.cells()] == [
+        "strategy-feddyn-sam_seed-2", "strategy-fedavg_seed-2",
+    ]  # fmt: skip
+    assert grid.select([]) == grid
+    with pytest.raises(
+        compare.CompareError, match="strategy takes fedavg, feddyn-sam, fedsam"
+    ):
+        grid.select(["strategy=fedprox"])
+    with pytest.raises(compare.CompareError, match=r"a grid key \(strategy, seed\)"):
+        grid.select(["lr=0.1"])
+
+
 @pytest.mark.parametrize(
     ("text", "message"),
     [
@@ -203,12 +219,14 @@ def test_the_niid_bench_grid_validates_with_its_named_variant(
 ) -> None:
     assert main(["compare", str(PROJECT / "configs" / "grids" / "niid-bench-fmnist.toml"),
                  str(PROJECT), "--out", str(tmp_path / "cmp"), "--dry-run",
-                 "-c", str(PROJECT / "configs" / "niid-bench-fmnist.toml")]) == 0  # fmt: skip
+                 "-c", str(PROJECT / "configs" / "niid-bench-fmnist.toml"),
+                 "--only", "seed=846"]) == 0  # fmt: skip
     assert capsys.readouterr().out.splitlines() == [
-        'strategy-fedavg: to run: strategy="fedavg"',
-        'strategy-feddyn-sam: to run: strategy="feddyn" local-objective="feddyn-sam"',
-        'strategy-fedprox: to run: strategy="fedprox"',
-        'strategy-fedsam: to run: strategy="fedsam"',
+        'strategy-fedavg_seed-846: to run: checkpoint-every=5 strategy="fedavg" seed=846',
+        'strategy-feddyn-sam_seed-846: to run: checkpoint-every=5 strategy="feddyn" '
+        'local-objective="feddyn-sam" seed=846',
+        'strategy-fedprox_seed-846: to run: checkpoint-every=5 strategy="fedprox" seed=846',
+        'strategy-fedsam_seed-846: to run: checkpoint-every=5 strategy="fedsam" seed=846',
     ]
 
 
