@@ -184,6 +184,9 @@ def config_text(values: Mapping[str, Any]) -> str:
     return " ".join(f"{key}={json.dumps(value)}" for key, value in values.items())
 
 
+DONE, TO_RUN, RESUMES, RESTARTS = "done", "to run", "resumes", "restarts"
+
+
 @dataclass(frozen=True)
 class Cell:
     """One cell of a grid: its directory name, its run config (`config`, as
@@ -194,12 +197,9 @@ class Cell:
     name: str
     config: str
     run_config: dict[str, Any]
-    state: str = "to run"
+    state: str = TO_RUN
     resume_after: int | None = None
     note: str = ""
-
-
-DONE, TO_RUN, RESUMES, RESTARTS = "done", "to run", "resumes", "restarts"
 
 
 def plan_cells(
@@ -208,7 +208,7 @@ def plan_cells(
     """Every cell of `grid`, validated by `validate(config)` (which returns the
     complete run config), with its state in `out/runs/`. Nothing runs or is
     written. A finished run is kept only if its cell still asks for what it
-    computed, so a grid may grow (more values, more keys' tables) but not
+    computed, so a grid may grow (more values, so more cells) but not
     change under its results; an interrupted run resumes from its latest
     checkpoint when that checkpoint's settings allow it."""
     cells = []
