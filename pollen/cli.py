@@ -464,18 +464,19 @@ def run_comparison(args: argparse.Namespace) -> int:
             raise compare.CompareError(f"cell {config!r}: {err}") from None
 
     try:
-        grid = compare.Grid.load(args.grid)
-        cells = compare.plan_cells(grid.select(args.only), args.out, validate)
+        grid = compare.Grid.load(args.grid).select(args.only)
+        cells = compare.plan_cells(grid, args.out, validate)  # before any write
         if args.dry_run:
             for cell in cells:
                 print(f"{cell.name}: {compare.describe(cell)}: {cell.config}")
             return 0
-        args.out.mkdir(parents=True, exist_ok=True)
-        write_atomic(args.out / "grid.toml", args.grid.read_text())
-        compare.run_grid(
-            cells, args.out, compare.pollen_run_cell(app, args.out, args.run_config)
-        )
-        table = compare.report(args.out, grid.target)
+        with compare.exclusive(args.out):
+            cells = compare.plan_cells(grid, args.out, validate)  # as it is now
+            write_atomic(args.out / "grid.toml", args.grid.read_text())
+            compare.run_grid(
+                cells, args.out, compare.pollen_run_cell(app, args.out, args.run_config)
+            )
+            table = compare.report(args.out, grid.target)
     except compare.CompareError as err:
         print(f"pollen: error: {err}", file=sys.stderr)
         return EXIT_BAD_INPUT

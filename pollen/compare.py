@@ -25,16 +25,19 @@ label distribution of each setting's partition.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import fcntl
 import itertools
 import json
+import os
 import shutil
 import statistics
 import subprocess
 import sys
 import time
 import tomllib
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -261,6 +264,27 @@ def describe(cell: Cell) -> str:
     if cell.state == RESTARTS:
         return f"interrupted, cannot resume ({cell.note}), runs again"
     return cell.state
+
+
+@contextlib.contextmanager
+def exclusive(out: Path) -> Iterator[None]:
+    """Hold `out/compare.lock` while a comparison runs there: a second
+    `compare` on the same directory would resume the same cell into the same
+    run directory. The lock goes with the process, however it ends."""
+    out.mkdir(parents=True, exist_ok=True)
+    with (out / "compare.lock").open("a+") as lock:
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            lock.seek(0)
+            raise CompareError(
+                f"another pollen compare (pid {lock.read().strip() or '?'}) is "
+                f"running in {out}; wait for it, or use another --out"
+            ) from None
+        lock.truncate(0)
+        lock.write(str(os.getpid()))
+        lock.flush()
+        yield
 
 
 def run_grid(

@@ -4,6 +4,7 @@ seeds, the table, the plots; and a real comparison of two tiny runs."""
 from __future__ import annotations
 
 import json
+import os
 import shutil
 from pathlib import Path
 
@@ -342,6 +343,12 @@ strategy = ["fedavg", "fedprox"]
     history = json.loads((fedprox / "history.json").read_text())
     assert [row["round"] for row in history] == [1, 2]
     assert not (out / "incomplete").exists()
+    # one comparison per directory at a time
+    with compare.exclusive(out):
+        assert main(["compare", str(grid), str(PROJECT), "--out", str(out)]) == 2
+    assert f"another pollen compare (pid {os.getpid()}) is running in" in (
+        capsys.readouterr().err
+    )
     # a grown grid keeps the finished cells; a changed one is refused
     grid.write_text(grid.read_text().replace('"fedprox"]', '"fedprox", "fedsam"]'))
     assert main(dry) == 0
