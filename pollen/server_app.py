@@ -14,6 +14,7 @@ from __future__ import annotations
 import io
 import math
 import time
+from collections.abc import Callable
 from logging import INFO
 from pathlib import Path
 
@@ -65,6 +66,9 @@ app = ServerApp()
 # (Flower's default 0.1; a wait each round, two where clients also evaluate
 # their personal models); a lookup there is a dict read.
 REPLY_POLL_SECONDS = 0.01
+# A checkpoint's record of the run's seconds so far (ServerApp time, over
+# every process that ran it), which a resumed run's total time continues.
+ELAPSED = "elapsed-seconds"
 
 
 @app.main()
@@ -74,20 +78,28 @@ def main(grid: Grid, context: Context) -> None:
     settings = Settings.from_run_config(context.run_config)
     notifier = Notifier.from_settings(settings.notify_url, settings.notify_every)
     run_dir, run_name, checkpoint = _open_run_dir(settings)
+    history: list[RoundRecord] = []
+    before = 0.0  # seconds the processes before this one spent reaching its start
+    if checkpoint:  # a resumed run starts from the rounds its checkpoint covers
+        history = [r for r in read_history(run_dir) if r.round <= checkpoint.round]
+        # an older checkpoint lacks the record: its rounds' time, start-up aside
+        before = checkpoint.extra.get(ELAPSED, sum(r.seconds for r in history))
+    restored = len(history)
+
+    def elapsed() -> float:
+        return before + time.monotonic() - started
+
     print(f"pollen: results go to {run_dir}", flush=True)
     if notifier.enabled:
         print(f"pollen: notifications go to {notifier.describe()}", flush=True)
     notifier.run_started(
         run_name, settings.strategy, settings.data_set, settings.rounds
     )
-    history: list[RoundRecord] = []
-    if checkpoint:  # a resumed run starts from the rounds its checkpoint covers
-        history = [r for r in read_history(run_dir) if r.round <= checkpoint.round]
-    restored = len(history)
     try:
-        _train(grid, settings, run_dir, history, notifier, run_name, checkpoint)
+        _train(grid, settings, run_dir, history, notifier, run_name, checkpoint,
+               elapsed)  # fmt: skip
     except BaseException as err:
-        summary = summarize(history, "failed", time.monotonic() - started, _reason(err))
+        summary = summarize(history, "failed", elapsed(), _reason(err))
         # a resume that fails before its first round leaves the run as it was
         if len(history) > restored or not (run_dir / "summary.json").exists():
             write_json(run_dir / "summary.json", summary)
@@ -96,7 +108,7 @@ def main(grid: Grid, context: Context) -> None:
         raise
     write_json(
         run_dir / "summary.json",
-        summarize(history, "completed", time.monotonic() - started),
+        summarize(history, "completed", elapsed()),
     )
     last = history[-1] if history else None
     notifier.run_finished(
@@ -141,6 +153,7 @@ def _train(
     notifier: Notifier,
     run_name: str,
     checkpoint: Checkpoint | None,
+    elapsed: Callable[[], float],
 ) -> None:
     dataset, shards = federated_data(settings)
     counts = label_counts(dataset.y_train.numpy(), shards, dataset.num_classes)
@@ -210,7 +223,7 @@ def _train(
             or server_round == settings.rounds
         ):
             _save_checkpoint(settings, run_dir, server_round, arrays, strategy,
-                             evaluator)  # fmt: skip
+                             evaluator, elapsed())  # fmt: skip
             # clients may now forget their state from before this round
             train_config[client_state.KEEP_FROM] = server_round
             eval_config[client_state.KEEP_FROM] = server_round
@@ -275,6 +288,7 @@ def _save_checkpoint(
     arrays: ArrayRecord,
     strategy: FedAvg,
     evaluator: RoundEvaluator,
+    elapsed: float,
 ) -> None:
     checkpoint = Checkpoint(
         round=server_round,
@@ -283,6 +297,7 @@ def _save_checkpoint(
         extra={
             "settings": settings.to_run_config(),
             "lr-scheduler": evaluator.scheduler.state_dict(),
+            ELAPSED: elapsed,
         },
     )
     path = save_checkpoint(run_dir, checkpoint, settings.checkpoint_keep)

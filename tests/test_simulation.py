@@ -317,9 +317,23 @@ def test_resume_from_checkpoint_repeats_the_run_and_notifications_arrive(
     done = pollen_run(f"{common} rounds=3 resume='{run_dir}'")
     assert done.returncode == 2 and "raise rounds" in done.stderr
     shutil.rmtree(run_dir / "checkpoints" / "round-00003")  # "crash" after round 2
+    meta = json.loads(
+        (run_dir / "checkpoints" / "round-00002" / "meta.json").read_text()
+    )
+    to_checkpoint = meta["extra"]["elapsed-seconds"]
+    assert (
+        0
+        < to_checkpoint
+        < json.loads((run_dir / "summary.json").read_text())["total-seconds"]
+    )
+    started = time.monotonic()
     resumed = pollen_run(f"{common} rounds=3 resume='{run_dir}'")
+    this_process = time.monotonic() - started
     assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
     assert "resuming after round 2" in resumed.stdout
+    # its time counts the first process's up to the checkpoint, then its own
+    total = json.loads((run_dir / "summary.json").read_text())["total-seconds"]
+    assert this_process < total < to_checkpoint + this_process
     again = history(run_dir)
     keys = ("round", "accuracy", "loss", "lr", "clients", "bytes-up")
     assert [[r[k] for k in keys] for r in again] == [
