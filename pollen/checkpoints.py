@@ -35,6 +35,7 @@ from urllib.parse import quote, unquote
 import numpy as np
 
 from pollen.results import write_json
+from pollen.settings import first_difference
 
 FORMAT_VERSION = 1
 CHECKPOINTS = "checkpoints"
@@ -192,14 +193,14 @@ def check_resumable(run_dir: Path, run_config: dict[str, Any]) -> int:
         raise CheckpointError(
             f"{where / META_FILE} does not record the settings of its run"
         )
-    for key in sorted(run_config):
-        if key not in RESUMABLE_CHANGES and saved.get(key) != run_config[key]:
-            raise CheckpointError(
-                f"invalid value for 'resume': the checkpoint of round "
-                f"{round} was written with {key}={saved.get(key)!r}, this "
-                f"run has {key}={run_config[key]!r}; only "
-                f"{', '.join(sorted(RESUMABLE_CHANGES))} may change"
-            )
+    key = first_difference(saved, run_config, RESUMABLE_CHANGES)
+    if key is not None:
+        raise CheckpointError(
+            f"invalid value for 'resume': the checkpoint of round "
+            f"{round} was written with {key}={saved.get(key)!r}, this "
+            f"run has {key}={run_config[key]!r}; only "
+            f"{', '.join(sorted(RESUMABLE_CHANGES))} may change"
+        )
     if round >= run_config["rounds"]:
         raise CheckpointError(
             f"invalid value for 'resume': {run_dir} has a checkpoint of round "

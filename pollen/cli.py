@@ -465,13 +465,13 @@ def run_comparison(args: argparse.Namespace) -> int:
 
     try:
         grid = compare.Grid.load(args.grid).select(args.only)
-        cells = compare.plan_cells(grid, args.out, validate)  # before any write
+        cells = compare.validate_cells(grid, validate)  # before any write
         if args.dry_run:
-            for cell in cells:
+            for cell in compare.with_states(cells, args.out):
                 print(f"{cell.name}: {compare.describe(cell)}: {cell.config}")
             return 0
         with compare.exclusive(args.out):
-            cells = compare.plan_cells(grid, args.out, validate)  # as it is now
+            cells = compare.with_states(cells, args.out)
             write_atomic(args.out / "grid.toml", args.grid.read_text())
             compare.run_grid(
                 cells, args.out, compare.pollen_run_cell(app, args.out, args.run_config)

@@ -44,7 +44,7 @@ from typing import Any
 
 from .checkpoints import CheckpointError, check_resumable
 from .results import plot_accuracy_against, write_atomic, write_json
-from .settings import PRESETS
+from .settings import PRESETS, first_difference
 
 # Keys that name where or how a run ran, not what it computed.
 NOT_COMPARED = frozenset(
@@ -205,15 +205,9 @@ class Cell:
     note: str = ""
 
 
-def plan_cells(
-    grid: Grid, out: Path, validate: Callable[[str], dict[str, Any]]
-) -> list[Cell]:
+def validate_cells(grid: Grid, validate: Callable[[str], dict[str, Any]]) -> list[Cell]:
     """Every cell of `grid`, validated by `validate(config)` (which returns the
-    complete run config), with its state in `out/runs/`. Nothing runs or is
-    written. A finished run is kept only if its cell still asks for what it
-    computed, so a grid may grow (more values, so more cells) but not
-    change under its results; an interrupted run resumes from its latest
-    checkpoint when that checkpoint's settings allow it."""
+    complete run config); nothing is read or written."""
     cells = []
     for values in grid.cells():
         config = config_text({**grid.base, **cell_settings(values)})
@@ -223,6 +217,15 @@ def plan_cells(
         raise CompareError(
             "two cells share a directory name; make the grid values distinct"
         )
+    return cells
+
+
+def with_states(cells: Sequence[Cell], out: Path) -> list[Cell]:
+    """`cells` with what `out/runs/` holds of each. A finished run is kept
+    only if its cell still asks for what it computed, so a grid may grow
+    (more values, so more cells) but not change under its results; an
+    interrupted run resumes from its latest checkpoint when that checkpoint's
+    settings allow it."""
     return [_with_state(cell, out / "runs" / cell.name) for cell in cells]
 
 
@@ -247,13 +250,13 @@ def _check_computed(run_dir: Path, cell: Cell) -> None:
         recorded = json.loads((run_dir / "settings.json").read_text())
     except (OSError, ValueError) as err:
         raise CompareError(f"cannot read {run_dir / 'settings.json'}: {err}") from err
-    for key, value in cell.run_config.items():
-        if key in NOT_COMPARED or key not in recorded or recorded[key] == value:
-            continue
+    unrecorded = cell.run_config.keys() - recorded.keys()
+    key = first_difference(recorded, cell.run_config, NOT_COMPARED | unrecorded)
+    if key is not None:
         raise CompareError(
             f"{run_dir} was run with {key}={recorded[key]!r} and its cell now has "
-            f"{key}={value!r}; this directory holds another grid's runs: use "
-            "another --out"
+            f"{key}={cell.run_config[key]!r}; this directory holds another grid's "
+            "runs: use another --out"
         )
 
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -462,6 +462,18 @@ def _resolve_preset(values: dict[str, Scalar]) -> None:
         values["sharing"] = preset.get("sharing", "all")
     if values["server-lr"] == AUTO:
         values["server-lr"] = AUTO_SERVER_LR.get(str(values["server-update"]), 1.0)
+
+
+def first_difference(
+    recorded: Mapping[str, Any], run_config: Mapping[str, Any], ignored: Collection[str]
+) -> str | None:
+    """The first key (in sorted order, outside `ignored`) whose value in
+    `run_config` differs from the one a run recorded (a key it did not record
+    differs), or None: whether a saved run computed what `run_config` asks."""
+    for key in sorted(run_config):
+        if key not in ignored and recorded.get(key) != run_config[key]:
+            return key
+    return None
 
 
 def model_input_problem(model: str, channels: int, side: int) -> str | None:

@@ -81,7 +81,8 @@ seed = [1]
         return 0
 
     out = tmp_path / "out"
-    compare.run_grid(compare.plan_cells(grid, out, lambda c: {}), out, run_cell)
+    cells = compare.with_states(compare.validate_cells(grid, lambda c: {}), out)
+    compare.run_grid(cells, out, run_cell)
     assert ran == {
         "strategy-fedavg_seed-1": 'strategy="fedavg" seed=1',
         "strategy-feddyn-sam_seed-1":
@@ -143,7 +144,9 @@ def fake_cell(out: Path, ran: list[str], accuracy: float = 0.5):
 def run_fake_grid(grid: compare.Grid, out: Path, ran: list[str]) -> list[str]:
     """Plan and run `grid` with `fake_cell`; the progress lines."""
     lines: list[str] = []
-    cells = compare.plan_cells(grid, out, lambda c: {"rounds": 1})
+    cells = compare.with_states(
+        compare.validate_cells(grid, lambda c: {"rounds": 1}), out
+    )
     compare.run_grid(cells, out, fake_cell(out, ran), lines.append)
     return lines
 
@@ -183,8 +186,12 @@ def test_a_grid_may_grow_but_not_change_under_its_results(tmp_path: Path) -> Non
         r"strategy-fedavg was run with seed=1 and its cell now has seed=2; "
         "this directory holds another grid's runs"
     )):  # fmt: skip
-        compare.plan_cells(changed, tmp_path, lambda c: {"seed": 2})
-    unrecorded = compare.plan_cells(changed, tmp_path, lambda c: {"new-key": 1})
+        compare.with_states(
+            compare.validate_cells(changed, lambda c: {"seed": 2}), tmp_path
+        )
+    unrecorded = compare.with_states(
+        compare.validate_cells(changed, lambda c: {"new-key": 1}), tmp_path
+    )
     assert unrecorded[0].state == compare.DONE  # older runs lack newer keys
 
 
@@ -197,7 +204,7 @@ def test_an_invalid_cell_stops_the_grid_before_anything_runs(tmp_path: Path) -> 
         return {}
 
     with pytest.raises(compare.CompareError, match="lr must be > 0"):
-        compare.plan_cells(grid, tmp_path, validate)
+        compare.validate_cells(grid, validate)
     assert not (tmp_path / "runs").exists()
 
 
