@@ -467,15 +467,13 @@ def run_comparison(args: argparse.Namespace) -> int:
         grid = compare.Grid.load(args.grid).select(args.only)
         cells = compare.validate_cells(grid, validate)  # before any write
         if args.dry_run:
-            for cell in compare.with_states(cells, args.out):
-                print(f"{cell.name}: {compare.describe(cell)}: {cell.config}")
+            print_plan(cells, args.out)
             return 0
-        with compare.exclusive(args.out):
+        with compare.exclusive(args.out) as running:
             cells = compare.with_states(cells, args.out)
             write_atomic(args.out / "grid.toml", args.grid.read_text())
-            compare.run_grid(
-                cells, args.out, compare.pollen_run_cell(app, args.out, args.run_config)
-            )
+            run_cell = compare.pollen_run_cell(app, args.out, args.run_config)
+            compare.run_grid(cells, args.out, run_cell, running=running)
             table = compare.report(args.out, grid.target)
     except compare.CompareError as err:
         print(f"pollen: error: {err}", file=sys.stderr)
@@ -483,6 +481,19 @@ def run_comparison(args: argparse.Namespace) -> int:
     print(table.read_text(), end="")
     print(f"pollen: comparison in {args.out}")
     return 0
+
+
+def print_plan(cells: list[compare.Cell], out: Path) -> None:
+    """`compare --dry-run`: each cell's state, and the cell another compare
+    is running there now (its run directory looks interrupted)."""
+    now = compare.running_now(out)
+    if now is not None:
+        print(f"pollen: another pollen compare (pid {now[0]}) is running in {out}")
+    for cell in compare.with_states(cells, out):
+        state = compare.describe(cell)
+        if now is not None and cell.name == now[1]:
+            state = f"running now (pid {now[0]})"
+        print(f"{cell.name}: {state}: {cell.config}")
 
 
 def report_comparison(args: argparse.Namespace) -> int:

@@ -40,7 +40,7 @@ import tomllib
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 from .checkpoints import CheckpointError, check_resumable
 from .results import plot_accuracy_against, write_atomic, write_json
@@ -269,25 +269,59 @@ def describe(cell: Cell) -> str:
     return cell.state
 
 
+LOCK = "compare.lock"
+
+
 @contextlib.contextmanager
-def exclusive(out: Path) -> Iterator[None]:
+def exclusive(out: Path) -> Iterator[Callable[[str], None]]:
     """Hold `out/compare.lock` while a comparison runs there: a second
     `compare` on the same directory would resume the same cell into the same
-    run directory. The lock goes with the process, however it ends."""
+    run directory. The lock goes with the process, however it ends. Yields
+    `running(cell_name)`, which records the cell being run in the lock file
+    for `running_now`."""
     out.mkdir(parents=True, exist_ok=True)
-    with (out / "compare.lock").open("a+") as lock:
+    with (out / LOCK).open("a+") as lock:
         try:
             fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
-            lock.seek(0)
+            pid, _ = _holder(lock)
             raise CompareError(
-                f"another pollen compare (pid {lock.read().strip() or '?'}) is "
-                f"running in {out}; wait for it, or use another --out"
+                f"another pollen compare (pid {pid}) is running in {out}; "
+                "wait for it, or use another --out"
             ) from None
-        lock.truncate(0)
-        lock.write(str(os.getpid()))
-        lock.flush()
-        yield
+
+        def running(cell_name: str) -> None:
+            lock.truncate(0)
+            lock.write(f"{os.getpid()} {cell_name}".rstrip())
+            lock.flush()
+
+        running("")
+        yield running
+
+
+def running_now(out: Path) -> tuple[str, str] | None:
+    """The pid of the comparison running in `out` and the cell it is running
+    (empty between cells), or None when none runs there. The probe holds a
+    shared lock for an instant; a compare starting in that instant is told
+    to wait."""
+    try:
+        lock = (out / LOCK).open()
+    except FileNotFoundError:
+        return None
+    with lock:
+        try:
+            fcntl.flock(lock, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return _holder(lock)
+        fcntl.flock(lock, fcntl.LOCK_UN)
+        return None
+
+
+def _holder(lock: IO[str]) -> tuple[str, str]:
+    """The pid and cell name a held lock file records."""
+    lock.seek(0)
+    pid, _, cell_name = lock.read().strip().partition(" ")
+    return pid or "?", cell_name
 
 
 def run_grid(
@@ -295,11 +329,13 @@ def run_grid(
     out: Path,
     run_cell: Callable[[str, str, Path], int],
     echo: Callable[[str], None] = print,
+    running: Callable[[str], None] = lambda cell_name: None,
 ) -> None:
     """Run every unfinished cell into `out/runs/`, a progress line per cell
-    with an ETA. `run_cell(config, name, log)` runs one (exit status). An
-    interrupted cell continues from its checkpoint, or its directory is moved
-    to `out/incomplete/` (never deleted) and it runs again."""
+    with an ETA. `run_cell(config, name, log)` runs one (exit status);
+    `running(name)` is told which cell runs (`exclusive`'s). An interrupted
+    cell continues from its checkpoint, or its directory is moved to
+    `out/incomplete/` (never deleted) and it runs again."""
     runs, logs = out / "runs", out / "logs"
     runs.mkdir(parents=True, exist_ok=True)
     logs.mkdir(exist_ok=True)
@@ -320,6 +356,7 @@ def run_grid(
             aside.parent.mkdir(exist_ok=True)
             (runs / cell.name).rename(aside)
             echo(f"{prefix} {describe(cell)}; the interrupted run is kept in {aside}")
+        running(cell.name)
         started = time.monotonic()
         status = run_cell(config, cell.name, logs / f"{cell.name}.log")
         spent.append(time.monotonic() - started)
@@ -554,6 +591,7 @@ def plot_groups(runs: Sequence[Run], plots: Path) -> list[Path]:
     for slug, lines in figures.items():
         some = next(iter(lines.values()))[0].settings
         figure = ", ".join(f"{k}={some[k]}" for k in figure_keys)
+        seeds, labels = _seed_counts(lines)
         by_round, by_bytes = {}, {}
         for line, members in lines.items():
             accuracy = _mean_curve(
@@ -561,10 +599,10 @@ def plot_groups(runs: Sequence[Run], plots: Path) -> list[Path]:
             )
             megabytes = _mean_curve([_cumulative_mb(m.history) for m in members])
             rounds = list(range(1, len(accuracy) + 1))
-            by_round[line], by_bytes[line] = (rounds, accuracy), (megabytes, accuracy)
+            label = labels[line]
+            by_round[label], by_bytes[label] = (rounds, accuracy), (megabytes, accuracy)
         title = ": ".join(t for t in (str(some.get("data-set", "")), figure) if t)
-        if (seeds := max(len(members) for members in lines.values())) > 1:
-            title += f" (mean of {seeds} seeds)"
+        title += seeds
         for suffix, series, xlabel in (
             ("rounds", by_round, "round"),
             ("bytes", by_bytes, "MB sent and received (cumulative)"),
@@ -583,6 +621,18 @@ def plot_groups(runs: Sequence[Run], plots: Path) -> list[Path]:
             shutil.copyfile(labels, target)
             written.append(target)
     return written
+
+
+def _seed_counts(lines: Mapping[str, Sequence[Run]]) -> tuple[str, dict[str, str]]:
+    """Over how many seeds each line is a mean, said once (a title suffix)
+    when every line has the same count, else on each line's label."""
+    counts = {line: len(members) for line, members in lines.items()}
+    spelled = {n: f"mean of {n} seeds" if n > 1 else "1 seed" for n in counts.values()}
+    if len(spelled) == 1:
+        (count,) = spelled
+        suffix = f" ({spelled[count]})" if count > 1 else ""
+        return suffix, {line: line for line in lines}
+    return "", {line: f"{line} ({spelled[n]})" for line, n in counts.items()}
 
 
 def _mean_curve(curves: Sequence[Sequence[float]]) -> list[float]:

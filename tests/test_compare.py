@@ -344,6 +344,12 @@ strategy = ["fedavg", "fedprox"]
     assert "strategy-fedprox: interrupted, resumes after round 1:" in (
         capsys.readouterr().out
     )
+    with compare.exclusive(out) as running:  # another compare is running it
+        running("strategy-fedprox")
+        assert main(dry) == 0
+    assert f"strategy-fedprox: running now (pid {os.getpid()}):" in (
+        capsys.readouterr().out
+    )
     assert main(["compare", str(grid), str(PROJECT), "--out", str(out)]) == 0
     printed = capsys.readouterr().out
     assert "[2/2] strategy-fedprox: interrupted, resumes after round 1" in printed
@@ -382,3 +388,24 @@ def test_rows_follow_the_numbers_and_one_strategy_draws_a_line_per_setting(
     assert [r["setting"]["num-clients"] for r in rows] == [5, 5, 10, 10, 20, 20]
     plots = compare.plot_groups(compare.read_runs(tmp_path), tmp_path / "plots")
     assert len(plots) == 6  # a figure pair per K, with a line per partition
+
+
+def test_each_line_says_over_how_many_seeds_it_is_a_mean(
+    tmp_path: Path, monkeypatch
+) -> None:
+    for strategy, seeds in (("fedavg", (1, 2, 3)), ("fedprox", (1,))):
+        for seed in seeds:
+            write_run(tmp_path, f"{strategy}-{seed}",
+                      {"strategy": strategy, "seed": seed}, [0.5])  # fmt: skip
+    drawn = []
+    monkeypatch.setattr(compare, "plot_accuracy_against",
+                        lambda series, path, title, *_, **__: drawn.append(
+                            (title, sorted(series))))  # fmt: skip
+    compare.plot_groups(compare.read_runs(tmp_path), tmp_path / "plots")
+    assert drawn[0] == ("digits", ["fedavg (mean of 3 seeds)", "fedprox (1 seed)"])
+    for seed in (2, 3):
+        write_run(tmp_path, f"fedprox-{seed}",
+                  {"strategy": "fedprox", "seed": seed}, [0.5])  # fmt: skip
+    drawn.clear()
+    compare.plot_groups(compare.read_runs(tmp_path), tmp_path / "plots")
+    assert drawn[0] == ("digits (mean of 3 seeds)", ["fedavg", "fedprox"])
