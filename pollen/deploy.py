@@ -202,19 +202,10 @@ def entry_point(name: str) -> str:
     return str(candidate) if candidate.exists() else name
 
 
-# How often a SuperExec asks its SuperLink for work (a run to simulate, a
-# message for a SuperNode's ClientApp): Flower's default of 1 s idles half a
-# second on average before each start; 0.1 s costs ten small calls a second.
-TASK_POLL_SECONDS = "0.1"
-
-
 def flower_env(home: Path) -> dict[str, str]:
     """The environment of a Flower process with its own home, using this
-    Python's entry points, never installing dependencies at run time, and
-    polling for tasks every `TASK_POLL_SECONDS` unless the user's environment
-    says otherwise."""
+    Python's entry points and never installing dependencies at run time."""
     return {
-        "FLWR_SUPEREXEC_TASK_POLL_INTERVAL": TASK_POLL_SECONDS,
         **os.environ,
         "PATH": os.pathsep.join([str(Path(sys.executable).parent), os.environ["PATH"]]),
         "FLWR_HOME": str(home),
