@@ -108,7 +108,7 @@ def as_text(config: dict[str, Scalar]) -> str:
 
 def h_k_size(settings: Settings) -> tuple[int, int]:
     """(parameters, stored bytes) of one client's FedDyn h_k: zeros shaped as
-    the entries `client._regularizer` keeps, as the ArrayRecord it stores."""
+    the entries `client_app._regularizer` keeps, as the ArrayRecord it stores."""
     dataset, _ = federated_data(settings)
     model = settings_model(settings, dataset)
     names = Sharing.of(settings.sharing_policy, model).trained_shared(

@@ -1,42 +1,336 @@
-"""The ClientApp Flower loads (`pollen.client_app:app`): a handler per
-message type, each doing its work in `pollen.client`, imported with torch
-when the first message arrives.
+"""ClientApp: assemble this client's model, train or evaluate it, reply.
 
-Why not on import: a simulation loads the ClientApp in its own process, only
-to check that it loads, before it starts Ray; importing torch there held
-Ray's start back by the length of that import (docs/performance.md). A
-ClientApp actor or SuperNode imports `pollen.client` on its first message
-either way.
+A node serves one client (its `partition-id`) or, in a simulation with fewer
+nodes than clients, several; the server names the client in each message.
+What a client keeps between rounds lives in `context.state`, per client:
+the model entries its sharing policy keeps local (`local-<client>`: FedBN's
+BatchNorm, FedSA's LoRA B matrices), FedDyn's gradient state h_k
+(`feddyn-h-<client>`) and, under DP-SGD, the steps its privacy accountant
+has counted (`dp-steps-<client>`). When the run checkpoints, that state is
+also written to the client's disk after each round it trains and read back
+by a resumed run (`pollen.client_state`). Only shared entries are accepted
+from the server and only shared entries are sent back.
+
+Where a node's examples come from is its own business (node config, both
+optional): `data-root` replaces the run's `data-root` (a path on the server's
+machine) as the folder this node loads the run's data set from, and
+`data-file` names a .npz of the node's own examples, which it trains on whole
+as client `partition-id` instead of a shard of the data set
+(`pollen.task.data.read_node_file`).
 """
 
 from __future__ import annotations
 
-from flwr.app import Context, Message
+from collections.abc import Hashable
+from dataclasses import dataclass, replace
+from functools import cache
+
+import numpy as np
+import torch
+from flwr.app import (
+    ArrayRecord,
+    ConfigRecord,
+    Context,
+    Message,
+    MetricRecord,
+    RecordDict,
+)
 from flwr.clientapp import ClientApp
 
+from . import client_state
+from .settings import Settings
+from .strategies.fedavg import CLIENT_KEY
+from .strategies.sharing import Sharing
+from .task import NodeData, OwnData, model_inputs, settings_model
+from .task.data import Dataset
+from .task.privacy import PrivacyPlan, check_private_model, train_private
+from .task.train import (
+    ClientOptimizer,
+    Preprocess,
+    Regularizer,
+    TrainResult,
+    Transform,
+    evaluate,
+    pick_device,
+    train_local,
+)
+
 app = ClientApp()
+
+DATA_ROOT = "data-root"  # node config: where this node finds the run's data set
+DATA_FILE = "data-file"  # node config: a .npz of this node's own examples
+
+
+@cache
+def _settings(items: frozenset) -> Settings:
+    return Settings.from_run_config(dict(items))
+
+
+def node_settings(context: Context) -> Settings:
+    """The run's settings as this node uses them: with its own `data-root`
+    where its node config names one."""
+    settings = _settings(frozenset(context.run_config.items()))
+    root = _node_path(context, DATA_ROOT)
+    return settings if root is None else replace(settings, data_root=root)
+
+
+def node_data(context: Context) -> NodeData:
+    """Where this node's examples come from: shards of the run's data set or,
+    with node config `data-file`, its own file (client `partition-id`'s)."""
+    settings = node_settings(context)
+    path = _node_path(context, DATA_FILE)
+    if path is None:
+        return NodeData(settings)
+    client = int(context.node_config["partition-id"])
+    return NodeData(settings, OwnData.of(settings.data_set, path, client))
+
+
+def _node_path(context: Context, key: str) -> str | None:
+    """Node-config `key` as a path; None where it is absent or empty."""
+    value = context.node_config.get(key, "")
+    if not isinstance(value, str):
+        raise ValueError(
+            f"node config {key}={value!r}: expected a path in quotes "
+            f'({key}="/path/to/it")'
+        )
+    return value or None
 
 
 @app.query()
 def query(msg: Message, context: Context) -> Message:
-    """Which partition this node holds: `pollen.client.query`."""
-    from . import client
+    """Tell the server which partition this node holds (its node config),
+    how many examples it trains that client on and whether they are its own
+    (node config `data-file`) rather than a shard of the run's data set.
 
-    return client.query(msg, context)
+    A resumed run's query also names the checkpoint it resumes from: client
+    state that earlier runs wrote after it is deleted here, before any round.
+    """
+    config = msg.content.get("config")
+    if isinstance(config, ConfigRecord):
+        store = client_state.store_for(context, config)
+        if store is not None:
+            store.forget_abandoned(
+                context.run_id, int(config.get(client_state.RESUME_ROUND, 0))
+            )
+    data = node_data(context)
+    client = int(context.node_config["partition-id"])
+    record = ConfigRecord(
+        {
+            CLIENT_KEY: client,
+            "num-partitions": int(context.node_config["num-partitions"]),
+            "num-examples": data.num_examples(client),
+            "own-data": data.own is not None,
+        }
+    )
+    return Message(RecordDict({"node": record}), reply_to=msg)
+
+
+@dataclass
+class ClientModel:
+    """One client's model for this message: shared entries from the server,
+    local ones from `context.state` (or the common initialisation)."""
+
+    data: NodeData
+    client: int
+    server_round: int
+    dataset: Dataset
+    model: torch.nn.Module
+    sharing: Sharing
+    device: torch.device
+
+    @classmethod
+    def assemble(cls, msg: Message, context: Context) -> ClientModel:
+        data = node_data(context)
+        settings = data.settings
+        config = msg.content["config"]
+        client = int(config[CLIENT_KEY])
+        data.check_client(client)
+        client_state.restore(context, client, config)
+        dataset = data.dataset()
+        # Same seed as the server's model: local entries start where its do.
+        model = settings_model(settings, dataset)
+        sharing = Sharing.of(settings.sharing_policy, model)
+        arrays: ArrayRecord = msg.content["arrays"]
+        if set(arrays) != set(sharing.shared):
+            raise ValueError(
+                f"server sent {len(arrays)} entries; sharing policy "
+                f"{settings.sharing_policy} shares {len(sharing.shared)} "
+                f"(same settings on both sides?)"
+            )
+        state = model.state_dict()
+        state.update(arrays.to_torch_state_dict())
+        local = context.state.get(f"local-{client}")
+        if isinstance(local, ArrayRecord):
+            state.update(local.to_torch_state_dict())
+        model.load_state_dict(state)
+        device = pick_device(settings.device)
+        return cls(
+            data, client, int(config["server-round"]), dataset, model.to(device),
+            sharing, device,
+        )  # fmt: skip
+
+    @property
+    def settings(self) -> Settings:
+        return self.data.settings
+
+    def preprocess(self, augment: bool) -> Preprocess:
+        return Preprocess(
+            self.dataset.mean,
+            self.dataset.std,
+            normalize=self.settings.normalize,
+            augment=augment and self.dataset.augmentable,
+            device=self.device,
+        )
+
+    def inputs(
+        self, split: Hashable, x: torch.Tensor, augment: bool
+    ) -> tuple[torch.Tensor, Transform]:
+        """What the model sees of `x` (see `pollen.task.model_inputs`)."""
+        return model_inputs(
+            self.settings, split, self.model, x, self.preprocess(augment)
+        )
+
+    def loss_and_accuracy(
+        self, split: Hashable, examples: tuple[torch.Tensor, torch.Tensor] | None
+    ) -> tuple[float, float]:
+        """The model's test loss and accuracy on `examples`; NaN for none."""
+        if examples is None or not len(examples[1]):
+            return float("nan"), float("nan")
+        images, y = examples
+        x, prep = self.inputs(split, images, augment=False)
+        return evaluate(
+            self.model, x, y, batch_size=self.settings.test_batch_size, preprocess=prep
+        )
+
+    def entries(self, names: tuple[str, ...]) -> ArrayRecord:
+        state = self.model.state_dict()
+        return ArrayRecord({name: state[name].detach().cpu() for name in names})
+
+    def reply(self, msg: Message, metrics: MetricRecord, **records) -> Message:
+        content = RecordDict(
+            {
+                **records,
+                "metrics": metrics,
+                "client": ConfigRecord({CLIENT_KEY: self.client}),
+            }
+        )
+        return Message(content, reply_to=msg)
 
 
 @app.train()
 def train(msg: Message, context: Context) -> Message:
-    """The local objective on this client's shard: `pollen.client.train`."""
-    from . import client
+    """The local objective on this client's shard, from the global model."""
+    cm = ClientModel.assemble(msg, context)
+    s = cm.settings
+    images, y = cm.data.train_shard(cm.client, cm.device)
+    x, prep = cm.inputs(cm.data.split_key("train", cm.client), images, s.augment)
+    regularizer, h_key = _regularizer(cm, context)
+    optimizer = ClientOptimizer(
+        s.client_optimizer,
+        float(msg.content["config"]["lr"]),
+        s.momentum,
+        s.weight_decay,
+        s.client_betas,
+    )
+    seed = _client_seed(s.seed, cm.server_round, cm.client)
+    privacy: dict[str, float] = {}
+    if s.dp:
+        result, privacy = _train_private(cm, context, x, y, optimizer, prep, seed,
+                                         regularizer)  # fmt: skip
+    else:
+        result = train_local(
+            cm.model, x, y,
+            epochs=s.local_epochs, batch_size=s.batch_size, optimizer=optimizer,
+            preprocess=prep, seed=seed, max_grad_norm=s.max_grad_norm,
+            sam_rho=s.local_sam_rho,
+            regularizer=regularizer,
+        )  # fmt: skip
+    if h_key and regularizer is not None:
+        params = dict(cm.model.named_parameters())
+        context.state[h_key] = ArrayRecord(regularizer.dyn_state_after(params))
+    if cm.sharing.local:
+        context.state[f"local-{cm.client}"] = cm.entries(cm.sharing.local)
+    client_state.persist(context, cm.client, cm.server_round, msg.content["config"])
+    metrics = MetricRecord(
+        {"num-examples": result.num_examples, "train-loss": result.loss, **privacy}
+    )
+    return cm.reply(msg, metrics, arrays=cm.entries(cm.sharing.shared))
 
-    return client.train(msg, context)
+
+def _train_private(
+    cm: ClientModel,
+    context: Context,
+    x: torch.Tensor,
+    y: torch.Tensor,
+    optimizer: ClientOptimizer,
+    prep: Transform,
+    seed: int,
+    regularizer: Regularizer | None,
+) -> tuple[TrainResult, dict[str, float]]:
+    """DP-SGD for one round; the epsilon spent over every round so far."""
+    s = cm.settings
+    check_private_model(cm.model, s.model)
+    plan = PrivacyPlan.calibrate(
+        epsilon=s.dp_epsilon, delta=s.dp_delta, max_grad_norm=s.dp_max_grad_norm,
+        shard_size=len(y), batch_size=s.batch_size, local_epochs=s.local_epochs,
+        rounds=s.rounds,
+    )  # fmt: skip
+    result = train_private(
+        cm.model, x, y, plan=plan, optimizer=optimizer,
+        preprocess=prep, seed=seed, regularizer=regularizer,
+    )  # fmt: skip
+    key = f"dp-steps-{cm.client}"
+    before = context.state.get(key)
+    steps = result.steps + (int(before["steps"]) if before is not None else 0)
+    context.state[key] = ConfigRecord({"steps": steps})
+    return result, {
+        "dp-epsilon": plan.epsilon_after(steps),
+        "dp-noise-multiplier": plan.noise_multiplier,
+    }
+
+
+def _regularizer(cm: ClientModel, context: Context) -> tuple[Regularizer | None, str]:
+    """FedProx's or FedDyn's term around the received model (and h_k's state key)."""
+    s = cm.settings
+    if not s.regularizer:
+        return None, ""
+    dyn = s.regularizer == "feddyn"
+    names = cm.sharing.trained_shared(exclude_bn=dyn and s.feddyn_exclude_bn)
+    params = dict(cm.model.named_parameters())
+    anchor = {name: params[name].detach().clone() for name in names}
+    if not dyn:
+        return Regularizer(anchor, s.prox_mu), ""
+    h_key = f"feddyn-h-{cm.client}"
+    stored = context.state.get(h_key)
+    if isinstance(stored, ArrayRecord):
+        h = {k: v.to(cm.device) for k, v in stored.to_torch_state_dict().items()}
+    else:
+        h = {name: torch.zeros_like(a) for name, a in anchor.items()}
+    return Regularizer(anchor, s.dyn_alpha, h), h_key
 
 
 @app.evaluate()
 def evaluate_personal(msg: Message, context: Context) -> Message:
-    """This client's own model on its test data:
-    `pollen.client.evaluate_personal`."""
-    from . import client
+    """This client's model (shared + local entries) on the global test set and
+    on its own test shard; NaN for either where the node has none (a node
+    with its own data file and no copy of the data set has no global one)."""
+    cm = ClientModel.assemble(msg, context)
+    g_loss, g_acc = cm.loss_and_accuracy("test", cm.data.global_test(cm.device))
+    own = cm.data.test_shard(cm.client, cm.device)
+    l_loss, l_acc = cm.loss_and_accuracy(cm.data.split_key("test", cm.client), own)
+    metrics = MetricRecord(
+        {
+            "global-accuracy": g_acc,
+            "global-loss": g_loss,
+            "local-accuracy": l_acc,
+            "local-loss": l_loss,
+            "num-examples": len(own[1]),
+        }
+    )
+    return cm.reply(msg, metrics)
 
-    return client.evaluate_personal(msg, context)
+
+def _client_seed(seed: int, server_round: int, client: int) -> int:
+    return int(
+        np.random.SeedSequence([seed, server_round, client]).generate_state(1)[0]
+    )

@@ -1,9 +1,6 @@
-"""`pollen run`'s defaults for the simulation it starts; what loads without torch."""
+"""`pollen run`'s defaults for the simulation it starts."""
 
 from __future__ import annotations
-
-import subprocess
-import sys
 
 import pytest
 
@@ -24,13 +21,3 @@ def test_simulation_defaults_fill_only_the_keys_not_given() -> None:
     assert simulation_federation(given, 7) == given
     with pytest.raises(CliError, match="invalid --federation-config"):
         simulation_federation(["num-supernodes=three"], 7)
-
-
-def test_the_cli_and_the_client_app_load_without_torch() -> None:
-    """`pollen --help` answers at once, and a simulation's check that the
-    ClientApp loads does not hold Ray's start back by a torch import."""
-    probe = "import sys, pollen.cli, pollen.client_app; print('torch' in sys.modules)"
-    loaded = subprocess.run(
-        [sys.executable, "-c", probe], capture_output=True, text=True, check=True
-    )
-    assert loaded.stdout.strip() == "False"
