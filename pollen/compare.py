@@ -591,7 +591,7 @@ def plot_groups(runs: Sequence[Run], plots: Path) -> list[Path]:
     for slug, lines in figures.items():
         some = next(iter(lines.values()))[0].settings
         figure = ", ".join(f"{k}={some[k]}" for k in figure_keys)
-        seeds, labels = _seed_counts(lines)
+        seeds_in_title, labels = _seed_counts(lines)
         by_round, by_bytes = {}, {}
         for line, members in lines.items():
             accuracy = _mean_curve(
@@ -602,7 +602,7 @@ def plot_groups(runs: Sequence[Run], plots: Path) -> list[Path]:
             label = labels[line]
             by_round[label], by_bytes[label] = (rounds, accuracy), (megabytes, accuracy)
         title = ": ".join(t for t in (str(some.get("data-set", "")), figure) if t)
-        title += seeds
+        title += seeds_in_title
         for suffix, series, xlabel in (
             ("rounds", by_round, "round"),
             ("bytes", by_bytes, "MB sent and received (cumulative)"),
