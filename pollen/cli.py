@@ -486,14 +486,11 @@ def run_comparison(args: argparse.Namespace) -> int:
 def print_plan(cells: list[compare.Cell], out: Path) -> None:
     """`compare --dry-run`: each cell's state, and the cell another compare
     is running there now (its run directory looks interrupted)."""
-    now = compare.running_now(out)
-    if now is not None:
-        print(f"pollen: another pollen compare (pid {now[0]}) is running in {out}")
+    running = compare.running_now(out)
+    if running is not None:
+        print(f"pollen: another pollen compare (pid {running.pid}) is running in {out}")
     for cell in compare.with_states(cells, out):
-        state = compare.describe(cell)
-        if now is not None and cell.name == now[1]:
-            state = f"running now (pid {now[0]})"
-        print(f"{cell.name}: {state}: {cell.config}")
+        print(f"{cell.name}: {compare.describe(cell, running)}: {cell.config}")
 
 
 def report_comparison(args: argparse.Namespace) -> int:

@@ -40,7 +40,7 @@ import tomllib
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import IO, Any
+from typing import IO, Any, NamedTuple
 
 from .checkpoints import CheckpointError, check_resumable
 from .results import plot_accuracy_against, write_atomic, write_json
@@ -260,8 +260,20 @@ def _check_computed(run_dir: Path, cell: Cell) -> None:
         )
 
 
-def describe(cell: Cell) -> str:
-    """A cell's state in words, as the dry run and the progress lines say it."""
+class Holder(NamedTuple):
+    """The comparison holding a directory's lock: its pid and the cell it is
+    running (empty between cells)."""
+
+    pid: str
+    cell_name: str
+
+
+def describe(cell: Cell, running: Holder | None = None) -> str:
+    """A cell's state in words, as the dry run and the progress lines say it;
+    the cell that `running` (another comparison) runs now is said so, though
+    its directory looks interrupted."""
+    if running is not None and cell.name == running.cell_name:
+        return f"running now (pid {running.pid})"
     if cell.state == RESUMES:
         return f"interrupted, resumes after round {cell.resume_after}"
     if cell.state == RESTARTS:
@@ -284,9 +296,8 @@ def exclusive(out: Path) -> Iterator[Callable[[str], None]]:
         try:
             fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
-            pid, _ = _holder(lock)
             raise CompareError(
-                f"another pollen compare (pid {pid}) is running in {out}; "
+                f"another pollen compare (pid {_holder(lock).pid}) is running in {out}; "
                 "wait for it, or use another --out"
             ) from None
 
@@ -299,11 +310,10 @@ def exclusive(out: Path) -> Iterator[Callable[[str], None]]:
         yield running
 
 
-def running_now(out: Path) -> tuple[str, str] | None:
-    """The pid of the comparison running in `out` and the cell it is running
-    (empty between cells), or None when none runs there. The probe holds a
-    shared lock for an instant; a compare starting in that instant is told
-    to wait."""
+def running_now(out: Path) -> Holder | None:
+    """The comparison running in `out`, or None when none runs there. The
+    probe holds a shared lock for an instant; a compare starting in that
+    instant is told to wait."""
     try:
         lock = (out / LOCK).open()
     except FileNotFoundError:
@@ -317,11 +327,11 @@ def running_now(out: Path) -> tuple[str, str] | None:
         return None
 
 
-def _holder(lock: IO[str]) -> tuple[str, str]:
-    """The pid and cell name a held lock file records."""
+def _holder(lock: IO[str]) -> Holder:
+    """What a held lock file records."""
     lock.seek(0)
     pid, _, cell_name = lock.read().strip().partition(" ")
-    return pid or "?", cell_name
+    return Holder(pid or "?", cell_name)
 
 
 def run_grid(
