@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import importlib.util
 import io
+import subprocess
+import sys
 import tarfile
 from pathlib import Path
 
@@ -11,7 +14,7 @@ import pytest
 import torch
 from PIL import Image
 
-from pollen.task.data import CACHE_DIR, DataError, load_dataset
+from pollen.task.data import CACHE_DIR, DataError, _digits, load_dataset
 
 
 def fake_mnist(
@@ -38,6 +41,46 @@ def test_digits_ship_with_scikit_learn() -> None:
     assert ds.x_train.shape == (1437, 1, 8, 8) and ds.x_test.shape == (360, 1, 8, 8)
     assert ds.x_train.dtype.is_floating_point is False and int(ds.x_train.max()) == 255
     assert sorted(set(ds.y_train.tolist())) == list(range(10))
+
+
+def expected_digits() -> dict[str, np.ndarray]:
+    """The digits split computed from `load_digits` itself."""
+    from sklearn.datasets import load_digits
+
+    bunch = load_digits()
+    x = np.clip(np.rint(bunch.images * 255 / 16), 0, 255).astype(np.uint8)
+    order = np.random.default_rng(0).permutation(1797)
+    tr, te = order[:1437], order[1437:]
+    return {
+        "x_train": x[tr],
+        "y_train": bunch.target[tr],
+        "x_test": x[te],
+        "y_test": bunch.target[te],
+    }
+
+
+@pytest.mark.parametrize("where", ["csv", "load_digits"])
+def test_digits_are_scikit_learns(where: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Read from scikit-learn's CSV, or through `load_digits` when the installed
+    scikit-learn keeps the file elsewhere: the same images, labels and split."""
+    if where == "load_digits":
+        monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)
+    arrays = _digits()
+    for k, want in expected_digits().items():
+        assert np.array_equal(arrays[k], want), k
+
+
+def test_loading_the_digits_does_not_import_scikit_learn() -> None:
+    """Its import costs about 2 s of CPU in every process of a run."""
+    script = (
+        "import sys; from pollen.task.data import load_dataset; "
+        "load_dataset('digits', 'unused', download=False); "
+        "print(sorted(m for m in sys.modules if m.split('.')[0] == 'sklearn'))"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, check=True
+    )
+    assert out.stdout.strip() == "[]"
 
 
 def test_npz_is_decoded_once_and_cached(tmp_path: Path) -> None:

@@ -26,6 +26,7 @@ come as `[N, H, W]` (grey), `[N, H, W, C]` or `[N, C, H, W]`.
 
 from __future__ import annotations
 
+import importlib.util
 import io
 import json
 import os
@@ -503,15 +504,33 @@ def _download(spec: DataSpec, root: Path) -> dict[str, np.ndarray]:
 
 def _digits() -> dict[str, np.ndarray]:
     """scikit-learn's digits, pixels 0..16 rescaled to 0..255, fixed 80/20 split."""
-    from sklearn.datasets import load_digits
-
-    bunch = load_digits()
-    x = np.clip(np.rint(bunch.images * 255 / 16), 0, 255).astype(np.uint8)
-    y = bunch.target.astype(np.int64)
+    table = _digits_table()
+    x = np.clip(np.rint(table[:, :-1] * 255 / 16), 0, 255).astype(np.uint8)
+    x, y = x.reshape(-1, 8, 8), table[:, -1].astype(np.int64)
     order = np.random.default_rng(0).permutation(len(y))
     n_train = int(0.8 * len(y))
     tr, te = order[:n_train], order[n_train:]
     return {"x_train": x[tr], "y_train": y[tr], "x_test": x[te], "y_test": y[te]}
+
+
+def _digits_table() -> np.ndarray:
+    """The digits as rows of 64 pixels (0..16) and a label.
+
+    Read straight from the CSV that scikit-learn ships, the file its
+    `load_digits` reads (20 ms): importing `sklearn.datasets` costs about 2 s
+    of CPU, which every process that loads the digits would pay (the ServerApp
+    and each ClientApp actor). A scikit-learn that keeps the file elsewhere
+    is asked through `load_digits`.
+    """
+    package = importlib.util.find_spec("sklearn")  # finds it, does not import it
+    if package is not None and package.origin is not None:
+        csv = Path(package.origin).parent / "datasets" / "data" / "digits.csv.gz"
+        if csv.is_file():
+            return np.loadtxt(csv, delimiter=",")
+    from sklearn.datasets import load_digits
+
+    bunch = load_digits()
+    return np.column_stack([bunch.data, bunch.target])
 
 
 def _image_shapes(spec: DataSpec) -> list[tuple[int, ...]]:
