@@ -45,14 +45,19 @@ def _rss_bytes(pid: int) -> int:
     return 0
 
 
-def tree_rss_bytes(root: int) -> int:
-    """Resident bytes of `root` and every descendant, now."""
-    tree, todo, total = _children(), [root], 0
+def descendants(root: int) -> list[int]:
+    """`root` and every process below it, now."""
+    tree, todo, found = _children(), [root], []
     while todo:
         pid = todo.pop()
-        total += _rss_bytes(pid)
+        found.append(pid)
         todo.extend(tree.get(pid, []))
-    return total
+    return found
+
+
+def tree_rss_bytes(root: int) -> int:
+    """Resident bytes of `root` and every descendant, now."""
+    return sum(_rss_bytes(pid) for pid in descendants(root))
 
 
 def measure(
