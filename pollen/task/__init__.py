@@ -228,7 +228,7 @@ def _federated_data(key: DataKey) -> tuple[Dataset, list[np.ndarray]]:
         classes_per_client=key.classes_per_client,
         class_assignment=key.class_assignment,
         seed=key.seed,
-        cache_dir=None if key.data_set == "digits" else partition_cache(key.data_root),
+        cache_dir=partition_cache(key.data_root),
     )
     return dataset, shards
 
