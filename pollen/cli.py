@@ -116,7 +116,14 @@ def prepare_run(app: Path, overrides: Sequence[str]) -> tuple[Settings, str]:
 
 
 class LocalSuperLink:
-    """A simulation SuperLink owned by this command, in its own Flower home."""
+    """A simulation SuperLink owned by this command, in its own Flower home.
+
+    It runs in that home, not in the shell's directory: Ray puts its driver's
+    directory (the simulation process, started by the SuperLink) first on
+    every ClientApp actor's module path, so a `pollen` package in the shell's
+    directory (another checkout) would be imported there instead of the app's
+    own. Paths in the run config are made absolute before the run starts.
+    """
 
     def __init__(self) -> None:
         self.home = Path(tempfile.mkdtemp(prefix="pollen-flwr-home-"))
@@ -142,6 +149,7 @@ class LocalSuperLink:
         self.process = subprocess.Popen(
             command,
             env=self.env,
+            cwd=self.home,
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
             start_new_session=True,  # its own process group, stopped as one

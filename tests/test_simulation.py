@@ -96,12 +96,14 @@ def orphaned(before: set[int], marker: bytes = b"flower-superlink") -> set[int]:
     return leaked
 
 
-def pollen_run(*config: str, timeout: float = 600) -> subprocess.CompletedProcess[str]:
+def pollen_run(
+    *config: str, timeout: float = 600, cwd: Path | None = None
+) -> subprocess.CompletedProcess[str]:
     args = [str(BIN / "pollen"), "run", str(PROJECT)]
     for value in config:
         args += ["-c", value]
     return subprocess.run(
-        args, capture_output=True, text=True, timeout=timeout, check=False
+        args, capture_output=True, text=True, timeout=timeout, check=False, cwd=cwd
     )
 
 
@@ -113,11 +115,22 @@ def history(run_dir: Path) -> list[dict]:
 def default_runs(
     tmp_path_factory,
 ) -> tuple[Path, list[subprocess.CompletedProcess[str]]]:
-    """The embedded default run, twice with the same seed."""
+    """The embedded default run, twice with the same seed, from a shell
+    directory that holds another `pollen` package: Ray puts its driver's
+    directory on the ClientApp actors' module path, so a simulation started
+    there would import that package instead of the app's own."""
     out = tmp_path_factory.mktemp("default")
+    shell = tmp_path_factory.mktemp("shell")
+    (shell / "pollen").mkdir()
+    (shell / "pollen" / "__init__.py").write_text(
+        'raise ImportError("the pollen package in the shell directory was imported")'
+    )
     markers = (b"flower-superlink", b"flwr-simulation", b"raylet", b"gcs_server")
     before = {marker: running(marker) for marker in markers}
-    runs = [pollen_run(f"output-dir='{out}' run-name='{name}'") for name in ("a", "b")]
+    runs = [
+        pollen_run(f"output-dir='{out}' run-name='{name}'", cwd=shell)
+        for name in ("a", "b")
+    ]
     # pollen run stops waiting once the ServerApp has written its results, and
     # stops the simulation (Ray included) itself
     for marker in markers:
