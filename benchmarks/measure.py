@@ -106,8 +106,10 @@ def run_pollen(
     **popen,
 ) -> dict[str, float]:
     """One complete `pollen run` of this project (or of the checkout `tree`:
-    its app and its `pollen` package, through PYTHONPATH), timed from the
-    command's start to its exit: wall, start-up (wall less the rounds' own
+    its app and its `pollen` package, through PYTHONPATH, run in `tree`: a
+    `pollen run` before 832c5e8 started its simulation in the shell's
+    directory, which Ray puts first on the actors' module path), timed from
+    the command's start to its exit: wall, start-up (wall less the rounds' own
     seconds, as the ServerApp times them), every round's seconds, accuracy
     and peak RSS. `federation` values go to `--federation-config`."""
     args = [POLLEN, "run", str(tree)]
@@ -117,7 +119,7 @@ def run_pollen(
         args += ["--federation-config", value]
     if tree != PROJECT:
         popen["env"] = {**popen.get("env", os.environ), "PYTHONPATH": str(tree)}
-    wall, peak, _ = measure(args, **popen)
+    wall, peak, _ = measure(args, cwd=tree, **popen)
     history = json.loads((out / name / "history.json").read_text())
     rounds = [r["seconds"] for r in history]
     return {

@@ -10,7 +10,8 @@ and the final accuracy. Start-up = total - sum of per-round seconds.
 `--against DIR` measures a change side by side: runs alternate between this
 checkout and DIR, another checkout of the project (`git worktree add DIR
 <commit>`) using this one's environment, N runs each, and the table ends
-with each tree's means.
+with each tree's means. Every run starts in its own checkout, so relative
+paths in `-c` (`data-root='../shared/data'`) resolve against it.
 """
 
 from __future__ import annotations

@@ -81,8 +81,13 @@ def profile_run(config: list[str], out: Path, name: str, tree: Path) -> dict:
         dict(os.environ) if tree == PROJECT else {**os.environ, "PYTHONPATH": str(tree)}
     )
     started = time.monotonic()
-    process = subprocess.Popen(
-        args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env
+    process = subprocess.Popen(  # in `tree`, as measure.run_pollen says why
+        args,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=env,
+        cwd=tree,
     )
     seen: dict[int, tuple[str, float]] = {}
     at_round_1: dict[int, tuple[str, float]] = {}
