@@ -9,12 +9,14 @@ libraries) count once per process, an overestimate stated with the numbers.
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import subprocess
 import sys
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 PROJECT = Path(__file__).resolve().parents[1]
@@ -129,3 +131,28 @@ def run_pollen(
         "accuracy": history[-1]["accuracy"],
         "peak-rss": peak,
     }
+
+
+def side_by_side(description: str) -> tuple[argparse.Namespace, dict[str, Path]]:
+    """The command line of a script that measures `pollen run`s of this
+    checkout, or of this one and another alternately: `-c` (repeatable),
+    `--repeat N`, `--against DIR`. Returns the arguments and the checkouts
+    by label ("this", "against")."""
+    parser = argparse.ArgumentParser(description=description)
+    parser.add_argument("-c", "--run-config", action="append", default=[])
+    parser.add_argument("--repeat", type=int, default=1)
+    parser.add_argument("--against", type=Path, help="another checkout, alternated")
+    args = parser.parse_args()
+    trees = {"this": PROJECT}
+    if args.against:
+        if not (args.against / "pollen" / "server_app.py").is_file():
+            parser.error(f"--against {args.against}: not a checkout of this project")
+        trees["against"] = args.against.resolve()
+    return args, trees
+
+
+def alternated(trees: dict[str, Path], repeat: int) -> Iterator[tuple[str, int, Path]]:
+    """(label, run index, checkout) for `repeat` rounds of one run per checkout."""
+    for i in range(repeat):
+        for label, tree in trees.items():
+            yield label, i, tree

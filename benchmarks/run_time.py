@@ -16,30 +16,19 @@ paths in `-c` (`data-root='../shared/data'`) resolve against it.
 
 from __future__ import annotations
 
-import argparse
 import tempfile
 from pathlib import Path
 
-from measure import PROJECT, run_pollen
+from measure import alternated, run_pollen, side_by_side
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("-c", "--run-config", action="append", default=[])
-    parser.add_argument("--repeat", type=int, default=1)
-    parser.add_argument("--against", type=Path, help="another checkout, alternated")
-    args = parser.parse_args()
-    trees = {"this": PROJECT}
-    if args.against:
-        if not (args.against / "pollen" / "server_app.py").is_file():
-            parser.error(f"--against {args.against}: not a checkout of this project")
-        trees["against"] = args.against.resolve()
-    rows = []
+    args, trees = side_by_side(__doc__.split("\n")[0])
     with tempfile.TemporaryDirectory() as tmp:
-        for i in range(args.repeat):
-            for label, tree in trees.items():
-                run = run_pollen(args.run_config, Path(tmp), f"{label}-{i}", tree)
-                rows.append((label, i, run))
+        rows = [
+            (label, i, run_pollen(args.run_config, Path(tmp), f"{label}-{i}", tree))
+            for label, i, tree in alternated(trees, args.repeat)
+        ]
     print("| tree | run | wall s | start-up s | round 1 s | later rounds s | rounds "
           "| accuracy |")  # fmt: skip
     print("|---|---|---|---|---|---|---|---|")

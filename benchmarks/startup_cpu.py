@@ -20,7 +20,6 @@ each tree's mean CPU seconds per kind of process side by side.
 
 from __future__ import annotations
 
-import argparse
 import os
 import subprocess
 import tempfile
@@ -29,7 +28,7 @@ import time
 from collections import defaultdict
 from pathlib import Path
 
-from measure import POLLEN, PROJECT, descendants
+from measure import POLLEN, PROJECT, alternated, descendants, side_by_side
 
 TICKS = os.sysconf("SC_CLK_TCK")
 FIRST_ROUND = "[ROUND 1]"
@@ -145,23 +144,13 @@ def _mean(runs: list[dict], part: str, kind: str) -> float:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("-c", "--run-config", action="append", default=[])
-    parser.add_argument("--repeat", type=int, default=1)
-    parser.add_argument("--against", type=Path, help="another checkout, alternated")
-    args = parser.parse_args()
-    trees = {"this": PROJECT}
-    if args.against:
-        if not (args.against / "pollen" / "server_app.py").is_file():
-            parser.error(f"--against {args.against}: not a checkout of this project")
-        trees["against"] = args.against.resolve()
+    args, trees = side_by_side(__doc__.split("\n")[0])
     runs: dict[str, list[dict]] = {label: [] for label in trees}
     with tempfile.TemporaryDirectory() as tmp:
-        for i in range(args.repeat):
-            for label, tree in trees.items():
-                runs[label].append(
-                    profile_run(args.run_config, Path(tmp), f"{label}-{i}", tree)
-                )
+        for label, i, tree in alternated(trees, args.repeat):
+            runs[label].append(
+                profile_run(args.run_config, Path(tmp), f"{label}-{i}", tree)
+            )
     kinds = sorted(
         {k for rs in runs.values() for r in rs for k in r["whole run"]},
         key=lambda k: -_mean(runs["this"], "to round 1", k),
