@@ -74,7 +74,7 @@ def test_digits_shards_need_neither_scikit_learn_nor_datasets(tmp_path: Path) ->
     """The digits come from scikit-learn's CSV and their shards, once computed,
     from the partition cache: a process that needs them (a deployed ClientApp
     gets a new one per message) imports neither scikit-learn nor
-    flwr-datasets' `datasets`, about 1 and 1.3 s of CPU each."""
+    flwr-datasets' `datasets` (1.1 and 1.4 s of CPU)."""
     script = (
         "import sys; from pollen.settings import Settings; "
         "from pollen.task import federated_data; "

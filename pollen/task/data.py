@@ -517,9 +517,9 @@ def _digits_table() -> np.ndarray:
     """The digits as rows of 64 pixels (0..16) and a label.
 
     Read straight from the CSV that scikit-learn ships, the file its
-    `load_digits` reads (20 ms): importing `sklearn.datasets` costs about 2 s
-    of CPU, which every process that loads the digits would pay (the ServerApp
-    and each ClientApp actor). A scikit-learn that keeps the file elsewhere
+    `load_digits` reads (20 ms): importing `sklearn.datasets` costs about
+    1.1 s of CPU, which every process that loads the digits would pay (the
+    ServerApp, each ClientApp actor, each message of a deployed ClientApp). A scikit-learn that keeps the file elsewhere
     is asked through `load_digits`.
     """
     package = importlib.util.find_spec("sklearn")  # finds it, does not import it
