@@ -44,6 +44,10 @@ SUPERLINK_START_SECONDS = 60.0
 EXIT_FAILED, EXIT_BAD_INPUT = 1, 2
 CLIENT_CPUS = 1  # per ClientApp actor in a simulation, unless the user says
 DEPLOY_DIR = Path(".pollen-deploy")
+# Ray starts one idle Python worker per CPU for a simulation's first driver;
+# Flower's ClientApp actors never run in them, so they only cost start-up CPU
+# (1.2 s of 28 on 2 cores, docs/performance.md). A value the user sets wins.
+RAY_SIMULATION_ENV = {"RAY_prestart_worker_first_driver": "0"}
 
 
 class CliError(RuntimeError):
@@ -133,7 +137,7 @@ class LocalSuperLink:
 
     @property
     def env(self) -> dict[str, str]:
-        return flower_env(self.home)
+        return {**RAY_SIMULATION_ENV, **flower_env(self.home)}
 
     def __enter__(self) -> LocalSuperLink:
         (self.home / "config.toml").write_text(
