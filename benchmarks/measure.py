@@ -99,29 +99,43 @@ def settings_of(config: str):
     return Settings.from_run_config(resolve_run_config(PROJECT, [config]))
 
 
+def pollen_command(
+    config: list[str],
+    out: Path,
+    name: str,
+    tree: Path = PROJECT,
+    federation: tuple[str, ...] = (),
+) -> tuple[list[str], dict]:
+    """The `pollen run` of this project, or of the checkout `tree` (its app
+    and, through PYTHONPATH, its `pollen` package), writing run `name` under
+    `out`: the command and its Popen keywords. It starts in `tree`: a
+    `pollen run` before 832c5e8 ran its simulation in the shell's directory,
+    which Ray puts first on the actors' module path. `federation` values go
+    to `--federation-config`."""
+    args = [POLLEN, "run", str(tree)]
+    for value in [*config, f"output-dir='{out}' run-name='{name}'"]:
+        args += ["-c", value]
+    for value in federation:
+        args += ["--federation-config", value]
+    popen: dict = {"cwd": tree}
+    if tree != PROJECT:
+        popen["env"] = {**os.environ, "PYTHONPATH": str(tree)}
+    return args, popen
+
+
 def run_pollen(
     config: list[str],
     out: Path,
     name: str,
     tree: Path = PROJECT,
     federation: tuple[str, ...] = (),
-    **popen,
 ) -> dict[str, float]:
-    """One complete `pollen run` of this project (or of the checkout `tree`:
-    its app and its `pollen` package, through PYTHONPATH, run in `tree`: a
-    `pollen run` before 832c5e8 started its simulation in the shell's
-    directory, which Ray puts first on the actors' module path), timed from
-    the command's start to its exit: wall, start-up (wall less the rounds' own
+    """One complete `pollen run` (see `pollen_command`), timed from the
+    command's start to its exit: wall, start-up (wall less the rounds' own
     seconds, as the ServerApp times them), every round's seconds, accuracy
-    and peak RSS. `federation` values go to `--federation-config`."""
-    args = [POLLEN, "run", str(tree)]
-    for value in [*config, f"output-dir='{out}' run-name='{name}'"]:
-        args += ["-c", value]
-    for value in federation:
-        args += ["--federation-config", value]
-    if tree != PROJECT:
-        popen["env"] = {**popen.get("env", os.environ), "PYTHONPATH": str(tree)}
-    wall, peak, _ = measure(args, cwd=tree, **popen)
+    and peak RSS."""
+    args, popen = pollen_command(config, out, name, tree, federation)
+    wall, peak, _ = measure(args, **popen)
     history = json.loads((out / name / "history.json").read_text())
     rounds = [r["seconds"] for r in history]
     return {

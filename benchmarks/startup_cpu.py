@@ -25,10 +25,10 @@ import subprocess
 import tempfile
 import threading
 import time
-from collections import defaultdict
+from collections import Counter, defaultdict
 from pathlib import Path
 
-from measure import POLLEN, PROJECT, alternated, descendants, side_by_side
+from measure import alternated, descendants, pollen_command, side_by_side
 
 TICKS = os.sysconf("SC_CLK_TCK")
 FIRST_ROUND = "[ROUND 1]"
@@ -73,20 +73,10 @@ def _sample(pid: int) -> tuple[str, float] | None:
 
 def profile_run(config: list[str], out: Path, name: str, tree: Path) -> dict:
     """One `pollen run`: CPU seconds per kind of process until round 1 and in all."""
-    args = [POLLEN, "run", str(tree)]
-    for value in [*config, f"output-dir='{out}' run-name='{name}'"]:
-        args += ["-c", value]
-    env = (
-        dict(os.environ) if tree == PROJECT else {**os.environ, "PYTHONPATH": str(tree)}
-    )
+    args, popen = pollen_command(config, out, name, tree)
     started = time.monotonic()
-    process = subprocess.Popen(  # in `tree`, as measure.run_pollen says why
-        args,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        env=env,
-        cwd=tree,
+    process = subprocess.Popen(
+        args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, **popen
     )
     seen: dict[int, tuple[str, float]] = {}
     at_round_1: dict[int, tuple[str, float]] = {}
@@ -121,7 +111,7 @@ def profile_run(config: list[str], out: Path, name: str, tree: Path) -> dict:
         "wall to round 1": wall_to_round_1,
         "to round 1": _by_kind(at_round_1),
         "whole run": _by_kind(seen),
-        "count": _count_by_kind(seen),
+        "count": Counter(kind_of(command_line) for command_line, _ in seen.values()),
     }
 
 
@@ -130,13 +120,6 @@ def _by_kind(samples: dict[int, tuple[str, float]]) -> dict[str, float]:
     for command_line, seconds in samples.values():
         cpu[kind_of(command_line)] += seconds
     return cpu
-
-
-def _count_by_kind(samples: dict[int, tuple[str, float]]) -> dict[str, int]:
-    count: dict[str, int] = defaultdict(int)
-    for command_line, _ in samples.values():
-        count[kind_of(command_line)] += 1
-    return count
 
 
 def _mean(runs: list[dict], part: str, kind: str) -> float:

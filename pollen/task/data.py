@@ -519,8 +519,9 @@ def _digits_table() -> np.ndarray:
     Read straight from the CSV that scikit-learn ships, the file its
     `load_digits` reads (20 ms): importing `sklearn.datasets` costs about
     1.1 s of CPU, which every process that loads the digits would pay (the
-    ServerApp, each ClientApp actor, each message of a deployed ClientApp). A scikit-learn that keeps the file elsewhere
-    is asked through `load_digits`.
+    ServerApp, each ClientApp actor, each message of a deployed ClientApp).
+    A scikit-learn that keeps the file elsewhere is asked through
+    `load_digits`.
     """
     package = importlib.util.find_spec("sklearn")  # finds it, does not import it
     if package is not None and package.origin is not None:
