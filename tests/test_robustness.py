@@ -234,3 +234,82 @@ def test_a_failed_node_is_recorded_and_the_round_goes_on() -> None:
     out, _ = strategy.aggregate_train(1, [honest(0, rng), crashed, honest(2, rng)])
     assert out is not None and strategy.trained_clients == {0, 2}
     assert failures_of_replies(strategy) == ["node 2: node went away"]
+
+
+def test_records_beside_the_checked_ones_are_never_aggregated() -> None:
+    """A reply may carry other records; only its checked 'metrics' are
+    averaged (Flower's metric average would sum every MetricRecord, and a
+    NaN or a list there would reach the history or end the ServerApp)."""
+    rng = np.random.default_rng(0)
+    good = [honest(c, rng) for c in range(HONEST)]
+    padded = [reply_from(m.metadata.src_node_id, m.content.copy()) for m in good]
+    padded[0].content["extra"] = MetricRecord({"x": math.nan, "y": [1.0, 2.0]})
+    padded[1].content["more"] = MetricRecord({"num-examples": 10**9})
+    strategy = build("fedavg")
+    strategy.configure_train(1, record(GLOBAL), ConfigRecord(), None)
+    expected, metrics = strategy.aggregate_train(1, good)
+    strategy = build("fedavg")
+    strategy.configure_train(1, record(GLOBAL), ConfigRecord(), None)
+    got, padded_metrics = strategy.aggregate_train(1, padded)
+    assert not failures_of_replies(strategy)
+    assert dict(padded_metrics) == dict(metrics) == {"train-loss": 0.5}
+    for key in GLOBAL:
+        np.testing.assert_array_equal(got[key].numpy(), expected[key].numpy())
+
+
+def personal(client: int, node: int | None = None, **metrics) -> Message:
+    """A personal-evaluation reply from `client`'s node (or `node`); a metric
+    given as None is left out."""
+    values = {"global-accuracy": 0.5, "global-loss": 1.0, "local-accuracy": 0.75,
+              "local-loss": 0.5, "num-examples": 10, **metrics}  # fmt: skip
+    values = {k: v for k, v in values.items() if v is not None}
+    content = RecordDict(
+        {"metrics": MetricRecord(values), "client": ConfigRecord({CLIENT_KEY: client})}
+    )
+    return reply_from(client + 1 if node is None else node, content, "evaluate")
+
+
+def evaluated(replies: list[Message]) -> FedAvg:
+    """Clients 0 and 1 asked for their personal metrics in round 1, `replies` in."""
+    strategy = build("fedavg")
+    strategy.trained_clients = {0, 1}
+    strategy.personal_eval_every = 1
+    strategy.sharing = type("Local", (), {"local": ("bn",), "shared": tuple(GLOBAL)})
+    strategy.configure_evaluate(1, record(GLOBAL), ConfigRecord(), None)
+    strategy.aggregate_evaluate(1, replies)
+    return strategy
+
+
+# Each fault of a personal-evaluation reply: (expected reason, the message)
+PERSONAL_FAULTS: list[tuple[str, Callable[[], Message]]] = [
+    ("lacks its 'metrics'", lambda: reply_from(2, RecordDict({"client": ConfigRecord({CLIENT_KEY: 1})}), "evaluate")),
+    ("does not name its client", lambda: reply_from(2, RecordDict({"metrics": MetricRecord({"global-accuracy": 0.5})}), "evaluate")),
+    ("client 3 was not asked to evaluate", lambda: personal(3)),
+    ("client 0 is not served by node 2", lambda: personal(0, node=2)),
+    ("a second reply for client 0", lambda: personal(0, **{"global-accuracy": 0.9})),
+    ("'global-accuracy' must lie in [0, 1]", lambda: personal(1, **{"global-accuracy": 1.5})),
+    ("'local-loss' must lie in [0, inf]", lambda: personal(1, **{"local-loss": -1.0})),
+    ("'local-accuracy' must be a number, got None", lambda: personal(1, **{"local-accuracy": None})),
+    ("'global-loss' must be a number, got [1.0]", lambda: personal(1, **{"global-loss": [1.0]})),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "fault", PERSONAL_FAULTS, ids=[why for why, _ in PERSONAL_FAULTS]
+)
+def test_each_personal_evaluation_fault_is_named(fault) -> None:
+    why, make = fault
+    bad = make()
+    strategy = evaluated([personal(0), bad])
+    assert list(strategy.personal[1]) == [0]
+    assert strategy.personal[1][0]["global-accuracy"] == 0.5  # the first reply's
+    (failure,) = strategy.traffic[1].failures
+    assert failure.startswith(f"evaluate, node {bad.metadata.src_node_id}: ")
+    assert why in failure
+
+
+def test_personal_evaluation_allows_nan_for_a_client_without_test_data() -> None:
+    strategy = evaluated([personal(1, **{"local-accuracy": math.nan}), personal(0)])
+    assert list(strategy.personal[1]) == [0, 1]
+    assert math.isnan(strategy.personal[1][1]["local-accuracy"])
+    assert not strategy.traffic[1].failures

@@ -51,15 +51,15 @@ from flwr.serverapp.strategy import FedAvg as FlowerFedAvg
 from .aggregate import Arrays, weighted_average
 from .replies import (
     CLIENT_KEY,
+    PERSONAL_METRICS,
     Expectation,
     ReplyError,
     bound_update_norms,
+    checked_personal_reply,
     checked_reply,
 )
 from .sampling import Roster, sample_clients
 from .sharing import Sharing
-
-PERSONAL_METRICS = ("global-accuracy", "global-loss", "local-accuracy", "local-loss")
 
 
 @dataclass
@@ -67,6 +67,7 @@ class RoundTraffic:
     """What one round moved, and who took part."""
 
     clients: list[int] = field(default_factory=list)
+    evaluating: list[int] = field(default_factory=list)  # asked for personal metrics
     bytes_down: int = 0
     bytes_up: int = 0
     eval_bytes: int = 0
@@ -224,11 +225,11 @@ class FedAvg(FlowerFedAvg):
         new_shared = self.update(
             current,
             [arrays for _, _, arrays in accepted],
-            [float(c["metrics"][self.weighted_by_key]) for _, c, _ in accepted],
+            [float(m[self.weighted_by_key]) for _, m, _ in accepted],
         )
         merged = {**self._global, **new_shared}
         metrics = self.train_metrics_aggr_fn(
-            [content for _, content, _ in accepted], self.weighted_by_key
+            [RecordDict({"metrics": m}) for _, m, _ in accepted], self.weighted_by_key
         )
         return ArrayRecord({k: Array(v) for k, v in merged.items()}), metrics
 
@@ -268,9 +269,10 @@ class FedAvg(FlowerFedAvg):
 
     def _accepted(
         self, replies: list[Message], current: Arrays, traffic: RoundTraffic
-    ) -> list[tuple[int, RecordDict, Arrays]]:
+    ) -> list[tuple[int, MetricRecord, Arrays]]:
         """The replies that pass every check against the `current` shared
-        entries (and the norm bound), in client order."""
+        entries (and the norm bound), in client order: each client, its
+        checked metrics and its decoded entries."""
         expected = Expectation(
             arrays=current,
             owner=self.roster.owner,
@@ -278,19 +280,19 @@ class FedAvg(FlowerFedAvg):
             max_examples=self.max_examples,
             weight_key=self.weighted_by_key,
         )
-        accepted: list[tuple[int, RecordDict, Arrays]] = []
+        accepted: list[tuple[int, MetricRecord, Arrays]] = []
         seen: set[int] = set()
         for msg in replies:
             arrays = msg.content.get(self.arrayrecord_key)
             if isinstance(arrays, ArrayRecord):
                 traffic.bytes_up += arrays.count_bytes()
             try:
-                client, decoded = checked_reply(msg, expected, seen)
+                client, metrics, decoded = checked_reply(msg, expected, seen)
             except ReplyError as problem:
                 self._reject(traffic, msg.metadata.src_node_id, str(problem))
                 continue
             seen.add(client)
-            accepted.append((client, msg.content, decoded))
+            accepted.append((client, metrics, decoded))
         accepted.sort(key=lambda item: item[0])
         if not self.norm_bound or not accepted:
             return accepted
@@ -298,7 +300,7 @@ class FedAvg(FlowerFedAvg):
             current, [a for _, _, a in accepted], self.norm_bound, self.norm_action
         )
         kept = []
-        for (client, content, _), (arrays, note) in zip(accepted, bounded, strict=True):
+        for (client, metrics, _), (arrays, note) in zip(accepted, bounded, strict=True):
             node = self.roster.owner[client]
             if arrays is None:
                 self._reject(traffic, node, f"client {client}: {note}")
@@ -306,20 +308,20 @@ class FedAvg(FlowerFedAvg):
             if note:
                 traffic.clipped.append(f"node {node}: client {client}: {note}")
                 log(WARNING, "pollen: clipped update: client %d: %s", client, note)
-            kept.append((client, content, arrays))
+            kept.append((client, metrics, arrays))
         return kept
 
     @staticmethod
-    def _reject(traffic: RoundTraffic, node: int, problem: str) -> None:
-        traffic.failures.append(f"node {node}: {problem}")
-        log(WARNING, "pollen: rejected reply from node %d: %s", node, problem)
+    def _reject(traffic: RoundTraffic, node: int, problem: str, what: str = "") -> None:
+        traffic.failures.append(f"{what}node {node}: {problem}")
+        log(WARNING, "pollen: rejected %sreply from node %d: %s", what, node, problem)
 
     def _record_privacy(
-        self, traffic: RoundTraffic, accepted: list[tuple[int, RecordDict, Arrays]]
+        self, traffic: RoundTraffic, accepted: list[tuple[int, MetricRecord, Arrays]]
     ) -> None:
         """Keep each client's reported epsilon; the round records the largest."""
-        for client, content, _ in accepted:
-            epsilon = content["metrics"].get("dp-epsilon")
+        for client, metrics, _ in accepted:
+            epsilon = metrics.get("dp-epsilon")
             if isinstance(epsilon, float):
                 self.dp_epsilon[client] = epsilon
         if self.dp_epsilon:
@@ -352,6 +354,7 @@ class FedAvg(FlowerFedAvg):
         clients = sorted(self.trained_clients & set(self.roster.owner))
         traffic = self.traffic.setdefault(server_round, RoundTraffic())
         traffic.eval_bytes += payload.count_bytes() * len(clients)
+        traffic.evaluating = clients
         return self._messages(
             MessageType.EVALUATE, clients, payload, config, server_round
         )
@@ -359,25 +362,26 @@ class FedAvg(FlowerFedAvg):
     def aggregate_evaluate(
         self, server_round: int, replies: Iterable[Message]
     ) -> MetricRecord | None:
-        """Keep each client's accuracies and losses; return their means."""
+        """Keep each client's accuracies and losses (replies checked like
+        training ones, a bad one dropped with its reason); return their means."""
         valid, failed = self._check_and_log_replies(
             replies, is_train=False, validate=False
         )
-        per_client: dict[int, dict[str, float]] = {}
-        for msg in valid:
-            metrics, client = msg.content.get("metrics"), msg.content.get("client")
-            if not isinstance(metrics, MetricRecord) or not isinstance(
-                client, ConfigRecord
-            ):
-                continue
-            values = {k: metrics.get(k) for k in PERSONAL_METRICS}
-            # NaN on the own test shard is allowed: a client may hold no test data
-            if all(isinstance(v, float) for v in values.values()):
-                per_client[int(client[CLIENT_KEY])] = values
         traffic = self.traffic.setdefault(server_round, RoundTraffic())
         traffic.failures += [
             f"evaluate, node {m.metadata.src_node_id}: {m.error.reason}" for m in failed
         ]
+        per_client: dict[int, dict[str, float]] = {}
+        for msg in valid:
+            try:
+                client, values = checked_personal_reply(
+                    msg, self.roster.owner, traffic.evaluating, set(per_client)
+                )
+            except ReplyError as problem:
+                node = msg.metadata.src_node_id
+                self._reject(traffic, node, str(problem), what="evaluate, ")
+                continue
+            per_client[client] = values
         if not per_client:
             return None
         self.personal[server_round] = dict(sorted(per_client.items()))

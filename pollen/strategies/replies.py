@@ -12,7 +12,7 @@ poisoned or broken client (cf. norm bounding, Sun et al. 2019).
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 
 import numpy as np
@@ -21,6 +21,7 @@ from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord
 from .aggregate import Arrays
 
 CLIENT_KEY = "partition-id"
+PERSONAL_METRICS = ("global-accuracy", "global-loss", "local-accuracy", "local-loss")
 NORM_ACTIONS = ("clip", "drop")
 
 
@@ -41,33 +42,72 @@ class ReplyError(ValueError):
 
 def checked_reply(
     msg: Message, expected: Expectation, seen: set[int]
-) -> tuple[int, dict[str, np.ndarray]]:
-    """The client a training reply names and its entries, decoded once, after
-    every check has passed; `ReplyError` saying which check failed otherwise.
+) -> tuple[int, MetricRecord, dict[str, np.ndarray]]:
+    """The client a training reply names, its metrics and its entries, decoded
+    once, after every check has passed; `ReplyError` saying which check failed
+    otherwise. Only these records are used: any other record in the reply is
+    ignored, never aggregated.
 
     `seen` holds the clients already accepted this round; a second reply for
     one of them is refused.
     """
-    content = msg.content
-    arrays, metrics = content.get("arrays"), content.get("metrics")
-    client_record = content.get("client")
+    arrays, metrics = msg.content.get("arrays"), msg.content.get("metrics")
     if not isinstance(arrays, ArrayRecord) or not isinstance(metrics, MetricRecord):
         raise ReplyError("reply lacks its 'arrays' or 'metrics' record")
+    client = _named_client(msg, expected.owner, expected.sampled, seen, "train")
+    _check_metrics(metrics, client, expected)
+    return client, metrics, _decoded(arrays, expected.arrays)
+
+
+def checked_personal_reply(
+    msg: Message, owner: Mapping[int, int], asked: Collection[int], seen: set[int]
+) -> tuple[int, dict[str, float]]:
+    """The client a personal-evaluation reply names and its `PERSONAL_METRICS`,
+    after the same checks of who sent it as a training reply's; NaN is allowed
+    (a node may hold no test data), any other value outside an accuracy's
+    [0, 1] or a loss's [0, inf) is refused."""
+    metrics = msg.content.get("metrics")
+    if not isinstance(metrics, MetricRecord):
+        raise ReplyError("reply lacks its 'metrics' record")
+    client = _named_client(msg, owner, asked, seen, "evaluate")
+    values = {}
+    for name in PERSONAL_METRICS:
+        value = metrics.get(name)
+        upper = 1.0 if name.endswith("accuracy") else math.inf
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            raise ReplyError(f"metric {name!r} must be a number, got {value!r}")
+        if not (math.isnan(value) or 0.0 <= value <= upper):
+            raise ReplyError(
+                f"metric {name!r} must lie in [0, {upper:g}], got {value!r}"
+            )
+        values[name] = float(value)
+    return client, values
+
+
+def _named_client(
+    msg: Message,
+    owner: Mapping[int, int],
+    asked: Collection[int],
+    seen: set[int],
+    action: str,
+) -> int:
+    """The client a reply names, if it was asked to `action`, is served by the
+    node that replied, and has not replied before."""
+    client_record = msg.content.get("client")
     if not isinstance(client_record, ConfigRecord) or not isinstance(
         client_record.get(CLIENT_KEY), int
     ):
         raise ReplyError(f"reply does not name its client ({CLIENT_KEY})")
     client = client_record[CLIENT_KEY]
-    if client not in expected.sampled:
-        raise ReplyError(f"client {client} was not asked to train this round")
-    if expected.owner.get(client) != msg.metadata.src_node_id:
+    if client not in asked:
+        raise ReplyError(f"client {client} was not asked to {action} this round")
+    if owner.get(client) != msg.metadata.src_node_id:
         raise ReplyError(
             f"client {client} is not served by node {msg.metadata.src_node_id}"
         )
     if client in seen:
         raise ReplyError(f"a second reply for client {client}")
-    _check_metrics(metrics, client, expected)
-    return client, _decoded(arrays, expected.arrays)
+    return client
 
 
 def _check_metrics(metrics: MetricRecord, client: int, expected: Expectation) -> None:
