@@ -251,9 +251,10 @@ def train(msg: Message, context: Context) -> Message:
     if cm.sharing.local:
         context.state[f"local-{cm.client}"] = cm.entries(cm.sharing.local)
     client_state.persist(context, cm.client, cm.server_round, msg.content["config"])
-    metrics = MetricRecord(
-        {"num-examples": result.num_examples, "train-loss": result.loss, **privacy}
-    )
+    # Under DP-SGD the loss on the private batches is not covered by epsilon,
+    # so it does not leave the client.
+    loss = {} if s.dp else {"train-loss": result.loss}
+    metrics = MetricRecord({"num-examples": result.num_examples, **loss, **privacy})
     return cm.reply(msg, metrics, arrays=cm.entries(cm.sharing.shared))
 
 
