@@ -126,19 +126,45 @@ def test_roster_refuses_duplicate_and_mismatched_partitions() -> None:
 
 
 class FakeGrid:
-    def __init__(self) -> None:
+    """Answers every message from its node at once, but those to `silent`;
+    each call takes `seconds` on the clock `now`."""
+
+    def __init__(self, silent=(), seconds: float = 0.0) -> None:
         self.waves: list[list[int]] = []
+        self.timeouts: list[float | None] = []
+        self.silent, self.seconds, self.now = set(silent), seconds, 0.0
 
     def send_and_receive(self, messages, *, timeout=None):
         self.waves.append([m.metadata.dst_node_id for m in messages])
-        return list(messages)
+        self.timeouts.append(timeout)
+        self.now += self.seconds
+        return [reply_from(node, RecordDict()) for node in self.waves[-1]
+                if node not in self.silent]  # fmt: skip
+
+
+def to_nodes(*nodes: int) -> list[Message]:
+    return [Message(RecordDict(), dst_node_id=n, message_type="train") for n in nodes]
 
 
 def test_one_message_per_node_sends_in_waves() -> None:
     grid = FakeGrid()
-    messages = [
-        Message(RecordDict(), dst_node_id=n, message_type="train") for n in (1, 2, 1, 1)
-    ]
-    replies = OneMessagePerNode(grid).send_and_receive(messages, timeout=5)
+    replies = OneMessagePerNode(grid).send_and_receive(to_nodes(1, 2, 1, 1), timeout=5)
     assert grid.waves == [[1, 2], [1], [1]]
     assert len(replies) == 4
+
+
+def test_the_waves_share_one_timeout(monkeypatch) -> None:
+    """round-timeout bounds the round, not each wave: 4 s a wave, 10 s in all."""
+    grid = FakeGrid(seconds=4.0)
+    monkeypatch.setattr("pollen.strategies.sampling.time.monotonic", lambda: grid.now)
+    replies = OneMessagePerNode(grid).send_and_receive(to_nodes(1, 1, 1, 1), timeout=10)
+    assert grid.timeouts == [10.0, 6.0, 2.0]  # the fourth message is never sent
+    assert len(replies) == 3
+
+
+def test_a_node_that_did_not_answer_is_sent_nothing_more() -> None:
+    """It may still be working on its first message."""
+    grid = FakeGrid(silent={1})
+    replies = OneMessagePerNode(grid).send_and_receive(to_nodes(1, 2, 1, 2), timeout=5)
+    assert grid.waves == [[1, 2], [2]]
+    assert [r.metadata.src_node_id for r in replies] == [2, 2]

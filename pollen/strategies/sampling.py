@@ -15,6 +15,7 @@ the same settings samples the same clients whatever the node IDs are.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -134,7 +135,11 @@ class OneMessagePerNode:
     """A Grid wrapper that never has two messages in flight for the same node.
 
     When one node serves several clients, their messages go out in successive
-    waves, so a node's state is never touched by two trainings at once.
+    waves, so a node's state is never touched by two trainings at once. The
+    timeout bounds the whole call, as it does for Flower's grid: the waves
+    share it. A node that did not answer its message of one wave may still be
+    busy with it, so it is sent nothing more; its clients count as not
+    answered.
     """
 
     def __init__(self, grid: Any) -> None:
@@ -146,6 +151,7 @@ class OneMessagePerNode:
     def send_and_receive(
         self, messages: Iterable[Message], *, timeout: float | None = None
     ) -> list[Message]:
+        deadline = None if timeout is None else time.monotonic() + timeout
         pending, replies = list(messages), []
         while pending:
             wave, later, busy = [], [], set()
@@ -153,6 +159,11 @@ class OneMessagePerNode:
                 node = message.metadata.dst_node_id
                 (later if node in busy else wave).append(message)
                 busy.add(node)
-            replies.extend(self._grid.send_and_receive(wave, timeout=timeout))
-            pending = later
+            left = None if deadline is None else deadline - time.monotonic()
+            if left is not None and left <= 0:
+                break
+            answers = self._grid.send_and_receive(wave, timeout=left)
+            replies.extend(answers)
+            answered = {reply.metadata.src_node_id for reply in answers}
+            pending = [m for m in later if m.metadata.dst_node_id in answered]
         return replies
