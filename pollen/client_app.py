@@ -81,8 +81,29 @@ def node_data(context: Context) -> NodeData:
     path = _node_path(context, DATA_FILE)
     if path is None:
         return NodeData(settings)
-    client = int(context.node_config["partition-id"])
+    client, _ = node_partition(context)
     return NodeData(settings, OwnData.of(settings.data_set, path, client))
+
+
+def node_partition(context: Context) -> tuple[int, int]:
+    """This node's `partition-id` and `num-partitions` (its node config; set
+    by the simulation, by `pollen deploy`, or by hand on a SuperNode)."""
+    values = []
+    for key in (CLIENT_KEY, "num-partitions"):
+        value = context.node_config.get(key)
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ValueError(
+                f"node config {key}={value!r}: expected an integer; start the "
+                "SuperNode with --node-config 'partition-id=K num-partitions=N'"
+            )
+        values.append(value)
+    client, count = values
+    if not 0 <= client < count:
+        raise ValueError(
+            f"node config partition-id={client}: expected 0 <= partition-id < "
+            f"num-partitions ({count})"
+        )
+    return client, count
 
 
 def _node_path(context: Context, key: str) -> str | None:
@@ -112,12 +133,12 @@ def query(msg: Message, context: Context) -> Message:
             store.forget_abandoned(
                 context.run_id, int(config.get(client_state.RESUME_ROUND, 0))
             )
+    client, num_partitions = node_partition(context)
     data = node_data(context)
-    client = int(context.node_config["partition-id"])
     record = ConfigRecord(
         {
             CLIENT_KEY: client,
-            "num-partitions": int(context.node_config["num-partitions"]),
+            "num-partitions": num_partitions,
             "num-examples": data.num_examples(client),
             "own-data": data.own is not None,
         }

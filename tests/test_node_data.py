@@ -268,6 +268,24 @@ def test_node_config_paths_must_be_strings() -> None:
         query(context)
 
 
+@pytest.mark.parametrize(
+    ("node_config", "why"),
+    [
+        ({"num-partitions": 2}, "partition-id=None: expected an integer"),
+        ({"partition-id": "0", "num-partitions": 2}, "partition-id='0': expected an"),
+        ({"partition-id": 0}, "num-partitions=None: expected an integer"),
+        ({"partition-id": True, "num-partitions": 2}, "partition-id=True: expected"),
+        ({"partition-id": 2, "num-partitions": 2}, "partition-id=2: expected 0 <="),
+        ({"partition-id": -1, "num-partitions": 2}, "partition-id=-1: expected 0 <="),
+    ],
+)
+def test_a_bad_partition_in_the_node_config_is_named(node_config, why) -> None:
+    """A SuperNode started by hand without (or with a wrong) partition."""
+    context = Context(1, 1, node_config, RecordDict(), run_config())
+    with pytest.raises(ValueError, match=re.escape(why)):
+        query(context)
+
+
 def _arrays(**changes) -> dict[str, np.ndarray]:
     arrays = {"x_train": images(6), "y_train": labels(6)}
     return {k: v for k, v in {**arrays, **changes}.items() if v is not None}
