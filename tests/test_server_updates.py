@@ -258,23 +258,3 @@ def test_server_state_survives_a_checkpoint_round_trip(make) -> None:
     )
     fresh = play(make(), 2, arrays(w=x1), round_two)["w"]
     assert not np.array_equal(fresh, expected)  # the state mattered
-
-
-def test_dp_epsilon_survives_a_checkpoint_round_trip() -> None:
-    """The largest epsilon any client has spent is still reported after a
-    resume, also in a round where that client is not sampled."""
-
-    def spending(client: int, epsilon: float) -> Message:
-        message = reply(client, arrays(w=f32(1.0, 2.0)), 1)
-        message.content["metrics"]["dp-epsilon"] = epsilon
-        return message
-
-    first = FedAvg(**base(2))
-    play(first, 1, arrays(w=f32(1.0, 2.0)), [spending(0, 3.0), spending(1, 2.0)])
-    assert first.traffic[1].dp_epsilon == 3.0
-    resumed = FedAvg(**base(2, client_frac=0.5))
-    resumed.load_state_arrays(first.state_arrays())
-    play(resumed, 2, arrays(w=f32(1.0, 2.0)), [spending(1, 2.5)])
-    assert resumed.traffic[2].clients == [1]
-    assert resumed.traffic[2].dp_epsilon == 3.0
-    assert resumed.dp_epsilon == {0: 3.0, 1: 2.5}

@@ -134,25 +134,12 @@ class FedAvg(FlowerFedAvg):
     # ---- checkpointed state ---------------------------------------------------
 
     def state_arrays(self) -> dict[str, np.ndarray]:
-        """Server state beyond the global model that a resumed run needs: the
-        clients that have trained, and each one's latest DP epsilon (so that
-        a resumed run still reports the largest spent)."""
-        spent = sorted(self.dp_epsilon.items())
-        return {
-            "trained-clients": np.array(sorted(self.trained_clients), np.int64),
-            "dp-epsilon-clients": np.array([c for c, _ in spent], np.int64),
-            "dp-epsilon": np.array([e for _, e in spent], np.float64),
-        }
+        """Server state beyond the global model that a resumed run needs."""
+        return {"trained-clients": np.array(sorted(self.trained_clients), np.int64)}
 
     def load_state_arrays(self, state: Mapping[str, np.ndarray]) -> None:
-        """Restore what `state_arrays` returned (a checkpoint written before
-        epsilons were kept restores none)."""
+        """Restore what `state_arrays` returned."""
         self.trained_clients = {int(c) for c in state["trained-clients"]}
-        clients = state.get("dp-epsilon-clients", np.zeros(0, np.int64))
-        epsilons = state.get("dp-epsilon", np.zeros(0))
-        self.dp_epsilon = {
-            int(c): float(e) for c, e in zip(clients, epsilons, strict=True)
-        }
 
     # ---- what travels -------------------------------------------------------
 
