@@ -43,6 +43,7 @@ MODELS = (
     "vgg16-lora",
 )
 LORA_MODELS = ("cnn-lora", "vgg16-lora")
+BATCHNORM_MODELS = ("mlp-bn", "cnn", "cnn-lora", "mobilenet")  # train on 2+ samples
 PARTITIONS = ("iid", "niid", "niid-client", "pathological", "silos")
 CLASS_ASSIGNMENTS = ("first-deterministic", "deterministic", "random")
 SERVER_UPDATES = ("fedavg", "feddyn", "sgd", "adagrad", "adam", "yogi")
@@ -513,6 +514,12 @@ def _check_combination(values: dict[str, Scalar]) -> None:
         raise SettingsError(
             "cache-features=true with augment=true: features are computed once, "
             "from un-augmented images; set augment=false or cache-features=false"
+        )
+    if values["model"] in BATCHNORM_MODELS and values["batch-size"] == 1:
+        raise SettingsError(
+            f"batch-size=1 with model={values['model']!r}: BatchNorm cannot train "
+            "on one sample, so no step would be taken; use batch-size=2 or more, "
+            "or a model without BatchNorm (mlp, cnn-gn, simple-cnn)"
         )
     if values["dp"] and str(values["local-objective"]).endswith("sam"):
         raise SettingsError(

@@ -6,7 +6,7 @@ import tomllib
 
 import pytest
 
-from pollen.settings import Settings, SettingsError
+from pollen.settings import BATCHNORM_MODELS, MODELS, Settings, SettingsError
 from tests.conftest import PROJECT
 
 
@@ -83,6 +83,30 @@ def test_a_model_the_data_sets_images_cannot_feed_is_refused() -> None:
     with pytest.raises(SettingsError, match="'vgg16-lora' needs colour images"):
         Settings.from_run_config({"model": "vgg16-lora", "data-set": "mnist"})
     assert Settings.from_run_config({"model": "simple-cnn", "data-set": "mnist"})
+
+
+def test_batch_size_one_is_refused_for_exactly_the_batchnorm_models() -> None:
+    from torch.nn.modules.batchnorm import _BatchNorm
+
+    from pollen.task.models import ModelOptions, build_model  # imports torch
+
+    for name in MODELS:
+        model = build_model(name, (3, 32, 32), 10, 0, ModelOptions())
+        has_bn = any(isinstance(m, _BatchNorm) for m in model.modules())
+        assert has_bn == (name in BATCHNORM_MODELS), name
+        config = {
+            "model": name,
+            "data-set": "cifar10",
+            "batch-size": 1,
+            "augment": False,
+        }
+        if has_bn:
+            with pytest.raises(
+                SettingsError, match=f"batch-size=1 with model='{name}'"
+            ):
+                Settings.from_run_config(config)
+        else:
+            assert Settings.from_run_config(config).batch_size == 1
 
 
 def test_dp_runs_cannot_be_resumed() -> None:
