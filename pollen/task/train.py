@@ -284,11 +284,12 @@ def evaluate(
 ) -> tuple[float, float]:
     """(mean cross-entropy, accuracy) of `model` on `x`, `y`."""
     model.eval()
-    loss_sum = torch.zeros((), dtype=torch.float64, device=x.device)
+    wide = torch.float32 if x.device.type == "mps" else torch.float64  # MPS: no f64
+    loss_sum = torch.zeros((), dtype=wide, device=x.device)
     correct = torch.zeros((), dtype=torch.int64, device=x.device)
     for xb, yb in zip(x.split(batch_size), y.split(batch_size), strict=True):
         logits = model(preprocess(xb, None))
-        loss_sum += F.cross_entropy(logits, yb, reduction="sum").double()
+        loss_sum += F.cross_entropy(logits, yb, reduction="sum").to(wide)
         correct += (logits.argmax(1) == yb).sum()
     n = len(y)
     return float(loss_sum) / n, float(correct) / n
