@@ -141,6 +141,7 @@ def query(msg: Message, context: Context) -> Message:
             "num-partitions": num_partitions,
             "num-examples": data.num_examples(client),
             "own-data": data.own is not None,
+            "shard-fingerprint": data.shard_fingerprint(client),
         }
     )
     return Message(RecordDict({"node": record}), reply_to=msg)

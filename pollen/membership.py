@@ -40,6 +40,7 @@ class NodeReport:
     num_partitions: int
     num_examples: int
     own_data: bool
+    shard_fingerprint: str = ""  # absent from an older node's answer
 
     @classmethod
     def parse(cls, msg: Message) -> NodeReport:
@@ -58,7 +59,10 @@ class NodeReport:
             values[key] = value
         if values["num-examples"] < 0:
             raise ValueError(f"'num-examples' is {values['num-examples']}, below 0")
-        return cls(*values.values())
+        fingerprint = info.get("shard-fingerprint", "")
+        if not isinstance(fingerprint, str):
+            raise ValueError(f"'shard-fingerprint' is {fingerprint!r}, not text")
+        return cls(*values.values(), fingerprint)
 
 
 class Membership:
@@ -72,14 +76,14 @@ class Membership:
         *,
         min_available: int = 1,
         wait: float = 120.0,
-        shard_sizes: dict[int, int] | None = None,
+        shards: dict[int, tuple[int, str]] | None = None,
     ) -> None:
         self.grid = grid
         self.num_clients = num_clients
         self.config = config
         self.min_available = min_available
         self.wait = wait
-        self.shard_sizes = shard_sizes or {}
+        self.shards = shards or {}  # client -> (size, fingerprint) the server computed
         self.roster: Roster | None = None
         self.own_examples: dict[int, int] = {}  # client -> examples of its own data
         self._met: set[int] = set()
@@ -146,7 +150,8 @@ class Membership:
 
     def _note_examples(self, reports: dict[int, NodeReport]) -> None:
         """Record own-data nodes' example counts; warn when a node's shard of
-        the shared data set is not the one the server computed."""
+        the shared data set is not the one the server computed (other size,
+        or other labels in it: a copy of the data set ordered otherwise)."""
         assert self.roster is not None
         for node, report in reports.items():
             client = report.partition_id
@@ -154,12 +159,16 @@ class Membership:
                 continue
             if report.own_data:
                 self.own_examples[client] = report.num_examples
-            elif (
-                client in self.shard_sizes
-                and (report.num_examples != self.shard_sizes[client])
-                and report.num_partitions == self.num_clients
-            ):
+                continue
+            if client not in self.shards or report.num_partitions != self.num_clients:
+                continue
+            size, fingerprint = self.shards[client]
+            if report.num_examples != size:
                 log(WARNING, "pollen: node %d holds %d examples for client %d, the "
                     "server's partition gives it %d: is its data set the same "
-                    "file?", node, report.num_examples, client,
-                    self.shard_sizes[client])  # fmt: skip
+                    "file?", node, report.num_examples, client, size)  # fmt: skip
+            elif report.shard_fingerprint not in ("", fingerprint):
+                log(WARNING, "pollen: node %d's shard for client %d holds other "
+                    "examples than the server's partition gives it: its copy of "
+                    "the data set differs (another file, or the same images in "
+                    "another order)", node, client)  # fmt: skip

@@ -54,7 +54,7 @@ from .strategies import build_strategy
 from .strategies.fedavg import FedAvg, RoundTraffic, to_numpy
 from .strategies.sampling import OneMessagePerNode
 from .strategies.sharing import count_parameters
-from .task import federated_data, model_inputs, settings_model
+from .task import federated_data, model_inputs, settings_model, shard_fingerprints
 from .task.data import Dataset
 from .task.lora import FrozenBackboneClassifier
 from .task.partition import format_label_counts, label_counts
@@ -187,10 +187,11 @@ def _train(
         run_dir, run_name, resume_round, settings.checkpoint_every > 0
     )
     shard_sizes = [len(shard) for shard in shards]
+    fingerprints = shard_fingerprints(settings, list(range(settings.num_clients)))
     membership = Membership(
         grid, settings.num_clients, ConfigRecord(state_config),
         min_available=settings.min_available_nodes, wait=settings.node_wait,
-        shard_sizes=dict(enumerate(shard_sizes)),
+        shards={c: (shard_sizes[c], fingerprints[c]) for c in fingerprints},
     )  # fmt: skip
     roster = membership.refresh()
     log(INFO, "pollen: %d clients on %d nodes", settings.num_clients, roster.num_nodes)

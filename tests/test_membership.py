@@ -89,6 +89,24 @@ def test_membership_follows_nodes_leaving_and_rejoining() -> None:
     assert grid.asked == [11, 22, 22]  # asked again: its state may be gone
 
 
+def test_a_node_whose_shard_differs_from_the_servers_is_warned_about(caplog) -> None:
+    """Other size, or the same size with other examples (its fingerprint); a
+    node that sends no fingerprint (an older pollen) is taken at its size."""
+    grid = NodeGrid({
+        11: {**report(0, 4), "shard-fingerprint": "aaaa"},  # the server's shard
+        22: {**report(1, 4), "shard-fingerprint": "ffff"},  # other examples
+        33: report(2, 4),  # no fingerprint
+        44: {**report(3, 4, examples=90), "shard-fingerprint": "dddd"},
+    })  # fmt: skip
+    shards = {0: (100, "aaaa"), 1: (100, "bbbb"), 2: (100, "cccc"), 3: (100, "dddd")}
+    members = Membership(grid, 4, ConfigRecord(), wait=0.0, shards=shards)
+    assert members.refresh().owner == {0: 11, 1: 22, 2: 33, 3: 44}
+    warned = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert len(warned) == 2, warned
+    assert warned[0].startswith("pollen: node 22's shard for client 1 holds other")
+    assert warned[1].startswith("pollen: node 44 holds 90 examples for client 3")
+
+
 def test_membership_waits_a_bounded_time_then_says_why() -> None:
     grid = NodeGrid({11: report(0, 3)})
     members = Membership(grid, 3, ConfigRecord(), min_available=2, wait=0.0)

@@ -17,12 +17,12 @@ import pollen.task
 from pollen import client_app
 from pollen.settings import DATA_SETS, Settings
 from pollen.strategies.sharing import Sharing
-from pollen.task import federated_data, settings_model
+from pollen.task import federated_data, settings_model, shard_fingerprints
 from pollen.task.data import SPECS, DataError, load_dataset
 from pollen.task.models import build_model
 from pollen.task.partition import PartitionError
 from pollen.task.train import Preprocess, evaluate
-from tests.conftest import SHARED_DATA
+from tests.conftest import SHARED_DATA, write_mnist_slices
 from tests.test_sharing import message
 
 pytestmark = pytest.mark.usefixtures("task_identity")
@@ -97,11 +97,41 @@ def test_simulation_query_reports_the_shard_and_no_own_data() -> None:
     context = Context(1, 1, node(1, clients=2), RecordDict(), config)
     _, shards = federated_data(Settings.from_run_config(config))
     reply = query(context)
+    fingerprint = shard_fingerprints(Settings.from_run_config(config), [1])[1]
     assert reply == {
         "partition-id": 1, "num-partitions": 2,
         "num-examples": len(shards[1]), "own-data": False,
+        "shard-fingerprint": fingerprint,
     }  # fmt: skip
     assert len(shards[1]) != len(shards[0])  # it is client 1's shard, not any
+
+
+def test_a_copy_of_the_data_set_in_another_order_gives_another_fingerprint(
+    shared_data: Path, tmp_path: Path
+) -> None:
+    """Same images, sorted by class (as an image folder lists them): every
+    IID shard has the server's size but other examples; only the fingerprint
+    tells."""
+    original, sorted_copy = tmp_path / "original", tmp_path / "sorted"
+    write_mnist_slices(original, tmp_path / "unused.npz")
+    with np.load(original / "mnist.npz") as npz:
+        arrays = dict(npz)
+    order = np.argsort(arrays["y_train"], kind="stable")
+    sorted_copy.mkdir()
+    np.savez(sorted_copy / "mnist.npz", **{**arrays, "x_train": arrays["x_train"][order],
+             "y_train": arrays["y_train"][order]})  # fmt: skip
+    config = run_config("mnist", partition="iid", **{"data-root": str(original)})
+    server = shard_fingerprints(Settings.from_run_config(config), [0, 1, 2, 3])
+    assert len(set(server.values())) == 4
+
+    def answer(root: Path) -> dict:
+        node_config = node(1, **{"data-root": str(root)})
+        return query(Context(1, 1, node_config, RecordDict(), config))
+
+    same, other = answer(original), answer(sorted_copy)
+    assert same["shard-fingerprint"] == server[1]
+    assert other["num-examples"] == same["num-examples"]
+    assert other["shard-fingerprint"] != server[1]
 
 
 def test_node_data_root_replaces_the_runs(shared_data: Path, tmp_path: Path) -> None:
@@ -163,6 +193,7 @@ def test_a_data_file_node_needs_no_copy_of_the_data_set(tmp_path: Path) -> None:
     context = Context(1, 1, node(1, **{"data-file": path}), RecordDict(), config)
     assert query(context) == {
         "partition-id": 1, "num-partitions": 4, "num-examples": 37, "own-data": True,
+        "shard-fingerprint": "",  # its own examples: nothing the server could check
     }  # fmt: skip
     assert train(context, 1).content["metrics"]["num-examples"] == 37
     sent = global_model(config)

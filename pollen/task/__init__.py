@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Hashable
 from dataclasses import dataclass
 from functools import cache
@@ -55,6 +56,17 @@ def federated_data(settings: Settings) -> tuple[Dataset, list[np.ndarray]]:
     shards from the same seed, so no indices ever travel.
     """
     return _federated_data(DataKey.of(settings))
+
+
+def shard_fingerprints(settings: Settings, clients: list[int]) -> dict[int, str]:
+    """A short hash of each client's shard labels, in order: two processes
+    agree on it only if their copies of the data set give that client the
+    same examples (a copy ordered otherwise, say by class, gives other ones)."""
+    dataset, shards = federated_data(settings)
+    labels = dataset.y_train.numpy().astype(np.int64)
+    return {
+        c: hashlib.sha256(labels[shards[c]].tobytes()).hexdigest()[:16] for c in clients
+    }
 
 
 def client_shard(
@@ -146,6 +158,15 @@ class NodeData:
         if self.own is not None:
             return len(_own_dataset(self.own).y_train)
         return len(federated_data(self.settings)[1][client])
+
+    def shard_fingerprint(self, client: int) -> str:
+        """`client`'s shard of the run's data set as `shard_fingerprints` gives
+        it, so the server can tell a node whose copy of the data set differs;
+        "" for a node's own examples, which the server does not know."""
+        self.check_client(client)
+        if self.own is not None:
+            return ""
+        return shard_fingerprints(self.settings, [client])[client]
 
     def train_shard(
         self, client: int, device: torch.device
