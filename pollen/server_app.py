@@ -77,7 +77,12 @@ def main(grid: Grid, context: Context) -> None:
     started = time.monotonic()
     settings = Settings.from_run_config(context.run_config)
     notifier = Notifier.from_settings(settings.notify_url, settings.notify_every)
-    run_dir, run_name, checkpoint = _open_run_dir(settings)
+    try:
+        run_dir, run_name, checkpoint = _open_run_dir(settings)
+    except BaseException as err:  # e.g. a resume its checkpoint refuses
+        unopened = settings.run_name or Path(settings.resume).name
+        _tell_failure(notifier, unopened or settings.output_dir, err)
+        raise
     history: list[RoundRecord] = []
     before = 0.0  # seconds the processes before this one spent reaching its start
     if checkpoint:  # a resumed run starts from the rounds its checkpoint covers
@@ -103,8 +108,7 @@ def main(grid: Grid, context: Context) -> None:
         # a resume that fails before its first round leaves the run as it was
         if len(history) > restored or not (run_dir / "summary.json").exists():
             write_json(run_dir / "summary.json", summary)
-        notifier.run_failed(run_name, _reason(err))
-        notifier.close()
+        _tell_failure(notifier, run_name, err)
         raise
     write_json(
         run_dir / "summary.json",
@@ -117,6 +121,11 @@ def main(grid: Grid, context: Context) -> None:
     )  # fmt: skip
     notifier.close()
     print(f"{RUN_COMPLETED} {run_dir}", flush=True)
+
+
+def _tell_failure(notifier: Notifier, run_name: str, err: BaseException) -> None:
+    notifier.run_failed(run_name, _reason(err))
+    notifier.close()
 
 
 def _open_run_dir(settings: Settings) -> tuple[Path, str, Checkpoint | None]:

@@ -232,3 +232,20 @@ def test_url_never_logged(
     assert len(records) == 2  # once per kind of failure and notifier
     assert "HTTP 500" in caplog.text and "127.0.0.1" in caplog.text
     assert SECRET not in caplog.text and "/services" not in caplog.text
+
+
+def test_a_run_that_cannot_open_its_directory_tells_its_failure(
+    hook: Hook, tmp_path
+) -> None:
+    """A resume refused before the first round still sends `failed`."""
+    from flwr.app import Context, RecordDict
+
+    from pollen import server_app
+    from pollen.settings import Settings
+
+    config = {"resume": str(tmp_path / "gone"), "notify-url": hook.url}
+    run_config = Settings.from_run_config(config).to_run_config()
+    with pytest.raises(Exception, match="is not a pollen run directory"):
+        server_app.main(None, Context(1, 0, {}, RecordDict(), run_config))
+    (text,) = hook.texts
+    assert text.startswith("pollen: run gone failed: ResultsError: invalid value")
