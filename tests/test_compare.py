@@ -238,6 +238,17 @@ def test_the_niid_bench_grid_validates_with_its_named_variant(
     ]
 
 
+def test_the_feddyn_alpha_grid_validates(tmp_path: Path, capsys) -> None:
+    assert main(["compare", str(PROJECT / "configs" / "grids" / "niid-bench-feddyn-alpha.toml"),
+                 str(PROJECT), "--out", str(tmp_path / "cmp"), "--dry-run",
+                 "-c", str(PROJECT / "configs" / "niid-bench-fmnist.toml")]) == 0  # fmt: skip
+    base = 'strategy="feddyn" seed=845 checkpoint-every=5'
+    assert capsys.readouterr().out.splitlines() == [
+        f"dyn-alpha-{alpha}: to run: {base} dyn-alpha={alpha}"
+        for alpha in ("0.01", "0.001", "0.1")
+    ]
+
+
 def test_groups_average_over_seeds_and_the_table_shows_it(tmp_path: Path) -> None:
     for seed, curve in ((1, [0.6, 0.8, 0.9]), (2, [0.5, 0.7, 0.8])):
         write_run(tmp_path, f"avg-{seed}", {"strategy": "fedavg", "seed": seed}, curve)
