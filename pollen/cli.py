@@ -385,6 +385,11 @@ def build_parser() -> argparse.ArgumentParser:
     )  # fmt: skip
     run_parser.set_defaults(handler=run)
     _add_deploy_parser(commands)
+    commands.add_parser(
+        "superexec", add_help=False,
+        help="Flower's SuperExec with warm ClientApp processes (for a SuperNode "
+        "started with --isolation process); `pollen superexec --help`",
+    )  # fmt: skip
     _add_compare_parsers(commands)
     central = commands.add_parser(
         "centralized", help="the centralised baseline: the run's model and data, no federation",
@@ -554,6 +559,11 @@ def _add_deploy_parser(commands: argparse._SubParsersAction) -> None:
         "--insecure", action="store_true",
         help="no TLS and no SuperNode authentication (trusted networks only)",
     )  # fmt: skip
+    up.add_argument(
+        "--executor", choices=deploy.EXECUTORS, default="warm",
+        help="ClientApp processes: warm (`pollen superexec`, forked from a "
+        "preloaded parent; default) or cold (Flower's, one per message)",
+    )  # fmt: skip
     actions.add_parser("down", parents=[where], help="stop what `up` started")
     actions.add_parser("status", parents=[where], help="processes and online nodes")
     restart = actions.add_parser(
@@ -595,6 +605,7 @@ def deploy_command(args: argparse.Namespace) -> int:
             deploy.up(
                 args.dir, args.nodes, host=args.host, port=args.port, san=args.san,
                 insecure=args.insecure, data_root=args.data_root, node_extra=extra,
+                executor=args.executor,
             )  # fmt: skip
             print(deploy.status(args.dir))
         elif args.action == "down":
@@ -655,7 +666,14 @@ def _node_extra(values: Sequence[str], num_nodes: int) -> dict[int, dict[str, st
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args, rest = parser.parse_known_args(argv)
+    if args.command == "superexec":  # every other flag is flower-superexec's
+        from .deployment import superexec
+
+        return superexec.main(rest)
+    if rest:
+        parser.error(f"unrecognized arguments: {' '.join(rest)}")
     return int(args.handler(args))
 
 

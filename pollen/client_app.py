@@ -24,6 +24,7 @@ from __future__ import annotations
 from collections.abc import Hashable
 from dataclasses import dataclass, replace
 from functools import cache
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -38,6 +39,7 @@ from flwr.app import (
 from flwr.clientapp import ClientApp
 
 from . import client_state
+from .deployment.warm_hint import hint_mod
 from .settings import Settings
 from .strategies.fedavg import CLIENT_KEY
 from .strategies.sharing import Sharing
@@ -55,7 +57,9 @@ from .task.train import (
     train_local,
 )
 
-app = ClientApp()
+# Under pollen's warm executor, each message leaves the parent a hint of what
+# to preload for the next (`warm_up`); elsewhere the mod does nothing.
+app = ClientApp(mods=[hint_mod(Path(__file__).resolve().parent.parent)])
 
 DATA_ROOT = "data-root"  # node config: where this node finds the run's data set
 DATA_FILE = "data-file"  # node config: a .npz of this node's own examples
@@ -115,6 +119,26 @@ def _node_path(context: Context, key: str) -> str | None:
             f'({key}="/path/to/it")'
         )
     return value or None
+
+
+def warm_up(run_config: dict, node_config: dict) -> None:
+    """Load what this node's tasks of a run read first: the data set, the
+    node's training shard on the CPU (the device of a warm executor's parent,
+    which must never touch CUDA; a GPU run copies the shard over), and the
+    model and optimiser once, for the modules they import on first use
+    (torch's optimisers import its compiler stack: 2 s). Nothing here runs a
+    backward pass: autograd's threads must not exist in a process that forks."""
+    context = Context(
+        run_id=0, node_id=0, node_config=node_config, state=RecordDict(),
+        run_config=run_config,
+    )  # fmt: skip
+    client, _ = node_partition(context)
+    data = node_data(context)
+    data.num_examples(client)
+    data.shard_fingerprint(client)
+    data.train_shard(client, torch.device("cpu"))
+    model = settings_model(data.settings, data.dataset())
+    ClientOptimizer(data.settings.client_optimizer).build(list(model.parameters()))
 
 
 @app.query()

@@ -37,6 +37,9 @@ from pathlib import Path
 CONNECTION = "pollen"
 STATE_FILE = "deployment.json"
 START_SECONDS = 60.0
+EXECUTORS = ("warm", "cold")
+TASK_POLL_ENV = "FLWR_SUPEREXEC_TASK_POLL_INTERVAL"
+TASK_POLL_SECONDS = "0.1"  # Flower's default, 1 s, is added to every message
 DEFAULT_HOSTS = ("localhost", "127.0.0.1")
 
 
@@ -211,17 +214,21 @@ def flower_env(home: Path) -> dict[str, str]:
         "FLWR_HOME": str(home),
         "FLWR_DISABLE_UPDATE_CHECK": "1",
         "FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION": "1",
+        TASK_POLL_ENV: os.environ.get(TASK_POLL_ENV, TASK_POLL_SECONDS),
     }
 
 
-def start(command: list[str], home: Path, log: Path) -> int:
-    """Start `command` in its own process group, output to `log`; its PID."""
+def start(
+    command: list[str], home: Path, log: Path, env: dict[str, str] | None = None
+) -> int:
+    """Start `command` in its own process group, output to `log`, with
+    `env` added to its environment; its PID."""
     home.mkdir(parents=True, exist_ok=True)
     log.parent.mkdir(parents=True, exist_ok=True)
     with log.open("ab") as out:
         process = subprocess.Popen(
             command,
-            env=flower_env(home),
+            env={**flower_env(home), **(env or {})},
             stdin=subprocess.DEVNULL,
             stdout=out,
             stderr=subprocess.STDOUT,
@@ -304,6 +311,11 @@ class Node:
     log: str
     key: str = ""
     prefix: list[str] = field(default_factory=list)  # e.g. `ip netns exec NS`
+    executor_pid: int = 0  # its `pollen superexec` (0: Flower's, in the SuperNode)
+
+    @property
+    def executor_log(self) -> str:
+        return self.log.removesuffix(".log") + "-superexec.log"
 
 
 @dataclass
@@ -315,6 +327,8 @@ class Deployment:
     insecure: bool
     superlink_pid: int = 0
     nodes: list[Node] = field(default_factory=list)
+    executor: str = "cold"  # records written before warm executors were cold
+    threads: int = 0  # torch threads per ClientApp process (0: torch's default)
 
     @property
     def root(self) -> Path:
@@ -351,7 +365,8 @@ class Deployment:
 
     def running(self) -> list[int]:
         """PIDs of this deployment's processes that are still alive."""
-        pids = [self.superlink_pid, *(n.pid for n in self.nodes)]
+        pids = [self.superlink_pid, *(n.pid for n in self.nodes),
+                *(n.executor_pid for n in self.nodes)]  # fmt: skip
         return [pid for pid in pids if pid and alive(pid)]
 
     def write_flower_config(self) -> None:
@@ -437,10 +452,12 @@ class Deployment:
         With authentication its key is registered once; a restarted node
         presents the same key and keeps its node ID."""
         name = f"node-{partition_id}"
+        runtime_port = free_port()
+        isolation = "process" if self.executor == "warm" else "subprocess"
         command = [
             entry_point("flower-supernode"), "--superlink", self.address,
-            "--node-config", node_config, "--isolation", "subprocess",
-            "--port", str(free_port()),
+            "--node-config", node_config, "--isolation", isolation,
+            "--host", "127.0.0.1", "--port", str(runtime_port),
         ]  # fmt: skip
         key = self.root / "keys" / name
         if self.insecure:
@@ -451,11 +468,20 @@ class Deployment:
             command += ["--root-certificates", str(self.ca),
                         "--auth-supernode-private-key", str(key)]  # fmt: skip
         log = self.root / "logs" / f"{name}.log"
-        pid = start([*prefix, *command], self.root / "nodes" / name, log)
+        home = self.root / "nodes" / name
+        env = {"OMP_NUM_THREADS": str(self.threads)} if self.threads else {}
         node = Node(
-            partition_id, pid, node_config, str(log),
-            "" if self.insecure else str(key), list(prefix),
+            partition_id, start([*prefix, *command], home, log, env), node_config,
+            str(log), "" if self.insecure else str(key), list(prefix),
         )  # fmt: skip
+        if self.executor == "warm":
+            superexec = [
+                entry_point("pollen"), "superexec", "--parent-pid", str(node.pid),
+                "--runtime-api-address", f"127.0.0.1:{runtime_port}", "--insecure",
+            ]  # fmt: skip
+            node.executor_pid = start(
+                [*prefix, *superexec], home, Path(node.executor_log)
+            )
         self.nodes = [n for n in self.nodes if n.partition_id != partition_id] + [node]
         self.nodes.sort(key=lambda n: n.partition_id)
         return node
@@ -467,19 +493,29 @@ class Deployment:
 
     def wait_online(self, count: int, timeout: float = START_SECONDS) -> None:
         deadline = time.monotonic() + timeout
-        while self.online_nodes() < count:
-            dead = [n for n in self.nodes if not alive(n.pid)]
-            if dead:
-                raise DeployError(
-                    f"SuperNode {dead[0].partition_id} exited; the end of "
-                    f"{dead[0].log}:\n{_tail(Path(dead[0].log))}"
-                )
+        while True:
+            self._check_alive()
+            if self.online_nodes() >= count:
+                return
             if time.monotonic() > deadline:
                 raise DeployError(
                     f"only {self.online_nodes()} of {count} SuperNodes came online "
                     f"in {timeout:.0f} s; see the logs in {self.root / 'logs'}"
                 )
             time.sleep(0.5)
+
+    def _check_alive(self) -> None:
+        """Raise, with the end of its log, for a node process that exited."""
+        for node in self.nodes:
+            for what, pid, log in (
+                ("SuperNode", node.pid, node.log),
+                ("its pollen superexec", node.executor_pid, node.executor_log),
+            ):
+                if pid and not alive(pid):
+                    raise DeployError(
+                        f"node {node.partition_id}: {what} exited; the end of "
+                        f"{log}:\n{_tail(Path(log))}"
+                    )
 
 
 def _tail(path: Path, chars: int = 2000) -> str:
@@ -514,8 +550,15 @@ def up(
     data_root: str = "",
     node_extra: dict[int, dict[str, str]] | None = None,
     node_prefix: dict[int, list[str]] | None = None,
+    executor: str = "warm",
 ) -> Deployment:
     """Start a SuperLink and `num_nodes` SuperNodes; record them in `directory`.
+
+    `executor` runs each node's ClientApps: "warm" (`pollen superexec` beside
+    a SuperNode with `--isolation process`) or "cold" (Flower's SuperExec,
+    a fresh process per message). The nodes share this machine's CPUs: each
+    ClientApp gets CPUs / `num_nodes` torch threads (at least 1), as the
+    simulation gives each client its share, unless OMP_NUM_THREADS is set.
 
     Node k gets `partition-id=k num-partitions=num_nodes`, `state-dir` under
     `directory/state/node-k` (its client state survives a restart),
@@ -524,6 +567,10 @@ def up(
     """
     if num_nodes < 1:
         raise DeployError(f"--nodes must be at least 1, got {num_nodes}")
+    if executor not in EXECUTORS:
+        raise DeployError(
+            f"--executor {executor!r}: expected one of {', '.join(EXECUTORS)}"
+        )
     directory = directory.expanduser().resolve()
     record = directory / STATE_FILE
     if record.exists():
@@ -535,7 +582,9 @@ def up(
             )
     directory.mkdir(parents=True, exist_ok=True)
     address = f"{'127.0.0.1' if host in ('0.0.0.0', '::') else host}:{port}"
-    deployment = Deployment(str(directory), address, insecure)
+    deployment = Deployment(str(directory), address, insecure, executor=executor)
+    if "OMP_NUM_THREADS" not in os.environ:
+        deployment.threads = max(1, (os.cpu_count() or 1) // num_nodes)
     if not insecure:
         hosts = list(dict.fromkeys([*DEFAULT_HOSTS, host, *san]))
         make_certificates(
@@ -570,9 +619,16 @@ def down(directory: Path) -> list[int]:
     deployment = Deployment.load(directory.expanduser().resolve())
     stopped = deployment.running()
     for node in deployment.nodes:
-        stop(node.pid)
+        stop_node(node)
     stop(deployment.superlink_pid)
     return stopped
+
+
+def stop_node(node: Node) -> None:
+    """Stop a SuperNode's warm executor (and its tasks), then the SuperNode."""
+    if node.executor_pid:
+        stop(node.executor_pid)
+    stop(node.pid)
 
 
 def restart_node(directory: Path, partition_id: int) -> Node:
@@ -580,7 +636,7 @@ def restart_node(directory: Path, partition_id: int) -> Node:
     its recorded node config and key."""
     deployment = Deployment.load(directory.expanduser().resolve())
     old = deployment.node(partition_id)
-    stop(old.pid)
+    stop_node(old)
     node = deployment.start_node(partition_id, old.node_config, old.prefix)
     deployment.save()
     return node
@@ -592,7 +648,8 @@ def status(directory: Path) -> str:
     state = {True: "running", False: "stopped"}
     lines = [
         f"deployment {deployment.root} at {deployment.address} "
-        f"({'insecure' if deployment.insecure else 'TLS + SuperNode authentication'})",
+        f"({'insecure' if deployment.insecure else 'TLS + SuperNode authentication'}; "
+        f"{deployment.executor} ClientApp executor)",
         f"superlink  pid {deployment.superlink_pid:>7}  "
         f"{state[alive(deployment.superlink_pid)]}",
     ]
@@ -601,6 +658,11 @@ def status(directory: Path) -> str:
             f"node {node.partition_id:<5} pid {node.pid:>7}  {state[alive(node.pid)]:8} "
             f"{node.node_config}"
         )
+        if node.executor_pid:
+            lines.append(
+                f"  executor  pid {node.executor_pid:>7}  "
+                f"{state[alive(node.executor_pid)]}"
+            )
     if alive(deployment.superlink_pid):
         lines.append(f"online SuperNodes: {deployment.online_nodes()}")
     lines.append(
