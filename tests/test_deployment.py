@@ -9,8 +9,6 @@ import json
 import os
 import signal
 import subprocess
-import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -20,8 +18,9 @@ import pytest
 from pollen import deploy
 from pollen.checkpoints import read_npz
 from tests.conftest import PROJECT, SHARED_DATA, write_mnist_slices
+from tests.deployed import BIN, finish, history, wait_for_rounds
+from tests.deployed import submit as submit_to
 
-BIN = Path(sys.executable).parent
 NODES = 3
 OWN = 2  # node 2 trains on a data file of its own, not on a shard
 pytestmark = pytest.mark.skipif(
@@ -48,24 +47,7 @@ def deployment(tmp_path_factory) -> Iterator[deploy.Deployment]:
 
 
 def submit(deployment: deploy.Deployment, out: Path, config: str) -> subprocess.Popen:
-    args = [
-        str(BIN / "pollen"), "run", str(PROJECT), "--deployment", deployment.directory,
-        "-c", f"data-set='mnist' data-root='{deployment.root.parent / 'data'}' "
-        f"download=false num-clients={NODES} client-frac=1.0 local-epochs=1 "
-        f"batch-size=32 output-dir='{out}' {config}",
-    ]  # fmt: skip
-    return subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True)  # fmt: skip
-
-
-def finish(run: subprocess.Popen, timeout: float = 400) -> str:
-    output, _ = run.communicate(timeout=timeout)
-    assert run.returncode == 0, output[-4000:]
-    return output
-
-
-def history(run_dir: Path) -> list[dict]:
-    return json.loads((run_dir / "history.json").read_text())
+    return submit_to(deployment, out, config, NODES)
 
 
 def test_fedavg_and_feddyn_train_on_real_processes(
@@ -100,18 +82,6 @@ def node_id(node: deploy.Node) -> int:
         if "SuperNode ID:" in line:
             return int(line.rsplit(":", 1)[1])
     raise AssertionError(f"no node ID in {node.log}")
-
-
-def wait_for_rounds(run_dir: Path, count: int, run: subprocess.Popen) -> None:
-    deadline = time.monotonic() + 300
-    while time.monotonic() < deadline and run.poll() is None:
-        try:
-            if len(history(run_dir)) >= count:
-                return
-        except (OSError, ValueError):
-            pass
-        time.sleep(0.5)
-    raise AssertionError(f"round {count} did not finish")
 
 
 def test_a_killed_supernode_fails_its_round_and_rejoins_after_restart(

@@ -19,7 +19,7 @@ from __future__ import annotations
 import importlib.abc
 import importlib.machinery
 import sys
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from importlib.machinery import ModuleSpec
 from pathlib import Path
@@ -51,14 +51,21 @@ class ModuleStash(importlib.abc.MetaPathFinder, importlib.abc.Loader):
         self.restored: list[str] = []
 
     @classmethod
-    def take(cls, directory: Path) -> ModuleStash:
-        """Remove every module loaded from a file under `directory` from
-        `sys.modules` and keep it here."""
-        root = directory.resolve()
+    def take(cls, directory: Path, names: Iterable[str]) -> ModuleStash:
+        """Remove the modules `names` that were loaded from a file under
+        `directory` from `sys.modules` and keep them here (the others, such
+        as packages installed in a virtual environment inside the app's
+        folder, stay where they are)."""
+        root, environment = directory.resolve(), Path(sys.prefix).resolve()
         taken: dict[str, tuple[ModuleType, _Origin]] = {}
-        for name, module in list(sys.modules.items()):
+        for name in names:
+            module = sys.modules.get(name)
             origin = _Origin.of(getattr(module, "__file__", None))
-            if origin is not None and Path(origin.path).is_relative_to(root):
+            if (
+                origin is not None
+                and Path(origin.path).is_relative_to(root)
+                and not Path(origin.path).is_relative_to(environment)
+            ):
                 taken[name] = (module, origin)
                 del sys.modules[name]
         return cls(taken)

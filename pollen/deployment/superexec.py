@@ -55,6 +55,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import tomllib
 import traceback
@@ -93,7 +94,10 @@ while not reply.endswith(b"\\n"):
     reply += chunk
 status = int(reply)
 if status < 0:  # the task was killed by a signal: end the same way
-    signal.signal(-status, signal.SIG_DFL)
+    try:
+        signal.signal(-status, signal.SIG_DFL)
+    except (OSError, ValueError):  # SIGKILL and SIGSTOP keep their default
+        pass
     os.kill(os.getpid(), -status)
 sys.exit(status)
 '''
@@ -277,10 +281,12 @@ class WarmExecutor:
             self.selector.unregister(task.conn)
         _reply(task.conn, code)
         del self.tasks[task.pid]
-        print(f"pollen superexec: task {task.pid} exited {code} after "
-              f"{time.monotonic() - task.started:.2f} s", file=sys.stderr, flush=True)  # fmt: skip
         hint = WarmHint.read(task.hint_file)
         task.hint_file.unlink(missing_ok=True)
+        print(f"pollen superexec: task {task.pid} exited {code} after "
+              f"{time.monotonic() - task.started:.3f} s (app "
+              f"{hint.seconds if hint else float('nan'):.3f} s)",
+              file=sys.stderr, flush=True)  # fmt: skip
         if hint is not None and hint.key != self.warm_key:
             self.warm(hint)
 
@@ -332,6 +338,7 @@ class WarmExecutor:
         own = {n: m for n, m in sys.modules.items() if _in_package(n, OWN_PACKAGE)}
         for name in own:
             del sys.modules[name]
+        before = set(sys.modules)
         sys.path.insert(0, str(app_dir))
         try:
             module = importlib.import_module(client_app_module(app_dir))
@@ -343,8 +350,12 @@ class WarmExecutor:
                   file=sys.stderr)  # fmt: skip
         finally:
             sys.path.remove(str(app_dir))
-            self.stash = ModuleStash.take(app_dir)
+            self.stash = ModuleStash.take(app_dir, set(sys.modules) - before)
             sys.modules.update(own)
+        if threading.active_count() > 1:  # a fork copies none of them
+            names = [t.name for t in threading.enumerate()][1:]
+            print(f"pollen superexec: warning: the warm-up left threads {names}; "
+                  "forking beside them is unsafe", file=sys.stderr)  # fmt: skip
         print(
             f"pollen superexec: warmed {app_dir.name} ({len(self.stash.modules)} "
             f"modules) in {time.monotonic() - started:.2f} s",
@@ -386,6 +397,10 @@ def preload() -> FreshState:
     import torch  # noqa: F401
     from flwr.supernode.cli.flwr_clientapp import flwr_clientapp  # noqa: F401
 
+    with contextlib.suppress(ImportError):  # progress bars' monitor thread: none
+        import tqdm
+
+        tqdm.tqdm.monitor_interval = 0
     return FreshState.record()
 
 

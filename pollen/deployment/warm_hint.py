@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,18 +27,21 @@ HINT_FILE_ENV = "POLLEN_WARM_HINT_FILE"
 
 @dataclass(frozen=True)
 class WarmHint:
-    """The app directory (the installed FAB) a task ran, and its context."""
+    """The app directory (the installed FAB) a task ran, its context, and
+    the seconds the app's handler took (the task's own work)."""
 
     app_dir: str
     run_config: dict[str, Any]
     node_config: dict[str, Any]
+    seconds: float = float("nan")
 
     @classmethod
     def read(cls, path: Path) -> WarmHint | None:
         """The hint in `path`; None where there is none or it is malformed."""
         try:
             raw = json.loads(path.read_text())
-            hint = cls(raw["app_dir"], raw["run_config"], raw["node_config"])
+            hint = cls(raw["app_dir"], raw["run_config"], raw["node_config"],
+                       float(raw.get("seconds", "nan")))  # fmt: skip
         except (OSError, ValueError, TypeError, KeyError):
             return None
         if not (
@@ -55,7 +59,7 @@ class WarmHint:
                           sort_keys=True)  # fmt: skip
 
 
-def report(app_dir: Path, run_config: dict, node_config: dict) -> None:
+def report(app_dir: Path, run_config: dict, node_config: dict, seconds: float) -> None:
     """Write the hint for the app in `app_dir` (the directory its
     pyproject.toml is in) where a warm executor asked for one; else nothing."""
     path = os.environ.get(HINT_FILE_ENV)
@@ -65,6 +69,7 @@ def report(app_dir: Path, run_config: dict, node_config: dict) -> None:
         "app_dir": str(app_dir),
         "run_config": dict(run_config),
         "node_config": dict(node_config),
+        "seconds": seconds,
     }
     tmp = f"{path}.tmp"
     with open(tmp, "w") as f:
@@ -78,8 +83,10 @@ def hint_mod(app_dir: Path) -> Callable:
     def mod(
         msg: Message, context: Context, call_next: Callable[..., Message]
     ) -> Message:
+        started = time.perf_counter()
         reply = call_next(msg, context)
-        report(app_dir, context.run_config, context.node_config)
+        seconds = time.perf_counter() - started
+        report(app_dir, context.run_config, context.node_config, seconds)
         return reply
 
     return mod

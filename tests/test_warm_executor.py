@@ -1,0 +1,374 @@
+"""`pollen superexec`, the warm ClientApp executor: the Flower contract it
+relies on, its module stash and hints, and real deployments (TLS, SuperNode
+authentication) whose ClientApps it forks: the same histories as Flower's
+own executor, a killed child, a killed parent, a changed app, and nothing
+left running after `pollen deploy down`."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from pollen import deploy
+from pollen.deployment import superexec
+from pollen.deployment.module_stash import ModuleStash
+from pollen.deployment.warm_hint import HINT_FILE_ENV, WarmHint, report
+from tests.conftest import PROJECT, SHARED_DATA, write_mnist_slices
+from tests.deployed import finish, history, submit, wait_for_rounds
+
+NODES = 2
+needs_mnist = pytest.mark.skipif(
+    not (SHARED_DATA / "mnist.npz").exists(), reason=f"real MNIST not at {SHARED_DATA}"
+)
+
+
+# --- the contract with Flower ------------------------------------------------
+
+
+def test_flower_runs_clientapps_by_the_command_the_launcher_replaces(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Flower's stock executor runs `flwr-clientapp` from PATH with arguments
+    that Flower's own `flwr-clientapp` parser accepts; the warm launcher
+    stands in for that command. Fails if a Flower upgrade renames the
+    command, resolves it otherwise or changes its arguments."""
+    from flwr.supercore.constant import TASK_TYPE_TO_COMMAND, TaskType
+    from flwr.supercore.superexec.executor import ExecutionSpec
+    from flwr.supercore.superexec.executor.subprocess_executor import (
+        SubprocessExecutor,
+    )
+    from flwr.supernode.cli.flwr_clientapp import _parse_args_run_flwr_clientapp
+
+    assert TASK_TYPE_TO_COMMAND[TaskType.CLIENT_APP] == superexec.LAUNCHER
+    seen = tmp_path / "argv.json"
+    fake = tmp_path / superexec.LAUNCHER
+    fake.write_text(
+        f"#!{sys.executable}\nimport json, sys\n"
+        f"open({str(seen)!r}, 'w').write(json.dumps(sys.argv[1:]))\n"
+    )
+    fake.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{tmp_path}{os.pathsep}{os.environ['PATH']}")
+    spec = ExecutionSpec(
+        task_type=TaskType.CLIENT_APP, runtime_api_address="127.0.0.1:9094",
+        token="secret-token", insecure=False, root_certificates_path="/ca.pem",
+        runtime_dependency_install=False, parent_pid=os.getpid(),
+        suppress_output=True, task_id=7,
+    )  # fmt: skip
+    SubprocessExecutor().launch(spec)
+    deadline = time.monotonic() + 20
+    while not seen.exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    args = json.loads(seen.read_text())
+    parsed = _parse_args_run_flwr_clientapp().parse_args(args)
+    assert parsed.runtime_api_address == "127.0.0.1:9094"
+    assert parsed.token == "secret-token"
+    assert parsed.root_certificates == "/ca.pem"
+    assert parsed.parent_pid == os.getpid()
+
+
+def test_flower_takes_a_loaded_app_module_as_it_is(tmp_path: Path) -> None:
+    """Why the parent stashes what it preloads: Flower's `load_app` uses a
+    module already in `sys.modules` whatever directory the task's FAB is in."""
+    from flwr.supercore.object_ref import load_app
+
+    stale = tmp_path / "stale"
+    stale.mkdir()
+    (stale / "contract_app_probe.py").write_text("app = 'stale'\n")
+    fresh = tmp_path / "fresh"
+    fresh.mkdir()
+    (fresh / "contract_app_probe.py").write_text("app = 'fresh'\n")
+    sys.path.insert(0, str(stale))
+    try:
+        import contract_app_probe  # noqa: F401
+
+        assert load_app("contract_app_probe:app", ValueError, fresh) == "stale"
+    finally:
+        sys.modules.pop("contract_app_probe", None)
+        for path in (str(stale), str(fresh)):
+            while path in sys.path:
+                sys.path.remove(path)
+
+
+# --- the module stash --------------------------------------------------------
+
+
+def _write_app(directory: Path, value: int) -> None:
+    package = directory / "stashapp"
+    package.mkdir(parents=True)
+    (package / "__init__.py").write_text(
+        "import itertools\nLOADS = itertools.count()\n"
+    )
+    (package / "core.py").write_text(f"VALUE = {value}\n")
+
+
+@pytest.fixture
+def clean_import_state() -> Iterator[None]:
+    path, meta = list(sys.path), list(sys.meta_path)
+    yield
+    sys.path[:], sys.meta_path[:] = path, meta
+    for name in [n for n in sys.modules if n.split(".")[0] == "stashapp"]:
+        del sys.modules[name]
+
+
+def test_the_stash_gives_back_a_module_only_for_the_same_file(
+    tmp_path: Path, clean_import_state: None
+) -> None:
+    import importlib
+
+    first, second = tmp_path / "apps" / "a.1111", tmp_path / "apps" / "b.2222"
+    _write_app(first, 1)
+    _write_app(second, 2)
+    sys.path.insert(0, str(first))
+    before = set(sys.modules)
+    preloaded = importlib.import_module("stashapp.core")
+    sys.path.remove(str(first))
+    stash = ModuleStash.take(first, set(sys.modules) - before)
+    assert set(stash.modules) == {"stashapp", "stashapp.core"}
+    assert "stashapp" not in sys.modules
+    stash.install()
+
+    sys.path.insert(0, str(second))  # another FAB: its own code
+    other = importlib.import_module("stashapp.core")
+    assert other.VALUE == 2 and other is not preloaded
+    assert stash.restored == []
+    for name in ("stashapp", "stashapp.core"):
+        del sys.modules[name]
+    sys.path.remove(str(second))
+
+    sys.path.insert(0, str(first))  # the same FAB: the preloaded modules
+    again = importlib.import_module("stashapp.core")
+    assert again is preloaded and again.VALUE == 1
+    assert sorted(stash.restored) == ["stashapp", "stashapp.core"]
+
+
+def test_the_stash_refuses_a_file_changed_since_it_was_loaded(
+    tmp_path: Path, clean_import_state: None
+) -> None:
+    import importlib
+
+    app = tmp_path / "app"
+    _write_app(app, 1)
+    sys.path.insert(0, str(app))
+    importlib.import_module("stashapp.core")
+    stash = ModuleStash.take(app, ["stashapp", "stashapp.core", "itertools"])
+    stash.install()
+    core = app / "stashapp" / "core.py"
+    core.write_text("VALUE = 3  # edited in place\n")
+    os.utime(core, ns=(time.time_ns() + 10**9,) * 2)
+    assert importlib.import_module("stashapp.core").VALUE == 3
+    assert stash.restored == ["stashapp"]
+
+
+# --- hints ---------------------------------------------------------------------
+
+
+def test_a_hint_round_trips_and_a_malformed_one_is_ignored(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    path = tmp_path / "hint.json"
+    report(tmp_path, {"rounds": 3}, {"partition-id": 0}, 0.5)
+    assert not path.exists()  # not under a warm executor: nothing written
+    monkeypatch.setenv(HINT_FILE_ENV, str(path))
+    report(tmp_path, {"rounds": 3}, {"partition-id": 0}, 0.5)
+    hint = WarmHint.read(path)
+    assert hint == WarmHint(str(tmp_path), {"rounds": 3}, {"partition-id": 0}, 0.5)
+    for bad in ("not json", "[]", '{"app_dir": 1, "run_config": {}, "node_config": {}}',
+                '{"app_dir": "x", "run_config": []}'):  # fmt: skip
+        path.write_text(bad)
+        assert WarmHint.read(path) is None, bad
+
+
+def test_superexec_refuses_what_it_cannot_run(capsys: pytest.CaptureFixture) -> None:
+    for argv, says in (
+        (["--max-tasks", "0"], "--max-tasks must be at least 1, got 0"),
+        (["--executor", "kubernetes"], "pass --cold to choose Flower's executors"),
+    ):
+        with pytest.raises(SystemExit) as stop:
+            superexec.main(argv)
+        assert stop.value.code == 2
+        assert says in capsys.readouterr().err
+
+
+@needs_mnist
+def test_warm_up_loads_the_data_without_threads_or_cuda(tmp_path: Path) -> None:
+    """The parent warms the real app on real MNIST: its modules are stashed
+    (none left in `sys.modules`, its own restored), the node's shard is in
+    the stashed modules' cache, and torch runs one thread, CUDA untouched."""
+    data = tmp_path / "data"
+    write_mnist_slices(data, tmp_path / "own.npz")
+    script = textwrap.dedent(f"""
+        import sys, threading
+        from pathlib import Path
+        from pollen.deployment import superexec
+        from pollen.deployment.warm_hint import WarmHint
+        own = sys.modules["pollen.deployment.superexec"]
+        executor = superexec.WarmExecutor(Path({str(tmp_path)!r}), 1)
+        hint = WarmHint({str(PROJECT)!r}, {{"data-set": "mnist",
+            "data-root": {str(data)!r}, "num-clients": 2}},
+            {{"partition-id": 1, "num-partitions": 2}})
+        executor.warm(hint)
+        import torch
+        task = executor.stash.modules["pollen.task"][0]
+        assert task._client_shard.cache_info().currsize == 1
+        assert "pollen.client_app" not in sys.modules
+        assert sys.modules["pollen.deployment.superexec"] is own
+        assert torch.get_num_threads() == 1 and not torch.cuda.is_initialized()
+        assert threading.active_count() == 1
+        print("ok", len(executor.stash.modules))
+    """)
+    result = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True,
+        cwd=tmp_path, timeout=120, check=False,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stdout + result.stderr[-3000:]
+    assert result.stdout.startswith("ok")
+
+
+# --- real deployments ----------------------------------------------------------
+
+
+def _up(root: Path, name: str, executor: str) -> deploy.Deployment:
+    return deploy.up(
+        root / name, NODES, port=deploy.free_port(), data_root=str(root / "data"),
+        executor=executor,
+    )  # fmt: skip
+
+
+def _task_processes(deployment: deploy.Deployment) -> list[int]:
+    """Every process below the nodes' warm executors."""
+    return [p for n in deployment.nodes for p in deploy.descendants(n.executor_pid)]
+
+
+@pytest.fixture(scope="module")
+def warm(tmp_path_factory) -> Iterator[deploy.Deployment]:
+    """Two SuperNodes (TLS, authentication) with warm executors."""
+    if not (SHARED_DATA / "mnist.npz").exists():
+        pytest.skip(f"real MNIST not at {SHARED_DATA}")
+    root = tmp_path_factory.mktemp("warm")
+    write_mnist_slices(root / "data", root / "own.npz")
+    started = _up(root, "site", "warm")
+    assert all(n.executor_pid for n in started.nodes)
+    try:
+        yield started
+    finally:
+        current = deploy.Deployment.load(started.root)
+        below = _task_processes(current)
+        deploy.down(started.root)
+        assert not current.running()
+        assert not [p for p in below if deploy.alive(p)], "outlived deploy down"
+
+
+def test_warm_and_cold_executors_train_to_the_same_history(
+    warm: deploy.Deployment, tmp_path: Path
+) -> None:
+    cold = _up(warm.root.parent, "cold-site", "cold")
+    try:
+        assert not any(n.executor_pid for n in cold.nodes)
+        for strategy in ("fedavg", "feddyn"):
+            config = f"strategy='{strategy}' rounds=2 run-name='{strategy}'"
+            for site in (warm, cold):
+                finish(submit(site, tmp_path / site.root.name, config, NODES))
+            ours, theirs = (
+                history(tmp_path / site.root.name / strategy) for site in (warm, cold)
+            )
+            keep = ("accuracy", "loss", "clients", "failures", "bytes-up")
+            assert [{k: r[k] for k in keep} for r in ours] == [
+                {k: r[k] for k in keep} for r in theirs
+            ]
+            assert ours[-1]["accuracy"] > 0.8
+    finally:
+        deploy.down(cold.root)
+    log = Path(warm.node(0).executor_log).read_text()
+    assert "pollen superexec: warmed" in log and "exited 0" in log
+
+
+def test_a_killed_child_fails_its_reply_and_the_next_round_trains(
+    warm: deploy.Deployment, tmp_path: Path
+) -> None:
+    executor = warm.node(1).executor_pid
+    run = submit(
+        warm, tmp_path,
+        "rounds=3 local-epochs=8 round-timeout=60 run-name='kill'", NODES,
+    )  # fmt: skip
+    wait_for_rounds(tmp_path / "kill", 1, run)
+    child = _wait_for_child(executor, set(deploy.descendants(executor)))
+    time.sleep(0.5)
+    os.kill(child, signal.SIGKILL)
+    output = finish(run)
+    rows = history(tmp_path / "kill")
+    assert [bool(r["failures"]) for r in rows] == [False, True, False], output[-3000:]
+    assert "no reply for 1 of clients [1]" in rows[1]["failures"][0]
+    assert deploy.alive(executor)
+    assert f"task {child} exited -9" in Path(warm.node(1).executor_log).read_text()
+
+
+def _wait_for_child(executor: int, earlier: set[int]) -> int:
+    """The warm executor's first task child not in `earlier` (a task of an
+    earlier round may still be exiting)."""
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        for pid in set(deploy.descendants(executor)) - earlier:
+            try:
+                command = Path(f"/proc/{pid}/cmdline").read_bytes()
+            except OSError:
+                continue
+            if b"flower-superexec" not in command and b"launcher.py" not in command:
+                return pid
+        time.sleep(0.05)
+    raise AssertionError("no task started")
+
+
+def test_a_killed_warm_parent_takes_its_processes_and_restarts(
+    warm: deploy.Deployment, tmp_path: Path
+) -> None:
+    node = warm.node(0)
+    below = deploy.descendants(node.executor_pid)
+    assert below  # its flower-superexec
+    os.kill(node.executor_pid, signal.SIGKILL)
+    deadline = time.monotonic() + 30
+    while [p for p in below if deploy.alive(p)] and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not [p for p in below if deploy.alive(p)]
+    restarted = deploy.restart_node(warm.root, 0)
+    assert restarted.executor_pid != node.executor_pid
+    deploy.Deployment.load(warm.root).wait_online(NODES)
+    finish(submit(warm, tmp_path, "rounds=1 run-name='after'", NODES))
+    (row,) = history(tmp_path / "after")
+    assert row["clients"] == [0, 1] and not row["failures"]
+
+
+def test_a_changed_app_runs_its_own_code_not_the_preloaded(
+    warm: deploy.Deployment, tmp_path: Path
+) -> None:
+    """Run the app (the parents warm it), then a copy whose ClientApp writes
+    a marker into the node's state-dir, then the original again."""
+    changed = tmp_path / "changed"
+    changed.mkdir()
+    shutil.copy(PROJECT / "pyproject.toml", changed)
+    shutil.copytree(PROJECT / "pollen", changed / "pollen",
+                    ignore=shutil.ignore_patterns("__pycache__"))  # fmt: skip
+    client_app = changed / "pollen" / "client_app.py"
+    source = client_app.read_text()
+    anchor = "    cm = ClientModel.assemble(msg, context)\n    s = cm.settings\n"
+    assert anchor in source
+    client_app.write_text(source.replace(anchor, anchor + (
+        '    Path(str(context.node_config["state-dir"]), "marker").write_text(\n'
+        '        "changed code"\n    )\n'
+    )))  # fmt: skip
+    markers = [warm.root / "state" / f"node-{k}" / "marker" for k in range(NODES)]
+    for app, name in ((PROJECT, "before"), (changed, "changed"), (PROJECT, "after")):
+        for marker in markers:
+            marker.unlink(missing_ok=True)
+        finish(submit(warm, tmp_path, f"rounds=1 run-name='{name}'", NODES, app))
+        wrote = [m.exists() for m in markers]
+        assert wrote == [name == "changed"] * NODES, name
