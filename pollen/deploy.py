@@ -480,7 +480,7 @@ class Deployment:
                 "--runtime-api-address", f"127.0.0.1:{runtime_port}", "--insecure",
             ]  # fmt: skip
             node.executor_pid = start(
-                [*prefix, *superexec], home, Path(node.executor_log)
+                [*prefix, *superexec], home, Path(node.executor_log), env
             )
         self.nodes = [n for n in self.nodes if n.partition_id != partition_id] + [node]
         self.nodes.sort(key=lambda n: n.partition_id)

@@ -23,12 +23,12 @@ def submit(
     app: Path = PROJECT,
 ) -> subprocess.Popen:
     """`pollen run APP --deployment` on the deployment's MNIST subset (one
-    client per node, one local epoch) with `config` added."""
+    client per node, one local epoch) with `config` on top."""
     args = [
         str(BIN / "pollen"), "run", str(app), "--deployment", deployment.directory,
         "-c", f"data-set='mnist' data-root='{deployment.root.parent / 'data'}' "
         f"download=false num-clients={nodes} client-frac=1.0 local-epochs=1 "
-        f"batch-size=32 output-dir='{out}' {config}",
+        f"batch-size=32 output-dir='{out}'", "-c", config,
     ]  # fmt: skip
     return subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True)  # fmt: skip

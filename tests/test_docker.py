@@ -78,7 +78,10 @@ def test_single_machine_file_runs_tls_and_two_distinct_registered_nodes() -> Non
         assert '--auth-supernode-private-key "/keys/$$POLLEN_NODE_KEY"' in (
             command_of(node)
         )
-        assert "--insecure" not in command_of(node)
+        assert "--insecure" not in command_of(node).split("pollen superexec")[0]
+        # ClientApps run in warm processes of `pollen superexec` beside the node
+        assert "--isolation process --host 127.0.0.1 --port 9094" in command_of(node)
+        assert "exec pollen superexec --parent-pid $$!" in command_of(node)
         assert node["depends_on"]["register"]["condition"] == done
         assert node["deploy"]["resources"]["limits"]["memory"]
         configs.append(node["environment"]["POLLEN_NODE_CONFIG"])

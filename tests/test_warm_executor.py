@@ -335,6 +335,7 @@ def test_a_killed_warm_parent_takes_its_processes_and_restarts(
     below = deploy.descendants(node.executor_pid)
     assert below  # its flower-superexec
     os.kill(node.executor_pid, signal.SIGKILL)
+    os.waitpid(node.executor_pid, 0)  # this test started it: reap it, as init would
     deadline = time.monotonic() + 30
     while [p for p in below if deploy.alive(p)] and time.monotonic() < deadline:
         time.sleep(0.2)
@@ -362,13 +363,15 @@ def test_a_changed_app_runs_its_own_code_not_the_preloaded(
     anchor = "    cm = ClientModel.assemble(msg, context)\n    s = cm.settings\n"
     assert anchor in source
     client_app.write_text(source.replace(anchor, anchor + (
-        '    Path(str(context.node_config["state-dir"]), "marker").write_text(\n'
-        '        "changed code"\n    )\n'
+        '    state_dir = Path(str(context.node_config["state-dir"]))\n'
+        '    state_dir.mkdir(parents=True, exist_ok=True)\n'
+        '    (state_dir / "marker").write_text("changed code")\n'
     )))  # fmt: skip
     markers = [warm.root / "state" / f"node-{k}" / "marker" for k in range(NODES)]
     for app, name in ((PROJECT, "before"), (changed, "changed"), (PROJECT, "after")):
         for marker in markers:
             marker.unlink(missing_ok=True)
-        finish(submit(warm, tmp_path, f"rounds=1 run-name='{name}'", NODES, app))
+        out = tmp_path / "results"
+        finish(submit(warm, out, f"rounds=1 run-name='{name}'", NODES, app))
         wrote = [m.exists() for m in markers]
         assert wrote == [name == "changed"] * NODES, name

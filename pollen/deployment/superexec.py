@@ -65,7 +65,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ..deploy import TASK_POLL_ENV, TASK_POLL_SECONDS, entry_point
+from ..deploy import TASK_POLL_ENV, TASK_POLL_SECONDS, alive, entry_point
 from .module_stash import ModuleStash
 from .warm_hint import HINT_FILE_ENV, WarmHint
 
@@ -120,7 +120,14 @@ class Task:
 
 @dataclass
 class FreshState:
-    """What a fresh process would start with, recorded before any warm-up."""
+    """What a fresh process would start with, recorded before any warm-up.
+
+    torch's thread count: a parent that ran parallel work on more than one
+    OpenMP thread leaves children that hang in their first parallel region
+    (GNU OpenMP, seen here), so the parent works on one thread and a child
+    sets the count back. The count changes a model's updates in the last
+    digits, so a child runs exactly as many threads as a cold process.
+    """
 
     torch_threads: int
     torch_rng: Any
@@ -190,7 +197,7 @@ class WarmExecutor:
             self._launch_waiting(superexec.pid)
             if superexec.poll() is not None:
                 break
-            if parent_pid is not None and not _alive(parent_pid):
+            if parent_pid is not None and not alive(parent_pid):
                 print(f"pollen superexec: parent {parent_pid} ended; stopping",
                       file=sys.stderr)  # fmt: skip
                 break
@@ -427,16 +434,6 @@ def _reply(conn: socket.socket, code: int) -> None:
     with contextlib.suppress(OSError):
         conn.sendall(f"{code}\n".encode())
     conn.close()
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def _die_with_parent() -> None:

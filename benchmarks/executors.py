@@ -1,0 +1,328 @@
+"""Warm against cold ClientApp executors, and deployed rounds against the
+simulation's, side by side in one invocation.
+
+    .venv/bin/python benchmarks/executors.py [--nodes 2 4] [--rounds 10]
+        [--cifar-rounds 3] [--cifar-train 2500] [--data-root ../shared/data]
+        [--out bench-out/executors]
+
+Every deployment is `pollen deploy up` on this machine (TLS and SuperNode
+authentication), once with warm executors (`pollen superexec`) and once with
+Flower's own (`--executor cold`); the same settings also run in simulation.
+
+- Per message: a thread reads each SuperNode's log as it grows (every 10 ms)
+  and stamps its lines; "Received successfully" of a train message to the
+  next "Sending:" is the time from the SuperNode holding the message to the
+  reply ready to push (it includes the SuperNode's own 0.5 s poll for
+  replies, for both executors alike). The app's own work is what pollen's
+  ClientApp handler took (the warm executor logs it per task); overhead =
+  receive-to-send minus that work. Workloads: `mlp` on MNIST (a 6,000-image
+  subset, one shard per node) and `cnn` on CIFAR-10 (each node trains on a
+  data file of its own with `--cifar-train` images; the server evaluates
+  on the 10,000 test images).
+- Per round: the run's own round times (history.json), median over rounds
+  2..R (round 1 includes the start-up query and the warm-up), for MNIST
+  `mlp` with 2 and 4 SuperNodes against the simulation with as many clients.
+  The SuperNode's idle poll is shown apart: the gap from a node's "Sent
+  successfully" to its next "Receiving:" holds the server's work between
+  rounds plus up to 3 s of the SuperNode's fixed sleep.
+- Memory: the warm executor's parent RSS, and the PSS of parent + children
+  (shared pages counted once) at its peak, sampled every 0.2 s.
+
+Writes `<out>/executors.md` (the tables) and `<out>/executors.json`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+PROJECT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(PROJECT))
+
+from pollen import deploy  # noqa: E402
+
+COMMON = "client-frac=1.0 local-epochs=1 batch-size=32 lr=0.05 seed=845 download=false"
+TASK_LINE = re.compile(
+    r"task (\d+) exited (-?\d+) after ([\d.]+) s \(app ([\d.na]+) s\)"
+)
+
+
+@dataclass
+class Watch:
+    """Log lines of a deployment's nodes with the time each was first seen,
+    and the peak memory of its warm executors."""
+
+    deployment: deploy.Deployment
+    lines: dict[str, list[tuple[float, str]]] = field(default_factory=dict)
+    parent_rss: int = 0
+    tree_pss: int = 0
+    _stop: threading.Event = field(default_factory=threading.Event)
+
+    def __enter__(self) -> Watch:
+        self._offsets = {
+            n.log: Path(n.log).stat().st_size for n in self.deployment.nodes
+        }
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def _run(self) -> None:
+        last_memory = 0.0
+        while not self._stop.wait(0.01):
+            now = time.monotonic()
+            for log, offset in self._offsets.items():
+                with open(log, "rb") as f:
+                    f.seek(offset)
+                    data = f.read()
+                end = data.rfind(b"\n") + 1
+                self._offsets[log] = offset + end
+                for line in data[:end].decode(errors="replace").splitlines():
+                    self.lines.setdefault(log, []).append((now, line))
+            if now - last_memory > 0.2:
+                last_memory = now
+                self._sample_memory()
+
+    def _sample_memory(self) -> None:
+        for node in self.deployment.nodes:
+            if not node.executor_pid:
+                continue
+            self.parent_rss = max(
+                self.parent_rss, _status_kb(node.executor_pid, "VmRSS")
+            )
+            pids = [node.executor_pid, *deploy.descendants(node.executor_pid)]
+            tasks = [p for p in pids if b"flower-superexec" not in _cmdline(p)]
+            self.tree_pss = max(self.tree_pss, sum(_pss_kb(p) for p in tasks))
+
+    def message_seconds(self) -> list[float]:
+        """Received successfully (train) -> Sending: per message, all nodes."""
+        spans = []
+        for lines in self.lines.values():
+            received, kind = None, ""
+            for at, line in lines:
+                if "Receiving:" in line:
+                    kind = "train" if "train message" in line else "other"
+                elif "Received successfully" in line and kind == "train":
+                    received = at
+                elif "Sending:" in line and received is not None:
+                    spans.append(at - received)
+                    received = None
+        return spans
+
+    def idle_gaps(self) -> list[float]:
+        """Sent successfully -> next Receiving:, per node and round."""
+        gaps = []
+        for lines in self.lines.values():
+            sent = None
+            for at, line in lines:
+                if "Sent successfully" in line:
+                    sent = at
+                elif "Receiving:" in line and sent is not None:
+                    gaps.append(at - sent)
+                    sent = None
+        return gaps
+
+
+def _status_kb(pid: int, key: str) -> int:
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith(key + ":"):
+                return int(line.split()[1])
+    except OSError:
+        pass
+    return 0
+
+
+def _pss_kb(pid: int) -> int:
+    try:
+        for line in Path(f"/proc/{pid}/smaps_rollup").read_text().splitlines():
+            if line.startswith("Pss:"):
+                return int(line.split()[1])
+    except OSError:
+        pass
+    return 0
+
+
+def _cmdline(pid: int) -> bytes:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return b""
+
+
+def app_seconds(deployment: deploy.Deployment) -> list[float]:
+    """The ClientApp handler's seconds per task, from the warm executors' logs
+    (tasks after each node's first, which warms the parent)."""
+    seconds = []
+    for node in deployment.nodes:
+        found = TASK_LINE.findall(Path(node.executor_log).read_text())
+        seconds += [float(app) for *_, app in found[1:] if app != "nan"]
+    return seconds
+
+
+def pollen_run(
+    config: str, out: Path, name: str, deployment: Path | None
+) -> list[dict]:
+    command = [str(Path(sys.executable).parent / "pollen"), "run", str(PROJECT),
+               "-c", f"{config} output-dir='{out}' run-name='{name}'"]  # fmt: skip
+    if deployment is not None:
+        command[3:3] = ["--deployment", str(deployment)]
+    result = subprocess.run(command, capture_output=True, text=True, check=False)
+    if result.returncode != 0:
+        raise RuntimeError(
+            f"{name} failed:\n{result.stdout[-3000:]}{result.stderr[-2000:]}"
+        )
+    return json.loads((out / name / "history.json").read_text())
+
+
+def deployed(
+    out: Path, name: str, nodes: int, executor: str, config: str,
+    node_extra: dict[int, dict[str, str]] | None = None,
+) -> dict:  # fmt: skip
+    """One deployment, one run; its round times, message spans and memory."""
+    site = deploy.up(
+        out / f"site-{name}", nodes, port=deploy.free_port(), executor=executor,
+        node_extra=node_extra,
+    )  # fmt: skip
+    try:
+        with Watch(site) as watch:
+            rows = pollen_run(config, out, name, site.root)
+        return {
+            "rounds": [r["seconds"] for r in rows],
+            "accuracy": rows[-1]["accuracy"],
+            "messages": watch.message_seconds(),
+            "gaps": watch.idle_gaps(),
+            "app": app_seconds(site) if executor == "warm" else [],
+            "parent_rss_mb": watch.parent_rss / 1024,
+            "tree_pss_mb": watch.tree_pss / 1024,
+        }
+    finally:
+        deploy.down(site.root)
+
+
+def mnist_subset(source: Path, target: Path) -> Path:
+    target.mkdir(parents=True, exist_ok=True)
+    if not (target / "mnist.npz").exists():
+        with np.load(source / "mnist.npz") as full:
+            np.savez(target / "mnist.npz",
+                     x_train=full["x_train"][:6000], y_train=full["y_train"][:6000],
+                     x_test=full["x_test"][:2000], y_test=full["y_test"][:2000])  # fmt: skip
+    return target
+
+
+def cifar_node_files(
+    data_root: Path, target: Path, nodes: int, train: int
+) -> list[Path]:
+    """Each node's own CIFAR-10 examples: disjoint `train`-image slices."""
+    from pollen.task.data import load_dataset
+
+    dataset = load_dataset("cifar10", data_root, download=False)
+    x, y = dataset.x_train.numpy(), dataset.y_train.numpy()
+    files = []
+    for k in range(nodes):
+        path = target / f"cifar-node-{k}.npz"
+        if not path.exists():
+            part = slice(k * train, (k + 1) * train)
+            np.savez(path, x_train=x[part], y_train=y[part])
+        files.append(path)
+    return files
+
+
+def median(values: list[float]) -> float:
+    return statistics.median(values) if values else float("nan")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--nodes", type=int, nargs="+", default=[2, 4])
+    parser.add_argument("--rounds", type=int, default=10)
+    parser.add_argument("--cifar-rounds", type=int, default=3)
+    parser.add_argument("--cifar-train", type=int, default=2500)
+    parser.add_argument(
+        "--data-root", type=Path, default=PROJECT.parent / "shared" / "data"
+    )
+    parser.add_argument("--out", type=Path, default=PROJECT / "bench-out" / "executors")
+    args = parser.parse_args()
+    out = args.out.resolve()
+    out.mkdir(parents=True, exist_ok=True)
+    mnist = mnist_subset(args.data_root, out / "mnist")
+    results: dict[str, dict] = {}
+
+    def mnist_config(nodes: int) -> str:
+        return (f"data-set='mnist' data-root='{mnist}' model='mlp' num-clients={nodes} "
+                f"rounds={args.rounds} {COMMON}")  # fmt: skip
+
+    for nodes in args.nodes:
+        config = mnist_config(nodes)
+        for executor in ("warm", "cold"):
+            name = f"mnist-{nodes}-{executor}"
+            results[name] = deployed(out, name, nodes, executor, config)
+            print(name, json.dumps(results[name])[:300], flush=True)
+        rows = pollen_run(config, out, f"mnist-{nodes}-sim", None)
+        results[f"mnist-{nodes}-sim"] = {"rounds": [r["seconds"] for r in rows],
+                                         "accuracy": rows[-1]["accuracy"]}  # fmt: skip
+    files = cifar_node_files(args.data_root.resolve(), out, 2, args.cifar_train)
+    cifar = (f"data-set='cifar10' data-root='{args.data_root.resolve()}' model='cnn' "
+             f"num-clients=2 rounds={args.cifar_rounds} {COMMON}")  # fmt: skip
+    extra = {k: {"data-file": str(f)} for k, f in enumerate(files)}
+    for executor in ("warm", "cold"):
+        name = f"cifar-2-{executor}"
+        results[name] = deployed(out, name, 2, executor, cifar, extra)
+        print(name, json.dumps(results[name])[:300], flush=True)
+    (out / "executors.json").write_text(json.dumps(results, indent=1))
+    table = render(results, args)
+    (out / "executors.md").write_text(table)
+    print(table)
+
+
+def render(results: dict[str, dict], args: argparse.Namespace) -> str:
+    lines = [
+        "Per message (2 SuperNodes; seconds, median over train messages)", "",
+        "| workload | executor | receive -> send | app work | overhead | parent RSS MB | parent + child PSS MB |",
+        "|---|---|---|---|---|---|---|",
+    ]  # fmt: skip
+    for workload, label in (
+        ("mnist-2", "`mlp`, MNIST"),
+        ("cifar-2", "`cnn`, CIFAR-10"),
+    ):
+        work = median(results[f"{workload}-warm"]["app"])
+        for executor in ("warm", "cold"):
+            r = results[f"{workload}-{executor}"]
+            span = median(r["messages"])
+            memory = (f"{r['parent_rss_mb']:.0f} | {r['tree_pss_mb']:.0f}"
+                      if executor == "warm" else "- | -")  # fmt: skip
+            lines.append(f"| {label} | {executor} | {span:.2f} | {work:.2f} | "
+                         f"{span - work:.2f} | {memory} |")  # fmt: skip
+    lines += [
+        "", f"Per round (MNIST `mlp`, {args.rounds} rounds; seconds, median of rounds 2..)", "",
+        "| nodes | simulation | warm | cold | warm / simulation | idle gap (warm) | accuracy sim / warm / cold |",
+        "|---|---|---|---|---|---|---|",
+    ]  # fmt: skip
+    for nodes in args.nodes:
+        sim, warm, cold = (
+            results[f"mnist-{nodes}-{k}"] for k in ("sim", "warm", "cold")
+        )
+        s, w, c = (median(r["rounds"][1:]) for r in (sim, warm, cold))
+        lines.append(
+            f"| {nodes} | {s:.2f} | {w:.2f} | {c:.2f} | {w / s:.1f}x | "
+            f"{median(warm['gaps']):.2f} | {sim['accuracy']:.2%} / "
+            f"{warm['accuracy']:.2%} / {cold['accuracy']:.2%} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    main()
