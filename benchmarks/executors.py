@@ -36,6 +36,7 @@ from __future__ import annotations
 import argparse
 import json
 import re
+import signal
 import statistics
 import subprocess
 import sys
@@ -107,6 +108,22 @@ class Watch:
             tasks = [p for p in pids if b"flower-superexec" not in _cmdline(p)]
             self.tree_pss = max(self.tree_pss, sum(_pss_kb(p) for p in tasks))
 
+    def train_spans(self) -> list[list[tuple[float, float]]]:
+        """Per node, (Receiving:, Sent successfully) of each train message, in
+        order: the node's part of each round, from pulling the message to
+        its reply delivered."""
+        spans = []
+        for lines in self.lines.values():
+            node, receiving = [], None
+            for at, line in lines:
+                if "Receiving: train message" in line:
+                    receiving = at
+                elif "Sent successfully" in line and receiving is not None:
+                    node.append((receiving, at))
+                    receiving = None
+            spans.append(node)
+        return spans
+
     def message_seconds(self) -> list[float]:
         """Received successfully (train) -> Sending: per message, all nodes."""
         spans = []
@@ -163,13 +180,26 @@ def _cmdline(pid: int) -> bytes:
         return b""
 
 
-def app_seconds(deployment: deploy.Deployment) -> list[float]:
-    """The ClientApp handler's seconds per task, from the warm executors' logs
-    (tasks after each node's first, which warms the parent)."""
+def node_rounds(spans: list[list[tuple[float, float]]]) -> list[float]:
+    """Per round, the first node's pull of its message to the last node's
+    reply delivered: the round without the time its messages waited on the
+    SuperLink for a SuperNode to ask (the SuperNode's 3 s idle sleep)."""
+    rounds = min(len(node) for node in spans) if spans else 0
+    return [
+        max(node[r][1] for node in spans) - min(node[r][0] for node in spans)
+        for r in range(rounds)
+    ]
+
+
+def task_seconds(deployment: deploy.Deployment) -> list[tuple[float, float]]:
+    """(wall, app) seconds per task from the warm executors' logs: launch to
+    exit, and the ClientApp handler alone (tasks after each node's first,
+    which warms the parent)."""
     seconds = []
     for node in deployment.nodes:
         found = TASK_LINE.findall(Path(node.executor_log).read_text())
-        seconds += [float(app) for *_, app in found[1:] if app != "nan"]
+        seconds += [(float(wall), float(app)) for *_, wall, app in found[1:]
+                    if app != "nan"]  # fmt: skip
     return seconds
 
 
@@ -205,7 +235,8 @@ def deployed(
             "accuracy": rows[-1]["accuracy"],
             "messages": watch.message_seconds(),
             "gaps": watch.idle_gaps(),
-            "app": app_seconds(site) if executor == "warm" else [],
+            "node_rounds": node_rounds(watch.train_spans()),
+            "tasks": task_seconds(site) if executor == "warm" else [],
             "parent_rss_mb": watch.parent_rss / 1024,
             "tree_pss_mb": watch.tree_pss / 1024,
         }
@@ -246,6 +277,7 @@ def median(values: list[float]) -> float:
 
 
 def main() -> None:
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # deployments come down
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--nodes", type=int, nargs="+", default=[2, 4])
     parser.add_argument("--rounds", type=int, default=10)
@@ -291,34 +323,39 @@ def main() -> None:
 def render(results: dict[str, dict], args: argparse.Namespace) -> str:
     lines = [
         "Per message (2 SuperNodes; seconds, median over train messages)", "",
-        "| workload | executor | receive -> send | app work | overhead | parent RSS MB | parent + child PSS MB |",
-        "|---|---|---|---|---|---|---|",
+        "| workload | executor | receive -> send | app work | overhead | child: launch -> exit minus app | parent RSS MB | parent + child PSS MB |",
+        "|---|---|---|---|---|---|---|---|",
     ]  # fmt: skip
     for workload, label in (
         ("mnist-2", "`mlp`, MNIST"),
         ("cifar-2", "`cnn`, CIFAR-10"),
     ):
-        work = median(results[f"{workload}-warm"]["app"])
+        tasks = results[f"{workload}-warm"]["tasks"]
+        work = median([app for _, app in tasks])
         for executor in ("warm", "cold"):
             r = results[f"{workload}-{executor}"]
             span = median(r["messages"])
-            memory = (f"{r['parent_rss_mb']:.0f} | {r['tree_pss_mb']:.0f}"
-                      if executor == "warm" else "- | -")  # fmt: skip
+            child, memory = (
+                (f"{median([w - a for w, a in tasks]):.2f}",
+                 f"{r['parent_rss_mb']:.0f} | {r['tree_pss_mb']:.0f}")
+                if executor == "warm" else ("-", "- | -")
+            )  # fmt: skip
             lines.append(f"| {label} | {executor} | {span:.2f} | {work:.2f} | "
-                         f"{span - work:.2f} | {memory} |")  # fmt: skip
+                         f"{span - work:.2f} | {child} | {memory} |")  # fmt: skip
     lines += [
         "", f"Per round (MNIST `mlp`, {args.rounds} rounds; seconds, median of rounds 2..)", "",
-        "| nodes | simulation | warm | cold | warm / simulation | idle gap (warm) | accuracy sim / warm / cold |",
-        "|---|---|---|---|---|---|---|",
+        "| nodes | simulation | warm | cold | warm / simulation | warm without the pickup wait | that / simulation | cold without it | accuracy sim / warm / cold |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]  # fmt: skip
     for nodes in args.nodes:
         sim, warm, cold = (
             results[f"mnist-{nodes}-{k}"] for k in ("sim", "warm", "cold")
         )
         s, w, c = (median(r["rounds"][1:]) for r in (sim, warm, cold))
+        wn, cn = (median(r["node_rounds"][1:]) for r in (warm, cold))
         lines.append(
-            f"| {nodes} | {s:.2f} | {w:.2f} | {c:.2f} | {w / s:.1f}x | "
-            f"{median(warm['gaps']):.2f} | {sim['accuracy']:.2%} / "
+            f"| {nodes} | {s:.2f} | {w:.2f} | {c:.2f} | {w / s:.1f}x | {wn:.2f} | "
+            f"{wn / s:.1f}x | {cn:.2f} | {sim['accuracy']:.2%} / "
             f"{warm['accuracy']:.2%} / {cold['accuracy']:.2%} |"
         )
     return "\n".join(lines) + "\n"

@@ -567,9 +567,14 @@ def _add_deploy_parser(commands: argparse._SubParsersAction) -> None:
     actions.add_parser("down", parents=[where], help="stop what `up` started")
     actions.add_parser("status", parents=[where], help="processes and online nodes")
     restart = actions.add_parser(
-        "restart", parents=[where], help="restart one SuperNode (same key and config)"
-    )
-    restart.add_argument("partition_id", type=int)
+        "restart", parents=[where],
+        help="restart one SuperNode (same key and config) or the SuperLink "
+        "(same database and certificates)",
+    )  # fmt: skip
+    restart.add_argument(
+        "target", metavar="K|superlink",
+        help="a node's partition-id, or `superlink`",
+    )  # fmt: skip
     certs = actions.add_parser(
         "certs", help="make a CA and a SuperLink certificate (multi-machine)"
     )
@@ -613,8 +618,18 @@ def deploy_command(args: argparse.Namespace) -> int:
             print(f"pollen: stopped {len(stopped)} processes; files kept in {args.dir}")
         elif args.action == "status":
             print(deploy.status(args.dir))
+        elif args.action == "restart" and args.target == "superlink":
+            pid = deploy.restart_superlink(args.dir)
+            print(f"pollen: SuperLink restarted (pid {pid}); the SuperNodes "
+                  "reconnect by themselves; resume an interrupted run with "
+                  "resume='<its run directory>'")  # fmt: skip
         elif args.action == "restart":
-            node = deploy.restart_node(args.dir, args.partition_id)
+            if not args.target.isdigit():
+                raise deploy.DeployError(
+                    f"restart {args.target!r}: expected `superlink` or a node's "
+                    "partition-id (0, 1, ...)"
+                )
+            node = deploy.restart_node(args.dir, int(args.target))
             print(f"pollen: node {node.partition_id} restarted (pid {node.pid})")
         elif args.action == "certs":
             existing = [

@@ -329,6 +329,7 @@ class Deployment:
     nodes: list[Node] = field(default_factory=list)
     executor: str = "cold"  # records written before warm executors were cold
     threads: int = 0  # torch threads per ClientApp process (0: torch's default)
+    host: str = ""  # the address the SuperLink listens on (default: address's host)
 
     @property
     def root(self) -> Path:
@@ -582,7 +583,9 @@ def up(
             )
     directory.mkdir(parents=True, exist_ok=True)
     address = f"{'127.0.0.1' if host in ('0.0.0.0', '::') else host}:{port}"
-    deployment = Deployment(str(directory), address, insecure, executor=executor)
+    deployment = Deployment(
+        str(directory), address, insecure, executor=executor, host=host
+    )
     if "OMP_NUM_THREADS" not in os.environ:
         deployment.threads = max(1, (os.cpu_count() or 1) // num_nodes)
     if not insecure:
@@ -629,6 +632,20 @@ def stop_node(node: Node) -> None:
     if node.executor_pid:
         stop(node.executor_pid)
     stop(node.pid)
+
+
+def restart_superlink(directory: Path) -> int:
+    """Stop the SuperLink if it runs and start it again with the same state
+    database, certificates, address and port; its PID. The SuperNodes
+    reconnect by themselves (they retry), with the node IDs the database
+    keeps for their registered keys; a run it was serving ended with it and
+    continues with `resume`."""
+    deployment = Deployment.load(directory.expanduser().resolve())
+    stop(deployment.superlink_pid)
+    address_host, _, port = deployment.address.rpartition(":")
+    deployment.start_superlink(deployment.host or address_host, int(port))
+    deployment.save()
+    return deployment.superlink_pid
 
 
 def restart_node(directory: Path, partition_id: int) -> Node:

@@ -62,6 +62,13 @@ def test_commands_on_a_missing_deployment_say_so(tmp_path: Path, capsys) -> None
     assert "--nodes must be at least 1" in capsys.readouterr().err
     assert main(["run", ".", "--deployment", str(tmp_path / "y")]) == 2
     assert "no deployment in" in capsys.readouterr().err
+    assert main(["deploy", "restart", "node-1", "--dir", str(tmp_path)]) == 1
+    assert "expected `superlink` or a node's partition-id" in capsys.readouterr().err
+    assert main(["deploy", "restart", "superlink", "--dir", str(tmp_path / "z")]) == 1
+    assert "no deployment in" in capsys.readouterr().err
+    with pytest.raises(SystemExit):  # argparse: exit 2 with the choices
+        main(["deploy", "up", "--executor", "lukewarm", "--dir", str(tmp_path)])
+    assert "invalid choice: 'lukewarm'" in capsys.readouterr().err
 
 
 def test_certs_are_never_replaced_without_force(tmp_path: Path, capsys) -> None:

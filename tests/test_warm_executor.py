@@ -292,6 +292,41 @@ def test_warm_and_cold_executors_train_to_the_same_history(
     assert "pollen superexec: warmed" in log and "exited 0" in log
 
 
+@pytest.mark.parametrize("strategy", ["fedavg", "feddyn"])
+def test_a_killed_superlink_restarts_and_the_run_resumes_to_the_same_history(
+    warm: deploy.Deployment, tmp_path: Path, strategy: str
+) -> None:
+    """The SuperLink SIGKILLed after round 2's checkpoint, restarted with
+    `pollen deploy restart superlink`: the SuperNodes reconnect by themselves
+    and `resume` finishes the run with the rounds an uninterrupted run has
+    (FedDyn's clients read h_k back from their nodes' state-dir)."""
+    common = f"strategy='{strategy}' rounds=4 checkpoint-every=1"
+    finish(submit(warm, tmp_path, f"{common} run-name='whole'", NODES))
+    crashed = tmp_path / "crashed"
+    run = submit(warm, tmp_path, f"{common} run-name='crashed'", NODES)
+    checkpoint = crashed / "checkpoints" / "round-00002"
+    deadline = time.monotonic() + 300
+    while not checkpoint.exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert checkpoint.exists(), run.communicate()[0][-3000:]
+    superlink = deploy.Deployment.load(warm.root).superlink_pid
+    os.kill(superlink, signal.SIGKILL)
+    os.waitpid(superlink, 0)  # this test started it: reap it, as init would
+    run.communicate(timeout=120)
+    assert (
+        not (crashed / "summary.json").exists()
+        or json.loads((crashed / "summary.json").read_text())["status"] != "completed"
+    )
+    deploy.restart_superlink(warm.root)
+    deploy.Deployment.load(warm.root).wait_online(NODES, timeout=120)
+    finish(submit(warm, tmp_path, f"{common} resume='{crashed}'", NODES))
+    keys = ("round", "accuracy", "loss", "clients", "bytes-up", "bytes-down")
+    assert [[r[k] for k in keys] for r in history(crashed)] == [
+        [r[k] for k in keys] for r in history(tmp_path / "whole")
+    ]
+    assert not any(r["failures"] for r in history(crashed))
+
+
 def test_a_killed_child_fails_its_reply_and_the_next_round_trains(
     warm: deploy.Deployment, tmp_path: Path
 ) -> None:
