@@ -102,11 +102,13 @@ class Watch:
             if not node.executor_pid:
                 continue
             self.parent_rss = max(
-                self.parent_rss, _status_kb(node.executor_pid, "VmRSS")
+                self.parent_rss, _proc_kb(node.executor_pid, "status", "VmRSS")
             )
             pids = [node.executor_pid, *deploy.descendants(node.executor_pid)]
             tasks = [p for p in pids if b"flower-superexec" not in _cmdline(p)]
-            self.tree_pss = max(self.tree_pss, sum(_pss_kb(p) for p in tasks))
+            self.tree_pss = max(
+                self.tree_pss, sum(_proc_kb(p, "smaps_rollup", "Pss") for p in tasks)
+            )
 
     def train_spans(self) -> list[list[tuple[float, float]]]:
         """Per node, (Receiving:, Sent successfully) of each train message, in
@@ -153,20 +155,12 @@ class Watch:
         return gaps
 
 
-def _status_kb(pid: int, key: str) -> int:
+def _proc_kb(pid: int, file: str, key: str) -> int:
+    """The kB value of `key` in /proc/PID/`file` (status, smaps_rollup); 0
+    for a process that is gone."""
     try:
-        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        for line in Path(f"/proc/{pid}/{file}").read_text().splitlines():
             if line.startswith(key + ":"):
-                return int(line.split()[1])
-    except OSError:
-        pass
-    return 0
-
-
-def _pss_kb(pid: int) -> int:
-    try:
-        for line in Path(f"/proc/{pid}/smaps_rollup").read_text().splitlines():
-            if line.startswith("Pss:"):
                 return int(line.split()[1])
     except OSError:
         pass
