@@ -103,10 +103,6 @@ sys.exit(status)
 '''
 
 
-class WarmExecutorError(RuntimeError):
-    """`pollen superexec` cannot start as asked."""
-
-
 @dataclass
 class Task:
     """One forked (or, for runtime dependency installation, spawned) task."""
@@ -188,13 +184,14 @@ class WarmExecutor:
 
     def serve(self, superexec: subprocess.Popen, parent_pid: int | None) -> int:
         """Serve tasks until Flower's SuperExec or the watched parent ends, or
-        this process is told to stop; the SuperExec's exit status."""
+        this process is told to stop; the SuperExec's exit status (as a
+        shell reports it)."""
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, self._stop)
         while not self.stopping:
             for key, _ in self.selector.select(timeout=0.5):
                 self._handle(key)
-            self._launch_waiting(superexec.pid)
+            self._launch_waiting()
             if superexec.poll() is not None:
                 break
             if parent_pid is not None and not alive(parent_pid):
@@ -202,7 +199,8 @@ class WarmExecutor:
                       file=sys.stderr)  # fmt: skip
                 break
         self.shutdown(superexec)
-        return superexec.returncode or 0
+        code = superexec.returncode or 0
+        return code if code >= 0 else 128 - code  # killed by a signal: 128 + N
 
     def _stop(self, signum: int, frame: object) -> None:
         self.stopping = True
@@ -250,7 +248,7 @@ class WarmExecutor:
             return
         self.waiting.append((conn, args))
 
-    def _launch_waiting(self, superexec_pid: int) -> None:
+    def _launch_waiting(self) -> None:
         while self.waiting and len(self.tasks) < self.max_tasks:
             conn, args = self.waiting.popleft()
             self.serving = conn
