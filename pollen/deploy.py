@@ -214,8 +214,14 @@ def flower_env(home: Path) -> dict[str, str]:
         "FLWR_HOME": str(home),
         "FLWR_DISABLE_UPDATE_CHECK": "1",
         "FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION": "1",
-        TASK_POLL_ENV: os.environ.get(TASK_POLL_ENV, TASK_POLL_SECONDS),
+        **task_poll_env(),
     }
+
+
+def task_poll_env() -> dict[str, str]:
+    """Flower's SuperExec task poll, lowered from its 1 s unless the user set
+    it: the SuperExecs pollen starts take up a task within 0.1 s."""
+    return {TASK_POLL_ENV: os.environ.get(TASK_POLL_ENV, TASK_POLL_SECONDS)}
 
 
 def start(
@@ -279,14 +285,14 @@ def stop(pid: int, grace: float = 10.0) -> None:
             os.killpg(pid, sig)
         except ProcessLookupError:
             break
-        if _reaped(pid, wait):
+        if reaped(pid, wait):
             break
     for stray in strays:
         with contextlib.suppress(ProcessLookupError):
             os.kill(stray, signal.SIGKILL)
 
 
-def _reaped(pid: int, wait: float) -> bool:
+def reaped(pid: int, wait: float) -> bool:
     """Whether `pid` ended within `wait` s (reaped when it is our child)."""
     deadline = time.monotonic() + wait
     while time.monotonic() < deadline:

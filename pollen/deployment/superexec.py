@@ -65,7 +65,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ..deploy import TASK_POLL_ENV, TASK_POLL_SECONDS, alive, entry_point
+from ..deploy import alive, entry_point, reaped, task_poll_env
 from .module_stash import ModuleStash
 from .warm_hint import HINT_FILE_ENV, WarmHint
 
@@ -379,11 +379,7 @@ class WarmExecutor:
                 os.kill(task.pid, signal.SIGTERM)
         deadline = time.monotonic() + 10
         for task in list(self.tasks.values()):
-            while time.monotonic() < deadline:
-                if os.waitpid(task.pid, os.WNOHANG) != (0, 0):
-                    break
-                time.sleep(0.05)
-            else:
+            if not reaped(task.pid, deadline - time.monotonic()):
                 with contextlib.suppress(ProcessLookupError, ChildProcessError):
                     os.kill(task.pid, signal.SIGKILL)
                     os.waitpid(task.pid, 0)
@@ -474,8 +470,7 @@ def superexec_command(flower_args: Sequence[str], parent_pid: int | None) -> lis
 
 def superexec_env(extra: dict[str, str]) -> dict[str, str]:
     """This environment, with Flower's task poll interval lowered (unless set)."""
-    return {**os.environ, TASK_POLL_ENV: os.environ.get(TASK_POLL_ENV, TASK_POLL_SECONDS),
-            **extra}  # fmt: skip
+    return {**os.environ, **task_poll_env(), **extra}
 
 
 def main(argv: Sequence[str]) -> int:
