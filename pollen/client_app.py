@@ -2,11 +2,14 @@
 
 A node serves one client (its `partition-id`) or, in a simulation with fewer
 nodes than clients, several; the server names the client in each message.
-What a client keeps between rounds lives in `context.state`, per client:
-the model entries its sharing policy keeps local (`local-<client>`: FedBN's
-BatchNorm, FedSA's LoRA B matrices), FedDyn's gradient state h_k
-(`feddyn-h-<client>`) and, under DP-SGD, the steps its privacy accountant
-has counted (`dp-steps-<client>`). When the run checkpoints, that state is
+Training asks the client's local objective (`pollen.task.objectives`) and,
+under DP-SGD, its privacy ledger (`pollen.task.privacy`) to load their state,
+trains, and asks them to save it; the keys of messages and state are
+`pollen.protocol`'s. What a client keeps between rounds lives in
+`context.state`, per client: the model entries its sharing policy keeps
+local (FedBN's BatchNorm, FedSA's LoRA B matrices), its objective's state
+(FedDyn's h_k) and, under DP-SGD, the steps its privacy accountant has
+counted. When the run checkpoints, that state is
 also written to the client's disk after each round it trains and read back
 by a resumed run (`pollen.client_state`). Only shared entries are accepted
 from the server and only shared entries are sent back.
@@ -40,16 +43,37 @@ from flwr.clientapp import ClientApp
 
 from . import client_state
 from .deployment.warm_hint import hint_mod
+from .protocol import (
+    ARRAYS,
+    CLIENT,
+    CLIENT_RECORD,
+    CONFIG,
+    LR,
+    METRICS,
+    NODE_RECORD,
+    NUM_EXAMPLES,
+    NUM_PARTITIONS,
+    OWN_DATA,
+    PERSONAL_METRICS,
+    SERVER_ROUND,
+    SHARD_FINGERPRINT,
+    TRAIN_LOSS,
+    local_entries_key,
+)
 from .settings import Settings
-from .strategies.fedavg import CLIENT_KEY
 from .strategies.sharing import Sharing
 from .task import NodeData, OwnData, model_inputs, settings_model
 from .task.data import Dataset
-from .task.privacy import PrivacyPlan, check_private_model, train_private
+from .task.objectives import LocalObjective
+from .task.privacy import (
+    PrivacyLedger,
+    PrivacyPlan,
+    check_private_model,
+    train_private,
+)
 from .task.train import (
     ClientOptimizer,
     Preprocess,
-    Regularizer,
     TrainResult,
     Transform,
     evaluate,
@@ -93,7 +117,7 @@ def node_partition(context: Context) -> tuple[int, int]:
     """This node's `partition-id` and `num-partitions` (its node config; set
     by the simulation, by `pollen deploy`, or by hand on a SuperNode)."""
     values = []
-    for key in (CLIENT_KEY, "num-partitions"):
+    for key in (CLIENT, NUM_PARTITIONS):
         value = context.node_config.get(key)
         if isinstance(value, bool) or not isinstance(value, int):
             raise ValueError(
@@ -150,7 +174,7 @@ def query(msg: Message, context: Context) -> Message:
     A resumed run's query also names the checkpoint it resumes from: client
     state that earlier runs wrote after it is deleted here, before any round.
     """
-    config = msg.content.get("config")
+    config = msg.content.get(CONFIG)
     if isinstance(config, ConfigRecord):
         store = client_state.store_for(context, config)
         if store is not None:
@@ -161,14 +185,14 @@ def query(msg: Message, context: Context) -> Message:
     data = node_data(context)
     record = ConfigRecord(
         {
-            CLIENT_KEY: client,
-            "num-partitions": num_partitions,
-            "num-examples": data.num_examples(client),
-            "own-data": data.own is not None,
-            "shard-fingerprint": data.shard_fingerprint(client),
+            CLIENT: client,
+            NUM_PARTITIONS: num_partitions,
+            NUM_EXAMPLES: data.num_examples(client),
+            OWN_DATA: data.own is not None,
+            SHARD_FINGERPRINT: data.shard_fingerprint(client),
         }
     )
-    return Message(RecordDict({"node": record}), reply_to=msg)
+    return Message(RecordDict({NODE_RECORD: record}), reply_to=msg)
 
 
 @dataclass
@@ -188,15 +212,15 @@ class ClientModel:
     def assemble(cls, msg: Message, context: Context) -> ClientModel:
         data = node_data(context)
         settings = data.settings
-        config = msg.content["config"]
-        client = int(config[CLIENT_KEY])
+        config = msg.content[CONFIG]
+        client = int(config[CLIENT])
         data.check_client(client)
         client_state.restore(context, client, config)
         dataset = data.dataset()
         # Same seed as the server's model: local entries start where its do.
         model = settings_model(settings, dataset)
         sharing = Sharing.of(settings.sharing_policy, model)
-        arrays: ArrayRecord = msg.content["arrays"]
+        arrays: ArrayRecord = msg.content[ARRAYS]
         if set(arrays) != set(sharing.shared):
             raise ValueError(
                 f"server sent {len(arrays)} entries; sharing policy "
@@ -205,13 +229,13 @@ class ClientModel:
             )
         state = model.state_dict()
         state.update(arrays.to_torch_state_dict())
-        local = context.state.get(f"local-{client}")
+        local = context.state.get(local_entries_key(client))
         if isinstance(local, ArrayRecord):
             state.update(local.to_torch_state_dict())
         model.load_state_dict(state)
         device = pick_device(settings.device)
         return cls(
-            data, client, int(config["server-round"]), dataset, model.to(device),
+            data, client, int(config[SERVER_ROUND]), dataset, model.to(device),
             sharing, device,
         )  # fmt: skip
 
@@ -252,12 +276,15 @@ class ClientModel:
         state = self.model.state_dict()
         return ArrayRecord({name: state[name].detach().cpu() for name in names})
 
-    def reply(self, msg: Message, metrics: MetricRecord, **records) -> Message:
+    def reply(
+        self, msg: Message, metrics: MetricRecord, arrays: ArrayRecord | None = None
+    ) -> Message:
+        records = {} if arrays is None else {ARRAYS: arrays}
         content = RecordDict(
             {
                 **records,
-                "metrics": metrics,
-                "client": ConfigRecord({CLIENT_KEY: self.client}),
+                METRICS: metrics,
+                CLIENT_RECORD: ConfigRecord({CLIENT: self.client}),
             }
         )
         return Message(content, reply_to=msg)
@@ -268,40 +295,33 @@ def train(msg: Message, context: Context) -> Message:
     """The local objective on this client's shard, from the global model."""
     cm = ClientModel.assemble(msg, context)
     s = cm.settings
+    config = msg.content[CONFIG]
     images, y = cm.data.train_shard(cm.client, cm.device)
     x, prep = cm.inputs(cm.data.split_key("train", cm.client), images, s.augment)
-    regularizer, h_key = _regularizer(cm, context)
+    objective = LocalObjective.from_settings(s)
+    objective.load(context, cm.client, cm.model, cm.sharing)
     optimizer = ClientOptimizer(
-        s.client_optimizer,
-        float(msg.content["config"]["lr"]),
-        s.momentum,
-        s.weight_decay,
+        s.client_optimizer, float(config[LR]), s.momentum, s.weight_decay,
         s.client_betas,
-    )
+    )  # fmt: skip
     seed = _client_seed(s.seed, cm.server_round, cm.client)
-    privacy: dict[str, float] = {}
     if s.dp:
-        result, privacy = _train_private(cm, context, x, y, optimizer, prep, seed,
-                                         regularizer)  # fmt: skip
+        result, metrics = _train_private(cm, context, x, y, optimizer, prep, seed,
+                                         objective)  # fmt: skip
     else:
         result = train_local(
             cm.model, x, y,
             epochs=s.local_epochs, batch_size=s.batch_size, optimizer=optimizer,
             preprocess=prep, seed=seed, max_grad_norm=s.max_grad_norm,
-            sam_rho=s.local_sam_rho,
-            regularizer=regularizer,
+            objective=objective,
         )  # fmt: skip
-    if h_key and regularizer is not None:
-        params = dict(cm.model.named_parameters())
-        context.state[h_key] = ArrayRecord(regularizer.dyn_state_after(params))
+        metrics = {TRAIN_LOSS: result.loss}
+    objective.save(context, cm.client, cm.model)
     if cm.sharing.local:
-        context.state[f"local-{cm.client}"] = cm.entries(cm.sharing.local)
-    client_state.persist(context, cm.client, cm.server_round, msg.content["config"])
-    # Under DP-SGD the loss on the private batches is not covered by epsilon,
-    # so it does not leave the client.
-    loss = {} if s.dp else {"train-loss": result.loss}
-    metrics = MetricRecord({"num-examples": result.num_examples, **loss, **privacy})
-    return cm.reply(msg, metrics, arrays=cm.entries(cm.sharing.shared))
+        context.state[local_entries_key(cm.client)] = cm.entries(cm.sharing.local)
+    client_state.persist(context, cm.client, cm.server_round, config)
+    metrics = MetricRecord({NUM_EXAMPLES: result.num_examples, **metrics})
+    return cm.reply(msg, metrics, cm.entries(cm.sharing.shared))
 
 
 def _train_private(
@@ -312,48 +332,21 @@ def _train_private(
     optimizer: ClientOptimizer,
     prep: Transform,
     seed: int,
-    regularizer: Regularizer | None,
+    objective: LocalObjective,
 ) -> tuple[TrainResult, dict[str, float]]:
-    """DP-SGD for one round; the epsilon spent over every round so far."""
-    s = cm.settings
-    check_private_model(cm.model, s.model)
-    plan = PrivacyPlan.calibrate(
-        epsilon=s.dp_epsilon, delta=s.dp_delta, max_grad_norm=s.dp_max_grad_norm,
-        shard_size=len(y), batch_size=s.batch_size, local_epochs=s.local_epochs,
-        rounds=s.rounds,
-    )  # fmt: skip
+    """DP-SGD for one round; the privacy spent over every round so far. The
+    loss on the private batches is not covered by epsilon, so it does not
+    leave the client."""
+    check_private_model(cm.model, cm.settings.model)
+    plan = PrivacyPlan.from_settings(cm.settings, len(y))
+    ledger = PrivacyLedger.load(context, cm.client, plan)
     result = train_private(
         cm.model, x, y, plan=plan, optimizer=optimizer,
-        preprocess=prep, seed=seed, regularizer=regularizer,
+        preprocess=prep, seed=seed, objective=objective,
     )  # fmt: skip
-    key = f"dp-steps-{cm.client}"
-    before = context.state.get(key)
-    steps = result.steps + (int(before["steps"]) if before is not None else 0)
-    context.state[key] = ConfigRecord({"steps": steps})
-    return result, {
-        "dp-epsilon": plan.epsilon_after(steps),
-        "dp-noise-multiplier": plan.noise_multiplier,
-    }
-
-
-def _regularizer(cm: ClientModel, context: Context) -> tuple[Regularizer | None, str]:
-    """FedProx's or FedDyn's term around the received model (and h_k's state key)."""
-    s = cm.settings
-    if not s.regularizer:
-        return None, ""
-    dyn = s.regularizer == "feddyn"
-    names = cm.sharing.trained_shared(exclude_bn=dyn and s.feddyn_exclude_bn)
-    params = dict(cm.model.named_parameters())
-    anchor = {name: params[name].detach().clone() for name in names}
-    if not dyn:
-        return Regularizer(anchor, s.prox_mu), ""
-    h_key = f"feddyn-h-{cm.client}"
-    stored = context.state.get(h_key)
-    if isinstance(stored, ArrayRecord):
-        h = {k: v.to(cm.device) for k, v in stored.to_torch_state_dict().items()}
-    else:
-        h = {name: torch.zeros_like(a) for name, a in anchor.items()}
-    return Regularizer(anchor, s.dyn_alpha, h), h_key
+    ledger.spend(result.steps)
+    ledger.save(context, cm.client)
+    return result, ledger.metrics()
 
 
 @app.evaluate()
@@ -365,15 +358,8 @@ def evaluate_personal(msg: Message, context: Context) -> Message:
     g_loss, g_acc = cm.loss_and_accuracy("test", cm.data.global_test(cm.device))
     own = cm.data.test_shard(cm.client, cm.device)
     l_loss, l_acc = cm.loss_and_accuracy(cm.data.split_key("test", cm.client), own)
-    metrics = MetricRecord(
-        {
-            "global-accuracy": g_acc,
-            "global-loss": g_loss,
-            "local-accuracy": l_acc,
-            "local-loss": l_loss,
-            "num-examples": len(own[1]),
-        }
-    )
+    personal = dict(zip(PERSONAL_METRICS, (g_acc, g_loss, l_acc, l_loss), strict=True))
+    metrics = MetricRecord({**personal, NUM_EXAMPLES: len(own[1])})
     return cm.reply(msg, metrics)
 
 

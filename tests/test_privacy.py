@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import copy
 import math
+import sys
 
 import pytest
 import torch
@@ -16,11 +17,18 @@ from opacus.accountants.utils import get_noise_multiplier
 from torch import nn
 
 from pollen import client_app
+from pollen.protocol import CLIENT, DP_EPSILON, DP_NOISE_MULTIPLIER, dp_steps_key
 from pollen.settings import Settings
-from pollen.strategies.fedavg import CLIENT_KEY
+from pollen.task import train as train_module
 from pollen.task.models import build_model
-from pollen.task.privacy import PrivacyPlan, check_private_model, train_private
-from pollen.task.train import ClientOptimizer, Preprocess, no_preprocess
+from pollen.task.objectives import LocalObjective, ProxTerm
+from pollen.task.privacy import (
+    PrivacyLedger,
+    PrivacyPlan,
+    check_private_model,
+    train_private,
+)
+from pollen.task.train import ClientOptimizer, Preprocess, no_preprocess, train_local
 
 pytestmark = [
     pytest.mark.filterwarnings("ignore:Optimal order is the largest alpha"),
@@ -100,6 +108,76 @@ def test_every_per_sample_gradient_is_clipped_before_averaging(
     assert update.norm() <= lr * clip * (1 + 1e-5)
     # and the unclipped mean would be orders of magnitude larger
     assert update.norm() < norms.mean() / 100
+
+
+def test_regularizer_gradient_is_added_after_clipping_and_noise() -> None:
+    """FedProx under DP-SGD: the step is the clipped mean gradient plus
+    mu (theta - anchor), the latter neither clipped nor scaled."""
+    n, clip, mu = 6, 0.5, 0.3
+    model = tiny_linear()
+    gen = torch.Generator().manual_seed(0)
+    x = 1000.0 * torch.randn((n, 4), generator=gen)
+    with torch.no_grad():
+        y = model(x).argmin(1)
+    expected, _ = clipped_mean_gradient(copy.deepcopy(model), x, y, clip, n)
+    anchor = {name: p.detach() + 2.0 for name, p in model.named_parameters()}
+    before = flat_params(model)
+    objective = LocalObjective(regularizer=ProxTerm(mu, anchor))
+    train_private(
+        model, x, y, plan=plan(0.0, 1.0, clip), optimizer=PLAIN_SGD,
+        preprocess=no_preprocess, seed=0, objective=objective,
+    )  # fmt: skip
+    prox = torch.full_like(before, -2.0 * mu).double()  # mu (theta - anchor)
+    update = (flat_params(model) - before).double()
+    torch.testing.assert_close(update, -(expected + prox), rtol=1e-4, atol=1e-6)
+
+
+def test_sam_is_refused_under_dp() -> None:
+    x, y = torch.randn(4, 4), torch.randint(0, 3, (4,))
+    with pytest.raises(ValueError, match="SAM"):
+        train_private(
+            tiny_linear(), x, y, plan=plan(1.0, 0.5, 1.0), optimizer=PLAIN_SGD,
+            preprocess=no_preprocess, seed=0, objective=LocalObjective(sam_rho=0.05),
+        )  # fmt: skip
+
+
+def test_dp_and_plain_training_run_through_the_same_loop() -> None:
+    """Both call the objective's hooks from `train_loop` itself: one loop."""
+    callers = []
+
+    class Recording(LocalObjective):
+        def add_regularizer_gradient(self, named) -> None:
+            callers.append(sys._getframe(1).f_code)
+
+    x, y = torch.randn(8, 4), torch.randint(0, 3, (8,))
+    train_local(
+        tiny_linear(), x, y, epochs=1, batch_size=4, optimizer=PLAIN_SGD,
+        preprocess=no_preprocess, seed=0, objective=Recording(),
+    )  # fmt: skip
+    train_private(
+        tiny_linear(), x, y, plan=plan(1.0, 0.5, 1.0, steps=3), optimizer=PLAIN_SGD,
+        preprocess=no_preprocess, seed=0, objective=Recording(),
+    )  # fmt: skip
+    assert len(callers) == 2 + 3
+    assert set(callers) == {train_module.train_loop.__code__}
+
+
+def test_privacy_ledger_counts_steps_across_rounds_in_state() -> None:
+    p = PrivacyPlan.calibrate(
+        epsilon=8, delta=1e-5, max_grad_norm=1, shard_size=500, batch_size=50,
+        local_epochs=2, rounds=5,
+    )  # fmt: skip
+    context = Context(1, 1, {}, RecordDict(), {})
+    for spent in (20, 40):
+        ledger = PrivacyLedger.load(context, 3, p)
+        ledger.spend(20)
+        ledger.save(context, 3)
+        assert context.state[dp_steps_key(3)]["steps"] == spent
+        assert ledger.metrics() == {
+            DP_EPSILON: p.epsilon_after(spent),
+            DP_NOISE_MULTIPLIER: p.noise_multiplier,
+        }
+    assert PrivacyLedger.load(context, 4, p).steps == 0  # another client's
 
 
 def test_noise_has_the_calibrated_scale() -> None:
@@ -245,7 +323,7 @@ def test_client_app_accounts_epsilon_per_client_across_rounds() -> None:
                 {
                     "arrays": arrays,
                     "config": ConfigRecord(
-                        {"lr": 0.05, "server-round": server_round, CLIENT_KEY: client}
+                        {"lr": 0.05, "server-round": server_round, CLIENT: client}
                     ),
                 }
             ),

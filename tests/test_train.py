@@ -79,6 +79,25 @@ def test_dropout_masks_follow_the_seed_not_the_process_history() -> None:
     assert all(torch.equal(first[k], again[k]) for k in first)
 
 
+def test_a_single_sample_batch_is_skipped_only_under_batchnorm() -> None:
+    """9 examples in batches of 4: 4, 4, 1; BatchNorm cannot train on the 1."""
+    x = torch.randint(0, 256, (9, 1, 2, 2), dtype=torch.uint8)
+    y = torch.randint(0, 3, (9,))
+
+    def steps(model: torch.nn.Module, n: int = 9) -> int:
+        return train_local(
+            model, x[:n], y[:n], epochs=2, batch_size=4,
+            optimizer=ClientOptimizer("sgd", 0.1), preprocess=Preprocess((0.5,), (0.5,)),
+            seed=0,
+        ).steps  # fmt: skip
+
+    flat = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(4, 3))
+    assert steps(flat) == 6
+    assert steps(torch.nn.Sequential(flat, torch.nn.BatchNorm1d(3))) == 4
+    with pytest.raises(ValueError, match="a shard of 1 samples gives no training step"):
+        steps(torch.nn.Sequential(flat, torch.nn.BatchNorm1d(3)), n=1)
+
+
 def test_evaluate_counts_correct_predictions() -> None:
     model = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(1, 2, bias=False))
     model[1].weight.data = torch.tensor([[-1.0], [1.0]])

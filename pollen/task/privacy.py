@@ -1,5 +1,9 @@
 """DP-SGD local training with Opacus: per-sample clipping, Gaussian noise, accounting.
 
+DP-SGD runs through the one training loop (`pollen.task.train.train_loop`)
+with its own batch source (Poisson samples) and step rule (Opacus); what a
+client has spent is its `PrivacyLedger`, kept between rounds.
+
 Each client calibrates its own noise: with sampling rate q = batch / shard
 size and the steps the whole planned run would take it (every round x local
 epochs x 1/q steps, as if it were sampled every round), sigma is the smallest
@@ -20,15 +24,30 @@ from __future__ import annotations
 
 import secrets
 import warnings
+from collections.abc import Iterator
 from dataclasses import dataclass
 from functools import cache
+from typing import TYPE_CHECKING
 
 import torch
-import torch.nn.functional as F
+from flwr.app import ConfigRecord, Context
 from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
-from .train import ClientOptimizer, Regularizer, TrainResult, Transform
+from ..protocol import DP_EPSILON, DP_NOISE_MULTIPLIER, dp_steps_key
+from .objectives import LocalObjective
+from .train import (
+    Batch,
+    Batches,
+    ClientOptimizer,
+    TrainResult,
+    Transform,
+    train_loop,
+    trainable,
+)
+
+if TYPE_CHECKING:
+    from ..settings import Settings
 
 DP_ALTERNATIVE = "cnn-gn"
 # Opacus' advice when the best RDP order is the largest one tried (large
@@ -64,6 +83,16 @@ class PrivacyPlan:
         steps_per_round = local_epochs * max(1, round(1 / sample_rate))
         sigma = _noise_multiplier(epsilon, delta, sample_rate, rounds * steps_per_round)
         return cls(sigma, sample_rate, max_grad_norm, delta, steps_per_round)
+
+    @classmethod
+    def from_settings(cls, settings: Settings, shard_size: int) -> PrivacyPlan:
+        """The plan of a client with `shard_size` examples in this run."""
+        s = settings
+        return cls.calibrate(
+            epsilon=s.dp_epsilon, delta=s.dp_delta, max_grad_norm=s.dp_max_grad_norm,
+            shard_size=shard_size, batch_size=s.batch_size,
+            local_epochs=s.local_epochs, rounds=s.rounds,
+        )  # fmt: skip
 
     def epsilon_after(self, steps: int) -> float:
         """The epsilon spent after `steps` DP-SGD steps under this plan."""
@@ -111,6 +140,75 @@ def check_private_model(model: nn.Module, name: str) -> None:
     )
 
 
+@dataclass
+class PoissonBatches(Batches):
+    """One round's `plan.steps_per_round` batches, each example in each with
+    probability q (`plan.sample_rate`), drawn from OS entropy; a batch may
+    be empty. Augmentation draws from the round's seed."""
+
+    plan: PrivacyPlan
+    seed: int
+
+    def __post_init__(self) -> None:
+        device = self.device
+        self.sampling = torch.Generator(device=device).manual_seed(secrets.randbits(63))
+        self.augment = torch.Generator(device=device).manual_seed(self.seed)
+
+    def epochs(self) -> Iterator[Iterator[Batch]]:
+        yield self._batches()
+
+    def _batches(self) -> Iterator[Batch]:
+        for _ in range(self.plan.steps_per_round):
+            chosen = torch.rand(
+                len(self.y), generator=self.sampling, device=self.device
+            )
+            idx = (chosen < self.plan.sample_rate).nonzero().squeeze(1)
+            yield self.preprocess(self.x[idx], self.augment), self.y[idx]
+
+
+class PrivateStep:
+    """A DP-SGD step with Opacus: per-sample gradients (`GradSampleModule`),
+    each clipped to C, summed, plus N(0, (sigma C)^2) noise from OS entropy,
+    divided by the expected batch size q n (the actual size of a Poisson
+    batch would leak how many were drawn); `DPOptimizer.pre_step` does that
+    and decides whether the step happens."""
+
+    def __init__(
+        self, model: nn.Module, optimizer: ClientOptimizer, plan: PrivacyPlan,
+        num_examples: int, device: torch.device,
+    ) -> None:  # fmt: skip
+        from opacus import GradSampleModule
+        from opacus.optimizers import DPOptimizer
+
+        self.params = list(trainable(model).values())
+        self.network = GradSampleModule(model)
+        noise = torch.Generator(device=device).manual_seed(secrets.randbits(63))
+        self.optimizer = DPOptimizer(
+            optimizer.build(self.params),
+            noise_multiplier=plan.noise_multiplier,
+            max_grad_norm=plan.max_grad_norm,
+            expected_batch_size=max(1, round(plan.sample_rate * num_examples)),
+            generator=noise,
+        )
+
+    def zero_grad(self) -> None:
+        self.optimizer.zero_grad(set_to_none=True)
+
+    def ready(self, examples: int) -> bool:
+        if not examples:  # an empty Poisson batch still takes a noisy step
+            for p in self.params:
+                p.grad_sample = p.new_zeros((0, *p.shape))
+        return self.optimizer.pre_step()
+
+    def step(self) -> None:
+        self.optimizer.original_optimizer.step()
+
+    def close(self) -> None:
+        """Drop Opacus' per-parameter sums and its hooks: a plain model again."""
+        self.optimizer.zero_grad(set_to_none=True)
+        self.network._close()
+
+
 def train_private(
     model: nn.Module,
     x: torch.Tensor,
@@ -120,50 +218,45 @@ def train_private(
     optimizer: ClientOptimizer,
     preprocess: Transform,
     seed: int,
-    regularizer: Regularizer | None = None,
+    objective: LocalObjective | None = None,
 ) -> TrainResult:
-    """One round of DP-SGD: `plan.steps_per_round` Poisson-sampled steps.
+    """One round of DP-SGD: `train_loop` on Poisson batches with private steps.
 
-    Opacus computes per-sample gradients, clips each to `max_grad_norm`, sums
-    them and adds N(0, (sigma C)^2) noise, divided by the expected batch size
-    q n (the actual size of a Poisson batch would leak how many were drawn).
-    A data-independent regularizer gradient (FedProx, FedDyn) is added after
-    the noise: it touches no example, so it costs no privacy.
+    A data-independent regulariser gradient (FedProx, FedDyn) is added after
+    the noise: it touches no example, so it costs no privacy. SAM's second
+    pass has no per-sample clipping (settings refuse dp with SAM).
     """
-    from opacus import GradSampleModule
-    from opacus.optimizers import DPOptimizer
+    objective = objective or LocalObjective()
+    if objective.sam_rho > 0:
+        raise ValueError("DP-SGD cannot take SAM steps: its second pass is not private")
+    rule = PrivateStep(model, optimizer, plan, len(y), x.device)
+    batches = PoissonBatches(x, y, preprocess, plan=plan, seed=seed)
+    return train_loop(model, batches, rule, objective)
 
-    device = x.device
-    named = {n: p for n, p in model.named_parameters() if p.requires_grad}
-    sampler = GradSampleModule(model)
-    noise = torch.Generator(device=device).manual_seed(secrets.randbits(63))
-    dp_opt = DPOptimizer(
-        optimizer.build(list(named.values())),
-        noise_multiplier=plan.noise_multiplier,
-        max_grad_norm=plan.max_grad_norm,
-        expected_batch_size=max(1, round(plan.sample_rate * len(y))),
-        generator=noise,
-    )
-    sampling = torch.Generator(device=device).manual_seed(secrets.randbits(63))
-    augment = torch.Generator(device=device).manual_seed(seed)
-    sampler.train()
-    total = torch.zeros((), device=device)
-    for _ in range(plan.steps_per_round):
-        dp_opt.zero_grad(set_to_none=True)
-        chosen = torch.rand(len(y), generator=sampling, device=device)
-        idx = (chosen < plan.sample_rate).nonzero().squeeze(1)
-        if len(idx):
-            loss = F.cross_entropy(sampler(preprocess(x[idx], augment)), y[idx])
-            loss.backward()
-            total += loss.detach()
-        else:  # an empty Poisson batch still takes a noisy step
-            for p in named.values():
-                p.grad_sample = p.new_zeros((0, *p.shape))
-        if dp_opt.pre_step():
-            if regularizer is not None:
-                regularizer.add_gradients(named)
-            dp_opt.original_optimizer.step()
-    dp_opt.zero_grad(set_to_none=True)  # drops Opacus' per-parameter sums
-    sampler._close()
-    steps = plan.steps_per_round
-    return TrainResult(loss=float(total) / steps, num_examples=len(y), steps=steps)
+
+@dataclass
+class PrivacyLedger:
+    """The privacy one client has spent: its plan for the run and the DP-SGD
+    steps its accountant has counted over every round so far, kept in
+    `context.state` under `pollen.protocol.dp_steps_key(client)`."""
+
+    plan: PrivacyPlan
+    steps: int = 0
+
+    @classmethod
+    def load(cls, context: Context, client: int, plan: PrivacyPlan) -> PrivacyLedger:
+        stored = context.state.get(dp_steps_key(client))
+        return cls(plan, int(stored["steps"]) if stored is not None else 0)
+
+    def spend(self, steps: int) -> None:
+        self.steps += steps
+
+    def save(self, context: Context, client: int) -> None:
+        context.state[dp_steps_key(client)] = ConfigRecord({"steps": self.steps})
+
+    def metrics(self) -> dict[str, float]:
+        """The epsilon spent so far and the run's noise multiplier."""
+        return {
+            DP_EPSILON: self.plan.epsilon_after(self.steps),
+            DP_NOISE_MULTIPLIER: self.plan.noise_multiplier,
+        }

@@ -1,4 +1,5 @@
-"""Local training (every local objective) and evaluation on in-memory uint8 tensors.
+"""Local training (the one loop every local objective and DP-SGD run through)
+and evaluation on in-memory uint8 tensors.
 
 Shards arrive as uint8 tensors already on the training device; each batch is
 converted, normalised and (for 32x32 colour data) augmented there, in one
@@ -8,13 +9,16 @@ batched operation, instead of sample by sample in a DataLoader.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass
+from functools import partial
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
+
+from .objectives import LocalObjective
 
 # uint8 images (or stored features) -> model inputs; the generator drives
 # augmentation and is None at evaluation
@@ -119,72 +123,169 @@ class ClientOptimizer:
         raise ValueError(f"unknown optimizer {self.name!r}; allowed: sgd, adam, adamw")
 
 
+Batch = tuple[torch.Tensor, torch.Tensor]  # model inputs, targets
+
+
+def trainable(model: nn.Module) -> dict[str, nn.Parameter]:
+    """The parameters a local step moves, by name, in the model's order."""
+    return {n: p for n, p in model.named_parameters() if p.requires_grad}
+
+
+class StepRule(Protocol):
+    """How a batch's gradient becomes an optimiser step."""
+
+    network: nn.Module  # what the forward and backward passes run through
+
+    def zero_grad(self) -> None: ...
+
+    def ready(self, examples: int) -> bool:
+        """Finish the data gradient of a batch of `examples`; False: no step."""
+        ...
+
+    def step(self) -> None: ...
+
+    def close(self) -> None:
+        """Undo what the rule did to the model (after the last step)."""
+        ...
+
+
 @dataclass
-class Regularizer:
-    """weight/2 * ||theta - anchor||^2 - <linear, theta> over named parameters.
+class Batches:
+    """Where one round's batches come from, epoch by epoch: a shard of uint8
+    examples `x`, labels `y`, and what turns a batch into model inputs."""
 
-    FedProx is (mu, global model, no linear term); FedDyn's client objective is
-    (alpha, global model, h_k). Its gradient, weight * (theta - anchor) -
-    linear, is added to the data gradient before each optimiser step.
+    x: torch.Tensor
+    y: torch.Tensor
+    preprocess: Transform
+
+    @property
+    def num_examples(self) -> int:
+        return len(self.y)
+
+    @property
+    def device(self) -> torch.device:
+        return self.x.device
+
+    def epochs(self) -> Iterator[Iterator[Batch]]:
+        raise NotImplementedError
+
+
+@dataclass
+class ShuffledBatches(Batches):
+    """`num_epochs` passes over the shard in a seeded random order,
+    `batch_size` examples at a time, augmented from a seeded generator; a
+    single-sample batch is skipped where the model has BatchNorm (it cannot
+    train on one)."""
+
+    batch_size: int
+    num_epochs: int
+    seed: int
+    skip_single: bool
+
+    def __post_init__(self) -> None:
+        self.order = torch.Generator().manual_seed(self.seed)
+        self.augment = torch.Generator(device=self.device).manual_seed(self.seed + 1)
+
+    def epochs(self) -> Iterator[Iterator[Batch]]:
+        for _ in range(self.num_epochs):
+            yield self._epoch()
+
+    def _epoch(self) -> Iterator[Batch]:
+        order = torch.randperm(len(self.y), generator=self.order).to(self.device)
+        for idx in order.split(self.batch_size):
+            if len(idx) < 2 and self.skip_single:
+                continue
+            yield self.preprocess(self.x[idx], self.augment), self.y[idx]
+
+
+class OptimizerStep:
+    """A plain step: clip the total gradient to `max_grad_norm` (> 0), step."""
+
+    def __init__(
+        self, model: nn.Module, optimizer: ClientOptimizer, max_grad_norm: float
+    ) -> None:
+        self.network = model
+        self.params = list(trainable(model).values())
+        self.optimizer = optimizer.build(self.params)
+        self.max_grad_norm = max_grad_norm
+
+    def zero_grad(self) -> None:
+        self.optimizer.zero_grad(set_to_none=True)
+
+    def ready(self, examples: int) -> bool:
+        return True
+
+    def step(self) -> None:
+        if self.max_grad_norm > 0:
+            nn.utils.clip_grad_norm_(self.params, self.max_grad_norm)
+        self.optimizer.step()
+
+    def close(self) -> None:
+        """Nothing to undo."""
+
+
+def _backward(
+    network: nn.Module, inputs: torch.Tensor, targets: torch.Tensor
+) -> torch.Tensor:
+    """Cross-entropy on a batch, backpropagated into the gradients."""
+    loss = F.cross_entropy(network(inputs), targets)
+    loss.backward()
+    return loss
+
+
+def _regrade(
+    rule: StepRule, network: nn.Module, inputs: torch.Tensor, targets: torch.Tensor
+) -> None:
+    """The batch's gradient again, from zero, at the parameters as they are now."""
+    rule.zero_grad()
+    _backward(network, inputs, targets)
+
+
+def train_loop(
+    model: nn.Module,
+    batches: Batches,
+    rule: StepRule,
+    objective: LocalObjective,
+    after_epoch: Callable[[int], None] | None = None,
+) -> TrainResult:
+    """The local training loop, for every objective, with or without DP-SGD.
+
+    Per batch: the clean pass gives g = grad F_k(theta) on the batch;
+    `objective.data_gradient` may take it again elsewhere (SAM); `rule.ready`
+    finishes it (DP-SGD: per-sample clipping and noise) or skips the step;
+    the objective's regulariser adds its gradient; `rule.step` clips and
+    steps. `after_epoch(epoch)` is called after each epoch (the centralised
+    baseline evaluates there). The loss reported is the mean clean-pass loss
+    over the steps taken.
     """
-
-    anchor: dict[str, torch.Tensor]
-    weight: float
-    linear: dict[str, torch.Tensor] | None = None
-
-    @torch.no_grad()
-    def add_gradients(self, named_params: dict[str, nn.Parameter]) -> None:
-        for name, anchor in self.anchor.items():
-            param = named_params[name]
-            term = (param - anchor).mul_(self.weight)
-            if self.linear is not None:
-                term.sub_(self.linear[name])
-            if param.grad is None:
-                param.grad = term
-            else:
-                param.grad.add_(term)
-
-    @torch.no_grad()
-    def dyn_state_after(
-        self, named_params: dict[str, nn.Parameter]
-    ) -> dict[str, torch.Tensor]:
-        """FedDyn's next h_k = h_k - alpha (theta_k - theta_t), on the CPU."""
-        linear = self.linear or {}
-        return {
-            name: (
-                linear.get(name, 0.0) - self.weight * (named_params[name] - anchor)
-            ).cpu()
-            for name, anchor in self.anchor.items()
-        }
-
-
-@contextmanager
-def frozen_bn_statistics(model: nn.Module) -> Iterator[None]:
-    """BatchNorm normalises with batch statistics but updates no running ones.
-
-    Used for SAM's perturbed pass, so only the clean pass moves the running
-    mean, variance and counter.
-    """
-    norms = [m for m in model.modules() if isinstance(m, _BatchNorm)]
-    tracking = [m.track_running_stats for m in norms]
-    for m in norms:
-        m.track_running_stats = False
-    try:
-        yield
-    finally:
-        for m, was in zip(norms, tracking, strict=True):
-            m.track_running_stats = was
-
-
-def sam_perturb(params: list[nn.Parameter], rho: float) -> list[torch.Tensor]:
-    """Move to theta + rho g / (||g|| + 1e-12) (g: the current gradients); return eps."""
-    grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
-    norm = torch.linalg.vector_norm(torch.stack([g.norm() for g in grads]))
-    scale = rho / (norm + 1e-12)
-    eps = [g * scale for g in grads]
-    with torch.no_grad():
-        torch._foreach_add_(params, eps)
-    return eps
+    named = trainable(model)
+    params = list(named.values())
+    network = rule.network
+    network.train()
+    total, steps = torch.zeros((), device=batches.device), 0
+    for epoch, batch_iter in enumerate(batches.epochs(), start=1):
+        for inputs, targets in batch_iter:
+            rule.zero_grad()
+            if len(targets):
+                loss = _backward(network, inputs, targets)
+                again = partial(_regrade, rule, network, inputs, targets)
+                objective.data_gradient(model, params, again)
+                total += loss.detach()
+            if rule.ready(len(targets)):
+                objective.add_regularizer_gradient(named)
+                rule.step()
+            steps += 1
+        if after_epoch is not None:
+            after_epoch(epoch)
+            network.train()
+    rule.close()
+    if steps == 0:
+        raise ValueError(
+            f"a shard of {batches.num_examples} samples gives no training step"
+        )
+    return TrainResult(
+        loss=float(total) / steps, num_examples=batches.num_examples, steps=steps
+    )
 
 
 def train_local(
@@ -198,61 +299,24 @@ def train_local(
     preprocess: Transform,
     seed: int,
     max_grad_norm: float = 0.0,
-    sam_rho: float = 0.0,
-    regularizer: Regularizer | None = None,
+    objective: LocalObjective | None = None,
     after_epoch: Callable[[int], None] | None = None,
 ) -> TrainResult:
-    """Local training over `epochs` of a shard: the local-objective engine.
+    """Local training over `epochs` of a shard (`train_loop` on shuffled
+    batches with plain optimiser steps) for `objective` (default: plain).
 
-    Per batch: the clean pass gives g = grad L(theta). With `sam_rho` > 0
-    (FedSAM) the descent gradient is taken again at theta + eps, eps =
-    rho g / (||g|| + 1e-12), with BatchNorm statistics frozen, and theta is
-    restored before the step. A `regularizer` (FedProx, FedDyn) adds its
-    gradient; `max_grad_norm` > 0 clips the total; the optimiser steps.
-    `after_epoch(epoch)` is called after each epoch (the centralised
-    baseline evaluates there).
+    Seeded per round and client: the batch order from `seed`, augmentation
+    from `seed + 1` and dropout, which draws from torch's global generator,
+    from `seed + 2`, so that a replayed (resumed) round repeats its masks.
     """
-    device = x.device
-    named = {n: p for n, p in model.named_parameters() if p.requires_grad}
-    params = list(named.values())
-    opt = optimizer.build(params)
-    order_gen = torch.Generator().manual_seed(seed)
-    aug_gen = torch.Generator(device=device).manual_seed(seed + 1)
-    # dropout draws from torch's global generator: seeded per round and client
-    # too, so that a replayed (resumed) round repeats its masks
-    torch.manual_seed(seed + 2)
+    rule = OptimizerStep(model, optimizer, max_grad_norm)
     has_bn = any(isinstance(m, _BatchNorm) for m in model.modules())
-    model.train()
-    total, steps = torch.zeros((), device=device), 0
-    for epoch in range(1, epochs + 1):
-        order = torch.randperm(len(y), generator=order_gen).to(device)
-        for idx in order.split(batch_size):
-            if len(idx) < 2 and has_bn:
-                continue  # BatchNorm cannot train on a single sample
-            inputs, targets = preprocess(x[idx], aug_gen), y[idx]
-            loss = F.cross_entropy(model(inputs), targets)
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
-            if sam_rho > 0:
-                eps = sam_perturb(params, sam_rho)
-                opt.zero_grad(set_to_none=True)
-                with frozen_bn_statistics(model):
-                    F.cross_entropy(model(inputs), targets).backward()
-                with torch.no_grad():
-                    torch._foreach_sub_(params, eps)
-            if regularizer is not None:
-                regularizer.add_gradients(named)
-            if max_grad_norm > 0:
-                nn.utils.clip_grad_norm_(params, max_grad_norm)
-            opt.step()
-            total += loss.detach()
-            steps += 1
-        if after_epoch is not None:
-            after_epoch(epoch)
-            model.train()
-    if steps == 0:
-        raise ValueError(f"a shard of {len(y)} samples gives no training step")
-    return TrainResult(loss=float(total) / steps, num_examples=len(y), steps=steps)
+    batches = ShuffledBatches(
+        x, y, preprocess, batch_size=batch_size, num_epochs=epochs, seed=seed,
+        skip_single=has_bn,
+    )  # fmt: skip
+    torch.manual_seed(seed + 2)
+    return train_loop(model, batches, rule, objective or LocalObjective(), after_epoch)
 
 
 @torch.no_grad()

@@ -1,0 +1,244 @@
+"""Local objectives: what a client minimises in a round, and what it keeps for it.
+
+A client k that receives the global model theta^t minimises, from theta^t,
+
+    F_k(theta) + R_k(theta)
+
+with F_k its empirical loss (cross-entropy on its shard) and R_k a
+regulariser around the received model, its anchor:
+
+- `plain`: R_k = 0 (FedAvg).
+- `prox` (FedProx, Li et al. 2020, eq. 2): R_k(theta) = mu/2 ||theta - theta^t||^2,
+  so each step adds mu (theta - theta^t) to the data gradient.
+- `feddyn` (FedDyn, Acar et al. 2021, Algorithm 1):
+  R_k(theta) = alpha/2 ||theta - theta^t||^2 - <h_k, theta>, where h_k (the
+  paper's grad L_k(theta_k^{t-1})) is the client's own state: zero at the
+  start and, after each round it trains, h_k <- h_k - alpha (theta_k^t - theta^t).
+- `-sam` (FedSAM, Qu et al. 2022, Caldarola et al. 2022): the data gradient
+  is taken at the worst point of a rho-ball, theta + eps with
+  eps = rho g / ||g||, g = grad F_k(theta) (Foret et al. 2021); `sam` alone
+  has no regulariser, `prox-sam` and `feddyn-sam` add theirs at theta.
+
+The anchor is the received model's trained shared entries (a sharing
+policy's local entries are not the server's; BatchNorm statistics are not
+parameters); with `feddyn-exclude-bn` FedDyn also leaves BatchNorm's scale
+and shift out, as the server's correction does. This module is the one place
+that decodes a `local-objective` name; `pollen.task.train` calls its two
+hooks once per step.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Protocol
+
+import torch
+from flwr.app import ArrayRecord, Context
+from torch import nn
+from torch.nn.modules.batchnorm import _BatchNorm
+
+from ..protocol import feddyn_state_key
+
+if TYPE_CHECKING:
+    from ..settings import Settings
+    from ..strategies.sharing import Sharing
+
+SAM_SUFFIX = "-sam"
+Parameters = dict[str, nn.Parameter]
+
+
+class Regularizer(Protocol):
+    """R_k around the received model: its gradient, and the state it keeps."""
+
+    exclude_bn: bool  # leave BatchNorm's scale and shift out of the anchor
+
+    def load(self, context: Context, client: int, anchor: Parameters) -> None:
+        """Anchor the term at the received model; read the client's state."""
+
+    def add_gradients(self, named: Parameters) -> None:
+        """Add grad R_k(theta) to the parameters' gradients."""
+
+    def save(self, context: Context, client: int, named: Parameters) -> None:
+        """Keep the client's state for its next round (after training)."""
+
+
+def _add_gradient(param: nn.Parameter, term: torch.Tensor) -> None:
+    if param.grad is None:
+        param.grad = term
+    else:
+        param.grad.add_(term)
+
+
+def _anchor_of(named: Parameters) -> dict[str, torch.Tensor]:
+    return {name: param.detach().clone() for name, param in named.items()}
+
+
+@dataclass
+class ProxTerm:
+    """FedProx's proximal term mu/2 ||theta - theta^t||^2 (Li et al. 2020, eq. 2).
+
+    Its gradient mu (theta - theta^t) pulls a client's steps back towards the
+    received model theta^t (`anchor`); it keeps no state between rounds.
+    """
+
+    mu: float
+    anchor: dict[str, torch.Tensor] = field(default_factory=dict)
+    exclude_bn = False  # BatchNorm's scale and shift are anchored too
+
+    def load(self, context: Context, client: int, anchor: Parameters) -> None:
+        self.anchor = _anchor_of(anchor)
+
+    @torch.no_grad()
+    def add_gradients(self, named: Parameters) -> None:
+        for name, anchor in self.anchor.items():
+            param = named[name]
+            _add_gradient(param, (param - anchor).mul_(self.mu))
+
+    def save(self, context: Context, client: int, named: Parameters) -> None:
+        """Nothing to keep."""
+
+
+@dataclass
+class DynTerm:
+    """FedDyn's dynamic regulariser (Acar et al. 2021, Algorithm 1):
+
+        R_k(theta) = alpha/2 ||theta - theta^t||^2 - <h_k, theta>,
+        grad R_k(theta) = alpha (theta - theta^t) - h_k,
+
+    and, once the round's theta_k^t is trained, h_k <- h_k - alpha (theta_k^t -
+    theta^t). h_k is the client's state: zero before its first round, kept in
+    `context.state` under `pollen.protocol.feddyn_state_key(client)`.
+    """
+
+    alpha: float
+    anchor: dict[str, torch.Tensor] = field(default_factory=dict)
+    h: dict[str, torch.Tensor] = field(default_factory=dict)
+    exclude_bn: bool = True  # anchor no BatchNorm entries (`feddyn-exclude-bn`)
+
+    def load(self, context: Context, client: int, anchor: Parameters) -> None:
+        self.anchor = _anchor_of(anchor)
+        stored = context.state.get(feddyn_state_key(client))
+        if isinstance(stored, ArrayRecord):
+            stored_h = stored.to_torch_state_dict().items()
+            self.h = {k: v.to(self.anchor[k].device) for k, v in stored_h}
+        else:
+            self.h = {name: torch.zeros_like(a) for name, a in self.anchor.items()}
+
+    @torch.no_grad()
+    def add_gradients(self, named: Parameters) -> None:
+        for name, anchor in self.anchor.items():
+            param = named[name]
+            _add_gradient(param, (param - anchor).mul_(self.alpha).sub_(self.h[name]))
+
+    @torch.no_grad()
+    def next_h(self, named: Parameters) -> dict[str, torch.Tensor]:
+        """h_k - alpha (theta_k - theta^t), on the CPU."""
+        return {
+            name: (self.h[name] - self.alpha * (named[name] - anchor)).cpu()
+            for name, anchor in self.anchor.items()
+        }
+
+    def save(self, context: Context, client: int, named: Parameters) -> None:
+        context.state[feddyn_state_key(client)] = ArrayRecord(self.next_h(named))
+
+
+@contextmanager
+def frozen_bn_statistics(model: nn.Module) -> Iterator[None]:
+    """BatchNorm normalises with batch statistics but updates no running ones.
+
+    Used for SAM's perturbed pass, so only the clean pass moves the running
+    mean, variance and counter.
+    """
+    norms = [m for m in model.modules() if isinstance(m, _BatchNorm)]
+    tracking = [m.track_running_stats for m in norms]
+    for m in norms:
+        m.track_running_stats = False
+    try:
+        yield
+    finally:
+        for m, was in zip(norms, tracking, strict=True):
+            m.track_running_stats = was
+
+
+def sam_perturb(params: list[nn.Parameter], rho: float) -> list[torch.Tensor]:
+    """Move to theta + rho g / (||g|| + 1e-12) (g: the current gradients); return eps."""
+    grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
+    norm = torch.linalg.vector_norm(torch.stack([g.norm() for g in grads]))
+    scale = rho / (norm + 1e-12)
+    eps = [g * scale for g in grads]
+    with torch.no_grad():
+        torch._foreach_add_(params, eps)
+    return eps
+
+
+def _regularizer(settings: Settings, name: str) -> Regularizer | None:
+    """The regulariser a `local-objective` name's base part names."""
+    if name == "prox":
+        return ProxTerm(settings.prox_mu)
+    if name == "feddyn":
+        return DynTerm(settings.dyn_alpha, exclude_bn=settings.feddyn_exclude_bn)
+    if name in ("plain", ""):
+        return None
+    raise ValueError(f"unknown local objective regulariser {name!r}")
+
+
+@dataclass
+class LocalObjective:
+    """One client's objective for one round: SAM's radius (0: no SAM) and
+    its regulariser, anchored at the received model by `load`.
+
+    The training loop calls two hooks per step: `data_gradient` after the
+    clean backward pass (SAM takes the gradient again at theta + eps) and
+    `add_regularizer_gradient` just before the step (after DP-SGD's clipping
+    and noise: the term touches no example, so it costs no privacy).
+    """
+
+    sam_rho: float = 0.0
+    regularizer: Regularizer | None = None
+
+    @classmethod
+    def from_settings(cls, settings: Settings) -> LocalObjective:
+        """Decode `local-objective`: `plain`, `sam`, `<regulariser>` or
+        `<regulariser>-sam`."""
+        name = settings.local_objective
+        sam = name == "sam" or name.endswith(SAM_SUFFIX)
+        base = "" if name == "sam" else name.removesuffix(SAM_SUFFIX)
+        return cls(settings.sam_rho if sam else 0.0, _regularizer(settings, base))
+
+    def load(
+        self, context: Context, client: int, model: nn.Module, sharing: Sharing
+    ) -> None:
+        """Anchor the regulariser at `model` as received (before training)
+        and read the state the client kept for it."""
+        if self.regularizer is None:
+            return
+        names = sharing.trained_shared(exclude_bn=self.regularizer.exclude_bn)
+        params = dict(model.named_parameters())
+        self.regularizer.load(context, client, {name: params[name] for name in names})
+
+    def save(self, context: Context, client: int, model: nn.Module) -> None:
+        """Keep the regulariser's state for the client's next round (after
+        training)."""
+        if self.regularizer is not None:
+            self.regularizer.save(context, client, dict(model.named_parameters()))
+
+    def data_gradient(
+        self, model: nn.Module, params: list[nn.Parameter], regrade: Callable[[], None]
+    ) -> None:
+        """After the clean pass: with SAM, replace the gradients by those at
+        theta + eps (`regrade` zeroes them and backpropagates the same batch
+        again), with BatchNorm statistics frozen, and restore theta."""
+        if self.sam_rho <= 0:
+            return
+        eps = sam_perturb(params, self.sam_rho)
+        with frozen_bn_statistics(model):
+            regrade()
+        with torch.no_grad():
+            torch._foreach_sub_(params, eps)
+
+    def add_regularizer_gradient(self, named: Parameters) -> None:
+        """Add grad R_k(theta) (nothing for `plain` and `sam`)."""
+        if self.regularizer is not None:
+            self.regularizer.add_gradients(named)
