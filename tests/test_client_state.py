@@ -21,9 +21,9 @@ from pollen.client_state import (
     export_state,
     import_state,
 )
+from pollen.protocol import CLIENT
 from pollen.results import write_json
 from pollen.settings import Settings
-from pollen.strategies.fedavg import CLIENT_KEY
 from pollen.strategies.sharing import Sharing
 from pollen.task.models import build_model
 from tests.test_sharing import run_config
@@ -110,7 +110,7 @@ def message(
     kind: str, arrays: ArrayRecord, client: int, r: int, extra: dict
 ) -> Message:
     config = ConfigRecord(
-        {"lr": 0.05, "server-round": r, CLIENT_KEY: client, RUN_NAME: "run", **extra}
+        {"lr": 0.05, "server-round": r, CLIENT: client, RUN_NAME: "run", **extra}
     )
     return Message(
         RecordDict({"arrays": arrays, "config": config}),
