@@ -50,7 +50,7 @@ import numpy as np
 PROJECT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(PROJECT))
 
-from pollen import deploy  # noqa: E402
+from pollen.deployment import cluster, processes  # noqa: E402
 
 COMMON = "client-frac=1.0 local-epochs=1 batch-size=32 lr=0.05 seed=845 download=false"
 TASK_LINE = re.compile(
@@ -63,7 +63,7 @@ class Watch:
     """Log lines of a deployment's nodes with the time each was first seen,
     and the peak memory of its warm executors."""
 
-    deployment: deploy.Deployment
+    deployment: cluster.Deployment
     lines: dict[str, list[tuple[float, str]]] = field(default_factory=dict)
     parent_rss: int = 0
     tree_pss: int = 0
@@ -104,7 +104,7 @@ class Watch:
             self.parent_rss = max(
                 self.parent_rss, _proc_kb(node.executor_pid, "status", "VmRSS")
             )
-            pids = [node.executor_pid, *deploy.descendants(node.executor_pid)]
+            pids = [node.executor_pid, *processes.descendants(node.executor_pid)]
             tasks = [p for p in pids if b"flower-superexec" not in _cmdline(p)]
             self.tree_pss = max(
                 self.tree_pss, sum(_proc_kb(p, "smaps_rollup", "Pss") for p in tasks)
@@ -185,7 +185,7 @@ def node_rounds(spans: list[list[tuple[float, float]]]) -> list[float]:
     ]
 
 
-def task_seconds(deployment: deploy.Deployment) -> list[tuple[float, float]]:
+def task_seconds(deployment: cluster.Deployment) -> list[tuple[float, float]]:
     """(wall, app) seconds per task from the warm executors' logs: launch to
     exit, and the ClientApp handler alone (tasks after each node's first,
     which warms the parent)."""
@@ -217,8 +217,8 @@ def deployed(
     node_extra: dict[int, dict[str, str]] | None = None,
 ) -> dict:  # fmt: skip
     """One deployment, one run; its round times, message spans and memory."""
-    site = deploy.up(
-        out / f"site-{name}", nodes, port=deploy.free_port(), executor=executor,
+    site = cluster.up(
+        out / f"site-{name}", nodes, port=processes.free_port(), executor=executor,
         node_extra=node_extra,
     )  # fmt: skip
     try:
@@ -235,7 +235,7 @@ def deployed(
             "tree_pss_mb": watch.tree_pss / 1024,
         }
     finally:
-        deploy.down(site.root)
+        cluster.down(site.root)
 
 
 def mnist_subset(source: Path, target: Path) -> Path:

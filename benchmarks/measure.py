@@ -19,22 +19,10 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+from pollen.deployment import processes
+
 PROJECT = Path(__file__).resolve().parents[1]
 POLLEN = str(Path(sys.executable).parent / "pollen")
-
-
-def _children() -> dict[int, list[int]]:
-    tree: dict[int, list[int]] = {}
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            stat = Path(f"/proc/{entry}/stat").read_text()
-        except OSError:
-            continue
-        parent = int(stat.rsplit(")", 1)[1].split()[1])
-        tree.setdefault(parent, []).append(int(entry))
-    return tree
 
 
 def _rss_bytes(pid: int) -> int:
@@ -49,12 +37,7 @@ def _rss_bytes(pid: int) -> int:
 
 def descendants(root: int) -> list[int]:
     """`root` and every process below it, now."""
-    tree, todo, found = _children(), [root], []
-    while todo:
-        pid = todo.pop()
-        found.append(pid)
-        todo.extend(tree.get(pid, []))
-    return found
+    return [root, *processes.descendants(root)]
 
 
 def tree_rss_bytes(root: int) -> int:
@@ -91,12 +74,10 @@ def measure(
 
 def settings_of(config: str):
     """What `pollen run` validates: the project's defaults under one `-c` value."""
-    from pollen.cli import (
-        resolve_run_config,  # only scripts that ask pay
-    )
-    from pollen.settings import Settings
+    # imported here: only scripts that ask pay for numpy and the settings
+    from pollen.deployment.run_config import resolve_settings
 
-    return Settings.from_run_config(resolve_run_config(PROJECT, [config]))
+    return resolve_settings(PROJECT, [config])
 
 
 def pollen_command(

@@ -4,9 +4,9 @@
         [--shape "delay=50ms,up=10mbit,down=50mbit"] [--only fedavg feddyn ...]
         [--train 9000] [--data-root ../shared/data] [--out bench-out/network]
 
-Builds a `pollen.network.ShapedNetwork` (one namespace per SuperNode, every
+Builds a `pollen.deployment.network.ShapedNetwork` (one namespace per SuperNode, every
 link shaped the same way), brings up a TLS + authenticated deployment on it
-(`pollen.deploy.up`, the SuperLink on the bridge address, each SuperNode
+(`pollen.deployment.cluster.up`, the SuperLink on the bridge address, each SuperNode
 behind `ip netns exec`), and runs each strategy on the same data, partition
 and seed with `pollen run --deployment`. Per strategy it reports wall time
 per round, bytes up and down per round as counted from the messages and as
@@ -37,8 +37,8 @@ import numpy as np
 PROJECT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(PROJECT))
 
-from pollen import deploy  # noqa: E402
-from pollen.network import LinkShape, ShapedNetwork, netns_available  # noqa: E402
+from pollen.deployment import cluster  # noqa: E402
+from pollen.deployment.network import LinkShape, ShapedNetwork, netns_available  # noqa: E402
 from pollen.results import plot_accuracy_against  # noqa: E402
 
 STRATEGIES = {
@@ -69,7 +69,7 @@ def subset(source: Path, target: Path, train: int) -> Path:
 
 
 def run_strategy(
-    net: ShapedNetwork, deployment: deploy.Deployment, out: Path, name: str,
+    net: ShapedNetwork, deployment: cluster.Deployment, out: Path, name: str,
     config: str,
 ) -> dict:  # fmt: skip
     """One `pollen run` on the deployment; its history and interface bytes."""
@@ -153,7 +153,7 @@ def main() -> None:
     data = subset(Path(args.data_root), out / "data", args.train)
     results = []
     with ShapedNetwork(args.nodes, shape) as net:
-        deployment = deploy.up(
+        deployment = cluster.up(
             out / "deployment", args.nodes, host=net.server_address,
             data_root=str(data),
             node_prefix={k: net.exec_prefix(k) for k in range(args.nodes)},
@@ -171,7 +171,7 @@ def main() -> None:
                 results.append(run_strategy(net, deployment, out, name, config))
                 print(f"{name}: {results[-1]['wall-seconds']:.0f} s", flush=True)
         finally:
-            deploy.down(deployment.root)
+            cluster.down(deployment.root)
     report = table(results, shape, args.nodes)
     (out / "network.md").write_text(report)
     (out / "network.json").write_text(json.dumps(results, indent=2))

@@ -9,14 +9,15 @@ import sys
 import time
 from pathlib import Path
 
-from pollen import deploy
+from pollen.deployment import cluster
+from pollen.deployment.processes import stop_child
 from tests.conftest import PROJECT
 
 BIN = Path(sys.executable).parent
 
 
 def submit(
-    deployment: deploy.Deployment,
+    deployment: cluster.Deployment,
     out: Path,
     config: str,
     nodes: int,
@@ -35,7 +36,13 @@ def submit(
 
 
 def finish(run: subprocess.Popen, timeout: float = 400) -> str:
-    output, _ = run.communicate(timeout=timeout)
+    """The run's output once it exited 0; a run that takes longer than
+    `timeout` is stopped."""
+    try:
+        output, _ = run.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        stop_child(run, grace=10)
+        raise
     assert run.returncode == 0, output[-4000:]
     return output
 

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import torch
 
-from pollen import compare
 from pollen.cli import main
+from pollen.experiments import report
 from pollen.task.data import load_dataset
 from pollen.task.models import build_model
 from pollen.task.train import ClientOptimizer, Preprocess, evaluate, train_local
@@ -53,7 +53,7 @@ def test_the_baseline_writes_a_run_that_reports_beside_federated_ones(
     assert json.loads((run / "summary.json").read_text())["status"] == "completed"
     assert (run / "curves.png").exists() and (run / "model.pt").exists()
     write_run(tmp_path, "fedavg", {**settings, "strategy": "fedavg"}, [0.5, 0.7])
-    rows = compare.summarize_groups(compare.read_runs(tmp_path), target=None)
+    rows = report.summarize_groups(report.read_runs(tmp_path), target=None)
     assert [r["setting"] for r in rows] == [
         {"strategy": "centralized"},
         {"strategy": "fedavg"},

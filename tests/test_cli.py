@@ -8,7 +8,12 @@ import sys
 
 import pytest
 
-from pollen.cli import CLIENT_CPUS, CliError, LocalSuperLink, simulation_federation
+from pollen.deployment.launch import (
+    CLIENT_CPUS,
+    LaunchError,
+    LocalSuperLink,
+    simulation_federation,
+)
 
 
 def test_simulation_defaults_fill_only_the_keys_not_given() -> None:
@@ -23,7 +28,7 @@ def test_simulation_defaults_fill_only_the_keys_not_given() -> None:
     ]
     given = ["client-resources-num-cpus=2", "num-supernodes=10"]
     assert simulation_federation(given, 7) == given
-    with pytest.raises(CliError, match="invalid --federation-config"):
+    with pytest.raises(LaunchError, match="invalid --federation-config"):
         simulation_federation(["num-supernodes=three"], 7)
 
 

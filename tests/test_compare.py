@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from pollen import compare
 from pollen.cli import main
+from pollen.experiments import compare, report
 from tests.conftest import PROJECT
 
 
@@ -60,11 +60,11 @@ strategy = ["fedavg", "fedprox"]
 seed = [1, 2]
 """))  # fmt: skip
     assert grid.base == {"rounds": 3} and grid.target == 0.8
-    assert [compare.cell_name(c) for c in grid.cells()] == [
+    assert [report.cell_name(c) for c in grid.cells()] == [
         "strategy-fedavg_seed-1", "strategy-fedavg_seed-2",
         "strategy-fedprox_seed-1", "strategy-fedprox_seed-2",
     ]  # fmt: skip
-    assert compare.cell_name({"data-root": "/a b"}) == "data-root--a-b"
+    assert report.cell_name({"data-root": "/a b"}) == "data-root--a-b"
 
 
 def test_a_named_table_sets_keys_together_in_one_cell(tmp_path: Path) -> None:
@@ -94,7 +94,7 @@ def test_only_selects_cells_by_the_values_their_names_spell() -> None:
     named = {"name": "feddyn-sam", "strategy": "feddyn"}
     grid = compare.Grid({}, {"strategy": ["fedavg", named, "fedsam"], "seed": [1, 2]})
     chosen = grid.select(["strategy=feddyn-sam", "strategy=fedavg", "seed=2"])
-    assert [compare.cell_name(c) for c in chosen.cells()] == [
+    assert [report.cell_name(c) for c in chosen.cells()] == [
         "strategy-feddyn-sam_seed-2", "strategy-fedavg_seed-2",
     ]  # fmt: skip
     assert grid.select([]) == grid
@@ -256,14 +256,14 @@ def test_groups_average_over_seeds_and_the_table_shows_it(tmp_path: Path) -> Non
     diverged = write_run(tmp_path, "dyn-1", {"strategy": "feddyn"}, [0.1])
     summary = json.loads((diverged / "summary.json").read_text())
     (diverged / "summary.json").write_text(json.dumps({**summary, "status": "failed"}))
-    runs = compare.read_runs(tmp_path)  # the failed run is left out
-    assert compare.varying_keys(runs) == ["seed", "strategy"]  # not run-name
-    avg, sam = compare.summarize_groups(runs, target=0.75)
+    runs = report.read_runs(tmp_path)  # the failed run is left out
+    assert report.varying_keys(runs) == ["seed", "strategy"]  # not run-name
+    avg, sam = report.summarize_groups(runs, target=0.75)
     assert avg["setting"] == {"strategy": "fedavg"} and avg["seeds"] == [1, 2]
     assert avg["final-accuracy"]["mean"] == pytest.approx(0.85)
     assert avg["final-accuracy"]["std"] == pytest.approx(0.0707107, rel=1e-5)
     assert avg["round-to-target"] == [2, 3] and sam["round-to-target"] == [2]
-    table = compare.markdown_table([avg, sam], target=0.75)
+    table = report.markdown_table([avg, sam], target=0.75)
     assert (
         "| strategy | seeds | final acc. (%) | best acc. (%) | round to 75% |" in table
     )
@@ -271,8 +271,8 @@ def test_groups_average_over_seeds_and_the_table_shows_it(tmp_path: Path) -> Non
         "| fedavg | 2 | 85.00 ± 7.07 | 85.00 ± 7.07 | 2.5 | 10 | 3.0 | 6.0 |" in table
     )
     assert "| fedsam | 1 | 75.00 | 75.00 | 2.0 | 20 | 2.0 | 4.0 |" in table
-    high = compare.summarize_groups(runs, target=0.95)
-    assert compare.markdown_table(high, target=0.95).count("| never |") == 2
+    high = report.summarize_groups(runs, target=0.95)
+    assert report.markdown_table(high, target=0.95).count("| never |") == 2
 
 
 def test_what_a_strategy_resolves_does_not_split_the_report(tmp_path: Path) -> None:
@@ -281,10 +281,10 @@ def test_what_a_strategy_resolves_does_not_split_the_report(tmp_path: Path) -> N
     for strategy, server_lr in (("fedavg", 1.0), ("fedadam", 0.01)):
         write_run(tmp_path, strategy, {"strategy": strategy, "server-lr": server_lr},
                   [0.5, 0.6])  # fmt: skip
-    assert compare.varying_keys(compare.read_runs(tmp_path)) == ["strategy"]
+    assert report.varying_keys(report.read_runs(tmp_path)) == ["strategy"]
     write_run(tmp_path, "fedadam-0.1", {"strategy": "fedadam", "server-lr": 0.1},
               [0.5, 0.7])  # fmt: skip
-    keys = compare.varying_keys(compare.read_runs(tmp_path))
+    keys = report.varying_keys(report.read_runs(tmp_path))
     assert keys == ["strategy", "server-lr"]  # varied within FedAdam: a setting
 
 
@@ -296,15 +296,15 @@ def test_a_variant_that_departs_from_its_preset_is_named(tmp_path: Path) -> None
                                       ("feddyn-sam", "feddyn", "feddyn-sam")):  # fmt: skip
         write_run(tmp_path, name, {"strategy": strategy, "local-objective": objective},
                   [0.5, 0.6])  # fmt: skip
-    runs = compare.read_runs(tmp_path)
-    assert compare.varying_keys(runs) == ["strategy", "local-objective"]
-    rows = compare.summarize_groups(runs, None)
+    runs = report.read_runs(tmp_path)
+    assert report.varying_keys(runs) == ["strategy", "local-objective"]
+    rows = report.summarize_groups(runs, None)
     assert {"strategy": "feddyn", "local-objective": "feddyn-sam"} in [
         r["setting"] for r in rows
     ]
     (tmp_path / "feddyn-sam").rename(tmp_path / "aside")
     (tmp_path / "aside" / "summary.json").unlink()  # only the presets remain
-    assert compare.varying_keys(compare.read_runs(tmp_path)) == ["strategy"]
+    assert report.varying_keys(report.read_runs(tmp_path)) == ["strategy"]
 
 
 def test_report_regenerates_tables_and_plots_without_training(tmp_path: Path) -> None:
@@ -395,9 +395,9 @@ def test_rows_follow_the_numbers_and_one_strategy_draws_a_line_per_setting(
         for partition in ("iid", "niid"):
             write_run(tmp_path, f"k{k}-{partition}",
                       {"num-clients": k, "partition": partition}, [0.5])  # fmt: skip
-    rows = compare.summarize_groups(compare.read_runs(tmp_path), target=None)
+    rows = report.summarize_groups(report.read_runs(tmp_path), target=None)
     assert [r["setting"]["num-clients"] for r in rows] == [5, 5, 10, 10, 20, 20]
-    plots = compare.plot_groups(compare.read_runs(tmp_path), tmp_path / "plots")
+    plots = report.plot_groups(report.read_runs(tmp_path), tmp_path / "plots")
     assert len(plots) == 6  # a figure pair per K, with a line per partition
 
 
@@ -409,14 +409,14 @@ def test_each_line_says_over_how_many_seeds_it_is_a_mean(
             write_run(tmp_path, f"{strategy}-{seed}",
                       {"strategy": strategy, "seed": seed}, [0.5])  # fmt: skip
     drawn = []
-    monkeypatch.setattr(compare, "plot_accuracy_against",
+    monkeypatch.setattr(report, "plot_accuracy_against",
                         lambda series, path, title, *_, **__: drawn.append(
                             (title, sorted(series))))  # fmt: skip
-    compare.plot_groups(compare.read_runs(tmp_path), tmp_path / "plots")
+    report.plot_groups(report.read_runs(tmp_path), tmp_path / "plots")
     assert drawn[0] == ("digits", ["fedavg (mean of 3 seeds)", "fedprox (1 seed)"])
     for seed in (2, 3):
         write_run(tmp_path, f"fedprox-{seed}",
                   {"strategy": "fedprox", "seed": seed}, [0.5])  # fmt: skip
     drawn.clear()
-    compare.plot_groups(compare.read_runs(tmp_path), tmp_path / "plots")
+    report.plot_groups(report.read_runs(tmp_path), tmp_path / "plots")
     assert drawn[0] == ("digits (mean of 3 seeds)", ["fedavg", "fedprox"])

@@ -10,12 +10,13 @@ import pytest
 from cryptography import x509
 from cryptography.hazmat.primitives.serialization import load_ssh_private_key
 
-from pollen import deploy
-from pollen.cli import _node_extra, main
+from pollen.cli import main
+from pollen.deployment import certificates, cluster
+from pollen.deployment.deploy_actions import node_extra
 
 
 def test_certificates_name_every_host_and_chain_to_the_ca(tmp_path: Path) -> None:
-    deploy.make_certificates(tmp_path, ["server.example.org", "10.0.0.5"])
+    certificates.make_certificates(tmp_path, ["server.example.org", "10.0.0.5"])
     ca = x509.load_pem_x509_certificate((tmp_path / "ca.pem").read_bytes())
     server = x509.load_pem_x509_certificate((tmp_path / "server.pem").read_bytes())
     names = server.extensions.get_extension_for_class(x509.SubjectAlternativeName)
@@ -27,35 +28,35 @@ def test_certificates_name_every_host_and_chain_to_the_ca(tmp_path: Path) -> Non
     server.verify_directly_issued_by(ca)
     for secret in ("ca.key", "server.key"):
         assert stat.S_IMODE((tmp_path / secret).stat().st_mode) == 0o600
-    with pytest.raises(deploy.DeployError, match="at least one host"):
-        deploy.make_certificates(tmp_path / "none", [])
+    with pytest.raises(ValueError, match="at least one host"):
+        certificates.make_certificates(tmp_path / "none", [])
 
 
 def test_node_key_is_an_openssh_ec_key_flower_can_read(tmp_path: Path) -> None:
-    public = deploy.make_node_key(tmp_path / "node-0")
+    public = certificates.make_node_key(tmp_path / "node-0")
     key = load_ssh_private_key((tmp_path / "node-0").read_bytes(), None)
     assert key.curve.name == "secp384r1"
     assert public.read_text().startswith("ecdsa-sha2-nistp384 ")
 
 
 def test_node_config_flags_are_checked() -> None:
-    assert _node_extra(['1:data-file="/silo/own.npz" x=2'], 3) == {
+    assert node_extra(['1:data-file="/silo/own.npz" x=2'], 3) == {
         1: {"data-file": "/silo/own.npz", "x": 2}
     }
     for bad in ("data-file='/a'", "3:a=1", "x:a=1", "0:a=not toml"):
-        with pytest.raises(deploy.DeployError, match="--node-config"):
-            _node_extra([bad], 3)
+        with pytest.raises(cluster.DeployError, match="--node-config"):
+            node_extra([bad], 3)
 
 
 def test_node_config_text_quotes_strings() -> None:
-    text = deploy.node_config(2, 5, {"data-root": "/d ata", "flag": True})
+    text = cluster.node_config(2, 5, {"data-root": "/d ata", "flag": True})
     assert text == 'partition-id=2 num-partitions=5 data-root="/d ata" flag=true'
 
 
 def test_commands_on_a_missing_deployment_say_so(tmp_path: Path, capsys) -> None:
     assert main(["deploy", "status", "--dir", str(tmp_path)]) == 1
     assert "no deployment in" in capsys.readouterr().err
-    (tmp_path / deploy.STATE_FILE).write_text("{not json")
+    (tmp_path / cluster.STATE_FILE).write_text("{not json")
     assert main(["deploy", "down", "--dir", str(tmp_path)]) == 1
     assert "is not a pollen deployment record" in capsys.readouterr().err
     assert main(["deploy", "up", "--nodes", "0", "--dir", str(tmp_path / "x")]) == 1

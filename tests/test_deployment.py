@@ -15,8 +15,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from pollen import deploy
 from pollen.checkpoints import read_npz
+from pollen.deployment import certificates, cluster, processes
+from pollen.deployment.flower import flower_env
 from tests.conftest import PROJECT, SHARED_DATA, write_mnist_slices
 from tests.deployed import BIN, finish, history, wait_for_rounds
 from tests.deployed import submit as submit_to
@@ -29,29 +30,29 @@ pytestmark = pytest.mark.skipif(
 
 
 @pytest.fixture(scope="module")
-def deployment(tmp_path_factory) -> Iterator[deploy.Deployment]:
+def deployment(tmp_path_factory) -> Iterator[cluster.Deployment]:
     """3 SuperNodes on a real MNIST subset; node 2 holds its own examples."""
     root = tmp_path_factory.mktemp("deploy")
     data = root / "data"
     write_mnist_slices(data, root / "own.npz")
     site = root / "site"
-    started = deploy.up(
-        site, NODES, port=deploy.free_port(), data_root=str(data),
+    started = cluster.up(
+        site, NODES, port=processes.free_port(), data_root=str(data),
         node_extra={OWN: {"data-file": str(root / "own.npz")}},
     )  # fmt: skip
     try:
         yield started
     finally:
-        deploy.down(site)
-        assert not deploy.Deployment.load(site).running()
+        cluster.down(site)
+        assert not cluster.Deployment.load(site).running()
 
 
-def submit(deployment: deploy.Deployment, out: Path, config: str) -> subprocess.Popen:
+def submit(deployment: cluster.Deployment, out: Path, config: str) -> subprocess.Popen:
     return submit_to(deployment, out, config, NODES)
 
 
 def test_fedavg_and_feddyn_train_on_real_processes(
-    deployment: deploy.Deployment, tmp_path: Path
+    deployment: cluster.Deployment, tmp_path: Path
 ) -> None:
     finish(submit(deployment, tmp_path, "strategy='fedavg' rounds=2 run-name='avg'"))
     rows = history(tmp_path / "avg")
@@ -77,7 +78,7 @@ def test_fedavg_and_feddyn_train_on_real_processes(
         assert any(not np.array_equal(first[n], second[n]) for n in h_keys)
 
 
-def node_id(node: deploy.Node) -> int:
+def node_id(node: cluster.Node) -> int:
     for line in reversed(Path(node.log).read_text().splitlines()):
         if "SuperNode ID:" in line:
             return int(line.rsplit(":", 1)[1])
@@ -85,7 +86,7 @@ def node_id(node: deploy.Node) -> int:
 
 
 def test_a_killed_supernode_fails_its_round_and_rejoins_after_restart(
-    deployment: deploy.Deployment, tmp_path: Path
+    deployment: cluster.Deployment, tmp_path: Path
 ) -> None:
     victim = deployment.node(1)
     victim_id = node_id(victim)
@@ -97,7 +98,7 @@ def test_a_killed_supernode_fails_its_round_and_rejoins_after_restart(
     wait_for_rounds(tmp_path / "kill", 1, run)
     os.killpg(victim.pid, signal.SIGKILL)  # the node and its ClientApp, mid-round
     wait_for_rounds(tmp_path / "kill", 2, run)
-    deploy.restart_node(deployment.root, 1)
+    cluster.restart_node(deployment.root, 1)
     output = finish(run)
     rows = history(tmp_path / "kill")
     assert len(rows) == 3
@@ -106,13 +107,13 @@ def test_a_killed_supernode_fails_its_round_and_rejoins_after_restart(
     assert rows[1]["clients"] == [0, 1, 2]
     # round 3 waited (min-available-nodes=3) for the restarted node, which trained
     assert rows[2]["clients"] == [0, 1, 2] and not rows[2]["failures"], output[-3000:]
-    assert node_id(deploy.Deployment.load(deployment.root).node(1)) == victim_id
+    assert node_id(cluster.Deployment.load(deployment.root).node(1)) == victim_id
 
 
 def test_unregistered_and_plaintext_supernodes_are_refused(
-    deployment: deploy.Deployment, tmp_path: Path
+    deployment: cluster.Deployment, tmp_path: Path
 ) -> None:
-    stranger = deploy.make_node_key(tmp_path / "stranger")
+    stranger = certificates.make_node_key(tmp_path / "stranger")
     assert stranger.exists()
     common = [str(BIN / "flower-supernode"), "--superlink", deployment.address,
               "--node-config", "partition-id=0 num-partitions=3",
@@ -127,22 +128,20 @@ def test_unregistered_and_plaintext_supernodes_are_refused(
     }  # fmt: skip
     for name, extra in attempts.items():
         log = tmp_path / f"{name.replace(' ', '-')}.log"
-        with log.open("wb") as out:  # its SuperExec child outlives it: no pipes
-            node = subprocess.Popen(
-                [*common, *extra, "--port", str(deploy.free_port())],
-                env=deploy.flower_env(tmp_path / name.replace(" ", "-")),
-                stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
-            )  # fmt: skip
+        node = processes.start(  # its SuperExec child outlives it: no pipes
+            [*common, *extra, "--port", str(processes.free_port())],
+            env=flower_env(tmp_path / name.replace(" ", "-")), log=log,
+        )  # fmt: skip
         try:
             code = node.wait(timeout=120)
         finally:
-            deploy.stop(node.pid)
+            processes.stop(node.pid)
         assert code != 0, f"{name}: {log.read_text()[-2000:]}"
     assert deployment.online_nodes() == NODES
 
 
 def test_a_failed_deployed_run_exits_non_zero_and_says_why(
-    deployment: deploy.Deployment, tmp_path: Path
+    deployment: cluster.Deployment, tmp_path: Path
 ) -> None:
     run = submit(
         deployment, tmp_path,
@@ -157,13 +156,13 @@ def test_a_failed_deployed_run_exits_non_zero_and_says_why(
 
 def shaped_round_seconds(tmp_path: Path, name: str, shape: str) -> float:
     """Seconds of one FedAvg round of 2 SuperNodes in namespaces behind `shape`."""
-    from pollen.network import LinkShape, ShapedNetwork
+    from pollen.deployment.network import LinkShape, ShapedNetwork
 
     subnet = {"plain": "10.234.1.0/24", "slow": "10.234.2.0/24"}[name]
     with ShapedNetwork(
         2, LinkShape.parse(shape), prefix=f"pd{name[0]}", subnet=subnet
     ) as net:
-        site = deploy.up(
+        site = cluster.up(
             tmp_path / f"{name}-site", 2, host=net.server_address, insecure=True,
             node_prefix={k: net.exec_prefix(k) for k in range(2)},
         )  # fmt: skip
@@ -175,7 +174,7 @@ def shaped_round_seconds(tmp_path: Path, name: str, shape: str) -> float:
                 capture_output=True, text=True, timeout=300, check=False,
             )  # fmt: skip
         finally:
-            deploy.down(site.root)
+            cluster.down(site.root)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-2000:]
     (row,) = history(tmp_path / name)
     assert row["clients"] == [0, 1] and not row["failures"]
@@ -186,7 +185,7 @@ def test_a_round_over_a_shaped_network_takes_its_round_trips(tmp_path: Path) -> 
     """One-way delay 0.5 s. A round is many HTTPS requests of each SuperNode
     (pull, run, FAB, objects, push: about 26 round trips per round measured
     with 1 s); require at least four more round trips (4 s) than unshaped."""
-    from pollen.network import netns_available
+    from pollen.deployment.network import netns_available
 
     if reason := netns_available():
         pytest.skip(f"network namespaces unavailable: {reason}")

@@ -33,7 +33,9 @@ from pathlib import Path
 
 import pytest
 
-from pollen.deploy import free_port, make_node_key
+from pollen.deployment import processes
+from pollen.deployment.certificates import make_node_key
+from pollen.deployment.processes import free_port
 from tests.conftest import PROJECT, SHARED_DATA, write_mnist_slices
 
 COMPOSE = str(Path(sys.executable).parent / "docker-compose")
@@ -176,24 +178,14 @@ def engine(tmp_path_factory) -> Iterator[None]:
     if shutil.which("dockerd") is None or shutil.which("debootstrap") is None:
         install_engine()
     log = tmp_path_factory.mktemp("dockerd") / "dockerd.log"
-    with log.open("wb") as out:
-        daemon = subprocess.Popen(
-            ["dockerd"], stdout=out, stderr=subprocess.STDOUT, start_new_session=True
-        )
+    daemon = processes.start(["dockerd"], log=log)
     try:
-        deadline = time.monotonic() + 60
-        while not docker_answers():
-            assert daemon.poll() is None, f"dockerd exited:\n{log.read_text()[-3000:]}"
-            assert time.monotonic() < deadline, "dockerd did not answer in 60 s"
-            time.sleep(0.5)
+        processes.wait_ready(
+            daemon.pid, docker_answers, name="dockerd", log=log, timeout=60
+        )
         yield
     finally:
-        daemon.terminate()
-        try:
-            daemon.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            daemon.kill()
-            daemon.wait()
+        processes.stop_child(daemon, 60)
 
 
 def base_root_fs() -> Path:

@@ -8,7 +8,7 @@ from pathlib import Path
 
 from flwr.cli.build import build_fab_from_disk
 
-from pollen.fab import fab_files, staged_app
+from pollen.deployment.fab import fab_files, staged_app
 
 PROJECT = Path(__file__).resolve().parents[1]
 

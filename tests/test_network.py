@@ -21,8 +21,13 @@ from contextlib import contextmanager, suppress
 
 import pytest
 
-from pollen import network
-from pollen.network import LinkShape, NetworkError, ShapedNetwork, netns_available
+from pollen.deployment import network
+from pollen.deployment.network import (
+    LinkShape,
+    NetworkError,
+    ShapedNetwork,
+    netns_available,
+)
 
 MB = 2_000_000
 

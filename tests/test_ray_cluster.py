@@ -28,7 +28,7 @@ from pathlib import Path
 
 import pytest
 
-from pollen.deploy import free_port, stop
+from pollen.deployment.processes import free_port, start, stop
 from tests.conftest import PROJECT
 
 pytestmark = pytest.mark.integration
@@ -126,12 +126,7 @@ def ray_cluster(logs: Path) -> Iterator[Cluster]:
     started: list[subprocess.Popen[bytes]] = []
     try:
         for name, command in nodes.items():
-            with (logs / f"ray-{name}.log").open("wb") as log:
-                node = subprocess.Popen(
-                    command, env=env, stdin=subprocess.DEVNULL, stdout=log,
-                    stderr=subprocess.STDOUT, start_new_session=True,
-                )  # fmt: skip
-            started.append(node)
+            started.append(start(command, env=env, log=logs / f"ray-{name}.log"))
         yield cluster
     finally:
         for process in reversed(started):  # the worker first, then the head

@@ -19,8 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from pollen import deploy
-from pollen.deployment import superexec
+from pollen.deployment import cluster, processes, superexec
 from pollen.deployment.module_stash import ModuleStash
 from pollen.deployment.warm_hint import HINT_FILE_ENV, WarmHint, report
 from tests.conftest import PROJECT, SHARED_DATA, write_mnist_slices
@@ -237,20 +236,20 @@ def test_warm_up_loads_the_data_without_threads_or_cuda(tmp_path: Path) -> None:
 # --- real deployments ----------------------------------------------------------
 
 
-def _up(root: Path, name: str, executor: str) -> deploy.Deployment:
-    return deploy.up(
-        root / name, NODES, port=deploy.free_port(), data_root=str(root / "data"),
+def _up(root: Path, name: str, executor: str) -> cluster.Deployment:
+    return cluster.up(
+        root / name, NODES, port=processes.free_port(), data_root=str(root / "data"),
         executor=executor,
     )  # fmt: skip
 
 
-def _task_processes(deployment: deploy.Deployment) -> list[int]:
+def _task_processes(deployment: cluster.Deployment) -> list[int]:
     """Every process below the nodes' warm executors."""
-    return [p for n in deployment.nodes for p in deploy.descendants(n.executor_pid)]
+    return [p for n in deployment.nodes for p in processes.descendants(n.executor_pid)]
 
 
 @pytest.fixture(scope="module")
-def warm(tmp_path_factory) -> Iterator[deploy.Deployment]:
+def warm(tmp_path_factory) -> Iterator[cluster.Deployment]:
     """Two SuperNodes (TLS, authentication) with warm executors."""
     if not (SHARED_DATA / "mnist.npz").exists():
         pytest.skip(f"real MNIST not at {SHARED_DATA}")
@@ -261,15 +260,15 @@ def warm(tmp_path_factory) -> Iterator[deploy.Deployment]:
     try:
         yield started
     finally:
-        current = deploy.Deployment.load(started.root)
+        current = cluster.Deployment.load(started.root)
         below = _task_processes(current)
-        deploy.down(started.root)
+        cluster.down(started.root)
         assert not current.running()
-        assert not [p for p in below if deploy.alive(p)], "outlived deploy down"
+        assert not [p for p in below if processes.alive(p)], "outlived deploy down"
 
 
 def test_warm_and_cold_executors_train_to_the_same_history(
-    warm: deploy.Deployment, tmp_path: Path
+    warm: cluster.Deployment, tmp_path: Path
 ) -> None:
     cold = _up(warm.root.parent, "cold-site", "cold")
     try:
@@ -287,14 +286,14 @@ def test_warm_and_cold_executors_train_to_the_same_history(
             ]
             assert ours[-1]["accuracy"] > 0.8
     finally:
-        deploy.down(cold.root)
+        cluster.down(cold.root)
     log = Path(warm.node(0).executor_log).read_text()
     assert "pollen superexec: warmed" in log and "exited 0" in log
 
 
 @pytest.mark.parametrize("strategy", ["fedavg", "feddyn"])
 def test_a_killed_superlink_restarts_and_the_run_resumes_to_the_same_history(
-    warm: deploy.Deployment, tmp_path: Path, strategy: str
+    warm: cluster.Deployment, tmp_path: Path, strategy: str
 ) -> None:
     """The SuperLink SIGKILLed after round 2's checkpoint, restarted with
     `pollen deploy restart superlink`: the SuperNodes reconnect by themselves
@@ -309,7 +308,7 @@ def test_a_killed_superlink_restarts_and_the_run_resumes_to_the_same_history(
     while not checkpoint.exists() and time.monotonic() < deadline:
         time.sleep(0.05)
     assert checkpoint.exists(), run.communicate()[0][-3000:]
-    superlink = deploy.Deployment.load(warm.root).superlink_pid
+    superlink = cluster.Deployment.load(warm.root).superlink_pid
     os.kill(superlink, signal.SIGKILL)
     os.waitpid(superlink, 0)  # this test started it: reap it, as init would
     run.communicate(timeout=120)
@@ -317,8 +316,8 @@ def test_a_killed_superlink_restarts_and_the_run_resumes_to_the_same_history(
         not (crashed / "summary.json").exists()
         or json.loads((crashed / "summary.json").read_text())["status"] != "completed"
     )
-    deploy.restart_superlink(warm.root)
-    deploy.Deployment.load(warm.root).wait_online(NODES, timeout=120)
+    cluster.restart_superlink(warm.root)
+    cluster.Deployment.load(warm.root).wait_online(NODES, timeout=120)
     finish(submit(warm, tmp_path, f"{common} resume='{crashed}'", NODES))
     keys = ("round", "accuracy", "loss", "clients", "bytes-up", "bytes-down")
     assert [[r[k] for k in keys] for r in history(crashed)] == [
@@ -328,7 +327,7 @@ def test_a_killed_superlink_restarts_and_the_run_resumes_to_the_same_history(
 
 
 def test_a_killed_child_fails_its_reply_and_the_next_round_trains(
-    warm: deploy.Deployment, tmp_path: Path
+    warm: cluster.Deployment, tmp_path: Path
 ) -> None:
     executor = warm.node(1).executor_pid
     run = submit(
@@ -336,14 +335,14 @@ def test_a_killed_child_fails_its_reply_and_the_next_round_trains(
         "rounds=3 local-epochs=8 round-timeout=60 run-name='kill'", NODES,
     )  # fmt: skip
     wait_for_rounds(tmp_path / "kill", 1, run)
-    child = _wait_for_child(executor, set(deploy.descendants(executor)))
+    child = _wait_for_child(executor, set(processes.descendants(executor)))
     time.sleep(0.5)
     os.kill(child, signal.SIGKILL)
     output = finish(run)
     rows = history(tmp_path / "kill")
     assert [bool(r["failures"]) for r in rows] == [False, True, False], output[-3000:]
     assert "no reply for 1 of clients [1]" in rows[1]["failures"][0]
-    assert deploy.alive(executor)
+    assert processes.alive(executor)
     assert f"task {child} exited -9" in Path(warm.node(1).executor_log).read_text()
 
 
@@ -352,7 +351,7 @@ def _wait_for_child(executor: int, earlier: set[int]) -> int:
     earlier round may still be exiting)."""
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline:
-        for pid in set(deploy.descendants(executor)) - earlier:
+        for pid in set(processes.descendants(executor)) - earlier:
             try:
                 command = Path(f"/proc/{pid}/cmdline").read_bytes()
             except OSError:
@@ -364,27 +363,27 @@ def _wait_for_child(executor: int, earlier: set[int]) -> int:
 
 
 def test_a_killed_warm_parent_takes_its_processes_and_restarts(
-    warm: deploy.Deployment, tmp_path: Path
+    warm: cluster.Deployment, tmp_path: Path
 ) -> None:
     node = warm.node(0)
-    below = deploy.descendants(node.executor_pid)
+    below = processes.descendants(node.executor_pid)
     assert below  # its flower-superexec
     os.kill(node.executor_pid, signal.SIGKILL)
     os.waitpid(node.executor_pid, 0)  # this test started it: reap it, as init would
     deadline = time.monotonic() + 30
-    while [p for p in below if deploy.alive(p)] and time.monotonic() < deadline:
+    while [p for p in below if processes.alive(p)] and time.monotonic() < deadline:
         time.sleep(0.2)
-    assert not [p for p in below if deploy.alive(p)]
-    restarted = deploy.restart_node(warm.root, 0)
+    assert not [p for p in below if processes.alive(p)]
+    restarted = cluster.restart_node(warm.root, 0)
     assert restarted.executor_pid != node.executor_pid
-    deploy.Deployment.load(warm.root).wait_online(NODES)
+    cluster.Deployment.load(warm.root).wait_online(NODES)
     finish(submit(warm, tmp_path, "rounds=1 run-name='after'", NODES))
     (row,) = history(tmp_path / "after")
     assert row["clients"] == [0, 1] and not row["failures"]
 
 
 def test_a_changed_app_runs_its_own_code_not_the_preloaded(
-    warm: deploy.Deployment, tmp_path: Path
+    warm: cluster.Deployment, tmp_path: Path
 ) -> None:
     """Run the app (the parents warm it), then a copy whose ClientApp writes
     a marker into the node's state-dir, then the original again."""

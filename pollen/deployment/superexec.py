@@ -65,8 +65,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ..deploy import alive, entry_point, reaped, task_poll_env
+from .flower import task_poll_env
 from .module_stash import ModuleStash
+from .processes import alive, end, entry_point, stop_child
 from .warm_hint import HINT_FILE_ENV, WarmHint
 
 LAUNCHER = "flwr-clientapp"  # the command Flower's SuperExec runs per ClientApp task
@@ -74,6 +75,7 @@ SOCKET_ENV = "POLLEN_WARM_SOCKET"
 DEPENDENCY_INSTALL_FLAG = "--allow-runtime-dependency-installation"
 OWN_PACKAGE = __name__.split(".")[0]
 PR_SET_PDEATHSIG = 1
+STOP_GRACE_SECONDS = 10.0
 
 LAUNCHER_CODE = '''\
 """flwr-clientapp for pollen's warm executor: hand this task to the warm
@@ -370,25 +372,12 @@ class WarmExecutor:
     # --- shutdown ------------------------------------------------------------
 
     def shutdown(self, superexec: subprocess.Popen) -> None:
-        """Stop Flower's SuperExec and every running task (SIGTERM, then
-        SIGKILL after 10 s); reap them all."""
-        if superexec.poll() is None:
-            superexec.terminate()
+        """Stop every running task, then Flower's SuperExec (SIGTERM, then
+        SIGKILL after `STOP_GRACE_SECONDS` each); reap them all."""
+        end(list(self.tasks), STOP_GRACE_SECONDS)
         for task in self.tasks.values():
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(task.pid, signal.SIGTERM)
-        deadline = time.monotonic() + 10
-        for task in list(self.tasks.values()):
-            if not reaped(task.pid, deadline - time.monotonic()):
-                with contextlib.suppress(ProcessLookupError, ChildProcessError):
-                    os.kill(task.pid, signal.SIGKILL)
-                    os.waitpid(task.pid, 0)
             _reply(task.conn, -signal.SIGTERM)
-        try:
-            superexec.wait(timeout=max(1.0, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            superexec.kill()
-            superexec.wait()
+        stop_child(superexec, STOP_GRACE_SECONDS)
 
 
 def preload() -> FreshState:

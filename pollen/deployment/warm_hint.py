@@ -19,6 +19,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from ..files import write_json
+
 if TYPE_CHECKING:
     from flwr.app import Context, Message
 
@@ -71,10 +73,7 @@ def report(app_dir: Path, run_config: dict, node_config: dict, seconds: float) -
         "node_config": dict(node_config),
         "seconds": seconds,
     }
-    tmp = f"{path}.tmp"
-    with open(tmp, "w") as f:
-        json.dump(hint, f)
-    os.replace(tmp, path)
+    write_json(Path(path), hint)
 
 
 def hint_mod(app_dir: Path) -> Callable:

@@ -18,138 +18,28 @@ SuperNode's key pair; the README shows the `flower-superlink`,
 
 from __future__ import annotations
 
-import contextlib
-import datetime
-import ipaddress
 import json
 import os
-import signal
-import socket
-import ssl
 import subprocess
-import sys
 import time
-import urllib.request
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from ..files import write_json
+from .certificates import make_certificates, make_node_key
+from .flower import flower_env, start_superlink
+from .processes import alive, entry_point, free_port, log_tail, start, stop
+
 CONNECTION = "pollen"
 STATE_FILE = "deployment.json"
-START_SECONDS = 60.0
 EXECUTORS = ("warm", "cold")
-TASK_POLL_ENV = "FLWR_SUPEREXEC_TASK_POLL_INTERVAL"
-TASK_POLL_SECONDS = "0.1"  # Flower's default, 1 s, is added to every message
+ONLINE_SECONDS = 60.0  # for every SuperNode `up` started to be listed online
 DEFAULT_HOSTS = ("localhost", "127.0.0.1")
 
 
 class DeployError(RuntimeError):
     """A deployment cannot be brought up, inspected or stopped as asked."""
-
-
-# --- certificates and keys ---------------------------------------------------
-
-
-def write_private(path: Path, data: bytes) -> None:
-    """Write a secret readable by its owner only."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    descriptor = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(descriptor, "wb") as f:
-        f.write(data)
-
-
-def make_certificates(directory: Path, hosts: Sequence[str], days: int = 365) -> None:
-    """A CA (`ca.pem`) and a SuperLink certificate it signs (`server.pem`,
-    `server.key`) whose subject alternative names are `hosts` (names or IP
-    addresses). The CA's private key is kept beside them (`ca.key`) so more
-    certificates can be issued; keep it off the SuperLink in production."""
-    from cryptography import x509
-    from cryptography.hazmat.primitives import hashes, serialization
-    from cryptography.hazmat.primitives.asymmetric import ec
-    from cryptography.x509.oid import NameOID
-
-    if not hosts:
-        raise DeployError("certificates need at least one host name or address")
-    now = datetime.datetime.now(datetime.UTC)
-    valid_from, valid_to = (
-        now - datetime.timedelta(minutes=5),
-        now + datetime.timedelta(days=days),
-    )
-    ca_key = ec.generate_private_key(ec.SECP256R1())
-    ca_name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "pollen CA")])
-    ca = (
-        x509.CertificateBuilder()
-        .subject_name(ca_name)
-        .issuer_name(ca_name)
-        .public_key(ca_key.public_key())
-        .serial_number(x509.random_serial_number())
-        .not_valid_before(valid_from)
-        .not_valid_after(valid_to)
-        .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
-        .add_extension(_ca_key_usage(), critical=True)
-        .sign(ca_key, hashes.SHA256())
-    )
-    server_key = ec.generate_private_key(ec.SECP256R1())
-    server = (
-        x509.CertificateBuilder()
-        .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, hosts[0])]))
-        .issuer_name(ca_name)
-        .public_key(server_key.public_key())
-        .serial_number(x509.random_serial_number())
-        .not_valid_before(valid_from)
-        .not_valid_after(valid_to)
-        .add_extension(
-            x509.SubjectAlternativeName([_san(h) for h in hosts]), critical=False
-        )
-        .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
-        .add_extension(
-            x509.ExtendedKeyUsage([x509.oid.ExtendedKeyUsageOID.SERVER_AUTH]),
-            critical=False,
-        )
-        .sign(ca_key, hashes.SHA256())
-    )
-    pem = serialization.Encoding.PEM
-    private = dict(
-        encoding=pem,
-        format=serialization.PrivateFormat.PKCS8,
-        encryption_algorithm=serialization.NoEncryption(),
-    )
-    directory.mkdir(parents=True, exist_ok=True)
-    ca_pem, ca_private, server_pem, server_private = certificate_files(directory)
-    write_private(ca_private, ca_key.private_bytes(**private))
-    write_private(server_private, server_key.private_bytes(**private))
-    ca_pem.write_bytes(ca.public_bytes(pem))
-    server_pem.write_bytes(server.public_bytes(pem))
-
-
-def certificate_files(directory: Path) -> tuple[Path, Path, Path, Path]:
-    """The files `make_certificates` writes: CA certificate and key, SuperLink
-    certificate and key."""
-    return (
-        directory / "ca.pem",
-        directory / "ca.key",
-        directory / "server.pem",
-        directory / "server.key",
-    )
-
-
-def _ca_key_usage():
-    """A CA's key signs certificates (and revocation lists), nothing else."""
-    from cryptography import x509
-
-    uses = ("digital_signature", "key_cert_sign", "crl_sign")
-    others = ("content_commitment", "key_encipherment", "data_encipherment",
-              "key_agreement", "encipher_only", "decipher_only")  # fmt: skip
-    return x509.KeyUsage(**dict.fromkeys(uses, True), **dict.fromkeys(others, False))
-
-
-def _san(host: str):
-    from cryptography import x509
-
-    try:
-        return x509.IPAddress(ipaddress.ip_address(host))
-    except ValueError:
-        return x509.DNSName(host)
 
 
 def register_key(public: Path, connection: str, env: dict[str, str]) -> bool:
@@ -168,145 +58,6 @@ def register_key(public: Path, connection: str, env: dict[str, str]) -> bool:
     raise DeployError(
         f"registering {public} failed ({result.returncode}):\n{output[-2000:]}"
     )
-
-
-def make_node_key(path: Path) -> Path:
-    """A SuperNode's authentication key pair (OpenSSH ECDSA P-384, as
-    `flower-supernode --auth-supernode-private-key` reads): `path` and
-    `path.pub`, the one to register with `flwr supernode register`."""
-    from cryptography.hazmat.primitives import serialization
-    from cryptography.hazmat.primitives.asymmetric import ec
-
-    key = ec.generate_private_key(ec.SECP384R1())
-    write_private(
-        path,
-        key.private_bytes(
-            serialization.Encoding.PEM,
-            serialization.PrivateFormat.OpenSSH,
-            serialization.NoEncryption(),
-        ),
-    )
-    public = path.with_name(path.name + ".pub")
-    public.write_bytes(
-        key.public_key().public_bytes(
-            serialization.Encoding.OpenSSH, serialization.PublicFormat.OpenSSH
-        )
-        + b"\n"
-    )
-    return public
-
-
-# --- processes ---------------------------------------------------------------
-
-
-def entry_point(name: str) -> str:
-    """A command installed next to this Python (the project's venv) or on PATH."""
-    candidate = Path(sys.executable).with_name(name)
-    return str(candidate) if candidate.exists() else name
-
-
-def flower_env(home: Path) -> dict[str, str]:
-    """The environment of a Flower process with its own home, using this
-    Python's entry points and never installing dependencies at run time."""
-    return {
-        **os.environ,
-        "PATH": os.pathsep.join([str(Path(sys.executable).parent), os.environ["PATH"]]),
-        "FLWR_HOME": str(home),
-        "FLWR_DISABLE_UPDATE_CHECK": "1",
-        "FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION": "1",
-        **task_poll_env(),
-    }
-
-
-def task_poll_env() -> dict[str, str]:
-    """Flower's SuperExec task poll, lowered from its 1 s unless the user set
-    it: the SuperExecs pollen starts take up a task within 0.1 s."""
-    return {TASK_POLL_ENV: os.environ.get(TASK_POLL_ENV, TASK_POLL_SECONDS)}
-
-
-def start(
-    command: list[str], home: Path, log: Path, env: dict[str, str] | None = None
-) -> int:
-    """Start `command` in its own process group, output to `log`, with
-    `env` added to its environment; its PID."""
-    home.mkdir(parents=True, exist_ok=True)
-    log.parent.mkdir(parents=True, exist_ok=True)
-    with log.open("ab") as out:
-        process = subprocess.Popen(
-            command,
-            env={**flower_env(home), **(env or {})},
-            stdin=subprocess.DEVNULL,
-            stdout=out,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )
-    return process.pid
-
-
-def alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    try:  # a zombie (exited, not yet reaped) is not alive
-        return Path(f"/proc/{pid}/stat").read_text().split(") ")[1][0] != "Z"
-    except (OSError, IndexError):
-        return True
-
-
-def descendants(pid: int) -> list[int]:
-    """Every process below `pid` (from /proc), children first."""
-    children: dict[int, list[int]] = {}
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            parent = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
-        except (OSError, IndexError, ValueError):
-            continue
-        children.setdefault(parent, []).append(int(entry.name))
-    found, todo = [], [pid]
-    while todo:
-        for child in children.get(todo.pop(), []):
-            found.append(child)
-            todo.append(child)
-    return found
-
-
-def stop(pid: int, grace: float = 10.0) -> None:
-    """SIGTERM the process group `pid` leads, then SIGKILL it after `grace` s;
-    then SIGKILL whatever it had started in other process groups (Flower's
-    SuperExec starts ServerApps and ClientApps in sessions of their own)."""
-    strays = descendants(pid)
-    for sig, wait in ((signal.SIGTERM, grace), (signal.SIGKILL, 5.0)):
-        try:
-            os.killpg(pid, sig)
-        except ProcessLookupError:
-            break
-        if reaped(pid, wait):
-            break
-    for stray in strays:
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(stray, signal.SIGKILL)
-
-
-def reaped(pid: int, wait: float) -> bool:
-    """Whether `pid` ended within `wait` s (reaped when it is our child)."""
-    deadline = time.monotonic() + wait
-    while time.monotonic() < deadline:
-        try:
-            if os.waitpid(pid, os.WNOHANG) != (0, 0):
-                return True
-        except ChildProcessError:  # not our child: poll instead
-            if not alive(pid):
-                return True
-        time.sleep(0.1)
-    return False
-
-
-# --- the deployment ----------------------------------------------------------
 
 
 @dataclass
@@ -351,8 +102,7 @@ class Deployment:
         return self.root / "certs" / "ca.pem"
 
     def save(self) -> None:
-        path = self.root / STATE_FILE
-        path.write_text(json.dumps(asdict(self), indent=2) + "\n")
+        write_json(self.root / STATE_FILE, asdict(self))
 
     @classmethod
     def load(cls, directory: Path) -> Deployment:
@@ -411,43 +161,24 @@ class Deployment:
         raise DeployError(f"no node with partition-id {partition_id}; nodes: {known}")
 
     def start_superlink(self, host: str, port: int) -> None:
-        command = [
-            entry_point("flower-superlink"), "--isolation", "subprocess",
-            "--host", host, "--port", str(port),
-            "--database", str(self.root / "superlink.db"),
-            "--disable-runtime-dependency-installation",
-        ]  # fmt: skip
+        options = ["--database", str(self.root / "superlink.db")]
         if self.insecure:
-            command.append("--insecure")
+            options.append("--insecure")
         else:
-            command += [
+            options += [
                 "--ssl-ca-certfile", str(self.ca),
                 "--ssl-certfile", str(self.certs / "server.pem"),
                 "--ssl-keyfile", str(self.certs / "server.key"),
                 "--enable-supernode-auth",
             ]  # fmt: skip
-        log = self.root / "logs" / "superlink.log"
-        self.superlink_pid = start(command, self.root / "superlink-home", log)
-        self._wait_healthy(log)
-
-    def _wait_healthy(self, log: Path) -> None:
-        scheme = "http" if self.insecure else "https"
-        context = None if self.insecure else ssl.create_default_context(cafile=self.ca)
-        deadline = time.monotonic() + START_SECONDS
-        while time.monotonic() < deadline:
-            if not alive(self.superlink_pid):
-                raise DeployError(
-                    f"flower-superlink exited; the end of {log}:\n{_tail(log)}"
-                )
-            try:
-                with urllib.request.urlopen(
-                    f"{scheme}://{self.address}/health", timeout=1.0, context=context
-                ) as response:
-                    if response.status == 200:
-                        return
-            except OSError:
-                time.sleep(0.3)
-        raise DeployError(f"flower-superlink did not answer in {START_SECONDS:.0f} s")
+        home = self.root / "superlink-home"
+        home.mkdir(parents=True, exist_ok=True)
+        superlink = start_superlink(
+            options, host=host, port=port, address=self.address,
+            env=flower_env(home), log=self.root / "logs" / "superlink.log",
+            ca=None if self.insecure else self.ca,
+        )  # fmt: skip
+        self.superlink_pid = superlink.pid
 
     def start_node(
         self, partition_id: int, node_config: str, prefix: Sequence[str] = ()
@@ -478,7 +209,7 @@ class Deployment:
         home = self.root / "nodes" / name
         env = {"OMP_NUM_THREADS": str(self.threads)} if self.threads else {}
         node = Node(
-            partition_id, start([*prefix, *command], home, log, env), node_config,
+            partition_id, _start([*prefix, *command], home, log, env), node_config,
             str(log), "" if self.insecure else str(key), list(prefix),
         )  # fmt: skip
         if self.executor == "warm":
@@ -486,7 +217,7 @@ class Deployment:
                 entry_point("pollen"), "superexec", "--parent-pid", str(node.pid),
                 "--runtime-api-address", f"127.0.0.1:{runtime_port}", "--insecure",
             ]  # fmt: skip
-            node.executor_pid = start(
+            node.executor_pid = _start(
                 [*prefix, *superexec], home, Path(node.executor_log), env
             )
         self.nodes = [n for n in self.nodes if n.partition_id != partition_id] + [node]
@@ -498,7 +229,7 @@ class Deployment:
         listing = json.loads(self.flwr("supernode", "list", "--format", "json").stdout)
         return sum(1 for n in listing.get("nodes", []) if n.get("status") == "online")
 
-    def wait_online(self, count: int, timeout: float = START_SECONDS) -> None:
+    def wait_online(self, count: int, timeout: float = ONLINE_SECONDS) -> None:
         deadline = time.monotonic() + timeout
         while True:
             self._check_alive()
@@ -521,21 +252,15 @@ class Deployment:
                 if pid and not alive(pid):
                     raise DeployError(
                         f"node {node.partition_id}: {what} exited; the end of "
-                        f"{log}:\n{_tail(Path(log))}"
+                        f"{log}:\n{log_tail(Path(log))}"
                     )
 
 
-def _tail(path: Path, chars: int = 2000) -> str:
-    try:
-        return path.read_text(errors="replace")[-chars:]
-    except OSError:
-        return "(no log)"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+def _start(command: list[str], home: Path, log: Path, env: dict[str, str]) -> int:
+    """Start a node's process with its own Flower `home` (and `env` on top),
+    output to `log`; its PID."""
+    home.mkdir(parents=True, exist_ok=True)
+    return start(command, env={**flower_env(home), **env}, log=log).pid
 
 
 def node_config(

@@ -16,26 +16,46 @@ from __future__ import annotations
 
 import io
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch
 
-from .results import (
+from ..deployment.run_config import RunConfigError, pin_paths, resolve_settings
+from ..files import write_atomic, write_json
+from ..results import (
     RoundRecord,
+    check_run_dir_is_new,
     create_run_dir,
     default_run_name,
     plot_curves,
     summarize,
-    write_atomic,
     write_history,
-    write_json,
 )
-from .settings import Settings
-from .task import settings_model
-from .task.data import load_dataset
-from .task.train import ClientOptimizer, Preprocess, evaluate, pick_device, train_local
+from ..settings import Settings
+from ..task import settings_model
+from ..task.data import load_dataset
+from ..task.train import ClientOptimizer, Preprocess, evaluate, pick_device, train_local
 
 STRATEGY = "centralized"
+
+
+def run_centralized(app: Path, overrides: Sequence[str], epochs: int | None) -> None:
+    """`pollen centralized`: validate the run config as `pollen run` does,
+    train for `epochs` (default `rounds` x `local-epochs`) and say where the
+    results are."""
+    settings = resolve_settings(app, overrides)
+    if settings.resume:
+        raise RunConfigError("a centralised run cannot resume; leave out resume")
+    if epochs is not None and epochs < 1:
+        raise RunConfigError(f"--epochs must be at least 1, got {epochs}")
+    settings = pin_paths(settings, STRATEGY)
+    check_run_dir_is_new(settings.output_dir, settings.run_name)
+    epochs = epochs or settings.rounds * settings.local_epochs
+    run_dir, summary = train_centrally(settings, epochs)
+    print(f"pollen: centralised {epochs} epochs: final accuracy "
+          f"{100 * summary['final-accuracy']:.2f}%, {summary['total-seconds']:.1f} s")  # fmt: skip
+    print(f"pollen: results in {run_dir}")
 
 
 def train_centrally(

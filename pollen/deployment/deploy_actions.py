@@ -1,0 +1,125 @@
+"""What each `pollen deploy` action does and says on the console.
+
+The deployment itself (its processes and record) is `cluster`'s, its
+certificates and keys are `certificates`'; this module turns one action's
+arguments into calls to them and prints the outcome. Every problem the user
+can fix is a `cluster.DeployError`.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+from . import certificates, cluster
+
+
+def up(
+    directory: Path,
+    num_nodes: int,
+    *,
+    host: str,
+    port: int,
+    san: Sequence[str],
+    insecure: bool,
+    data_root: str,
+    node_config: Sequence[str],
+    executor: str,
+) -> None:
+    """Start a SuperLink and `num_nodes` SuperNodes; print their status."""
+    extra = node_extra(node_config, num_nodes)
+    if insecure:
+        print("pollen: warning: insecure deployment: no TLS, any SuperNode "
+              "may join; use it on a trusted network only", file=sys.stderr)  # fmt: skip
+    cluster.up(
+        directory, num_nodes, host=host, port=port, san=san, insecure=insecure,
+        data_root=data_root, node_extra=extra, executor=executor,
+    )  # fmt: skip
+    print(cluster.status(directory))
+
+
+def down(directory: Path) -> None:
+    stopped = cluster.down(directory)
+    print(f"pollen: stopped {len(stopped)} processes; files kept in {directory}")
+
+
+def status(directory: Path) -> None:
+    print(cluster.status(directory))
+
+
+def restart(directory: Path, target: str) -> None:
+    """Restart the SuperLink (`target` "superlink") or a node by partition-id."""
+    if target == "superlink":
+        pid = cluster.restart_superlink(directory)
+        print(f"pollen: SuperLink restarted (pid {pid}); the SuperNodes "
+              "reconnect by themselves; resume an interrupted run with "
+              "resume='<its run directory>'")  # fmt: skip
+        return
+    if not target.isdigit():
+        raise cluster.DeployError(
+            f"restart {target!r}: expected `superlink` or a node's "
+            "partition-id (0, 1, ...)"
+        )
+    node = cluster.restart_node(directory, int(target))
+    print(f"pollen: node {node.partition_id} restarted (pid {node.pid})")
+
+
+def certs(directory: Path, hosts: Sequence[str], force: bool) -> None:
+    """A CA and a SuperLink certificate; never replaces nodes' trust silently."""
+    existing = [p.name for p in certificates.certificate_files(directory) if p.exists()]
+    if existing and not force:
+        raise cluster.DeployError(
+            f"{directory} already has {', '.join(existing)}; nodes may trust "
+            "them: keep them, or replace them with --force"
+        )
+    certificates.make_certificates(directory, hosts)
+    print(f"pollen: CA and SuperLink certificate for {', '.join(hosts)} "
+          f"in {directory}")  # fmt: skip
+
+
+def register(paths: Sequence[Path], connection: str) -> None:
+    """Register every public key named (directories: their *.pub files)."""
+    for public in public_keys(paths):
+        new = cluster.register_key(public, connection, dict(os.environ))
+        print(f"pollen: {public.stem} " + ("registered" if new else "was registered"))
+
+
+def key(path: Path) -> None:
+    public = certificates.make_node_key(path)
+    print(f"pollen: SuperNode key {path}; register {public} with "
+          "`flwr supernode register`")  # fmt: skip
+
+
+def public_keys(paths: Sequence[Path]) -> list[Path]:
+    """The public key files named, directories expanded to their *.pub files."""
+    keys = []
+    for path in paths:
+        if path.is_dir():
+            keys += sorted(path.glob("*.pub"))
+        elif path.is_file():
+            keys.append(path)
+        else:
+            raise cluster.DeployError(f"no public key at {path}")
+    return keys
+
+
+def node_extra(values: Sequence[str], num_nodes: int) -> dict[int, dict[str, str]]:
+    """`K:key=value` flags -> {K: {key: value}} (values parsed as TOML)."""
+    from click import ClickException
+    from flwr.common.config import parse_config_args
+
+    extra: dict[int, dict[str, str]] = {}
+    for value in values:
+        node, sep, pairs = value.partition(":")
+        if not (sep and node.isdigit() and int(node) < num_nodes):
+            raise cluster.DeployError(
+                f"--node-config {value!r}: expected K:key=value with K a node "
+                f"index 0..{num_nodes - 1}"
+            )
+        try:
+            extra.setdefault(int(node), {}).update(parse_config_args([pairs]))
+        except (ValueError, ClickException) as err:
+            raise cluster.DeployError(f"--node-config {value!r}: {err}") from None
+    return extra

@@ -1,0 +1,77 @@
+"""Flower's own processes as pollen starts them: their environment, and the
+one way a `flower-superlink` is started and waited for (by `pollen run`'s
+private simulation and by `pollen deploy` alike)."""
+
+from __future__ import annotations
+
+import os
+import ssl
+import subprocess
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+from . import processes
+
+SUPERLINK_START_SECONDS = 60.0
+TASK_POLL_ENV = "FLWR_SUPEREXEC_TASK_POLL_INTERVAL"
+TASK_POLL_SECONDS = "0.1"  # Flower's default, 1 s, is added to every message
+
+
+def flower_env(home: Path) -> dict[str, str]:
+    """The environment of a Flower process with its own home, using this
+    Python's entry points and never installing dependencies at run time."""
+    return {
+        **os.environ,
+        "PATH": os.pathsep.join([str(Path(sys.executable).parent), os.environ["PATH"]]),
+        "FLWR_HOME": str(home),
+        "FLWR_DISABLE_UPDATE_CHECK": "1",
+        "FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION": "1",
+        **task_poll_env(),
+    }
+
+
+def task_poll_env() -> dict[str, str]:
+    """Flower's SuperExec task poll, lowered from its 1 s unless the user set
+    it: the SuperExecs pollen starts take up a task within 0.1 s."""
+    return {TASK_POLL_ENV: os.environ.get(TASK_POLL_ENV, TASK_POLL_SECONDS)}
+
+
+def start_superlink(
+    options: Sequence[str],
+    *,
+    host: str,
+    port: int,
+    address: str,
+    env: dict[str, str],
+    log: Path,
+    own_log: bool = False,
+    cwd: Path | None = None,
+    ca: Path | None = None,
+) -> subprocess.Popen[bytes]:
+    """Start `flower-superlink` listening on `host:port` (ServerApps in
+    subprocesses, no dependency installation) with `options` added, and
+    return once its health endpoint at `address` answers (over TLS trusting
+    `ca`, when given). Its console output goes to `log`; with `own_log` it
+    writes `log` itself instead (`--log-file`: Flower's format, with times).
+    A SuperLink that exits or stays silent for `SUPERLINK_START_SECONDS` is
+    stopped and reported (`processes.ProcessError`, with its log's end)."""
+    command = [
+        processes.entry_point("flower-superlink"), "--isolation", "subprocess",
+        "--host", host, "--port", str(port),
+        "--disable-runtime-dependency-installation", *options,
+    ]  # fmt: skip
+    if own_log:
+        command += ["--log-file", str(log)]
+    process = processes.start(command, env=env, log=None if own_log else log, cwd=cwd)
+    context = None if ca is None else ssl.create_default_context(cafile=ca)
+    url = f"{'http' if ca is None else 'https'}://{address}/health"
+    try:
+        processes.wait_ready(
+            process.pid, lambda: processes.answers_ok(url, context),
+            name="flower-superlink", log=log, timeout=SUPERLINK_START_SECONDS,
+        )  # fmt: skip
+    except processes.ProcessError:
+        processes.stop(process.pid)
+        raise
+    return process

@@ -1,0 +1,224 @@
+"""`pollen run`: submit the app with `flwr run` and wait for its results.
+
+Without a CONNECTION the run is a simulation on a SuperLink of its own:
+private Flower home, free port, no runtime dependency installation, stopped
+(by PID) when the run ends. With a CONNECTION (from your Flower config, e.g.
+a deployment) or `--deployment DIR` it is submitted there. Either way the
+log is streamed until the ServerApp reports its results written (not
+through Flower's shutdown), and the run's own `summary.json` says whether it
+completed (`flwr run` itself exits 0 either way).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from collections.abc import Sequence
+from pathlib import Path
+
+from ..results import RUN_COMPLETED
+from . import cluster, processes
+from .fab import staged_app
+from .flower import flower_env, start_superlink
+from .run_config import prepare_run
+
+CLIENT_CPUS = 1  # per ClientApp actor in a simulation, unless the user says
+FLWR_STOP_SECONDS = 5.0
+# Ray starts one idle Python worker per CPU for a simulation's first driver;
+# Flower's ClientApp actors never run in them, so they only cost start-up CPU
+# (1.2 s of 28 on 2 cores, docs/performance.md). A value the user sets wins.
+RAY_SIMULATION_ENV = {"RAY_prestart_worker_first_driver": "0"}
+
+
+class LaunchError(ValueError):
+    """Where to run is asked for in a way that cannot work (a deployment
+    that is not running, a bad `--federation-config`); nothing ran."""
+
+
+class LocalSuperLink:
+    """A simulation SuperLink owned by this command, in its own Flower home.
+
+    It runs in that home, not in the shell's directory: Ray puts its driver's
+    directory (the simulation process, started by the SuperLink) first on
+    every ClientApp actor's module path, so a `pollen` package in the shell's
+    directory (another checkout) would be imported there instead of the app's
+    own. Paths in the run config are made absolute before the run starts.
+    """
+
+    def __init__(self) -> None:
+        self.home = Path(tempfile.mkdtemp(prefix="pollen-flwr-home-"))
+        self.port = processes.free_port()
+        self.log_path = self.home / "superlink.log"
+        self.process: subprocess.Popen[bytes] | None = None
+
+    @property
+    def env(self) -> dict[str, str]:
+        return {**RAY_SIMULATION_ENV, **flower_env(self.home)}
+
+    def __enter__(self) -> LocalSuperLink:
+        (self.home / "config.toml").write_text(
+            '[superlink]\ndefault = "pollen"\n\n'
+            f'[superlink.pollen]\naddress = "127.0.0.1:{self.port}"\ninsecure = true\n'
+        )
+        try:
+            self.process = start_superlink(
+                ["--insecure", "--simulation"], host="127.0.0.1", port=self.port,
+                address=f"127.0.0.1:{self.port}", env=self.env, log=self.log_path,
+                own_log=True, cwd=self.home,
+            )  # fmt: skip
+        except BaseException:
+            shutil.rmtree(self.home, ignore_errors=True)
+            raise
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self.process is not None:
+            processes.stop(self.process.pid)
+        shutil.rmtree(self.home, ignore_errors=True)
+
+
+def run(
+    app: Path,
+    overrides: Sequence[str],
+    *,
+    connection: str | None = None,
+    federation: Sequence[str] = (),
+    deployment_dir: Path | None = None,
+) -> bool:
+    """Validate, submit and follow one run of `app`; whether it completed
+    (what its `summary.json` says, reported on the console)."""
+    settings, run_config = prepare_run(app, overrides)
+    deployment = None
+    if deployment_dir is not None:
+        deployment = running_deployment(deployment_dir, connection)
+    federation = list(federation)
+    if connection is None and deployment is None:
+        federation = simulation_federation(federation, settings.num_clients)
+    run_dir = Path(settings.resume or Path(settings.output_dir) / settings.run_name)
+    with staged_app(app) as staged:
+        flwr_args = ["run", str(staged), "--run-config", run_config]
+        for value in federation:
+            flwr_args += ["--federation-config", value]
+        flwr_args.append("--stream")
+        if deployment is not None:
+            flwr_args.insert(2, cluster.CONNECTION)
+            stream_flwr(flwr_args, flower_env(deployment.flwr_home))
+        elif connection is None:
+            with LocalSuperLink() as link:
+                stream_flwr(flwr_args, link.env)
+                keep_log(link.log_path, run_dir)
+        else:
+            flwr_args.insert(2, connection)
+            stream_flwr(flwr_args, dict(os.environ))
+    return report_outcome(run_dir)
+
+
+def simulation_federation(federation: list[str], num_clients: int) -> list[str]:
+    """The `--federation-config` values of a simulation, with pollen's defaults
+    for the keys the user did not set: one SuperNode per client, and one CPU
+    per ClientApp actor. Flower's default of 2 CPUs runs one client at a time
+    with two torch threads; with one CPU each, Ray runs as many actors as
+    there are cores, each with one thread (Ray sets `OMP_NUM_THREADS` from
+    the actor's CPUs), which on 2 cores trains the `mlp` workload's rounds
+    1.8x faster (docs/performance.md)."""
+    from click import ClickException
+    from flwr.common.config import parse_config_args  # what `flwr run` reads
+
+    try:
+        given = parse_config_args(federation)
+    except (ValueError, ClickException) as err:
+        raise LaunchError(f"invalid --federation-config {federation}: {err}") from err
+    defaults = {
+        "num-supernodes": num_clients,
+        "client-resources-num-cpus": CLIENT_CPUS,
+    }
+    return federation + [f"{k}={v}" for k, v in defaults.items() if k not in given]
+
+
+def running_deployment(directory: Path, connection: str | None) -> cluster.Deployment:
+    """The `pollen deploy` deployment recorded in `directory`, if it runs."""
+    if connection is not None:
+        raise LaunchError("give a CONNECTION or --deployment, not both")
+    try:
+        deployment = cluster.Deployment.load(directory.expanduser().resolve())
+    except cluster.DeployError as err:
+        raise LaunchError(str(err)) from None
+    if not processes.alive(deployment.superlink_pid):
+        raise LaunchError(
+            f"the deployment in {deployment.root} is not running; start it with "
+            f"`pollen deploy up --dir {directory}`"
+        )
+    return deployment
+
+
+def stream_flwr(flwr_args: list[str], env: dict[str, str]) -> None:
+    """`flwr run`, its output passed through line by line, until it exits or,
+    sooner, until the ServerApp says it completed: every result is written by
+    then, and Flower's own shutdown of the simulation (stopping Ray, draining
+    the log stream) would keep the command waiting about 4 s longer."""
+    process = subprocess.Popen(
+        [processes.entry_point("flwr"), *flwr_args],
+        env={**env, "PYTHONUNBUFFERED": "1"},
+        stdout=subprocess.PIPE,
+    )
+    assert process.stdout is not None
+    completed = RUN_COMPLETED.encode()
+    try:
+        for line in process.stdout:
+            _pass_on(line)
+            if completed in line:
+                break
+    finally:
+        processes.stop_child(process, FLWR_STOP_SECONDS)
+
+
+def _pass_on(line: bytes) -> None:
+    """Write `line` to stdout as it came (as text where stdout takes no bytes),
+    after anything printed before it."""
+    sys.stdout.flush()
+    buffer = getattr(sys.stdout, "buffer", None)
+    if buffer is None:
+        sys.stdout.write(line.decode(errors="replace"))
+        sys.stdout.flush()
+    else:
+        buffer.write(line)
+        buffer.flush()
+
+
+def keep_log(log_path: Path, run_dir: Path) -> None:
+    """Copy the private SuperLink's log into the run directory (a resumed run
+    keeps the earlier ones: `superlink-2.log`, ...)."""
+    if log_path.exists() and run_dir.is_dir():
+        target, n = run_dir / "superlink.log", 1
+        while target.exists():
+            n += 1
+            target = run_dir / f"superlink-{n}.log"
+        shutil.copy(log_path, target)
+
+
+def report_outcome(run_dir: Path) -> bool:
+    """Whether the run completed, from its own record of how it ended; said
+    on the console with where its results are."""
+    summary_path = run_dir / "summary.json"
+    if not summary_path.exists():
+        print(
+            f"pollen: run failed before writing {summary_path} (see the log above)",
+            file=sys.stderr,
+        )
+        return False
+    summary = json.loads(summary_path.read_text())
+    if summary.get("status") != "completed":
+        print(f"pollen: run failed: {summary.get('error')}", file=sys.stderr)
+        print(f"pollen: results (partial) in {run_dir}", file=sys.stderr)
+        return False
+    print(
+        f"pollen: completed {summary['rounds']} rounds, final accuracy "
+        f"{100 * summary['final-accuracy']:.2f}% (best {100 * summary['best-accuracy']:.2f}%"
+        f" at round {summary['best-round']}), {summary['total-seconds']:.1f} s"
+    )
+    print(f"pollen: results in {run_dir}")
+    return True

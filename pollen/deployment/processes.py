@@ -1,0 +1,197 @@
+"""Processes pollen starts, waits for and stops: the one place for all three.
+
+Every long-lived process (a SuperLink, a SuperNode, a warm executor) is
+started in a session of its own, so it can be stopped as a process group by
+the PID a deployment records, even by another `pollen` invocation. Waiting
+for one to be ready checks, until a deadline, that it still runs and that a
+readiness probe (e.g. a health URL) answers; a failure quotes the end of its
+log. Stopping is always the same: SIGTERM, a grace period, SIGKILL, and a
+wait that reaps the process when it is this one's child.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import socket
+import ssl
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+KILL_WAIT_SECONDS = 5.0  # after SIGKILL: only the kernel is left to act
+POLL_SECONDS = 0.1
+
+
+class ProcessError(RuntimeError):
+    """A process exited or did not become ready in time; says why."""
+
+
+def entry_point(name: str) -> str:
+    """A command installed next to this Python (the project's venv) or on PATH."""
+    candidate = Path(sys.executable).with_name(name)
+    return str(candidate) if candidate.exists() else name
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on now."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def start(
+    command: Sequence[str],
+    *,
+    log: Path | None,
+    env: dict[str, str] | None = None,
+    cwd: Path | None = None,
+) -> subprocess.Popen[bytes]:
+    """Start `command` in a session (and process group) of its own, with
+    environment `env` (default: this one), its output appended to `log`
+    (discarded when None: the process writes its own log), and no stdin."""
+    if log is None:
+        return _popen(command, env, cwd, subprocess.DEVNULL)
+    log.parent.mkdir(parents=True, exist_ok=True)
+    with log.open("ab") as out:
+        return _popen(command, env, cwd, out)
+
+
+def _popen(
+    command: Sequence[str], env: dict[str, str] | None, cwd: Path | None, out: object
+) -> subprocess.Popen[bytes]:
+    return subprocess.Popen(
+        list(command), env=env, cwd=cwd, stdin=subprocess.DEVNULL,
+        stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
+    )  # fmt: skip
+
+
+def wait_ready(
+    pid: int,
+    ready: Callable[[], bool],
+    *,
+    name: str,
+    log: Path,
+    timeout: float,
+) -> None:
+    """Return once `ready()` is true; `ProcessError` with the end of `log` if
+    process `pid` exits first, or after `timeout` seconds."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if not alive(pid):
+            raise ProcessError(f"{name} exited; the end of {log}:\n{log_tail(log)}")
+        if ready():
+            return
+        time.sleep(POLL_SECONDS)
+    raise ProcessError(
+        f"{name} did not answer in {timeout:.0f} s; the end of {log}:\n{log_tail(log)}"
+    )
+
+
+def answers_ok(url: str, context: ssl.SSLContext | None = None) -> bool:
+    """Whether `url` answers HTTP 200 within a second (a health endpoint)."""
+    try:
+        with urllib.request.urlopen(url, timeout=1.0, context=context) as response:
+            return response.status == 200
+    except OSError:
+        return False
+
+
+def log_tail(path: Path, chars: int = 2000) -> str:
+    """The last `chars` characters of a log file."""
+    try:
+        return path.read_text(errors="replace")[-chars:]
+    except OSError:
+        return "(no log)"
+
+
+def alive(pid: int) -> bool:
+    """Whether process `pid` runs (a zombie, exited but not reaped, does not)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().split(") ")[1][0] != "Z"
+    except (OSError, IndexError):
+        return True
+
+
+def descendants(pid: int) -> list[int]:
+    """Every process below `pid` (from /proc), children first."""
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            parent = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):
+            continue
+        children.setdefault(parent, []).append(int(entry.name))
+    found, todo = [], [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            found.append(child)
+            todo.append(child)
+    return found
+
+
+def reaped(pid: int, wait: float) -> bool:
+    """Whether `pid` ended within `wait` s (reaped when it is our child)."""
+    deadline = time.monotonic() + wait
+    while True:
+        try:
+            if os.waitpid(pid, os.WNOHANG) != (0, 0):
+                return True
+        except ChildProcessError:  # not our child: poll instead
+            if not alive(pid):
+                return True
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(POLL_SECONDS)
+
+
+def end(pids: Sequence[int], grace: float, *, group: bool = False) -> None:
+    """SIGTERM every process in `pids` (each one's process group when
+    `group`), give them `grace` s together to end, then SIGKILL those left
+    and wait for them. Our children among them are reaped."""
+    send = os.killpg if group else os.kill
+    left = list(pids)
+    for sig, wait in ((signal.SIGTERM, grace), (signal.SIGKILL, KILL_WAIT_SECONDS)):
+        for pid in left:
+            with contextlib.suppress(ProcessLookupError):
+                send(pid, sig)
+        deadline = time.monotonic() + wait
+        left = [p for p in left if not reaped(p, deadline - time.monotonic())]
+        if not left:
+            return
+
+
+def stop(pid: int, grace: float = 10.0) -> None:
+    """Stop the process group `pid` leads (see `end`), then SIGKILL whatever
+    it had started in other sessions (Flower's SuperExec starts ServerApps
+    and ClientApps in sessions of their own)."""
+    strays = descendants(pid)
+    end([pid], grace, group=True)
+    for stray in strays:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(stray, signal.SIGKILL)
+
+
+def stop_child(process: subprocess.Popen, grace: float) -> None:
+    """`end` for a child whose exit status is wanted: the `Popen` reaps it,
+    so its `returncode` is the status it ended with."""
+    if process.poll() is not None:
+        return
+    process.terminate()
+    try:
+        process.wait(timeout=grace)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.wait()

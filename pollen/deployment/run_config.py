@@ -1,0 +1,96 @@
+"""A run's configuration as `pollen` commands resolve it before anything runs.
+
+The app's pyproject defaults, then each `--run-config` value in order, then
+validation by `Settings`; paths are pinned against the shell's directory and
+the run gets its name here, so the command that submits a run knows where
+its results land (the SuperLink's processes run elsewhere).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from ..checkpoints import check_resumable
+from ..notify import URL_ENV, check_url
+from ..results import check_run_dir_is_new, default_run_name
+from ..settings import Settings, SettingsError
+
+
+class RunConfigError(ValueError):
+    """A run config that cannot be resolved (not a Flower App, unknown key,
+    unreadable value); the user must fix it before anything runs."""
+
+
+def resolve_run_config(app: Path, overrides: Sequence[str]) -> dict[str, Any]:
+    """pyproject defaults, then each `--run-config` value in order (later wins).
+
+    Unlike `flwr run`, TOML files and "key=value" strings may be mixed.
+    """
+    from click import ClickException
+    from flwr.common.config import get_project_config, parse_config_args
+
+    try:
+        config = dict(get_project_config(app)["tool"]["flwr"]["app"]["config"])
+    except (FileNotFoundError, KeyError, ValueError) as err:
+        raise RunConfigError(
+            f"{app} is not a Flower App with [tool.flwr.app.config]: {err}"
+        ) from err
+    for value in overrides:
+        try:
+            parsed = parse_config_args([value])
+        except (ValueError, OSError, ClickException) as err:
+            raise RunConfigError(f"invalid --run-config {value!r}: {err}") from err
+        unknown = sorted(set(parsed) - set(config))
+        if unknown:
+            raise RunConfigError(
+                f"unknown run-config key {unknown[0]!r} in {value!r}; known keys: "
+                + ", ".join(config)
+            )
+        config.update(parsed)
+    return config
+
+
+def resolve_settings(app: Path, overrides: Sequence[str]) -> Settings:
+    """`resolve_run_config`, validated."""
+    return Settings.from_run_config(resolve_run_config(app, overrides))
+
+
+def pin_paths(settings: Settings, strategy: str) -> Settings:
+    """`data-root`, `output-dir` and `resume` made absolute against this
+    shell's directory, and an empty `run-name` given a generated one (named
+    after `strategy`), so this command knows where results land."""
+    return dataclasses.replace(
+        settings,
+        data_root=str(Path(settings.data_root).expanduser().resolve()),
+        output_dir=str(Path(settings.output_dir).expanduser().resolve()),
+        run_name=settings.run_name or default_run_name(strategy, settings.data_set),
+        resume=settings.resume and str(Path(settings.resume).expanduser().resolve()),
+    )
+
+
+def prepare_run(app: Path, overrides: Sequence[str]) -> tuple[Settings, str]:
+    """Validate the run config and pin what the ServerApp must not guess.
+
+    Relative `data-root`/`output-dir` are resolved against this shell's
+    directory, and an empty `run-name` gets a generated one (with `resume`:
+    the directory being resumed). Returns the settings and the complete run
+    config as one "key=value" string.
+    """
+    settings = resolve_settings(app, overrides)
+    settings = pin_paths(settings, settings.strategy)
+    if not settings.notify_url and os.environ.get(URL_ENV):
+        try:
+            check_url(os.environ[URL_ENV], from_env=True)
+        except ValueError as err:
+            raise SettingsError(str(err)) from None
+    if settings.resume:
+        check_resumable(Path(settings.resume), settings.to_run_config())
+    else:
+        check_run_dir_is_new(settings.output_dir, settings.run_name)
+    config = settings.to_run_config()
+    return settings, " ".join(f"{k}={json.dumps(v)}" for k, v in config.items())

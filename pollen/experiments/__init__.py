@@ -1,0 +1,1 @@
+"""Experiments on runs: grids of runs, their reports, the centralised baseline."""
