@@ -72,56 +72,9 @@ def run_config(workload: str, rounds: int, data_root: str) -> str:
 
 def floor_arm(config: str) -> dict:
     """pollen's client computation alone: train_local per client, then average."""
-    import torch
+    from pollen.experiments.floor import fedavg_floor
 
-    from pollen.client_app import _client_seed
-    from pollen.task import federated_data, settings_model
-    from pollen.task.train import (
-        ClientOptimizer,
-        Preprocess,
-        evaluate,
-        pick_device,
-        train_local,
-    )
-
-    s = settings_of(config)
-    dataset, shards = federated_data(s)
-    device = pick_device(s.device)
-    model = settings_model(s, dataset).to(device)
-    prep = Preprocess(dataset.mean, dataset.std, s.normalize,
-                      augment=s.augment and dataset.augmentable, device=device)  # fmt: skip
-    clients = [
-        (dataset.x_train[shard].to(device), dataset.y_train[shard].to(device))
-        for shard in shards
-    ]
-    optimizer = ClientOptimizer(
-        s.client_optimizer, s.lr, s.momentum, s.weight_decay, s.client_betas
-    )
-    weights = [len(y) / sum(len(y) for _, y in clients) for _, y in clients]
-    global_state = {k: v.clone() for k, v in model.state_dict().items()}
-    seconds = []
-    for server_round in range(1, s.rounds + 1):
-        started = time.perf_counter()
-        summed = {k: torch.zeros_like(v, dtype=torch.float32) for k, v in global_state.items()}  # fmt: skip
-        for client, ((x, y), weight) in enumerate(zip(clients, weights, strict=True)):
-            model.load_state_dict(global_state)
-            train_local(
-                model, x, y, epochs=s.local_epochs, batch_size=s.batch_size,
-                optimizer=optimizer, preprocess=prep,
-                seed=_client_seed(s.seed, server_round, client),
-                max_grad_norm=s.max_grad_norm,
-            )  # fmt: skip
-            for name, value in model.state_dict().items():
-                summed[name] += weight * value.float()
-        global_state = {
-            k: v.to(global_state[k].dtype) for k, v in summed.items()
-        }  # fmt: skip
-        seconds.append(time.perf_counter() - started)
-    model.load_state_dict(global_state)
-    test_prep = Preprocess(dataset.mean, dataset.std, s.normalize, device=device)
-    loss, accuracy = evaluate(model, dataset.x_test.to(device), dataset.y_test.to(device),
-                              batch_size=s.test_batch_size, preprocess=test_prep)  # fmt: skip
-    return {"rounds": seconds, "accuracy": accuracy, "loss": loss}
+    return fedavg_floor(settings_of(config))
 
 
 def plain_arm(config: str) -> dict:

@@ -1,8 +1,8 @@
 """`pollen run` computes FedAvg of `train_local`, no more and no less.
 
-The compute floor of benchmarks/throughput.py replays a run in one process:
-pollen's own shards, client seeds and `train_local`, the clients' models
-averaged by shard size. A real simulation (Flower, Ray actors, messages,
+The compute floor (`pollen.experiments.floor`, which benchmarks/throughput.py
+times) replays a run in one process: pollen's own shards, client seeds and
+`train_local`, the clients' models averaged by shard size. A real simulation (Flower, Ray actors, messages,
 the FAB, every start-up shortcut) must end at the same model: whatever is
 done to make the federated path faster is checked against this reference.
 
@@ -22,10 +22,9 @@ from pathlib import Path
 
 import pytest
 
+from pollen.deployment.run_config import resolve_settings
+from pollen.experiments.floor import fedavg_floor
 from tests.conftest import PROJECT
-
-sys.path.insert(0, str(PROJECT / "benchmarks"))
-from throughput import floor_arm
 
 pytestmark = pytest.mark.integration
 CONFIG = "num-clients=10 client-frac=1.0 rounds=3 local-epochs=1 batch-size=16 lr=0.05"
@@ -39,7 +38,7 @@ def test_simulation_ends_at_the_in_process_reference(tmp_path: Path) -> None:
     )  # fmt: skip
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     last = json.loads((tmp_path / "run" / "history.json").read_text())[-1]
-    reference = floor_arm(CONFIG)
+    reference = fedavg_floor(resolve_settings(PROJECT, [CONFIG]))
     assert last["round"] == 3 and len(last["clients"]) == 10
     assert last["loss"] == pytest.approx(reference["loss"], rel=1e-3)
     assert last["accuracy"] == pytest.approx(reference["accuracy"], abs=0.01)
