@@ -32,7 +32,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, ClassVar, Protocol
 
 import torch
 from flwr.app import ArrayRecord, Context
@@ -85,7 +85,7 @@ class ProxTerm:
 
     mu: float
     anchor: dict[str, torch.Tensor] = field(default_factory=dict)
-    exclude_bn = False  # BatchNorm's scale and shift are anchored too
+    exclude_bn: ClassVar[bool] = False  # BatchNorm's scale and shift are anchored
 
     def load(self, context: Context, client: int, anchor: Parameters) -> None:
         self.anchor = _anchor_of(anchor)
@@ -179,7 +179,7 @@ def _regularizer(settings: Settings, name: str) -> Regularizer | None:
         return ProxTerm(settings.prox_mu)
     if name == "feddyn":
         return DynTerm(settings.dyn_alpha, exclude_bn=settings.feddyn_exclude_bn)
-    if name in ("plain", ""):
+    if name == "plain":
         return None
     raise ValueError(f"unknown local objective regulariser {name!r}")
 
@@ -204,7 +204,7 @@ class LocalObjective:
         `<regulariser>-sam`."""
         name = settings.local_objective
         sam = name == "sam" or name.endswith(SAM_SUFFIX)
-        base = "" if name == "sam" else name.removesuffix(SAM_SUFFIX)
+        base = "plain" if name == "sam" else name.removesuffix(SAM_SUFFIX)
         return cls(settings.sam_rho if sam else 0.0, _regularizer(settings, base))
 
     def load(
