@@ -25,8 +25,16 @@ from flwr.app import ConfigRecord, Message, MessageType, RecordDict
 from flwr.common.logger import log
 from flwr.serverapp import Grid
 
-from .strategies.replies import CLIENT_KEY
-from .strategies.sampling import Roster, RosterError
+from .protocol import (
+    CLIENT,
+    CONFIG,
+    NODE_RECORD,
+    NUM_EXAMPLES,
+    NUM_PARTITIONS,
+    OWN_DATA,
+    SHARD_FINGERPRINT,
+)
+from .strategies.sampling import Participants, Roster, RosterError
 
 QUERY_TIMEOUT_SECONDS = 300.0  # a first query may decode a data set
 POLL_SECONDS = 1.0
@@ -45,23 +53,23 @@ class NodeReport:
     @classmethod
     def parse(cls, msg: Message) -> NodeReport:
         """The report in `msg`, or ValueError saying what is wrong with it."""
-        info = msg.content.get("node") if msg.content else None
+        info = msg.content.get(NODE_RECORD) if msg.content else None
         if not isinstance(info, ConfigRecord):
-            raise ValueError("no 'node' config record")
+            raise ValueError(f"no {NODE_RECORD!r} config record")
         values = {}
-        for key, kind in ((CLIENT_KEY, int), ("num-partitions", int),
-                          ("num-examples", int), ("own-data", bool)):  # fmt: skip
+        for key, kind in ((CLIENT, int), (NUM_PARTITIONS, int),
+                          (NUM_EXAMPLES, int), (OWN_DATA, bool)):  # fmt: skip
             value = info.get(key)
             if kind is int and (isinstance(value, bool) or not isinstance(value, int)):
                 raise ValueError(f"{key!r} is {value!r}, not an integer")
             if kind is bool and not isinstance(value, bool):
                 raise ValueError(f"{key!r} is {value!r}, not true or false")
             values[key] = value
-        if values["num-examples"] < 0:
-            raise ValueError(f"'num-examples' is {values['num-examples']}, below 0")
-        fingerprint = info.get("shard-fingerprint", "")
+        if values[NUM_EXAMPLES] < 0:
+            raise ValueError(f"{NUM_EXAMPLES!r} is {values[NUM_EXAMPLES]}, below 0")
+        fingerprint = info.get(SHARD_FINGERPRINT, "")
         if not isinstance(fingerprint, str):
-            raise ValueError(f"'shard-fingerprint' is {fingerprint!r}, not text")
+            raise ValueError(f"{SHARD_FINGERPRINT!r} is {fingerprint!r}, not text")
         return cls(*values.values(), fingerprint)
 
 
@@ -103,6 +111,14 @@ class Membership:
             time.sleep(POLL_SECONDS)
         return nodes
 
+    def participants(self) -> Participants:
+        """Who can take part in the next round: the refreshed roster, and the
+        most examples each client may claim (its shard's size, or what its
+        own-data node reported)."""
+        roster = self.refresh()
+        sizes = {client: size for client, (size, _) in self.shards.items()}
+        return Participants(roster, {**sizes, **self.own_examples})
+
     def refresh(self) -> Roster:
         """The roster for the next round (see module docstring)."""
         nodes = self.connected()
@@ -128,7 +144,7 @@ class Membership:
             return {}
         queries = [
             Message(
-                RecordDict({"config": self.config}),
+                RecordDict({CONFIG: self.config}),
                 message_type=MessageType.QUERY,
                 dst_node_id=n,
             )

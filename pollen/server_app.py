@@ -12,7 +12,6 @@ start, progress, end and failure of the run.
 from __future__ import annotations
 
 import io
-import math
 import time
 from collections.abc import Callable
 from logging import INFO
@@ -20,20 +19,17 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from flwr.app import (
-    Array,
-    ArrayRecord,
-    ConfigRecord,
-    Context,
-)
+from flwr.app import Array, ArrayRecord, ConfigRecord, Context
 from flwr.common.logger import log
 from flwr.serverapp import Grid, ServerApp
 
 from . import client_state
 from .checkpoints import Checkpoint, load_resumable, save_checkpoint
-from .lr_schedule import PlateauSchedule
+from .evaluation import GlobalEvaluation
 from .membership import Membership
 from .notify import Notifier
+from .protocol import LR
+from .recorder import RoundRecorder
 from .results import (
     RUN_COMPLETED,
     ResultsError,
@@ -43,23 +39,22 @@ from .results import (
     plot_curves,
     plot_label_heatmap,
     read_history,
-    round_lines,
     summarize,
     write_atomic,
-    write_history,
     write_json,
 )
 from .settings import Settings, SettingsError
-from .strategies import build_strategy
-from .strategies.fedavg import FedAvg, RoundTraffic, to_numpy
+from .strategies.compose import build_strategy
+from .strategies.personal import PersonalEvaluation
+from .strategies.round import play_round
 from .strategies.sampling import OneMessagePerNode
 from .strategies.sharing import count_parameters
-from .task import federated_data, model_inputs, settings_model, shard_fingerprints
-from .task.data import Dataset
+from .strategies.strategy import Strategy, to_numpy
+from .task import federated_data, settings_model, shard_fingerprints
 from .task.lora import FrozenBackboneClassifier
 from .task.partition import format_label_counts, label_counts
 from .task.privacy import check_private_model
-from .task.train import Preprocess, evaluate, pick_device
+from .task.train import pick_device
 
 app = ServerApp()
 # The simulation's in-memory Grid looks for replies every `pull_interval` s
@@ -204,78 +199,44 @@ def _train(
     )  # fmt: skip
     roster = membership.refresh()
     log(INFO, "pollen: %d clients on %d nodes", settings.num_clients, roster.num_nodes)
-    strategy = build_strategy(settings, roster, model, shard_sizes)
+    strategy, personal = build_strategy(settings, model)
     arrays = ArrayRecord({k: v.clone() for k, v in model.state_dict().items()})
-    train_config = ConfigRecord({"lr": settings.lr, **state_config})
-    eval_config = ConfigRecord(state_config)
-    evaluator = RoundEvaluator(
-        settings, dataset, model.to(device), device, strategy, train_config,
-        history, run_dir,
-    )  # fmt: skip
+    evaluation = GlobalEvaluation(settings, dataset, model.to(device), device)
+    recorder = RoundRecorder(settings, history, run_dir, notifier, run_name)
     first_round = 1
     if checkpoint is not None:
-        arrays = _resume(checkpoint, strategy, evaluator)
+        arrays = _resume(checkpoint, settings, model, strategy, personal, recorder)
         first_round = checkpoint.round + 1
     if hasattr(grid, "pull_interval"):
         grid.pull_interval = REPLY_POLL_SECONDS
     grid = OneMessagePerNode(grid)
-    evaluator.start_clock()
+    recorder.start_clock()
     for server_round in range(first_round, settings.rounds + 1):
-        strategy.roster = membership.refresh()
-        strategy.max_examples.update(membership.own_examples)
-        arrays = _play_round(
-            grid, strategy, server_round, arrays, train_config, eval_config,
-            settings.round_timeout,
+        configs = (
+            ConfigRecord({LR: recorder.lr, **state_config}),
+            ConfigRecord(state_config),
+        )
+        outcome = play_round(
+            grid, strategy, personal, server_round, arrays, configs,
+            membership.participants(), settings.round_timeout,
         )  # fmt: skip
-        record = evaluator(server_round, arrays)
+        arrays = outcome.arrays
+        loss, accuracy = evaluation(server_round, arrays)
+        recorder.record(server_round, outcome, loss, accuracy)
         if settings.checkpoint_every and (
             server_round % settings.checkpoint_every == 0
             or server_round == settings.rounds
         ):
             _save_checkpoint(settings, run_dir, server_round, arrays, strategy,
-                             evaluator, elapsed())  # fmt: skip
+                             personal, recorder, elapsed())  # fmt: skip
             # clients may now forget their state from before this round
-            train_config[client_state.KEEP_FROM] = server_round
-            eval_config[client_state.KEEP_FROM] = server_round
-        notifier.round_finished(
-            run_name, server_round, settings.rounds, record.accuracy, record.loss,
-            record.dp_epsilon,
-        )  # fmt: skip
+            state_config[client_state.KEEP_FROM] = server_round
     buffer = io.BytesIO()
     torch.save(arrays.to_torch_state_dict(), buffer)
     write_atomic(run_dir / "model.pt", buffer.getvalue())
     plot_curves(
         history, run_dir / "curves.png", f"{settings.strategy} on {dataset.name}"
     )
-
-
-def _play_round(
-    grid: Grid,
-    strategy: FedAvg,
-    server_round: int,
-    arrays: ArrayRecord,
-    train_config: ConfigRecord,
-    eval_config: ConfigRecord,
-    timeout: float,
-) -> ArrayRecord:
-    """One round of Flower's strategy protocol: train, aggregate, evaluate.
-
-    The same calls `Strategy.start` makes, in its order, so that a round can
-    start anywhere (a resumed run starts after its checkpoint).
-    """
-    log(INFO, "[ROUND %d]", server_round)
-    replies = grid.send_and_receive(
-        strategy.configure_train(server_round, arrays, train_config, grid),
-        timeout=timeout,
-    )
-    new_arrays, _ = strategy.aggregate_train(server_round, replies)
-    arrays = new_arrays if new_arrays is not None else arrays
-    replies = grid.send_and_receive(
-        strategy.configure_evaluate(server_round, arrays, eval_config, grid),
-        timeout=timeout,
-    )
-    strategy.aggregate_evaluate(server_round, replies)
-    return arrays
 
 
 def _model_line(settings: Settings, model: torch.nn.Module) -> str:
@@ -296,17 +257,18 @@ def _save_checkpoint(
     run_dir: Path,
     server_round: int,
     arrays: ArrayRecord,
-    strategy: FedAvg,
-    evaluator: RoundEvaluator,
+    strategy: Strategy,
+    personal: PersonalEvaluation,
+    recorder: RoundRecorder,
     elapsed: float,
 ) -> None:
     checkpoint = Checkpoint(
         round=server_round,
         model=to_numpy(arrays),
-        strategy_state=strategy.state_arrays(),
+        strategy_state={**strategy.state_arrays(), **personal.state_arrays()},
         extra={
             "settings": settings.to_run_config(),
-            "lr-scheduler": evaluator.scheduler.state_dict(),
+            "lr-scheduler": recorder.scheduler.state_dict(),
             ELAPSED: elapsed,
         },
     )
@@ -315,145 +277,24 @@ def _save_checkpoint(
 
 
 def _resume(
-    checkpoint: Checkpoint, strategy: FedAvg, evaluator: RoundEvaluator
+    checkpoint: Checkpoint,
+    settings: Settings,
+    model: torch.nn.Module,
+    strategy: Strategy,
+    personal: PersonalEvaluation,
+    recorder: RoundRecorder,
 ) -> ArrayRecord:
     """Restore model, server state and scheduler from `checkpoint` (the
     history up to it is read back by `main`, the clients' state by the clients)."""
-    settings = evaluator.settings
-    if set(checkpoint.model) != set(evaluator.model.state_dict()):
+    if set(checkpoint.model) != set(model.state_dict()):
         raise SettingsError(
             f"resume: the entries of the checkpoint's model are not those of "
             f"model {settings.model!r}"
         )
     strategy.load_state_arrays(checkpoint.strategy_state)
-    evaluator.scheduler.load_state_dict(checkpoint.extra["lr-scheduler"])
-    evaluator.train_config["lr"] = evaluator.lr
+    personal.load_state_arrays(checkpoint.strategy_state)
+    recorder.scheduler.load_state_dict(checkpoint.extra["lr-scheduler"])
     print(f"pollen: resuming after round {checkpoint.round}", flush=True)
     return ArrayRecord(
         {k: Array(np.ascontiguousarray(v)) for k, v in checkpoint.model.items()}
     )
-
-
-class DivergenceError(RuntimeError):
-    """The global model or its test loss is no longer finite."""
-
-
-def check_finite(
-    server_round: int, state: dict[str, torch.Tensor], loss: float, settings: Settings
-) -> None:
-    """Stop a diverged run before its round is recorded or checkpointed."""
-    broken = [
-        k for k, v in state.items() if v.is_floating_point() and not v.isfinite().all()
-    ]
-    if not broken and math.isfinite(loss):
-        return
-    what = (
-        f"{len(broken)} entries of the global model ({broken[0]!r}, ...) are"
-        if broken
-        else f"the test loss ({loss}) is"
-    )
-    raise DivergenceError(
-        f"round {server_round}: {what} not finite, the run diverged; "
-        f"likely cause: {_divergence_hint(settings)}. The last good checkpoint, "
-        "if any, is kept"
-    )
-
-
-def _divergence_hint(s: Settings) -> str:
-    hints = []
-    if s.server_update in ("sgd", "adagrad", "adam", "yogi"):
-        hints.append(f"server-lr={s.server_lr:g} too high")
-    if s.server_update == "feddyn" or s.regularizer == "feddyn":
-        hints.append(f"dyn-alpha={s.dyn_alpha:g} with lr={s.lr:g}")
-    hints.append(f"lr={s.lr:g} too high (max-grad-norm={s.max_grad_norm:g})")
-    return "; or ".join(hints)
-
-
-class RoundEvaluator:
-    """After each round: test the global model, step the lr, record the round.
-
-    Called after the round's federated evaluation, so the clients'
-    personalised results (FedBN, SiloBN, FedSA) are already in `strategy.personal`.
-    """
-
-    def __init__(
-        self,
-        settings: Settings,
-        dataset: Dataset,
-        model: torch.nn.Module,
-        device: torch.device,
-        strategy: FedAvg,
-        train_config: ConfigRecord,
-        history: list[RoundRecord],
-        run_dir: Path,
-    ) -> None:
-        self.settings = settings
-        self.model = model
-        self.device = device
-        self.y_test = dataset.y_test.to(device)
-        self.x_test, self.preprocess = model_inputs(
-            settings, "test", model, dataset.x_test.to(device),
-            Preprocess(dataset.mean, dataset.std, settings.normalize, device=device),
-        )  # fmt: skip
-        self.strategy = strategy
-        self.train_config = train_config
-        self.history = history
-        self.run_dir = run_dir
-        self.scheduler = PlateauSchedule(
-            lr=settings.lr,
-            factor=settings.lr_factor,
-            patience=settings.lr_patience,
-            threshold=settings.lr_threshold,
-            cooldown=settings.lr_cooldown,
-            min_lr=settings.min_lr,
-        )
-        self._last = time.monotonic()
-
-    @property
-    def lr(self) -> float:
-        return self.scheduler.lr
-
-    def start_clock(self) -> None:
-        """Round times count from here (after set-up and any resume)."""
-        self._last = time.monotonic()
-
-    def __call__(self, server_round: int, arrays: ArrayRecord) -> RoundRecord:
-        state = arrays.to_torch_state_dict()
-        self.model.load_state_dict({k: v.to(self.device) for k, v in state.items()})
-        loss, accuracy = evaluate(
-            self.model,
-            self.x_test,
-            self.y_test,
-            batch_size=self.settings.test_batch_size,
-            preprocess=self.preprocess,
-        )
-        check_finite(server_round, state, loss, self.settings)
-        now = time.monotonic()
-        traffic = self.strategy.traffic.get(server_round, RoundTraffic())
-        record = RoundRecord(
-            round=server_round,
-            accuracy=accuracy,
-            loss=loss,
-            lr=self.lr,
-            seconds=round(now - self._last, 4),
-            bytes_up=traffic.bytes_up,
-            bytes_down=traffic.bytes_down,
-            clients=traffic.clients,
-            failures=traffic.failures,
-            clipped=traffic.clipped,
-            skipped=traffic.skipped,
-            eval_bytes=traffic.eval_bytes,
-            personal=self.strategy.personal.get(server_round, {}),
-            dp_epsilon=traffic.dp_epsilon,
-        )
-        self._last = now
-        self.history.append(record)
-        write_history(self.run_dir, self.history)
-        mean_seconds = sum(r.seconds for r in self.history) / len(self.history)
-        left = mean_seconds * (self.settings.rounds - server_round)
-        print(round_lines(record, self.settings.rounds, left), flush=True)
-        self.scheduler.step(loss)
-        # The round loop passes this same ConfigRecord to every round's
-        # configure_train, so the next round's clients receive the new lr.
-        self.train_config["lr"] = self.lr
-        return record

@@ -19,70 +19,29 @@ from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from .catalog import (
+    BN_POLICIES,
+    CLASS_ASSIGNMENTS,
+    CLIENT_OPTIMIZERS,
+    DATA_SETS,
+    DEVICES,
+    FEDDYN_H_SCALES,
+    LOCAL_OBJECTIVES,
+    MODELS,
+    NORM_ACTIONS,
+    PARTITIONS,
+    PRESETS,
+    SERVER_UPDATES,
+    SHARING,
+    Scalar,
+)
 from .notify import check_url
 
-Scalar = bool | int | float | str
-
-# Each data set's images: (channels, side); pollen.task.data.SPECS agrees
-# (tests/test_node_data.py), but importing it here would import torch.
-DATA_SETS = {
-    "digits": (1, 8),
-    "mnist": (1, 28),
-    "fashion-mnist": (1, 28),
-    "cifar10": (3, 32),
-    "cifar100": (3, 32),
-}
-MODELS = (
-    "mlp",
-    "mlp-bn",
-    "cnn",
-    "cnn-gn",
-    "simple-cnn",
-    "cnn-lora",
-    "mobilenet",
-    "vgg16-lora",
-)
-LORA_MODELS = ("cnn-lora", "vgg16-lora")
-BATCHNORM_MODELS = ("mlp-bn", "cnn", "cnn-lora", "mobilenet")  # train on 2+ samples
-PARTITIONS = ("iid", "niid", "niid-client", "pathological", "silos")
-CLASS_ASSIGNMENTS = ("first-deterministic", "deterministic", "random")
-SERVER_UPDATES = ("fedavg", "feddyn", "sgd", "adagrad", "adam", "yogi")
-# "<regulariser>-sam": that regulariser, with the data gradient taken at SAM's
-# perturbed point
-LOCAL_OBJECTIVES = ("plain", "sam", "feddyn", "prox", "feddyn-sam", "prox-sam")
-BN_POLICIES = ("shared", "fedbn", "silobn")
-SHARING = ("all", "lora-a", "lora")
-OPTIMIZERS = ("sgd", "adam", "adamw")
-DEVICES = ("auto", "cpu", "cuda", "mps")
 AUTO = "auto"
-
-# A strategy preset is a default combination of a server update and a local
-# objective (plus the server momentum that makes FedAvgM, and the sharing
-# of FedSA); explicit `server-update`, `local-objective`, `server-momentum`
-# and `sharing` values win.
-PRESETS: dict[str, dict[str, Scalar]] = {
-    "fedavg": {"server-update": "fedavg", "local-objective": "plain"},
-    "fedavgm": {
-        "server-update": "sgd",
-        "local-objective": "plain",
-        "server-momentum": 0.9,
-    },
-    "fedprox": {"server-update": "fedavg", "local-objective": "prox"},
-    "fedsam": {"server-update": "fedavg", "local-objective": "sam"},
-    "feddyn": {"server-update": "feddyn", "local-objective": "feddyn"},
-    "fedadagrad": {"server-update": "adagrad", "local-objective": "plain"},
-    "fedadam": {"server-update": "adam", "local-objective": "plain"},
-    "fedyogi": {"server-update": "yogi", "local-objective": "plain"},
-    "fedsa": {
-        "server-update": "fedavg",
-        "local-objective": "plain",
-        "sharing": "lora-a",
-    },
-}
-STRATEGIES = tuple(PRESETS)
 # server-lr = "auto": 1 for a plain step (FedAvg's), 0.01 for the adaptive ones
 # (the seed notebook's value)
 AUTO_SERVER_LR = {"sgd": 1.0, "adagrad": 1e-2, "adam": 1e-2, "yogi": 1e-2}
+STRATEGIES = tuple(PRESETS)
 
 
 class SettingsError(ValueError):
@@ -206,7 +165,7 @@ class Settings:
         "lora (A and B)",
         one_of(AUTO, *SHARING),
     )
-    client_optimizer: str = key("sgd", "client optimiser", one_of(*OPTIMIZERS))
+    client_optimizer: str = key("sgd", "client optimiser", one_of(*CLIENT_OPTIMIZERS))
     betas: str = key("0.9,0.999", "client adam/adamw betas", betas_rule())
     max_grad_norm: float = key(
         10.0, "clip each local gradient to this L2 norm (0: no clipping)", at_least(0)
@@ -225,7 +184,7 @@ class Settings:
     feddyn_h_scale: str = key(
         "num-clients",
         "FedDyn server h update averages over all clients or this round's",
-        one_of("num-clients", "participants"),
+        one_of(*FEDDYN_H_SCALES),
     )
     feddyn_exclude_bn: bool = key(
         True, "keep BatchNorm weights out of FedDyn's correction and regulariser"
@@ -296,7 +255,7 @@ class Settings:
         Rule(lambda v: v == 0 or v >= 1, "0 (off) or >= 1"),
     )
     update_norm_action: str = key(
-        "clip", "what update-norm-bound does to a larger update", one_of("clip", "drop")
+        "clip", "what update-norm-bound does to a larger update", one_of(*NORM_ACTIONS)
     )
     # Participation: who must be there, how long to wait for them
     min_available_nodes: int = key(
@@ -407,17 +366,6 @@ class Settings:
         return self.bn_policy if self.sharing == "all" else self.sharing
 
     @property
-    def regularizer(self) -> str:
-        """The local objective's regulariser: "prox", "feddyn" or "" (none)."""
-        base = self.local_objective.removesuffix("-sam")
-        return base if base in ("prox", "feddyn") else ""
-
-    @property
-    def local_sam_rho(self) -> float:
-        """SAM's radius where the local objective takes SAM steps, else 0."""
-        return self.sam_rho if self.local_objective.endswith("sam") else 0.0
-
-    @property
     def client_betas(self) -> tuple[float, float]:
         """`betas` as numbers (validated when the settings were made)."""
         return _parse_betas(self.betas) or (0.9, 0.999)
@@ -477,28 +425,16 @@ def first_difference(
     return None
 
 
-def model_input_problem(model: str, channels: int, side: int) -> str | None:
-    """Why `model` cannot take images of `channels` x `side` x `side`, or None:
-    checked on the settings, before anything starts, and by the model builder."""
-    if model == "simple-cnn" and side < 16:
-        return f"model 'simple-cnn' needs images of at least 16x16, not {side}x{side}"
-    if model == "vgg16-lora" and (channels != 3 or side < 32):
-        return (
-            f"model 'vgg16-lora' needs colour images of at least 32x32 (cifar10, "
-            f"cifar100), not {channels}x{side}x{side}"
-        )
-    return None
-
-
 def _check_combination(values: dict[str, Scalar]) -> None:
     """Refuse combinations of valid values that cannot work together."""
-    channels, side = DATA_SETS[str(values["data-set"])]
-    if problem := model_input_problem(str(values["model"]), channels, side):
+    data_set, model = DATA_SETS[str(values["data-set"])], MODELS[str(values["model"])]
+    if problem := model.input_problem(data_set.channels, data_set.side):
         raise SettingsError(f"{problem}; data-set={values['data-set']!r}")
-    if values["sharing"] != "all" and values["model"] not in LORA_MODELS:
+    if values["sharing"] != "all" and not model.lora:
         raise SettingsError(
             f"sharing={values['sharing']!r} needs a model with LoRA layers; "
-            f"model is {values['model']!r}; allowed: {', '.join(LORA_MODELS)}"
+            f"model is {values['model']!r}; allowed: "
+            + ", ".join(name for name, m in MODELS.items() if m.lora)
         )
     if values["sharing"] != "all" and values["bn-policy"] != "shared":
         raise SettingsError(
@@ -515,7 +451,7 @@ def _check_combination(values: dict[str, Scalar]) -> None:
             "cache-features=true with augment=true: features are computed once, "
             "from un-augmented images; set augment=false or cache-features=false"
         )
-    if values["model"] in BATCHNORM_MODELS and values["batch-size"] == 1:
+    if model.batchnorm and values["batch-size"] == 1:
         raise SettingsError(
             f"batch-size=1 with model={values['model']!r}: BatchNorm cannot train "
             "on one sample, so no step would be taken; use batch-size=2 or more, "

@@ -8,9 +8,10 @@ import pytest
 from flwr.app import Array, ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
 
 from pollen.membership import Membership
-from pollen.strategies.fedavg import CLIENT_KEY, FedAvg
+from pollen.protocol import CLIENT as CLIENT_KEY
 from pollen.strategies.sampling import Roster, RosterError, sample_clients
 from tests.conftest import reply_from
+from tests.rounds import fedavg
 
 pytestmark = pytest.mark.usefixtures("task_identity")
 
@@ -122,9 +123,9 @@ def test_membership_ignores_a_node_with_an_unusable_answer() -> None:
 
 def test_a_client_whose_node_never_replied_is_a_recorded_failure() -> None:
     roster = Roster.from_nodes({11: (0, 2), 22: (1, 2)}, 2)
-    strategy = FedAvg(roster=roster, num_clients=2, client_frac=1.0, seed=0)
+    strategy = fedavg(roster=roster, num_clients=2, client_frac=1.0, seed=0)
     arrays = ArrayRecord({"w": Array(np.ones(2, np.float32))})
-    strategy.configure_train(1, arrays, ConfigRecord(), None)
+    strategy.configure_train(1, arrays, ConfigRecord())
     content = RecordDict(
         {
             "arrays": arrays,
@@ -132,7 +133,7 @@ def test_a_client_whose_node_never_replied_is_a_recorded_failure() -> None:
             "client": ConfigRecord({CLIENT_KEY: 0}),
         }
     )
-    new, _ = strategy.aggregate_train(1, [reply_from(11, content)])
+    new = strategy.aggregate_train(1, [reply_from(11, content)])
     assert new is not None
     assert strategy.traffic[1].failures == [
         "node 22: no reply for 1 of clients [1] within round-timeout"
@@ -141,12 +142,12 @@ def test_a_client_whose_node_never_replied_is_a_recorded_failure() -> None:
 
 def test_personal_evaluation_asks_only_connected_clients() -> None:
     roster = Roster.from_nodes({11: (0, 2)}, 2)
-    strategy = FedAvg(roster=roster, num_clients=2, client_frac=1.0, seed=0)
+    strategy = fedavg(roster=roster, num_clients=2, client_frac=1.0, seed=0)
     strategy.trained_clients = {0, 1}
-    strategy.personal_eval_every = 1
-    strategy.sharing = type("S", (), {"local": ("bn",), "shared": ("w",)})()
+    strategy.evaluation.every = 1
+    strategy.evaluation.sharing = type("S", (), {"local": ("bn",), "shared": ("w",)})()
     arrays = ArrayRecord({"w": Array(np.ones(2, np.float32))})
-    messages = list(strategy.configure_evaluate(1, arrays, ConfigRecord(), None))
+    messages = list(strategy.configure_evaluate(1, arrays, ConfigRecord()))
     assert [m.metadata.dst_node_id for m in messages] == [11]
     assert isinstance(messages[0], Message)
 
@@ -157,9 +158,9 @@ def test_flowers_node_unavailable_error_is_told_as_the_lost_nodes_reason() -> No
     from flwr.app import Error
 
     roster = Roster.from_nodes({11: (0, 2), 22: (1, 2)}, 2)
-    strategy = FedAvg(roster=roster, num_clients=2, client_frac=1.0, seed=0)
+    strategy = fedavg(roster=roster, num_clients=2, client_frac=1.0, seed=0)
     arrays = ArrayRecord({"w": Array(np.ones(2, np.float32))})
-    sent = list(strategy.configure_train(1, arrays, ConfigRecord(), None))
+    sent = list(strategy.configure_train(1, arrays, ConfigRecord()))
     lost = Message(Error(code=3, reason="Node Unavailable"), reply_to=sent[1])
     lost.metadata.__dict__["_src_node_id"] = 1  # as the SuperLink sends it
     content = RecordDict(

@@ -15,7 +15,7 @@ from flwr.app import ArrayRecord, ConfigRecord, Context, Message, RecordDict
 
 import pollen.task
 from pollen import client_app
-from pollen.settings import DATA_SETS, Settings
+from pollen.settings import Settings
 from pollen.strategies.sharing import Sharing
 from pollen.task import federated_data, settings_model, shard_fingerprints
 from pollen.task.data import SPECS, DataError, load_dataset
@@ -75,11 +75,6 @@ def labels(n: int, seed: int = 0) -> np.ndarray:
 def write_node_file(path: Path, **arrays: np.ndarray) -> str:
     np.savez_compressed(path, **arrays)
     return str(path)
-
-
-def test_specs_and_the_settings_agree_on_image_shapes() -> None:
-    """settings.DATA_SETS keeps its own (channels, side) to stay torch-free."""
-    assert {n: (s.channels, s.size) for n, s in SPECS.items()} == DATA_SETS
 
 
 @pytest.mark.parametrize("name", ["digits", "mnist", "fashion-mnist"])

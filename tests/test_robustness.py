@@ -22,12 +22,11 @@ from flwr.app import (
 )
 from flwr.supercore.task_identity import TaskIdentity
 
-from pollen.strategies.fedavg import CLIENT_KEY, FedAvg
-from pollen.strategies.feddyn import FedDyn
-from pollen.strategies.fedopt import FedOpt
+from pollen.protocol import CLIENT as CLIENT_KEY
 from pollen.strategies.replies import bound_update_norms, update_norm
 from pollen.strategies.sampling import Roster
 from tests.conftest import reply_from
+from tests.rounds import Harness, fedavg, feddyn, fedopt
 
 pytestmark = pytest.mark.usefixtures("task_identity")
 
@@ -43,20 +42,20 @@ GLOBAL = {
 }
 
 
-def strategies() -> dict[str, Callable[..., FedAvg]]:
+def strategies() -> dict[str, Callable[..., Harness]]:
     return {
-        "fedavg": lambda **kw: FedAvg(**kw),
-        "feddyn": lambda **kw: FedDyn(alpha=0.1, **kw),
-        "fedavgm": lambda **kw: FedOpt(
+        "fedavg": lambda **kw: fedavg(**kw),
+        "feddyn": lambda **kw: feddyn(alpha=0.1, **kw),
+        "fedavgm": lambda **kw: fedopt(
             optimizer="sgd", server_lr=1.0, momentum=0.9, **kw
         ),
-        "fedadagrad": lambda **kw: FedOpt(optimizer="adagrad", server_lr=0.1, **kw),
-        "fedadam": lambda **kw: FedOpt(optimizer="adam", server_lr=0.1, **kw),
-        "fedyogi": lambda **kw: FedOpt(optimizer="yogi", server_lr=0.1, **kw),
+        "fedadagrad": lambda **kw: fedopt(optimizer="adagrad", server_lr=0.1, **kw),
+        "fedadam": lambda **kw: fedopt(optimizer="adam", server_lr=0.1, **kw),
+        "fedyogi": lambda **kw: fedopt(optimizer="yogi", server_lr=0.1, **kw),
     }
 
 
-def build(name: str, **extra) -> FedAvg:
+def build(name: str, **extra) -> Harness:
     roster = Roster.from_nodes({c + 1: (c, CLIENTS) for c in range(CLIENTS)}, CLIENTS)
     return strategies()[name](
         roster=roster, num_clients=CLIENTS, client_frac=1.0, seed=0,
@@ -121,15 +120,15 @@ FAULTS: list[tuple[str, Callable[[int], Message]]] = [
 ]  # fmt: skip
 
 
-def failures_of_replies(strategy: FedAvg) -> list[str]:
+def failures_of_replies(strategy: Harness) -> list[str]:
     """Round 1's failures, less those of sampled clients that sent nothing."""
     failures = strategy.traffic[1].failures
     return [f for f in failures if not f.endswith("within round-timeout")]
 
 
-def play(strategy: FedAvg, replies: list[Message]) -> tuple[dict | None, FedAvg]:
-    strategy.configure_train(1, record(GLOBAL), ConfigRecord(), None)
-    out, _ = strategy.aggregate_train(1, replies)
+def play(strategy: Harness, replies: list[Message]) -> tuple[dict | None, Harness]:
+    strategy.configure_train(1, record(GLOBAL), ConfigRecord())
+    out = strategy.aggregate_train(1, replies)
     return (None if out is None else {k: out[k].numpy() for k in out}), strategy
 
 
@@ -225,13 +224,13 @@ def test_clipping_keeps_direction_and_dtypes() -> None:
 def test_a_failed_node_is_recorded_and_the_round_goes_on() -> None:
     """A node that crashed or timed out comes back as a Flower error reply."""
     strategy = build("fedavg")
-    sent = list(strategy.configure_train(1, record(GLOBAL), ConfigRecord(), None))
+    sent = list(strategy.configure_train(1, record(GLOBAL), ConfigRecord()))
     lost = next(m for m in sent if m.metadata.dst_node_id == 2)
     TaskIdentity.node_id = 2
     crashed = Message(Error(code=1, reason="node went away"), reply_to=lost)
     TaskIdentity.node_id = 0
     rng = np.random.default_rng(0)
-    out, _ = strategy.aggregate_train(1, [honest(0, rng), crashed, honest(2, rng)])
+    out = strategy.aggregate_train(1, [honest(0, rng), crashed, honest(2, rng)])
     assert out is not None and strategy.trained_clients == {0, 2}
     assert failures_of_replies(strategy) == ["node 2: node went away"]
 
@@ -246,13 +245,18 @@ def test_records_beside_the_checked_ones_are_never_aggregated() -> None:
     padded[0].content["extra"] = MetricRecord({"x": math.nan, "y": [1.0, 2.0]})
     padded[1].content["more"] = MetricRecord({"num-examples": 10**9})
     strategy = build("fedavg")
-    strategy.configure_train(1, record(GLOBAL), ConfigRecord(), None)
-    expected, metrics = strategy.aggregate_train(1, good)
+    strategy.configure_train(1, record(GLOBAL), ConfigRecord())
+    expected = strategy.aggregate_train(1, good)
+    metrics = [dict(u.metrics) for u in strategy.traffic[1].updates]
     strategy = build("fedavg")
-    strategy.configure_train(1, record(GLOBAL), ConfigRecord(), None)
-    got, padded_metrics = strategy.aggregate_train(1, padded)
+    strategy.configure_train(1, record(GLOBAL), ConfigRecord())
+    got = strategy.aggregate_train(1, padded)
+    padded_metrics = [dict(u.metrics) for u in strategy.traffic[1].updates]
     assert not failures_of_replies(strategy)
-    assert dict(padded_metrics) == dict(metrics) == {"train-loss": 0.5}
+    assert padded_metrics == metrics
+    assert all(
+        m == {"num-examples": m["num-examples"], "train-loss": 0.5} for m in metrics
+    )
     for key in GLOBAL:
         np.testing.assert_array_equal(got[key].numpy(), expected[key].numpy())
 
@@ -269,13 +273,15 @@ def personal(client: int, node: int | None = None, **metrics) -> Message:
     return reply_from(client + 1 if node is None else node, content, "evaluate")
 
 
-def evaluated(replies: list[Message]) -> FedAvg:
+def evaluated(replies: list[Message]) -> Harness:
     """Clients 0 and 1 asked for their personal metrics in round 1, `replies` in."""
     strategy = build("fedavg")
     strategy.trained_clients = {0, 1}
-    strategy.personal_eval_every = 1
-    strategy.sharing = type("Local", (), {"local": ("bn",), "shared": tuple(GLOBAL)})
-    strategy.configure_evaluate(1, record(GLOBAL), ConfigRecord(), None)
+    strategy.evaluation.every = 1
+    strategy.evaluation.sharing = type(
+        "Local", (), {"local": ("bn",), "shared": tuple(GLOBAL)}
+    )
+    strategy.configure_evaluate(1, record(GLOBAL), ConfigRecord())
     strategy.aggregate_evaluate(1, replies)
     return strategy
 
@@ -303,7 +309,7 @@ def test_each_personal_evaluation_fault_is_named(fault) -> None:
     strategy = evaluated([personal(0), bad])
     assert list(strategy.personal[1]) == [0]
     assert strategy.personal[1][0]["global-accuracy"] == 0.5  # the first reply's
-    (failure,) = strategy.traffic[1].failures
+    (failure,) = strategy.evaluated[1].failures
     assert failure.startswith(f"evaluate, node {bad.metadata.src_node_id}: ")
     assert why in failure
 
@@ -312,4 +318,4 @@ def test_personal_evaluation_allows_nan_for_a_client_without_test_data() -> None
     strategy = evaluated([personal(1, **{"local-accuracy": math.nan}), personal(0)])
     assert list(strategy.personal[1]) == [0, 1]
     assert math.isnan(strategy.personal[1][1]["local-accuracy"])
-    assert not strategy.traffic[1].failures
+    assert not strategy.evaluated[1].failures

@@ -10,13 +10,12 @@ import pytest
 import torch
 from flwr.app import Array, ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
 
-from pollen.strategies.fedavg import CLIENT_KEY, FedAvg
-from pollen.strategies.feddyn import FedDyn
-from pollen.strategies.fedopt import FedOpt
+from pollen.protocol import CLIENT as CLIENT_KEY
 from pollen.strategies.sampling import Roster
 from pollen.strategies.sharing import Sharing
 from pollen.task.models import build_model
 from tests.conftest import reply_from
+from tests.rounds import Harness, fedavg, feddyn, fedopt
 
 pytestmark = pytest.mark.usefixtures("task_identity")
 
@@ -53,10 +52,10 @@ def base(num_clients: int = 2, **extra) -> dict:
     }
 
 
-def play(strategy: FedAvg, server_round: int, current: ArrayRecord, replies) -> dict:
+def play(strategy: Harness, server_round: int, current: ArrayRecord, replies) -> dict:
     """One round: configure (remember the global model), then aggregate."""
-    strategy.configure_train(server_round, current, ConfigRecord(), None)
-    out, _ = strategy.aggregate_train(server_round, replies)
+    strategy.configure_train(server_round, current, ConfigRecord())
+    out = strategy.aggregate_train(server_round, replies)
     return {k: out[k].numpy() for k in out}
 
 
@@ -65,7 +64,7 @@ def play(strategy: FedAvg, server_round: int, current: ArrayRecord, replies) -> 
 DELTA = np.array([0.25, 1.5])
 
 
-def two_rounds(strategy: FedAvg) -> tuple[np.ndarray, np.ndarray]:
+def two_rounds(strategy: Harness) -> tuple[np.ndarray, np.ndarray]:
     x0 = f32(1.0, 2.0)
     x1 = play(strategy, 1, arrays(w=x0), [
         reply(0, arrays(w=x0 + f32(1, 0)), 1), reply(1, arrays(w=x0 + f32(0, 2)), 3),
@@ -83,15 +82,15 @@ def test_sgd_with_lr_one_and_no_momentum_equals_fedavg() -> None:
         reply(c, arrays(w=rng.random(50, np.float32), b=rng.random(3, np.float32)), n)
         for c, n in ((0, 7), (1, 13))
     ]
-    avg = play(FedAvg(**base()), 1, current, replies)
-    sgd = play(FedOpt(optimizer="sgd", server_lr=1.0, **base()), 1, current, replies)
+    avg = play(fedavg(**base()), 1, current, replies)
+    sgd = play(fedopt(optimizer="sgd", server_lr=1.0, **base()), 1, current, replies)
     for key in avg:
         assert sgd[key].dtype == np.float32
         np.testing.assert_allclose(sgd[key], avg[key], rtol=1e-7, atol=0)
 
 
 def test_fedavgm_by_hand() -> None:
-    x1, x2 = two_rounds(FedOpt(optimizer="sgd", server_lr=0.5, momentum=0.9, **base()))
+    x1, x2 = two_rounds(fedopt(optimizer="sgd", server_lr=0.5, momentum=0.9, **base()))
     np.testing.assert_allclose(x1, [1.125, 2.75], rtol=1e-6)  # v = Delta
     np.testing.assert_allclose(x2, [1.3625, 4.175], rtol=1e-6)  # v = 1.9 Delta
 
@@ -111,7 +110,7 @@ def test_fedavgm_by_hand() -> None:
 )
 def test_adaptive_server_optimizers_by_hand(optimizer, bias, m, v) -> None:
     lr, tau = 0.1, 1e-3
-    strategy = FedOpt(
+    strategy = fedopt(
         optimizer=optimizer, server_lr=lr, beta1=0.9, beta2=0.99, tau=tau,
         bias_correction=bias, **base(),
     )  # fmt: skip
@@ -142,7 +141,7 @@ def test_fedopt_averages_batchnorm_statistics_and_never_steps_them(
 ) -> None:
     server, c0, c1 = bn_models()
     sharing = Sharing.of(policy, server)
-    strategy = FedOpt(
+    strategy = fedopt(
         optimizer=optimizer, server_lr=0.3, momentum=0.5, **base(sharing=sharing)
     )
     shared = sharing.shared
@@ -168,7 +167,7 @@ def test_fedopt_averages_batchnorm_statistics_and_never_steps_them(
 
 def test_feddyn_server_state_over_two_rounds_with_partial_participation() -> None:
     # 3 clients, alpha 0.5; round 1: clients 0, 1; round 2: clients 1, 2.
-    strategy = FedDyn(alpha=0.5, **base(num_clients=3))
+    strategy = feddyn(alpha=0.5, **base(num_clients=3))
     x1 = play(strategy, 1, arrays(w=f32(0.0)), [
         reply(0, arrays(w=f32(1.0)), 10), reply(1, arrays(w=f32(3.0)), 99),
     ])["w"]  # fmt: skip
@@ -185,7 +184,7 @@ def test_feddyn_server_state_over_two_rounds_with_partial_participation() -> Non
 
 
 def test_feddyn_participants_scale() -> None:
-    strategy = FedDyn(alpha=0.5, h_scale="participants", **base(num_clients=3))
+    strategy = feddyn(alpha=0.5, h_scale="participants", **base(num_clients=3))
     x1 = play(strategy, 1, arrays(w=f32(0.0)), [
         reply(0, arrays(w=f32(1.0)), 1), reply(1, arrays(w=f32(3.0)), 1),
     ])["w"]  # fmt: skip
@@ -197,7 +196,7 @@ def test_feddyn_participants_scale() -> None:
 def test_feddyn_never_corrects_bn_statistics(exclude_bn) -> None:
     server, c0, c1 = bn_models()
     sharing = Sharing.of("shared", server)
-    strategy = FedDyn(alpha=0.1, exclude_bn=exclude_bn, **base(sharing=sharing))
+    strategy = feddyn(alpha=0.1, exclude_bn=exclude_bn, **base(sharing=sharing))
     out = play(strategy, 1, ArrayRecord(server.state_dict()), [
         reply(0, ArrayRecord(c0.state_dict()), 1), reply(1, ArrayRecord(c1.state_dict()), 9),
     ])  # fmt: skip
@@ -211,7 +210,7 @@ def test_feddyn_never_corrects_bn_statistics(exclude_bn) -> None:
 
 
 def test_malformed_and_non_finite_replies_are_rejected_round_goes_on() -> None:
-    strategy = FedAvg(
+    strategy = fedavg(
         **base(
             num_clients=3,
         )
@@ -231,9 +230,9 @@ def test_malformed_and_non_finite_replies_are_rejected_round_goes_on() -> None:
 @pytest.mark.parametrize(
     "make",
     [
-        lambda: FedOpt(optimizer="adam", server_lr=0.1, **base()),
-        lambda: FedOpt(optimizer="sgd", server_lr=0.5, momentum=0.9, **base()),
-        lambda: FedDyn(alpha=0.1, **base()),
+        lambda: fedopt(optimizer="adam", server_lr=0.1, **base()),
+        lambda: fedopt(optimizer="sgd", server_lr=0.5, momentum=0.9, **base()),
+        lambda: feddyn(alpha=0.1, **base()),
     ],
     ids=["adam", "fedavgm", "feddyn"],
 )

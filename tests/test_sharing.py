@@ -10,8 +10,8 @@ from flwr.app import ArrayRecord, ConfigRecord, Context, Message, RecordDict
 from torch import nn
 
 from pollen import client_app
+from pollen.protocol import CLIENT as CLIENT_KEY
 from pollen.settings import Settings
-from pollen.strategies.fedavg import CLIENT_KEY
 from pollen.strategies.sharing import Sharing, entry_kinds
 from pollen.task.data import load_dataset
 from pollen.task.models import build_model

@@ -1,4 +1,4 @@
-"""FedAvg aggregation, BatchNorm handling, seeded sampling and routing."""
+"""Harness aggregation, BatchNorm handling, seeded sampling and routing."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ import pytest
 import torch
 from flwr.app import Array, ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
 
-from pollen.strategies.aggregate import weighted_average
-from pollen.strategies.fedavg import CLIENT_KEY, FedAvg
+from pollen.protocol import CLIENT as CLIENT_KEY
+from pollen.strategies.aggregation import weighted_average
 from pollen.strategies.sampling import (
     OneMessagePerNode,
     Roster,
@@ -17,6 +17,7 @@ from pollen.strategies.sampling import (
 )
 from pollen.task.models import build_model
 from tests.conftest import reply_from
+from tests.rounds import fedavg
 
 pytestmark = pytest.mark.usefixtures("task_identity")
 
@@ -57,15 +58,13 @@ def test_fedavg_averages_batchnorm_model_keeping_dtypes() -> None:
         m[2].running_mean.fill_(shift)
         m[2].num_batches_tracked.fill_(10 + 10 * int(shift))
     roster = Roster.from_nodes({11: (0, 2), 22: (1, 2)}, 2)
-    strategy = FedAvg(roster=roster, num_clients=2, client_frac=1.0, seed=0)
-    strategy.configure_train(
-        1, ArrayRecord(models[0].state_dict()), ConfigRecord(), None
-    )
+    strategy = fedavg(roster=roster, num_clients=2, client_frac=1.0, seed=0)
+    strategy.configure_train(1, ArrayRecord(models[0].state_dict()), ConfigRecord())
     replies = [
         reply(1, 22, ArrayRecord(models[1].state_dict()), 30),
         reply(0, 11, ArrayRecord(models[0].state_dict()), 10),
     ]
-    arrays, metrics = strategy.aggregate_train(1, replies)
+    arrays = strategy.aggregate_train(1, replies)
     state = arrays.to_torch_state_dict()
     torch.testing.assert_close(state["2.running_mean"], torch.full((128,), 0.75))
     assert state["2.num_batches_tracked"].dtype == torch.int64
@@ -73,7 +72,8 @@ def test_fedavg_averages_batchnorm_model_keeping_dtypes() -> None:
     w0, w1 = (m.state_dict()["1.weight"] for m in models)
     torch.testing.assert_close(state["1.weight"], 0.25 * w0 + 0.75 * w1)
     assert all(v.dtype in (torch.float32, torch.int64) for v in state.values())
-    assert metrics["train-loss"] == pytest.approx(1.0)
+    assert [u.client for u in strategy.traffic[1].updates] == [0, 1]  # in order
+    assert all(u.metrics["train-loss"] == 1.0 for u in strategy.traffic[1].updates)
     assert strategy.traffic[1].bytes_up == 2 * arrays.count_bytes()
 
 
@@ -83,11 +83,11 @@ def test_aggregation_does_not_depend_on_reply_order() -> None:
         for i in range(5)
     ]
     roster = Roster.from_nodes({i: (i, 5) for i in range(5)}, 5)
-    strategy = FedAvg(roster=roster, num_clients=5, client_frac=1.0, seed=0)
-    strategy.configure_train(1, recs[0], ConfigRecord(), None)
+    strategy = fedavg(roster=roster, num_clients=5, client_frac=1.0, seed=0)
+    strategy.configure_train(1, recs[0], ConfigRecord())
     forward = [reply(i, i, recs[i], 7 + i) for i in range(5)]
-    a, _ = strategy.aggregate_train(1, forward)
-    b, _ = strategy.aggregate_train(1, forward[::-1])
+    a = strategy.aggregate_train(1, forward)
+    b = strategy.aggregate_train(1, forward[::-1])
     assert a["w"].numpy().tobytes() == b["w"].numpy().tobytes()
 
 
@@ -104,18 +104,16 @@ def test_sampling_is_seeded_and_sized() -> None:
 def test_configure_train_routes_each_client_to_its_node() -> None:
     roster = Roster.from_nodes({101: (0, 2), 202: (1, 2)}, 6)  # 2 nodes, 6 clients
     assert roster.owner == {0: 101, 1: 202, 2: 101, 3: 202, 4: 101, 5: 202}
-    strategy = FedAvg(roster=roster, num_clients=6, client_frac=0.5, seed=3)
+    strategy = fedavg(roster=roster, num_clients=6, client_frac=0.5, seed=3)
     arrays = record(w=np.ones(3, np.float32))
-    messages = list(
-        strategy.configure_train(4, arrays, ConfigRecord({"lr": 0.1}), None)
-    )
+    messages = list(strategy.configure_train(4, arrays, ConfigRecord({"lr": 0.1})))
     clients = [int(m.content["config"][CLIENT_KEY]) for m in messages]
     assert clients == sample_clients(6, 0.5, 3, 4)
     assert [m.metadata.dst_node_id for m in messages] == [
         roster.owner[c] for c in clients
     ]
     assert all(m.content["config"]["lr"] == 0.1 for m in messages)
-    assert strategy.traffic[4].bytes_down == 3 * arrays.count_bytes()
+    assert strategy.sent[4].bytes_down == 3 * arrays.count_bytes()
 
 
 def test_roster_refuses_duplicate_and_mismatched_partitions() -> None:

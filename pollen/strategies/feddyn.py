@@ -18,47 +18,55 @@ from collections.abc import Mapping
 
 import numpy as np
 
-from .aggregate import Arrays, cast_like, mean64, normalized
-from .fedavg import FedAvg, prefixed, unprefixed
+from ..catalog import FEDDYN_H_SCALES
+from ..settings import Settings
+from .aggregation import Aggregate, Arrays, cast_like
+from .server_update import ServerUpdate, TrainedKeys, prefixed, unprefixed
 
-H_SCALES = ("num-clients", "participants")
 
-
-class FedDyn(FedAvg):
+class FedDynUpdate(ServerUpdate):
     """Uniform mean of the clients' models minus h / alpha."""
 
+    uniform_mean = True
+
     def __init__(
-        self, *, alpha: float, h_scale: str = "num-clients", exclude_bn: bool = True,
-        **base,
+        self, *, alpha: float, num_clients: int, h_scale: str = "num-clients",
+        exclude_bn: bool = True,
     ) -> None:  # fmt: skip
-        super().__init__(**base)
-        if h_scale not in H_SCALES:
+        if h_scale not in FEDDYN_H_SCALES:
             raise ValueError(
-                f"unknown h scale {h_scale!r}; allowed: {', '.join(H_SCALES)}"
+                f"unknown h scale {h_scale!r}; allowed: {', '.join(FEDDYN_H_SCALES)}"
             )
         self.alpha = alpha
+        self.num_clients = num_clients
         self.h_scale = h_scale
         self.exclude_bn = exclude_bn
         self.h: dict[str, np.ndarray] = {}
 
+    @classmethod
+    def from_settings(cls, s: Settings) -> FedDynUpdate:
+        return cls(
+            alpha=s.dyn_alpha, num_clients=s.num_clients, h_scale=s.feddyn_h_scale,
+            exclude_bn=s.feddyn_exclude_bn,
+        )  # fmt: skip
+
     def state_arrays(self) -> dict[str, np.ndarray]:
-        return {**super().state_arrays(), **prefixed("h", self.h)}
+        return prefixed("h", self.h)
 
     def load_state_arrays(self, state: Mapping[str, np.ndarray]) -> None:
-        super().load_state_arrays(state)
         self.h = unprefixed("h", state)
 
-    def update(
-        self, current: Arrays, updates: list[Arrays], weights: list[float]
+    def apply(
+        self, current: Arrays, aggregate: Aggregate, trained: TrainedKeys
     ) -> dict[str, np.ndarray]:
-        uniform = normalized([1.0] * len(updates), len(updates))
-        corrected = set(self.trained_keys(self.exclude_bn))
-        m = self.num_clients if self.h_scale == "num-clients" else len(updates)
+        participants = len(aggregate.updates)
+        corrected = set(trained(self.exclude_bn))
+        m = self.num_clients if self.h_scale == "num-clients" else participants
         out = {}
         for key, prev in current.items():
-            mean = mean64(updates, uniform, key)
+            mean = aggregate.arrays[key]
             if key in corrected:
-                drift_sum = len(updates) * (mean - prev.astype(np.float64))
+                drift_sum = participants * (mean - prev.astype(np.float64))
                 h = self.h.get(key, 0.0) - self.alpha / m * drift_sum
                 self.h[key] = h
                 mean = mean - h / self.alpha

@@ -24,13 +24,14 @@ from collections.abc import Mapping
 
 import numpy as np
 
-from .aggregate import Arrays, cast_like, mean64, normalized
-from .fedavg import FedAvg, prefixed, unprefixed
+from ..settings import Settings
+from .aggregation import Aggregate, Arrays, cast_like
+from .server_update import ServerUpdate, TrainedKeys, prefixed, unprefixed
 
 SERVER_OPTIMIZERS = ("sgd", "adagrad", "adam", "yogi")
 
 
-class FedOpt(FedAvg):
+class FedOptUpdate(ServerUpdate):
     """A server optimiser on the example-weighted pseudo-gradient."""
 
     def __init__(
@@ -43,9 +44,7 @@ class FedOpt(FedAvg):
         beta2: float = 0.99,
         tau: float = 1e-3,
         bias_correction: bool = False,
-        **base,
     ) -> None:
-        super().__init__(**base)
         if optimizer not in SERVER_OPTIMIZERS:
             raise ValueError(
                 f"unknown server optimiser {optimizer!r}; "
@@ -60,29 +59,36 @@ class FedOpt(FedAvg):
         self.m: dict[str, np.ndarray] = {}
         self.v: dict[str, np.ndarray] = {}
 
+    @classmethod
+    def from_settings(cls, s: Settings) -> FedOptUpdate:
+        return cls(
+            optimizer=s.server_update, server_lr=s.server_lr,
+            momentum=s.server_momentum, beta1=s.beta1, beta2=s.beta2, tau=s.tau,
+            bias_correction=s.bias_correction,
+        )  # fmt: skip
+
     def state_arrays(self) -> dict[str, np.ndarray]:
         return {
-            **super().state_arrays(),
             **prefixed("m", self.m),
             **prefixed("v", self.v),
             "steps": np.array(self.steps, np.int64),
         }
 
     def load_state_arrays(self, state: Mapping[str, np.ndarray]) -> None:
-        super().load_state_arrays(state)
         self.m, self.v = unprefixed("m", state), unprefixed("v", state)
         self.steps = int(state["steps"])
 
-    def update(
-        self, current: Arrays, updates: list[Arrays], weights: list[float]
+    def apply(
+        self, current: Arrays, aggregate: Aggregate, trained: TrainedKeys
     ) -> dict[str, np.ndarray]:
-        w = normalized(weights, len(updates))
-        trained = set(self.trained_keys())
+        """x + lr * step(Delta) on trained entries, Delta = aggregate - x; the
+        aggregate itself on the others (BatchNorm statistics, buffers)."""
+        stepped = set(trained(False))
         self.steps += 1
         out = {}
         for key, x in current.items():
-            mean = mean64(updates, w, key)
-            if key in trained:
+            mean = aggregate.arrays[key]
+            if key in stepped:
                 x64 = x.astype(np.float64)
                 out[key] = cast_like(x64 + self._increment(key, mean - x64), x)
             else:

@@ -14,15 +14,22 @@ from __future__ import annotations
 import math
 from collections.abc import Collection, Mapping
 from dataclasses import dataclass
+from logging import WARNING
 
 import numpy as np
 from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord
+from flwr.common.logger import log
 
-from .aggregate import Arrays
-
-CLIENT_KEY = "partition-id"
-PERSONAL_METRICS = ("global-accuracy", "global-loss", "local-accuracy", "local-loss")
-NORM_ACTIONS = ("clip", "drop")
+from ..catalog import NORM_ACTIONS
+from ..protocol import (
+    ARRAYS,
+    CLIENT,
+    CLIENT_RECORD,
+    METRICS,
+    NUM_EXAMPLES,
+    PERSONAL_METRICS,
+)
+from .aggregation import Arrays
 
 
 @dataclass(frozen=True)
@@ -33,7 +40,6 @@ class Expectation:
     owner: Mapping[int, int]  # client -> the node that serves it
     sampled: frozenset[int]  # the clients asked to train this round
     max_examples: Mapping[int, int]  # client -> its shard size (absent: unbounded)
-    weight_key: str = "num-examples"
 
 
 class ReplyError(ValueError):
@@ -51,9 +57,9 @@ def checked_reply(
     `seen` holds the clients already accepted this round; a second reply for
     one of them is refused.
     """
-    arrays, metrics = msg.content.get("arrays"), msg.content.get("metrics")
+    arrays, metrics = msg.content.get(ARRAYS), msg.content.get(METRICS)
     if not isinstance(arrays, ArrayRecord) or not isinstance(metrics, MetricRecord):
-        raise ReplyError("reply lacks its 'arrays' or 'metrics' record")
+        raise ReplyError(f"reply lacks its {ARRAYS!r} or {METRICS!r} record")
     client = _named_client(msg, expected.owner, expected.sampled, seen, "train")
     _check_metrics(metrics, client, expected)
     return client, metrics, _decoded(arrays, expected.arrays)
@@ -66,9 +72,9 @@ def checked_personal_reply(
     after the same checks of who sent it as a training reply's; NaN is allowed
     (a node may hold no test data), any other value outside an accuracy's
     [0, 1] or a loss's [0, inf) is refused."""
-    metrics = msg.content.get("metrics")
+    metrics = msg.content.get(METRICS)
     if not isinstance(metrics, MetricRecord):
-        raise ReplyError("reply lacks its 'metrics' record")
+        raise ReplyError(f"reply lacks its {METRICS!r} record")
     client = _named_client(msg, owner, asked, seen, "evaluate")
     values = {}
     for name in PERSONAL_METRICS:
@@ -84,6 +90,44 @@ def checked_personal_reply(
     return client, values
 
 
+def reply_failures(
+    clients: list[int],
+    owner: Mapping[int, int],
+    valid: list[Message],
+    failed: list[Message],
+) -> list[str]:
+    """One line per error reply, and one per node that answered fewer of
+    its sampled clients' messages than it was sent.
+
+    Flower's error reply for a node it has lost ("Node Unavailable") does
+    not name that node as its source, so such an error is told as the
+    reason of the nodes that went silent; without one they timed out."""
+    nodes = set(owner.values())
+    lines = [f"node {m.metadata.src_node_id}: {m.error.reason}"
+             for m in failed if m.metadata.src_node_id in nodes]  # fmt: skip
+    for line in lines:
+        log(WARNING, "pollen: error reply: %s", line)
+    unattributed = sorted(
+        {m.error.reason for m in failed if m.metadata.src_node_id not in nodes}
+    )
+    why = ": " + "; ".join(unattributed) if unattributed else " within round-timeout"
+    sent: dict[int, list[int]] = {}
+    for client in clients:
+        sent.setdefault(owner[client], []).append(client)
+    answered: dict[int, int] = {}
+    for msg in [*valid, *failed]:
+        node = msg.metadata.src_node_id
+        answered[node] = answered.get(node, 0) + 1
+    for node, served in sent.items():
+        missing = len(served) - answered.get(node, 0)
+        if missing > 0:
+            lines.append(
+                f"node {node}: no reply for {missing} of clients {served}{why}"
+            )
+            log(WARNING, "pollen: %s", lines[-1])
+    return lines
+
+
 def _named_client(
     msg: Message,
     owner: Mapping[int, int],
@@ -93,12 +137,12 @@ def _named_client(
 ) -> int:
     """The client a reply names, if it was asked to `action`, is served by the
     node that replied, and has not replied before."""
-    client_record = msg.content.get("client")
+    client_record = msg.content.get(CLIENT_RECORD)
     if not isinstance(client_record, ConfigRecord) or not isinstance(
-        client_record.get(CLIENT_KEY), int
+        client_record.get(CLIENT), int
     ):
-        raise ReplyError(f"reply does not name its client ({CLIENT_KEY})")
-    client = client_record[CLIENT_KEY]
+        raise ReplyError(f"reply does not name its client ({CLIENT})")
+    client = client_record[CLIENT]
     if client not in asked:
         raise ReplyError(f"client {client} was not asked to {action} this round")
     if owner.get(client) != msg.metadata.src_node_id:
@@ -111,15 +155,13 @@ def _named_client(
 
 
 def _check_metrics(metrics: MetricRecord, client: int, expected: Expectation) -> None:
-    count = metrics.get(expected.weight_key)
+    count = metrics.get(NUM_EXAMPLES)
     bound = expected.max_examples.get(client)
     if isinstance(count, bool) or not isinstance(count, int | float) or not count > 0:
-        raise ReplyError(
-            f"{expected.weight_key} must be a positive number, got {count!r}"
-        )
+        raise ReplyError(f"{NUM_EXAMPLES} must be a positive number, got {count!r}")
     if bound is not None and count > bound:
         raise ReplyError(
-            f"{expected.weight_key}={count:g} exceeds the client's shard ({bound})"
+            f"{NUM_EXAMPLES}={count:g} exceeds the client's shard ({bound})"
         )
     for name, value in metrics.items():
         if isinstance(value, list) or not math.isfinite(value):

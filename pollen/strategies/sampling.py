@@ -16,8 +16,8 @@ the same settings samples the same clients whatever the node IDs are.
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -107,6 +107,16 @@ class Roster:
     @property
     def num_nodes(self) -> int:
         return len(set(self.owner.values()))
+
+
+@dataclass(frozen=True)
+class Participants:
+    """Who can take part in a round, as the server loop knows it before the
+    round starts: the roster, and the most examples each client may claim
+    (its shard's size, or what an own-data node reported)."""
+
+    roster: Roster
+    max_examples: Mapping[int, int] = field(default_factory=dict)
 
 
 def sample_clients(

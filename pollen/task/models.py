@@ -9,7 +9,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from ..settings import model_input_problem
+from ..catalog import MODELS as CATALOG
 from .lora import FrozenBackboneClassifier, lora_head
 
 Shape = tuple[int, int, int]
@@ -92,7 +92,7 @@ def simple_cnn(input_shape: Shape, num_classes: int) -> nn.Module:
     benchmark numbers (Fashion-MNIST, MNIST, CIFAR-10) were measured with.
     """
     c, h, w = input_shape
-    if problem := model_input_problem("simple-cnn", c, min(h, w)):
+    if problem := CATALOG["simple-cnn"].input_problem(c, min(h, w)):
         raise ValueError(problem)
     side_h, side_w = ((h - 4) // 2 - 4) // 2, ((w - 4) // 2 - 4) // 2
     return nn.Sequential(
@@ -121,7 +121,7 @@ def vgg16_lora(
     """FedSA-FTL's model: frozen VGG16 features, global average pooling to 512,
     and a LoRA-adapted 512 -> 512 -> classes head."""
     c, h, w = input_shape
-    if problem := model_input_problem("vgg16-lora", c, min(h, w)):
+    if problem := CATALOG["vgg16-lora"].input_problem(c, min(h, w)):
         raise ValueError(problem)
     features, source = vgg16_features(options.backbone_weights)
     backbone = nn.Sequential(features, nn.AdaptiveAvgPool2d(1), nn.Flatten())

@@ -1,0 +1,160 @@
+"""Every name pollen offers, declared once and importable without torch.
+
+Data sets with their shapes and classes, models with what they need and
+whether they carry BatchNorm, the composable parts of an algorithm (server
+updates, aggregation rules, local objectives, sharing policies) and the
+strategy presets that combine them. `pollen.settings` validates run configs
+against this catalogue, the CLI lists it, and each implementation is named
+here by where it lives ("module:attribute"), so a new part is one entry
+here plus its own module: nothing else decodes a name.
+"""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass
+from typing import Any
+
+Scalar = bool | int | float | str
+
+
+@dataclass(frozen=True)
+class DataSetInfo:
+    """A data set's images (channels x side x side) and its classes."""
+
+    name: str
+    channels: int
+    side: int
+    classes: int
+    summary: str
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    """A model's name, what it is, and what it asks of its inputs and data."""
+
+    name: str
+    summary: str
+    batchnorm: bool = False  # trains on 2+ samples per batch; refused under DP
+    lora: bool = False  # has LoRA layers: sharing lora-a / lora applies
+    min_side: int = 0  # smallest image side it takes
+    colour_only: bool = False
+
+    def input_problem(self, channels: int, side: int) -> str | None:
+        """Why this model cannot take `channels` x `side` x `side` images, or None."""
+        if self.colour_only and (channels != 3 or side < self.min_side):
+            return (
+                f"model {self.name!r} needs colour images of at least "
+                f"{self.min_side}x{self.min_side} (cifar10, cifar100), not "
+                f"{channels}x{side}x{side}"
+            )
+        if side < self.min_side:
+            return (
+                f"model {self.name!r} needs images of at least "
+                f"{self.min_side}x{self.min_side}, not {side}x{side}"
+            )
+        return None
+
+
+@dataclass(frozen=True)
+class Part:
+    """One composable part of an algorithm: its name, what it does and the
+    object that implements it ("module:attribute", imported on first use)."""
+
+    name: str
+    summary: str
+    implementation: str = ""
+
+    def load(self) -> Any:
+        """The implementing object (a class or a function)."""
+        module, _, attribute = self.implementation.partition(":")
+        return getattr(importlib.import_module(module), attribute)
+
+
+def _by_name(*items: Any) -> dict[str, Any]:
+    return {item.name: item for item in items}
+
+
+DATA_SETS: dict[str, DataSetInfo] = _by_name(
+    DataSetInfo("digits", 1, 8, 10, "scikit-learn's 8x8 digits (1,797 images)"),
+    DataSetInfo("mnist", 1, 28, 10, "handwritten digits"),
+    DataSetInfo("fashion-mnist", 1, 28, 10, "Zalando's clothing images"),
+    DataSetInfo("cifar10", 3, 32, 10, "32x32 colour images, 10 classes"),
+    DataSetInfo("cifar100", 3, 32, 100, "32x32 colour images, 100 classes"),
+)
+
+MODELS: dict[str, ModelInfo] = _by_name(
+    ModelInfo("mlp", "two hidden layers"),
+    ModelInfo("mlp-bn", "the mlp with BatchNorm", batchnorm=True),
+    ModelInfo("cnn", "small CNN with BatchNorm", batchnorm=True),
+    ModelInfo("cnn-gn", "the cnn with GroupNorm (DP-SGD's choice)"),
+    ModelInfo("simple-cnn", "LeNet-style CNN of NIID-Bench", min_side=16),
+    ModelInfo("cnn-lora", "the cnn with a LoRA head", batchnorm=True, lora=True),
+    ModelInfo("mobilenet", "MobileNetV2 for small images", batchnorm=True),
+    ModelInfo(
+        "vgg16-lora",
+        "frozen VGG16 backbone with a LoRA head (FedSA-FTL)",
+        lora=True,
+        min_side=32,
+        colour_only=True,
+    ),
+)
+
+SERVER_UPDATES: dict[str, Part] = _by_name(
+    Part("fedavg", "the aggregate is the model", "pollen.strategies.fedavg:FedAvgUpdate"),
+    Part("feddyn", "uniform mean corrected by the server state h",
+         "pollen.strategies.feddyn:FedDynUpdate"),
+    *(
+        Part(name, f"server {name} on the pseudo-gradient (FedOpt)",
+             "pollen.strategies.fedopt:FedOptUpdate")
+        for name in ("sgd", "adagrad", "adam", "yogi")
+    ),
+)  # fmt: skip
+
+AGGREGATORS: dict[str, Part] = _by_name(
+    Part("mean", "weighted mean of the replies, per entry",
+         "pollen.strategies.aggregation:Mean"),
+)  # fmt: skip
+
+# "<regulariser>-sam": that regulariser, with the data gradient taken at SAM's
+# perturbed point (pollen.task.objectives decodes these names)
+LOCAL_OBJECTIVES: dict[str, Part] = _by_name(
+    Part("plain", "the data loss"),
+    Part("sam", "the data loss at SAM's perturbed point (FedSAM)"),
+    Part("feddyn", "FedDyn's dynamic regulariser"),
+    Part("prox", "FedProx's proximal term"),
+    Part("feddyn-sam", "FedDyn's regulariser with SAM"),
+    Part("prox-sam", "FedProx's term with SAM"),
+)
+
+# Which model entries travel (pollen.strategies.sharing): BatchNorm policies
+# under `sharing = all`, and the LoRA policies of FedSA.
+BN_POLICIES = ("shared", "fedbn", "silobn")
+SHARING = ("all", "lora-a", "lora")
+SHARING_POLICIES = (*BN_POLICIES, *SHARING[1:])
+
+# A strategy preset is a default combination of parts (explicit keys win):
+# a server update and a local objective, plus the server momentum that makes
+# FedAvgM and the sharing of FedSA.
+PRESETS: dict[str, dict[str, Scalar]] = {
+    "fedavg": {"server-update": "fedavg", "local-objective": "plain"},
+    "fedavgm": {
+        "server-update": "sgd", "local-objective": "plain", "server-momentum": 0.9,
+    },
+    "fedprox": {"server-update": "fedavg", "local-objective": "prox"},
+    "fedsam": {"server-update": "fedavg", "local-objective": "sam"},
+    "feddyn": {"server-update": "feddyn", "local-objective": "feddyn"},
+    "fedadagrad": {"server-update": "adagrad", "local-objective": "plain"},
+    "fedadam": {"server-update": "adam", "local-objective": "plain"},
+    "fedyogi": {"server-update": "yogi", "local-objective": "plain"},
+    "fedsa": {"server-update": "fedavg", "local-objective": "plain", "sharing": "lora-a"},
+}  # fmt: skip
+
+# what `update-norm-bound` does to a larger update (pollen.strategies.replies)
+NORM_ACTIONS = ("clip", "drop")
+# FedDyn's server h averages the drift over all clients or this round's
+FEDDYN_H_SCALES = ("num-clients", "participants")
+PARTITIONS = ("iid", "niid", "niid-client", "pathological", "silos")
+CLASS_ASSIGNMENTS = ("first-deterministic", "deterministic", "random")
+CLIENT_OPTIMIZERS = ("sgd", "adam", "adamw")
+DEVICES = ("auto", "cpu", "cuda", "mps")

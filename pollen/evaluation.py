@@ -1,0 +1,88 @@
+"""The server's evaluation of the global model on the test split.
+
+Pure: arrays in, (loss, accuracy) out; a model or loss that is no longer
+finite raises `DivergenceError` with the likely cause, before the round is
+recorded or checkpointed. What follows from the numbers (the history, the
+console line, the learning-rate step) is the recorder's job.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from flwr.app import ArrayRecord
+
+from .settings import Settings
+from .task import model_inputs
+from .task.data import Dataset
+from .task.train import Preprocess, evaluate
+
+
+class DivergenceError(RuntimeError):
+    """The global model or its test loss is no longer finite."""
+
+
+class GlobalEvaluation:
+    """The global model's test loss and accuracy, on `device`."""
+
+    def __init__(
+        self,
+        settings: Settings,
+        dataset: Dataset,
+        model: torch.nn.Module,
+        device: torch.device,
+    ) -> None:
+        self.settings = settings
+        self.model = model
+        self.device = device
+        self.y_test = dataset.y_test.to(device)
+        self.x_test, self.preprocess = model_inputs(
+            settings, "test", model, dataset.x_test.to(device),
+            Preprocess(dataset.mean, dataset.std, settings.normalize, device=device),
+        )  # fmt: skip
+
+    def __call__(self, server_round: int, arrays: ArrayRecord) -> tuple[float, float]:
+        """(loss, accuracy) of `arrays` on the test split; refuses a diverged model."""
+        state = arrays.to_torch_state_dict()
+        self.model.load_state_dict({k: v.to(self.device) for k, v in state.items()})
+        loss, accuracy = evaluate(
+            self.model,
+            self.x_test,
+            self.y_test,
+            batch_size=self.settings.test_batch_size,
+            preprocess=self.preprocess,
+        )
+        check_finite(server_round, state, loss, self.settings)
+        return loss, accuracy
+
+
+def check_finite(
+    server_round: int, state: dict[str, torch.Tensor], loss: float, settings: Settings
+) -> None:
+    """Stop a diverged run before its round is recorded or checkpointed."""
+    broken = [
+        k for k, v in state.items() if v.is_floating_point() and not v.isfinite().all()
+    ]
+    if not broken and math.isfinite(loss):
+        return
+    what = (
+        f"{len(broken)} entries of the global model ({broken[0]!r}, ...) are"
+        if broken
+        else f"the test loss ({loss}) is"
+    )
+    raise DivergenceError(
+        f"round {server_round}: {what} not finite, the run diverged; "
+        f"likely cause: {_divergence_hint(settings)}. The last good checkpoint, "
+        "if any, is kept"
+    )
+
+
+def _divergence_hint(s: Settings) -> str:
+    hints = []
+    if s.server_update in ("sgd", "adagrad", "adam", "yogi"):
+        hints.append(f"server-lr={s.server_lr:g} too high")
+    if "feddyn" in (s.server_update, s.local_objective.removesuffix("-sam")):
+        hints.append(f"dyn-alpha={s.dyn_alpha:g} with lr={s.lr:g}")
+    hints.append(f"lr={s.lr:g} too high (max-grad-norm={s.max_grad_norm:g})")
+    return "; or ".join(hints)

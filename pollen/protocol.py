@@ -1,0 +1,53 @@
+"""The wire between pollen's ServerApp and ClientApp: every record, config,
+metric and state key both sides use, spelled once.
+
+A Flower message carries a `RecordDict`; pollen's records in it are named
+below. The server's messages carry the shared model entries (`ARRAYS`) and a
+`CONFIG` record naming the client (`CLIENT`), the round and the learning
+rate; a client's reply carries its entries, its `METRICS` and a `CLIENT_RECORD`
+repeating which client it answers for. Client state between rounds lives in
+`context.state` under per-client keys. This module imports nothing heavier
+than the standard library, so a ClientApp never imports the server's code.
+"""
+
+from __future__ import annotations
+
+# ---- records of a message --------------------------------------------------
+ARRAYS = "arrays"  # ArrayRecord: the model entries that travel
+CONFIG = "config"  # ConfigRecord: what the server asks of this message
+METRICS = "metrics"  # MetricRecord: what the client reports
+CLIENT_RECORD = "client"  # ConfigRecord {CLIENT: k} in a reply
+NODE_RECORD = "node"  # ConfigRecord: a node's answer to the start-up query
+
+# ---- config keys (server -> client) -----------------------------------------
+CLIENT = "partition-id"  # the client (data partition) a message is for
+SERVER_ROUND = "server-round"
+LR = "lr"  # this round's client learning rate
+
+# ---- node config and the start-up query's answer (client -> server) ---------
+NUM_PARTITIONS = "num-partitions"
+NUM_EXAMPLES = "num-examples"  # also the weight of a training reply
+OWN_DATA = "own-data"  # the node trains on its own data file
+SHARD_FINGERPRINT = "shard-fingerprint"
+
+# ---- metrics (client -> server) ---------------------------------------------
+TRAIN_LOSS = "train-loss"
+DP_EPSILON = "dp-epsilon"  # the privacy spent so far (DP-SGD)
+DP_NOISE_MULTIPLIER = "dp-noise-multiplier"
+PERSONAL_METRICS = ("global-accuracy", "global-loss", "local-accuracy", "local-loss")
+
+
+# ---- context.state keys (one client's state on its node) --------------------
+def local_entries_key(client: int) -> str:
+    """The model entries a sharing policy keeps on the client."""
+    return f"local-{client}"
+
+
+def feddyn_state_key(client: int) -> str:
+    """FedDyn's gradient state h_k."""
+    return f"feddyn-h-{client}"
+
+
+def dp_steps_key(client: int) -> str:
+    """The DP-SGD steps a client's privacy accountant has counted."""
+    return f"dp-steps-{client}"

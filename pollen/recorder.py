@@ -1,0 +1,101 @@
+"""After each round: record it, print it, step the learning rate, notify.
+
+The recorder turns a round's outcome and the global model's test numbers
+into a history row (`results.RoundRecord`), rewrites the history (a run that
+dies keeps every finished round), prints the round's console lines, steps
+the plateau rule on the test loss (the next round's learning rate, which the
+server loop puts into that round's config) and sends a notification when
+one is due. Under DP-SGD it keeps each client's reported epsilon and records
+the largest: the privacy the federation has spent so far.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+from .lr_schedule import PlateauSchedule
+from .notify import Notifier
+from .protocol import DP_EPSILON
+from .results import RoundRecord, round_lines, write_history
+from .settings import Settings
+from .strategies.round import RoundOutcome
+
+
+class RoundRecorder:
+    """History, console, learning rate and notifications of one run."""
+
+    def __init__(
+        self,
+        settings: Settings,
+        history: list[RoundRecord],
+        run_dir: Path,
+        notifier: Notifier,
+        run_name: str,
+    ) -> None:
+        self.settings = settings
+        self.history = history
+        self.run_dir = run_dir
+        self.notifier = notifier
+        self.run_name = run_name
+        self.scheduler = PlateauSchedule(
+            lr=settings.lr,
+            factor=settings.lr_factor,
+            patience=settings.lr_patience,
+            threshold=settings.lr_threshold,
+            cooldown=settings.lr_cooldown,
+            min_lr=settings.min_lr,
+        )
+        self.dp_epsilon: dict[int, float] = {}
+        self._last = time.monotonic()
+
+    @property
+    def lr(self) -> float:
+        """The client learning rate of the next round."""
+        return self.scheduler.lr
+
+    def start_clock(self) -> None:
+        """Round times count from here (after set-up and any resume)."""
+        self._last = time.monotonic()
+
+    def record(
+        self, server_round: int, outcome: RoundOutcome, loss: float, accuracy: float
+    ) -> RoundRecord:
+        """Write, print and notify round `server_round`; step the lr on its loss."""
+        now = time.monotonic()
+        record = RoundRecord(
+            round=server_round,
+            accuracy=accuracy,
+            loss=loss,
+            lr=self.lr,
+            seconds=round(now - self._last, 4),
+            bytes_up=outcome.bytes_up,
+            bytes_down=outcome.bytes_down,
+            clients=outcome.clients,
+            failures=outcome.failures,
+            clipped=outcome.clipped,
+            skipped=outcome.skipped,
+            eval_bytes=outcome.eval_bytes,
+            personal=outcome.personal,
+            dp_epsilon=self._privacy_spent(outcome),
+        )
+        self._last = now
+        self.history.append(record)
+        write_history(self.run_dir, self.history)
+        mean_seconds = sum(r.seconds for r in self.history) / len(self.history)
+        left = mean_seconds * (self.settings.rounds - server_round)
+        print(round_lines(record, self.settings.rounds, left), flush=True)
+        self.scheduler.step(loss)
+        self.notifier.round_finished(
+            self.run_name, server_round, self.settings.rounds, record.accuracy,
+            record.loss, record.dp_epsilon,
+        )  # fmt: skip
+        return record
+
+    def _privacy_spent(self, outcome: RoundOutcome) -> float | None:
+        """The largest epsilon any client has reported so far (None without DP)."""
+        for update in [] if outcome.skipped else outcome.updates:
+            epsilon = update.metrics.get(DP_EPSILON)
+            if isinstance(epsilon, float):
+                self.dp_epsilon[update.client] = epsilon
+        return max(self.dp_epsilon.values()) if self.dp_epsilon else None

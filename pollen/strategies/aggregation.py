@@ -1,0 +1,101 @@
+"""The aggregation step: the replies of a round -> one aggregate per entry.
+
+It sits between the checked replies and the server update. Today's rule is
+the weighted mean (FedAvg's, McMahan et al. 2017),
+
+    x_bar = sum_k w_k x_k / sum_k w_k,
+
+with w_k the client's example count, or 1 for every client where the server
+update asks for a uniform mean (FedDyn). The aggregate stays in float64 so
+the server update that follows (FedAvg, FedOpt, FedDyn) works at full
+precision and casts once. Robust rules (median, trimmed mean, Krum) and
+central DP's clip-and-noise belong here, as other aggregators.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Mapping, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+from flwr.app import MetricRecord
+
+Arrays = Mapping[str, np.ndarray]
+
+
+@dataclass(frozen=True)
+class ClientUpdate:
+    """One accepted training reply: the client, its decoded shared entries,
+    its checked metrics and its weight (example count)."""
+
+    client: int
+    arrays: Arrays
+    metrics: MetricRecord
+    num_examples: float
+
+
+@dataclass(frozen=True)
+class Aggregate:
+    """What the aggregation step hands the server update: one float64 value
+    per shared entry, and the updates it was made of (in client order)."""
+
+    arrays: dict[str, np.ndarray]
+    updates: tuple[ClientUpdate, ...]
+
+
+def normalized(weights: Sequence[float], count: int) -> np.ndarray:
+    """Weights as float64 summing to one; refuse a wrong count or a non-positive one."""
+    w = np.asarray(weights, dtype=np.float64)
+    if count == 0:
+        raise ValueError("nothing to average")
+    if w.shape != (count,) or not np.all(w > 0):
+        raise ValueError(f"need one positive weight per record, got {list(weights)}")
+    return w / w.sum()
+
+
+def mean64(records: Sequence[Arrays], weights: np.ndarray, key: str) -> np.ndarray:
+    """sum_k w_k x_k for one entry, in float64 (`weights` already sum to one)."""
+    return sum(
+        (
+            wk * r[key].astype(np.float64)
+            for wk, r in zip(weights, records, strict=True)
+        ),
+        start=np.zeros(records[0][key].shape),
+    )
+
+
+def cast_like(value: np.ndarray, like: np.ndarray) -> np.ndarray:
+    """`value` in `like`'s dtype; integer entries (BatchNorm counters) are rounded."""
+    if not np.issubdtype(like.dtype, np.floating):
+        value = np.rint(value)
+    return np.asarray(value, dtype=like.dtype)
+
+
+def weighted_average(
+    records: Sequence[Arrays], weights: Sequence[float]
+) -> dict[str, np.ndarray]:
+    """sum_k w_k x_k / sum_k w_k for every entry, accumulated in float64.
+
+    Floating entries come back in their own dtype (float32 on the wire);
+    integer entries such as BatchNorm's `num_batches_tracked` are rounded and
+    stay integers.
+    """
+    w = normalized(weights, len(records))
+    return {
+        key: cast_like(mean64(records, w, key), records[0][key]) for key in records[0]
+    }
+
+
+class Mean:
+    """The example-weighted (or, with `uniform`, plain) mean of every entry."""
+
+    def __init__(self, uniform: bool = False) -> None:
+        self.uniform = uniform
+
+    def __call__(
+        self, updates: Sequence[ClientUpdate], keys: Collection[str]
+    ) -> Aggregate:
+        weights = [1.0 if self.uniform else u.num_examples for u in updates]
+        w = normalized(weights, len(updates))
+        records = [u.arrays for u in updates]
+        return Aggregate({key: mean64(records, w, key) for key in keys}, tuple(updates))

@@ -1,0 +1,33 @@
+"""Settings -> the server's composed parts: a strategy with the server update
+and aggregation step its settings name, and the personal evaluation."""
+
+from __future__ import annotations
+
+from torch import nn
+
+from ..catalog import SERVER_UPDATES
+from ..settings import Settings
+from .personal import PersonalEvaluation
+from .sharing import Sharing
+from .strategy import Strategy
+
+
+def build_strategy(
+    settings: Settings, model: nn.Module
+) -> tuple[Strategy, PersonalEvaluation]:
+    """The strategy with the server update named by `server-update`, and the
+    personal evaluation, both sharing by `sharing` and `bn-policy`."""
+    sharing = Sharing.of(settings.sharing_policy, model)
+    update = SERVER_UPDATES[settings.server_update].load().from_settings(settings)
+    strategy = Strategy(
+        num_clients=settings.num_clients,
+        client_frac=settings.client_frac,
+        seed=settings.seed,
+        server_update=update,
+        sharing=sharing,
+        min_replies=settings.min_train_replies,
+        min_train_nodes=settings.min_train_nodes,
+        norm_bound=settings.update_norm_bound,
+        norm_action=settings.update_norm_action,
+    )
+    return strategy, PersonalEvaluation(sharing, settings.personal_eval_every)

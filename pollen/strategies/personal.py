@@ -1,0 +1,122 @@
+"""Personal evaluation: each client tests its own model (shared + local entries).
+
+Under a sharing policy that keeps entries on the clients (FedBN, SiloBN,
+FedSA), the global model alone is not what a client uses: every
+`personal_eval_every` rounds, each client that has trained so far is sent
+the shared entries and evaluates them with its own local ones, on the
+global test set and on its own test shard. Composed beside the strategy
+(it needs none of its internals); which clients have trained is its state,
+exported for checkpoints as `trained-clients`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+
+import numpy as np
+from flwr.app import ArrayRecord, ConfigRecord, Message, MessageType
+
+from .replies import ReplyError, checked_personal_reply
+from .sampling import Participants
+from .sharing import Sharing
+from .strategy import addressed, reject
+
+TRAINED_CLIENTS = "trained-clients"  # checkpoint state key
+
+
+@dataclass(frozen=True)
+class EvaluateRequest:
+    """The personal-evaluation messages of one round, and whom they ask."""
+
+    messages: list[Message]
+    clients: list[int]
+    owner: Mapping[int, int]
+    bytes_down: int
+
+
+@dataclass
+class PersonalOutcome:
+    """Each client's personal metrics, the failures, and the bytes sent."""
+
+    results: dict[int, dict[str, float]] = field(default_factory=dict)
+    failures: list[str] = field(default_factory=list)
+    clients: list[int] = field(default_factory=list)  # asked
+    bytes_down: int = 0
+
+
+class PersonalEvaluation:
+    """Every `every` rounds, every client that has trained evaluates its own model."""
+
+    def __init__(self, sharing: Sharing | None, every: int) -> None:
+        self.sharing = sharing
+        self.every = every
+        self.trained_clients: set[int] = set()
+
+    def state_arrays(self) -> dict[str, np.ndarray]:
+        return {TRAINED_CLIENTS: np.array(sorted(self.trained_clients), np.int64)}
+
+    def load_state_arrays(self, state: Mapping[str, np.ndarray]) -> None:
+        self.trained_clients = {int(c) for c in state[TRAINED_CLIENTS]}
+
+    def record_trained(self, clients: Iterable[int]) -> None:
+        """Clients whose update was accepted now hold a model of their own."""
+        self.trained_clients.update(clients)
+
+    def due(self, server_round: int) -> bool:
+        """Whether clients evaluate their own models after this round."""
+        return bool(
+            self.every
+            and self.sharing is not None
+            and self.sharing.local
+            and server_round % self.every == 0
+        )
+
+    def configure(
+        self,
+        server_round: int,
+        arrays: ArrayRecord,
+        config: ConfigRecord,
+        participants: Participants,
+    ) -> EvaluateRequest | None:
+        """Messages to every connected client that has trained (None when not due)."""
+        if not self.due(server_round) or self.sharing is None:
+            return None
+        owner = participants.roster.owner
+        payload = ArrayRecord({key: arrays[key] for key in self.sharing.shared})
+        clients = sorted(self.trained_clients & set(owner))
+        messages = addressed(
+            MessageType.EVALUATE, clients, payload, config, server_round, owner
+        )
+        return EvaluateRequest(
+            messages, clients, owner, payload.count_bytes() * len(clients)
+        )
+
+    def aggregate(
+        self, request: EvaluateRequest, replies: Iterable[Message]
+    ) -> PersonalOutcome:
+        """Each client's accuracies and losses (replies checked like training
+        ones, a bad one dropped with its reason)."""
+        outcome = PersonalOutcome(
+            clients=request.clients, bytes_down=request.bytes_down
+        )
+        replies = list(replies)
+        outcome.failures = [
+            f"evaluate, node {m.metadata.src_node_id}: {m.error.reason}"
+            for m in replies
+            if m.has_error()
+        ]
+        for msg in replies:
+            if msg.has_error():
+                continue
+            node = msg.metadata.src_node_id
+            try:
+                client, values = checked_personal_reply(
+                    msg, request.owner, request.clients, set(outcome.results)
+                )
+            except ReplyError as problem:
+                reject(outcome.failures, node, str(problem), what="evaluate, ")
+                continue
+            outcome.results[client] = values
+        outcome.results = dict(sorted(outcome.results.items()))
+        return outcome

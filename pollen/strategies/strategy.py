@@ -1,0 +1,284 @@
+"""pollen's strategy: sample, route, check, aggregate, update, in that order.
+
+A round's training half, as `pollen.strategies.round.play_round` drives it:
+
+1. `configure_train` samples clients with a generator seeded by (seed,
+   round) among those whose node is connected (the round's `Participants`,
+   passed in), and addresses one message per client to the node that serves
+   it, carrying only the entries the sharing policy lets travel;
+2. `aggregate_train` checks every reply (`replies.checked_reply`: its
+   client, entries, dtypes, finite values, example count, metrics) and
+   turns the valid ones, in client order, into typed `ClientUpdate`s; an
+   optional norm bound clips or drops an update far above the round's
+   median; with fewer than `min_replies` the round is skipped;
+3. the **aggregation step** (`aggregation.Mean`) reduces the updates to one
+   float64 aggregate per entry;
+4. the **server update** (`fedavg`, `fedopt`, `feddyn`) turns the aggregate
+   into the next shared entries.
+
+Everything a round did (who was asked, bytes down and up, failures, clipped
+updates, the accepted updates) comes back in a `TrainOutcome`; the strategy
+keeps only what must outlive a round (the server update's state), exported
+for checkpoints by `state_arrays`. Compared with Flower's `FedAvg`, for
+exact and comparable runs: seeded sampling over partitions instead of node
+IDs, every reply checked, replies aggregated in client order so float sums
+do not depend on arrival, and dtypes kept (float32 weights, integer
+BatchNorm counters).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from logging import WARNING
+
+import numpy as np
+from flwr.app import (
+    Array,
+    ArrayRecord,
+    ConfigRecord,
+    Message,
+    MessageType,
+    RecordDict,
+)
+from flwr.common.logger import log
+
+from .. import protocol
+from .aggregation import Arrays, ClientUpdate, Mean
+from .replies import (
+    Expectation,
+    ReplyError,
+    bound_update_norms,
+    checked_reply,
+    reply_failures,
+)
+from .sampling import Participants, sample_clients
+from .server_update import ServerUpdate
+from .sharing import Sharing
+
+
+def to_numpy(record: ArrayRecord) -> dict[str, np.ndarray]:
+    return {key: record[key].numpy() for key in record}
+
+
+@dataclass(frozen=True)
+class TrainRequest:
+    """What a round's training half sent, to check its replies against."""
+
+    server_round: int
+    messages: list[Message]
+    clients: list[int]  # sampled, in order
+    model: dict[str, np.ndarray]  # the global model the round started from
+    shared: tuple[str, ...]  # the entries that travelled
+    participants: Participants
+    bytes_down: int
+
+
+@dataclass
+class TrainOutcome:
+    """What a round's training half did; `arrays` is None when it was skipped."""
+
+    arrays: ArrayRecord | None = None
+    updates: list[ClientUpdate] = field(default_factory=list)  # accepted, in order
+    bytes_up: int = 0
+    failures: list[str] = field(default_factory=list)  # replies dropped, and why
+    clipped: list[str] = field(default_factory=list)  # updates scaled back
+
+    @property
+    def skipped(self) -> bool:
+        return self.arrays is None
+
+
+def addressed(
+    kind: str,
+    clients: list[int],
+    payload: ArrayRecord,
+    config: Mapping,
+    server_round: int,
+    owner: Mapping[int, int],
+) -> list[Message]:
+    """One message per client, to the node that serves it, naming the client."""
+    messages = []
+    for client in clients:
+        client_config = ConfigRecord(
+            {**config, protocol.SERVER_ROUND: server_round, protocol.CLIENT: client}
+        )
+        content = RecordDict({protocol.ARRAYS: payload, protocol.CONFIG: client_config})
+        messages.append(
+            Message(content=content, message_type=kind, dst_node_id=owner[client])
+        )
+    return messages
+
+
+class Strategy:
+    """Seeded sampling, checked replies, an aggregation step and a server update."""
+
+    def __init__(
+        self,
+        *,
+        num_clients: int,
+        client_frac: float,
+        seed: int,
+        server_update: ServerUpdate,
+        aggregator: Mean | None = None,
+        sharing: Sharing | None = None,
+        min_replies: int = 1,
+        min_train_nodes: int = 1,
+        norm_bound: float = 0.0,
+        norm_action: str = "clip",
+    ) -> None:
+        self.num_clients = num_clients
+        self.client_frac = client_frac
+        self.seed = seed
+        self.server_update = server_update
+        self.aggregator = aggregator or Mean(uniform=server_update.uniform_mean)
+        self.sharing = sharing
+        self.min_replies = min_replies
+        self.min_train_nodes = min_train_nodes
+        self.norm_bound = norm_bound
+        self.norm_action = norm_action
+
+    # ---- checkpointed state ---------------------------------------------------
+
+    def state_arrays(self) -> dict[str, np.ndarray]:
+        """Server state beyond the global model that a resumed run needs."""
+        return self.server_update.state_arrays()
+
+    def load_state_arrays(self, state: Mapping[str, np.ndarray]) -> None:
+        """Restore what `state_arrays` returned."""
+        self.server_update.load_state_arrays(state)
+
+    # ---- what travels -------------------------------------------------------
+
+    def shared_keys(self, arrays: Mapping[str, object]) -> tuple[str, ...]:
+        """Entries that travel (all of them without a sharing policy)."""
+        return self.sharing.shared if self.sharing else tuple(arrays)
+
+    def outgoing(self, arrays: ArrayRecord) -> ArrayRecord:
+        """The entries sent to clients: the shared ones."""
+        return ArrayRecord({key: arrays[key] for key in self.shared_keys(arrays)})
+
+    # ---- a round's training half -------------------------------------------------
+
+    def configure_train(
+        self,
+        server_round: int,
+        arrays: ArrayRecord,
+        config: ConfigRecord,
+        participants: Participants,
+    ) -> TrainRequest:
+        """One message per sampled client, addressed to the node that serves it."""
+        owner = participants.roster.owner
+        clients = sample_clients(
+            self.num_clients, self.client_frac, self.seed, server_round,
+            available=sorted(owner), minimum=self.min_train_nodes,
+        )  # fmt: skip
+        payload = self.outgoing(arrays)
+        messages = addressed(
+            MessageType.TRAIN, clients, payload, config, server_round, owner
+        )
+        return TrainRequest(
+            server_round=server_round,
+            messages=messages,
+            clients=clients,
+            model=to_numpy(arrays),
+            shared=self.shared_keys(arrays),
+            participants=participants,
+            bytes_down=payload.count_bytes() * len(clients),
+        )
+
+    def aggregate_train(
+        self, request: TrainRequest, replies: Iterable[Message]
+    ) -> TrainOutcome:
+        """Check the replies, aggregate the valid ones in client order and
+        apply the server update (no new arrays when too few are valid)."""
+        replies = list(replies)
+        outcome = TrainOutcome()
+        failed = [msg for msg in replies if msg.has_error()]
+        valid = [msg for msg in replies if not msg.has_error()]
+        outcome.failures = reply_failures(
+            request.clients, request.participants.roster.owner, valid, failed
+        )
+        current = {key: request.model[key] for key in request.shared}
+        outcome.updates = self._accepted(request, valid, current, outcome)
+        if len(outcome.updates) < self.min_replies:
+            log(WARNING, "pollen: round %d skipped, the model is unchanged: %d valid "
+                "replies, min-train-replies is %d", request.server_round,
+                len(outcome.updates), self.min_replies)  # fmt: skip
+            return outcome
+        aggregate = self.aggregator(outcome.updates, current)
+        new_shared = self.server_update.apply(
+            current,
+            aggregate,
+            lambda exclude_bn: self.trained_keys(current, exclude_bn),
+        )
+        merged = {**request.model, **new_shared}
+        outcome.arrays = ArrayRecord({k: Array(v) for k, v in merged.items()})
+        return outcome
+
+    def trained_keys(
+        self, current: Arrays, exclude_bn: bool = False
+    ) -> tuple[str, ...]:
+        """Shared entries a server optimiser or correction may change."""
+        if self.sharing:
+            return self.sharing.trained_shared(exclude_bn)
+        return tuple(
+            k for k, v in current.items() if np.issubdtype(v.dtype, np.floating)
+        )
+
+    def _accepted(
+        self,
+        request: TrainRequest,
+        replies: list[Message],
+        current: Arrays,
+        outcome: TrainOutcome,
+    ) -> list[ClientUpdate]:
+        """The replies that pass every check against the `current` shared
+        entries (and the norm bound), as updates in client order."""
+        owner = request.participants.roster.owner
+        expected = Expectation(
+            arrays=current,
+            owner=owner,
+            sampled=frozenset(request.clients),
+            max_examples=request.participants.max_examples,
+        )
+        accepted: list[ClientUpdate] = []
+        seen: set[int] = set()
+        for msg in replies:
+            arrays = msg.content.get(protocol.ARRAYS)
+            if isinstance(arrays, ArrayRecord):
+                outcome.bytes_up += arrays.count_bytes()
+            try:
+                client, metrics, decoded = checked_reply(msg, expected, seen)
+            except ReplyError as problem:
+                reject(outcome.failures, msg.metadata.src_node_id, str(problem))
+                continue
+            seen.add(client)
+            weight = float(metrics[protocol.NUM_EXAMPLES])
+            accepted.append(ClientUpdate(client, decoded, metrics, weight))
+        accepted.sort(key=lambda update: update.client)
+        if not self.norm_bound or not accepted:
+            return accepted
+        bounded = bound_update_norms(
+            current, [u.arrays for u in accepted], self.norm_bound, self.norm_action
+        )
+        kept = []
+        for update, (arrays, note) in zip(accepted, bounded, strict=True):
+            node = owner[update.client]
+            if arrays is None:
+                reject(outcome.failures, node, f"client {update.client}: {note}")
+                continue
+            if note:
+                outcome.clipped.append(f"node {node}: client {update.client}: {note}")
+                log(WARNING, "pollen: clipped update: client %d: %s",
+                    update.client, note)  # fmt: skip
+            kept.append(
+                ClientUpdate(update.client, arrays, update.metrics, update.num_examples)
+            )
+        return kept
+
+
+def reject(failures: list[str], node: int, problem: str, what: str = "") -> None:
+    """Record and log a reply that is dropped."""
+    failures.append(f"{what}node {node}: {problem}")
+    log(WARNING, "pollen: rejected %sreply from node %d: %s", what, node, problem)
