@@ -34,7 +34,7 @@ from urllib.parse import quote, unquote
 
 import numpy as np
 
-from pollen.results import write_json
+from pollen.files import write_json
 from pollen.settings import first_difference
 
 FORMAT_VERSION = 1

@@ -12,8 +12,6 @@ import csv
 import io
 import json
 import math
-import os
-import tempfile
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from datetime import datetime
@@ -21,6 +19,8 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+
+from .files import write_atomic, write_json
 
 HISTORY_FIELDS = (
     "round", "accuracy", "loss", "lr", "seconds", "bytes-up", "bytes-down", "clients",
@@ -116,38 +116,6 @@ def create_run_dir(output_dir: str, run_name: str) -> Path:
     except OSError as err:
         raise ResultsError(f"cannot create run directory {path}: {err}") from err
     return path
-
-
-def _current_umask() -> int:
-    """The process's umask (read once, at import, before any thread starts)."""
-    mask = os.umask(0o022)
-    os.umask(mask)
-    return mask
-
-
-_UMASK = _current_umask()
-
-
-def write_atomic(path: Path, data: bytes | str, private: bool = False) -> None:
-    """Write via a temporary file in the same folder and an atomic rename.
-
-    The file gets the permissions a plainly created one would (0666 less the
-    umask: results a container writes stay readable on the host), or 0600
-    when `private`."""
-    raw = data.encode() if isinstance(data, str) else data
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
-    try:
-        os.fchmod(fd, 0o600 if private else 0o666 & ~_UMASK)
-        with os.fdopen(fd, "wb") as f:
-            f.write(raw)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-
-
-def write_json(path: Path, obj: Any) -> None:
-    write_atomic(path, json.dumps(obj, indent=2) + "\n")
 
 
 def write_history(run_dir: Path, history: list[RoundRecord]) -> None:

@@ -25,8 +25,7 @@ import numpy as np
 import pytest
 from flwr.app import ArrayRecord
 
-from pollen.cli import free_port
-from pollen.deploy import descendants
+from pollen.deployment.processes import descendants, free_port
 from pollen.strategies.sharing import Sharing
 from pollen.task.models import build_model
 from tests.conftest import PROJECT
