@@ -39,7 +39,7 @@ sys.path.insert(0, str(PROJECT))
 
 from pollen.deployment import cluster  # noqa: E402
 from pollen.deployment.network import LinkShape, ShapedNetwork, netns_available  # noqa: E402
-from pollen.results import plot_accuracy_against  # noqa: E402
+from pollen.runs.results import plot_accuracy_against  # noqa: E402
 
 STRATEGIES = {
     "fedavg": "strategy='fedavg' model='cnn'",

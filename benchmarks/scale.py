@@ -42,8 +42,9 @@ from measure import PROJECT, run_pollen, settings_of
 
 from pollen.settings import Scalar, Settings
 from pollen.strategies.sharing import Sharing
-from pollen.task import federated_data, settings_model
 from pollen.task.data import CACHE_ENV
+from pollen.task.inputs import settings_model
+from pollen.task.shards import federated_data
 
 SAMPLED = 10  # clients trained per round, in every run
 STRATEGIES = ("fedavg", "feddyn")

@@ -87,7 +87,8 @@ def plain_arm(config: str) -> dict:
     from torch.utils.data import DataLoader, Subset
     from torchvision import transforms
 
-    from pollen.task import federated_data, settings_model
+    from pollen.task.inputs import settings_model
+    from pollen.task.shards import federated_data
     from pollen.task.train import ClientOptimizer
 
     class ImageArrays(torch.utils.data.Dataset):
@@ -168,7 +169,7 @@ def run_arm(arm: str, config: str) -> dict:
 
 def warm_data_cache(config: str) -> None:
     """Decode the data set once, so that no arm pays for the first decode."""
-    from pollen.task import federated_data
+    from pollen.task.shards import federated_data
 
     federated_data(settings_of(config))
 

@@ -20,12 +20,12 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from .checkpoints import CheckpointError
 from .deployment import cluster, deploy_actions, launch
 from .deployment.processes import ProcessError
 from .deployment.run_config import RunConfigError
 from .experiments import compare, report
-from .results import ResultsError
+from .runs.checkpoints import CheckpointError
+from .runs.results import ResultsError
 from .settings import SettingsError
 
 EXIT_FAILED, EXIT_BAD_INPUT = 1, 2

@@ -11,7 +11,7 @@ local (FedBN's BatchNorm, FedSA's LoRA B matrices), its objective's state
 (FedDyn's h_k) and, under DP-SGD, the steps its privacy accountant has
 counted. When the run checkpoints, that state is
 also written to the client's disk after each round it trains and read back
-by a resumed run (`pollen.client_state`). Only shared entries are accepted
+by a resumed run (`pollen.task.client_state`). Only shared entries are accepted
 from the server and only shared entries are sent back.
 
 Where a node's examples come from is its own business (node config, both
@@ -29,7 +29,6 @@ from dataclasses import dataclass, replace
 from functools import cache
 from pathlib import Path
 
-import numpy as np
 import torch
 from flwr.app import (
     ArrayRecord,
@@ -41,7 +40,6 @@ from flwr.app import (
 )
 from flwr.clientapp import ClientApp
 
-from . import client_state
 from .deployment.warm_hint import hint_mod
 from .protocol import (
     ARRAYS,
@@ -62,8 +60,10 @@ from .protocol import (
 )
 from .settings import Settings
 from .strategies.sharing import Sharing
-from .task import NodeData, OwnData, model_inputs, settings_model
+from .task import client_state
 from .task.data import Dataset
+from .task.inputs import model_inputs, settings_model
+from .task.node_data import NodeData, OwnData
 from .task.objectives import LocalObjective
 from .task.privacy import (
     PrivacyLedger,
@@ -76,6 +76,7 @@ from .task.train import (
     Preprocess,
     TrainResult,
     Transform,
+    client_seed,
     evaluate,
     pick_device,
     train_local,
@@ -304,7 +305,7 @@ def train(msg: Message, context: Context) -> Message:
         s.client_optimizer, float(config[LR]), s.momentum, s.weight_decay,
         s.client_betas,
     )  # fmt: skip
-    seed = _client_seed(s.seed, cm.server_round, cm.client)
+    seed = client_seed(s.seed, cm.server_round, cm.client)
     if s.dp:
         result, metrics = _train_private(cm, context, x, y, optimizer, prep, seed,
                                          objective)  # fmt: skip
@@ -361,9 +362,3 @@ def evaluate_personal(msg: Message, context: Context) -> Message:
     personal = dict(zip(PERSONAL_METRICS, (g_acc, g_loss, l_acc, l_loss), strict=True))
     metrics = MetricRecord({**personal, NUM_EXAMPLES: len(own[1])})
     return cm.reply(msg, metrics)
-
-
-def _client_seed(seed: int, server_round: int, client: int) -> int:
-    return int(
-        np.random.SeedSequence([seed, server_round, client]).generate_state(1)[0]
-    )

@@ -1,8 +1,10 @@
-"""Files written whole or not at all.
+"""Files written whole or not at all, and arrays read without pickle.
 
 A reader (another process, a resumed run, `pollen report`) never sees half a
 file: every result, record and cache is written to a temporary file in the
-same folder and renamed over its target, which POSIX makes atomic.
+same folder and renamed over its target, which POSIX makes atomic. Arrays
+(checkpoints, client state, partition caches, data files) are `.npz`
+archives read with `allow_pickle=False`: unpickling a file could run code.
 """
 
 from __future__ import annotations
@@ -10,8 +12,13 @@ from __future__ import annotations
 import json
 import os
 import tempfile
+import zipfile
+import zlib
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
+from urllib.parse import quote, unquote
+
+import numpy as np
 
 
 def _current_umask() -> int:
@@ -45,3 +52,57 @@ def write_atomic(path: Path, data: bytes | str, private: bool = False) -> None:
 def write_json(path: Path, obj: Any) -> None:
     """`obj` as indented JSON, atomically."""
     write_atomic(path, json.dumps(obj, indent=2) + "\n")
+
+
+class NpzError(ValueError):
+    """A file that is not a pickle-free .npz; the message says what it is."""
+
+
+def write_npz(target: Path | BinaryIO, arrays: dict[str, np.ndarray]) -> None:
+    """An uncompressed npz like `np.savez`'s, with percent-encoded member names,
+    into a file path or an open binary file.
+
+    Written by hand rather than with `np.savez(path, **arrays)`, whose keyword
+    arguments would clash with names such as "file" or "allow_pickle".
+    """
+    with zipfile.ZipFile(target, "w", zipfile.ZIP_STORED, allowZip64=True) as archive:
+        for name, array in arrays.items():
+            member = quote(name, safe="") + ".npy"
+            with archive.open(member, "w", force_zip64=True) as f:
+                np.lib.format.write_array(f, array, allow_pickle=False)
+
+
+def read_npz(path: Path) -> dict[str, np.ndarray]:
+    """Every array of the .npz at `path` (names percent-decoded, as
+    `write_npz` encodes them), without unpickling anything.
+
+    `FileNotFoundError` where there is no file; `NpzError` for a single .npy
+    array, an array of pickled objects, or a truncated or corrupted file.
+    """
+    try:
+        with path.open("rb") as f:
+            loaded = np.load(f, allow_pickle=False)
+            if not isinstance(loaded, np.lib.npyio.NpzFile):
+                raise NpzError(f"{path} is a single .npy array, not an .npz")
+            with loaded as npz:
+                return {unquote(name): _plain(npz, name, path) for name in npz.files}
+    except (FileNotFoundError, NpzError):
+        raise
+    except (OSError, ValueError, EOFError, zipfile.BadZipFile, zlib.error) as err:
+        raise NpzError(
+            f"cannot read {path}: truncated or not a .npz, or its data is "
+            f"corrupted ({err})"
+        ) from err
+
+
+def _plain(npz: np.lib.npyio.NpzFile, name: str, path: Path) -> np.ndarray:
+    """One array of an open .npz; an object array is refused, not unpickled."""
+    try:
+        return npz[name]
+    except ValueError as err:
+        if "allow_pickle" not in str(err):
+            raise
+        raise NpzError(
+            f"cannot read {path}: {name} holds pickled Python objects ({err}); "
+            "unpickling could run code, so only plain arrays are read"
+        ) from err

@@ -23,14 +23,13 @@ from flwr.app import Array, ArrayRecord, ConfigRecord, Context
 from flwr.common.logger import log
 from flwr.serverapp import Grid, ServerApp
 
-from . import client_state
-from .checkpoints import Checkpoint, load_resumable, save_checkpoint
-from .evaluation import GlobalEvaluation
-from .membership import Membership
-from .notify import Notifier
+from .files import write_atomic, write_json
 from .protocol import LR
-from .recorder import RoundRecorder
-from .results import (
+from .runs.checkpoints import Checkpoint, load_resumable, save_checkpoint
+from .runs.evaluation import GlobalEvaluation
+from .runs.notify import Notifier
+from .runs.recorder import RoundRecorder
+from .runs.results import (
     RUN_COMPLETED,
     ResultsError,
     RoundRecord,
@@ -40,20 +39,21 @@ from .results import (
     plot_label_heatmap,
     read_history,
     summarize,
-    write_atomic,
-    write_json,
 )
 from .settings import Settings, SettingsError
 from .strategies.compose import build_strategy
+from .strategies.membership import Membership
 from .strategies.personal import PersonalEvaluation
 from .strategies.round import play_round
 from .strategies.sampling import OneMessagePerNode
 from .strategies.sharing import count_parameters
 from .strategies.strategy import Strategy, to_numpy
-from .task import federated_data, settings_model, shard_fingerprints
+from .task import client_state
+from .task.inputs import settings_model
 from .task.lora import FrozenBackboneClassifier
 from .task.partition import format_label_counts, label_counts
 from .task.privacy import check_private_model
+from .task.shards import federated_data, shard_fingerprints
 from .task.train import pick_device
 
 app = ServerApp()

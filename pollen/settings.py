@@ -35,7 +35,7 @@ from .catalog import (
     SHARING,
     Scalar,
 )
-from .notify import check_url
+from .runs.notify import check_url
 
 AUTO = "auto"
 # server-lr = "auto": 1 for a plain step (FedAvg's), 0.01 for the adaptive ones

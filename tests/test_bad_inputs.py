@@ -15,7 +15,7 @@ import pytest
 import torch
 from PIL import Image
 
-from pollen.checkpoints import (
+from pollen.runs.checkpoints import (
     Checkpoint,
     CheckpointError,
     check_resumable,
@@ -23,10 +23,10 @@ from pollen.checkpoints import (
     save_checkpoint,
 )
 from pollen.settings import Settings
-from pollen.task import client_shard, client_test_shard
 from pollen.task import data as data_module
 from pollen.task.data import CACHE_DIR, DataError, load_dataset
 from pollen.task.partition import PartitionError, partition_indices
+from pollen.task.shards import client_shard, client_test_shard
 
 
 def fake_mnist() -> dict[str, np.ndarray]:
@@ -200,7 +200,10 @@ def test_malformed_npz_arrays(tmp_path: Path, change, message: str) -> None:
     ("damage", "message"),
     [
         (_flipped_bytes, r"cannot read .*mnist\.npz: .*corrupted"),
-        (_single_npy, r"mnist\.npz is a single \.npy array; a Keras-layout \.npz"),
+        (
+            _single_npy,
+            r"mnist\.npz is a single \.npy array, not an \.npz; a Keras-layout \.npz",
+        ),
         (_pickled_labels, r"cannot read .*Object arrays cannot be loaded"),
     ],
 )

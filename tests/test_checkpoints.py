@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from pollen.checkpoints import (
+from pollen.runs.checkpoints import (
     Checkpoint,
     CheckpointError,
     checkpoint_dir,
@@ -116,7 +116,7 @@ def test_failed_save_leaves_the_previous_copy_intact(
     def fail(path: Path, obj: object) -> None:
         raise OSError("disk full")
 
-    monkeypatch.setattr("pollen.checkpoints.write_json", fail)
+    monkeypatch.setattr("pollen.runs.checkpoints.write_json", fail)
     with pytest.raises(OSError, match="disk full"):
         save_checkpoint(tmp_path, make_checkpoint(2, tag="second"), keep=1)
     assert [p.name for p in (tmp_path / "checkpoints").iterdir()] == ["round-00002"]

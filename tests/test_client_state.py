@@ -11,7 +11,11 @@ import pytest
 from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Message, RecordDict
 
 from pollen import client_app
-from pollen.client_state import (
+from pollen.files import write_json
+from pollen.protocol import CLIENT
+from pollen.settings import Settings
+from pollen.strategies.sharing import Sharing
+from pollen.task.client_state import (
     KEEP_FROM,
     RESUME_ROUND,
     RUN_NAME,
@@ -21,10 +25,6 @@ from pollen.client_state import (
     export_state,
     import_state,
 )
-from pollen.protocol import CLIENT
-from pollen.results import write_json
-from pollen.settings import Settings
-from pollen.strategies.sharing import Sharing
 from pollen.task.models import build_model
 from tests.test_sharing import run_config
 

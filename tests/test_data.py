@@ -77,7 +77,7 @@ def test_digits_shards_need_neither_scikit_learn_nor_datasets(tmp_path: Path) ->
     flwr-datasets' `datasets` (1.1 and 1.4 s of CPU)."""
     script = (
         "import sys; from pollen.settings import Settings; "
-        "from pollen.task import federated_data; "
+        "from pollen.task.shards import federated_data; "
         f"federated_data(Settings(data_root={str(tmp_path)!r})); "
         "print(sorted({m.split('.')[0] for m in sys.modules} & {'sklearn', 'datasets'}))"
     )

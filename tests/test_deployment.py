@@ -15,9 +15,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from pollen.checkpoints import read_npz
 from pollen.deployment import certificates, cluster, processes
 from pollen.deployment.flower import flower_env
+from pollen.runs.checkpoints import read_npz
 from tests.conftest import PROJECT, SHARED_DATA, write_mnist_slices
 from tests.deployed import BIN, finish, history, wait_for_rounds
 from tests.deployed import submit as submit_to

@@ -12,8 +12,8 @@ from torch import nn
 from pollen import client_app
 from pollen.settings import Settings, SettingsError
 from pollen.strategies.sharing import Sharing, count_parameters, entry_kinds
-from pollen.task import settings_model
 from pollen.task.data import load_dataset
+from pollen.task.inputs import settings_model
 from pollen.task.lora import FrozenBackboneClassifier, LoRALinear
 from pollen.task.models import ModelOptions, build_model
 from tests.test_sharing import message
@@ -185,7 +185,7 @@ def tiny_cifar(tmp_path):
 def test_cached_features_train_like_images(tiny_cifar) -> None:
     """The head trains the same on stored features as on images through the
     backbone, and the features are computed once per process."""
-    from pollen import task
+    from pollen.task import inputs
 
     replies = {}
     for cache in (False, True):
@@ -201,11 +201,11 @@ def test_cached_features_train_like_images(tiny_cifar) -> None:
             {k: model.state_dict()[k] for k in Sharing.of("lora-a", model).shared}
         )
         context = Context(1, 1, {}, RecordDict(), run_config)
-        cached = len(task._FEATURES)
+        cached = len(inputs._FEATURES)
         replies[cache] = client_app.train(message("train", sent, 0, 1), context)
-        assert len(task._FEATURES) == cached + cache  # one entry: client 0's shard
+        assert len(inputs._FEATURES) == cached + cache  # one entry: client 0's shard
         client_app.train(message("train", sent, 0, 2), context)
-        assert len(task._FEATURES) == cached + cache  # reused, not recomputed
+        assert len(inputs._FEATURES) == cached + cache  # reused, not recomputed
     for key, value in replies[True].content["arrays"].items():
         np.testing.assert_allclose(
             value.numpy(), replies[False].content["arrays"][key].numpy(), atol=1e-5

@@ -9,7 +9,7 @@ import math
 import pytest
 import torch
 
-from pollen.lr_schedule import PlateauSchedule
+from pollen.runs.lr_schedule import PlateauSchedule
 
 # falls, plateaus (within and beyond the threshold), a NaN round, rises
 LOSSES = [

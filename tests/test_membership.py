@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 from flwr.app import Array, ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
 
-from pollen.membership import Membership
 from pollen.protocol import CLIENT as CLIENT_KEY
+from pollen.strategies.membership import Membership
 from pollen.strategies.sampling import Roster, RosterError, sample_clients
 from tests.conftest import reply_from
 from tests.rounds import fedavg

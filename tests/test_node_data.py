@@ -13,14 +13,16 @@ import pytest
 import torch
 from flwr.app import ArrayRecord, ConfigRecord, Context, Message, RecordDict
 
-import pollen.task
+import pollen.task.inputs
+import pollen.task.node_data
 from pollen import client_app
 from pollen.settings import Settings
 from pollen.strategies.sharing import Sharing
-from pollen.task import federated_data, settings_model, shard_fingerprints
 from pollen.task.data import SPECS, DataError, load_dataset
+from pollen.task.inputs import settings_model
 from pollen.task.models import build_model
 from pollen.task.partition import PartitionError
+from pollen.task.shards import federated_data, shard_fingerprints
 from pollen.task.train import Preprocess, evaluate
 from tests.conftest import SHARED_DATA, write_mnist_slices
 from tests.test_sharing import message
@@ -256,10 +258,12 @@ def test_cached_backbone_features_of_a_file_are_its_own(tmp_path: Path) -> None:
         sent = ArrayRecord({k: model.state_dict()[k] for k in shared})
         simulated = Context(1, 1, node(0, 1), RecordDict(), config)
         client_app.train(message("train", sent, 0, 1), simulated)
-        cached = len(pollen.task._FEATURES)
+        cached = len(pollen.task.inputs._FEATURES)
         own = Context(2, 1, node(0, 1, **{"data-file": path}), RecordDict(), config)
         replies[cache] = arrays_of(client_app.train(message("train", sent, 0, 1), own))
-        assert len(pollen.task._FEATURES) == cached + cache  # the file's, not reused
+        assert (
+            len(pollen.task.inputs._FEATURES) == cached + cache
+        )  # the file's, not reused
     for name, value in replies[True].items():
         np.testing.assert_allclose(value, replies[False][name], atol=1e-5)
 
@@ -275,9 +279,9 @@ def test_the_file_is_read_once_and_again_when_it_changes(
     tmp_path: Path, monkeypatch
 ) -> None:
     reads = []
-    read = pollen.task.read_node_file
+    read = pollen.task.node_data.read_node_file
     monkeypatch.setattr(
-        pollen.task, "read_node_file", lambda *a: reads.append(a) or read(*a)
+        pollen.task.node_data, "read_node_file", lambda *a: reads.append(a) or read(*a)
     )
     path = write_node_file(tmp_path / "mine.npz", x_train=images(9), y_train=labels(9))
     context = Context(1, 1, node(0, **{"data-file": path}), RecordDict(), run_config())
@@ -385,7 +389,7 @@ BAD_FILES = {
     "truncated": (_truncated, "truncated or not a .npz"),
     "single-npy": (
         _single_npy,
-        "is a single .npy array; a node data-file holds x_train, y_train",
+        "is a single .npy array, not an .npz; a node data-file holds x_train, y_train",
     ),
     "a-directory": (lambda path: path.mkdir(), "truncated or not a .npz"),
     "missing": (lambda path: None, "No such file or directory; node config data-file"),

@@ -13,7 +13,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
-from pollen.notify import URL_ENV, Notifier, check_url, redact
+from pollen.runs.notify import URL_ENV, Notifier, check_url, redact
 
 SECRET = "T000/B000/s3cr3t-t0ken"
 
@@ -222,13 +222,13 @@ def test_url_never_logged(
     hook: Hook, dead_url: str, caplog: pytest.LogCaptureFixture
 ) -> None:
     hook.status = 500
-    caplog.set_level(logging.DEBUG, logger="pollen.notify")
+    caplog.set_level(logging.DEBUG, logger="pollen.runs.notify")
     for url in (hook.url, dead_url):
         with Notifier(url, every=1, timeout=0.5) as notifier:
             notifier.run_started("r", "fedavg", "digits", 1)
             notifier.run_failed("r", "x")
         assert notifier.failed == 2
-    records = [r for r in caplog.records if r.name == "pollen.notify"]
+    records = [r for r in caplog.records if r.name == "pollen.runs.notify"]
     assert len(records) == 2  # once per kind of failure and notifier
     assert "HTTP 500" in caplog.text and "127.0.0.1" in caplog.text
     assert SECRET not in caplog.text and "/services" not in caplog.text

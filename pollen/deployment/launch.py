@@ -20,7 +20,7 @@ import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 
-from ..results import RUN_COMPLETED
+from ..runs.results import RUN_COMPLETED
 from . import cluster, processes
 from .fab import staged_app
 from .flower import flower_env, start_superlink

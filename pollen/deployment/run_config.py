@@ -15,9 +15,9 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from ..checkpoints import check_resumable
-from ..notify import URL_ENV, check_url
-from ..results import check_run_dir_is_new, default_run_name
+from ..runs.checkpoints import check_resumable
+from ..runs.notify import URL_ENV, check_url
+from ..runs.results import check_run_dir_is_new, default_run_name
 from ..settings import Settings, SettingsError
 
 

@@ -23,7 +23,7 @@ import torch
 
 from ..deployment.run_config import RunConfigError, pin_paths, resolve_settings
 from ..files import write_atomic, write_json
-from ..results import (
+from ..runs.results import (
     RoundRecord,
     check_run_dir_is_new,
     create_run_dir,
@@ -33,8 +33,8 @@ from ..results import (
     write_history,
 )
 from ..settings import Settings
-from ..task import settings_model
 from ..task.data import load_dataset
+from ..task.inputs import settings_model
 from ..task.train import ClientOptimizer, Preprocess, evaluate, pick_device, train_local
 
 STRATEGY = "centralized"

@@ -32,9 +32,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any, NamedTuple
 
-from ..checkpoints import CheckpointError, check_resumable
 from ..deployment.run_config import RunConfigError, resolve_settings
 from ..files import write_atomic
+from ..runs.checkpoints import CheckpointError, check_resumable
 from ..settings import SettingsError, first_difference
 from .report import NOT_COMPARED, CompareError, cell_name, report, value_label
 

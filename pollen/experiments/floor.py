@@ -21,11 +21,12 @@ def fedavg_floor(settings: Settings) -> dict[str, Any]:
     seconds, and the final model's test accuracy and loss."""
     import torch
 
-    from ..client_app import _client_seed
-    from ..task import federated_data, settings_model
+    from ..task.inputs import settings_model
+    from ..task.shards import federated_data
     from ..task.train import (
         ClientOptimizer,
         Preprocess,
+        client_seed,
         evaluate,
         pick_device,
         train_local,
@@ -55,7 +56,7 @@ def fedavg_floor(settings: Settings) -> dict[str, Any]:
             train_local(
                 model, x, y, epochs=s.local_epochs, batch_size=s.batch_size,
                 optimizer=optimizer, preprocess=prep,
-                seed=_client_seed(s.seed, server_round, client),
+                seed=client_seed(s.seed, server_round, client),
                 max_grad_norm=s.max_grad_norm,
             )  # fmt: skip
             for name, value in model.state_dict().items():

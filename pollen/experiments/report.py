@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from ..files import write_atomic, write_json
-from ..results import plot_accuracy_against
+from ..runs.results import plot_accuracy_against
 from ..settings import PRESETS
 
 # Keys that name where or how a run ran, not what it computed.

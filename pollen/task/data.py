@@ -33,7 +33,6 @@ import os
 import shutil
 import tarfile
 import warnings
-import zipfile
 import zlib
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -43,6 +42,8 @@ from pathlib import Path
 import numpy as np
 import torch
 from PIL import Image
+
+from ..files import NpzError, read_npz
 
 SPLITS = ("x_train", "y_train", "x_test", "y_test")
 CACHE_DIR = ".pollen-cache"
@@ -342,39 +343,17 @@ def _read_npz(
         f", optionally {', '.join(optional)}" if optional else ""
     )
     try:
-        with path.open("rb") as f:
-            loaded = np.load(f, allow_pickle=False)
-            if not isinstance(loaded, np.lib.npyio.NpzFile):
-                raise DataError(f"{path} is a single .npy array; {kind} holds {holds}")
-            with loaded as npz:
-                missing = [k for k in keys if k not in npz.files]
-                if missing:
-                    raise DataError(
-                        f"{path} lacks {', '.join(missing)}; {kind} holds {holds}"
-                    )
-                wanted = [k for k in (*keys, *optional) if k in npz.files]
-                return {k: _npz_array(npz, k, path) for k in wanted}
-    except (zipfile.BadZipFile, zlib.error, EOFError, OSError, ValueError) as err:
-        if isinstance(err, DataError):
-            raise
+        arrays = read_npz(path)
+    except FileNotFoundError as err:
         raise DataError(
-            f"cannot read {path}: truncated or not a .npz, or its data is "
-            f"corrupted ({err})"
+            f"cannot read {path}: no such file; {kind} holds {holds}"
         ) from err
-
-
-def _npz_array(npz: np.lib.npyio.NpzFile, key: str, path: Path) -> np.ndarray:
-    """One array of an open .npz; an object array is refused, not unpickled."""
-    try:
-        return npz[key]
-    except ValueError as err:
-        if "allow_pickle" not in str(err):
-            raise
-        raise DataError(
-            f"cannot read {path}: {key} holds pickled Python objects ({err}); "
-            "unpickling could run code, so only plain arrays are read: uint8 "
-            "images and integer labels"
-        ) from err
+    except NpzError as err:
+        raise DataError(f"{err}; {kind} holds {holds}") from err
+    missing = [k for k in keys if k not in arrays]
+    if missing:
+        raise DataError(f"{path} lacks {', '.join(missing)}; {kind} holds {holds}")
+    return {k: arrays[k] for k in (*keys, *optional) if k in arrays}
 
 
 def _decode_image(data: bytes | Path, spec: DataSpec, where: str) -> np.ndarray:

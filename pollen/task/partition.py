@@ -39,16 +39,15 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import io
 import json
-import os
-import tempfile
-import zipfile
-import zlib
 from collections.abc import Sequence
 from importlib.metadata import version
 from pathlib import Path
 
 import numpy as np
+
+from ..files import NpzError, read_npz, write_atomic, write_npz
 
 
 class PartitionError(ValueError):
@@ -113,9 +112,9 @@ def _read_shards(
     if path is None or not path.exists():
         return None
     try:
-        with np.load(path, allow_pickle=False) as saved:
-            shards = [saved[f"shard-{c}"] for c in range(num_clients)]
-    except (OSError, ValueError, KeyError, EOFError, zipfile.BadZipFile, zlib.error):
+        saved = read_npz(path)
+        shards = [saved[f"shard-{c}"] for c in range(num_clients)]
+    except (OSError, NpzError, KeyError):
         return None
     for shard in shards:
         if shard.dtype.kind not in "iu" or (
@@ -130,18 +129,11 @@ def _write_shards(path: Path | None, shards: list[np.ndarray]) -> None:
     only slower."""
     if path is None:
         return
-    try:
+    buffer = io.BytesIO()
+    write_npz(buffer, {f"shard-{c}": s for c, s in enumerate(shards)})
+    with contextlib.suppress(OSError):
         path.parent.mkdir(parents=True, exist_ok=True)
-        descriptor, temp = tempfile.mkstemp(dir=path.parent, suffix=".tmp")
-    except OSError:
-        return
-    try:
-        with os.fdopen(descriptor, "wb") as f:
-            np.savez(f, **{f"shard-{c}": s for c, s in enumerate(shards)})
-        os.replace(temp, path)
-    except OSError:
-        with contextlib.suppress(OSError):
-            os.unlink(temp)
+        write_atomic(path, buffer.getvalue())
 
 
 def _remedy(scheme: str, min_size: int, classes_per_client: int) -> str:

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from functools import partial
 from typing import Protocol
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -285,6 +286,14 @@ def train_loop(
         )
     return TrainResult(
         loss=float(total) / steps, num_examples=batches.num_examples, steps=steps
+    )
+
+
+def client_seed(seed: int, server_round: int, client: int) -> int:
+    """The seed of one client's training in one round: drawn from (run seed,
+    round, client), so a replayed (resumed) round repeats its batches."""
+    return int(
+        np.random.SeedSequence([seed, server_round, client]).generate_state(1)[0]
     )
 
 

@@ -13,10 +13,10 @@ import math
 import torch
 from flwr.app import ArrayRecord
 
-from .settings import Settings
-from .task import model_inputs
-from .task.data import Dataset
-from .task.train import Preprocess, evaluate
+from ..settings import Settings
+from ..task.data import Dataset
+from ..task.inputs import model_inputs
+from ..task.train import Preprocess, evaluate
 
 
 class DivergenceError(RuntimeError):

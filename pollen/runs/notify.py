@@ -38,7 +38,7 @@ ALLOWED = "an http(s) URL, or empty"
 QUEUE_SIZE = 100
 MAX_REASON = 500  # characters of a failure reason that go into a message
 
-log = logging.getLogger("pollen.notify")
+log = logging.getLogger("pollen.runs.notify")
 
 _STOP = object()  # the queue item that tells the sender thread to finish
 

@@ -25,16 +25,14 @@ import json
 import os
 import re
 import shutil
-import zipfile
-import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, BinaryIO
-from urllib.parse import quote, unquote
+from typing import Any
 
 import numpy as np
 
-from pollen.files import write_json
+from pollen import files
+from pollen.files import write_json, write_npz
 from pollen.settings import first_difference
 
 FORMAT_VERSION = 1
@@ -226,38 +224,14 @@ def _checked_arrays(arrays: dict[str, Any], what: str) -> dict[str, np.ndarray]:
     return checked
 
 
-def write_npz(target: Path | BinaryIO, arrays: dict[str, np.ndarray]) -> None:
-    """An uncompressed npz like `np.savez`'s, with percent-encoded member names,
-    into a file path or an open binary file.
-
-    Written by hand rather than with `np.savez(path, **arrays)`, whose keyword
-    arguments would clash with names such as "file" or "allow_pickle".
-    """
-    with zipfile.ZipFile(target, "w", zipfile.ZIP_STORED, allowZip64=True) as archive:
-        for name, array in arrays.items():
-            member = quote(name, safe="") + ".npy"
-            with archive.open(member, "w", force_zip64=True) as f:
-                np.lib.format.write_array(f, array, allow_pickle=False)
-
-
 def read_npz(path: Path) -> dict[str, np.ndarray]:
     """What `write_npz` wrote, without pickle; `CheckpointError` otherwise."""
     try:
-        with path.open("rb") as f:
-            loaded = np.load(f, allow_pickle=False)
-            if not isinstance(loaded, np.lib.npyio.NpzFile):
-                raise CheckpointError(f"{path} is a single .npy array, not an npz")
-            with loaded:
-                return {unquote(name): loaded[name] for name in loaded.files}
+        return files.read_npz(path)
     except FileNotFoundError as err:
         raise CheckpointError(f"checkpoint file {path} is missing") from err
-    except (OSError, ValueError, EOFError, zipfile.BadZipFile, zlib.error) as err:
-        if isinstance(err, CheckpointError):
-            raise
-        raise CheckpointError(
-            f"cannot read {path}: {err} (truncated, corrupted, or not a "
-            "pickle-free npz written by pollen)"
-        ) from err
+    except files.NpzError as err:
+        raise CheckpointError(f"{err} (not a file pollen wrote)") from err
 
 
 def _read_meta(path: Path, round: int) -> dict[str, Any]:

@@ -20,7 +20,7 @@ from typing import Any
 
 import numpy as np
 
-from .files import write_atomic, write_json
+from ..files import write_atomic, write_json
 
 HISTORY_FIELDS = (
     "round", "accuracy", "loss", "lr", "seconds", "bytes-up", "bytes-down", "clients",

@@ -14,12 +14,12 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
+from ..protocol import DP_EPSILON
+from ..settings import Settings
+from ..strategies.round import RoundOutcome
 from .lr_schedule import PlateauSchedule
 from .notify import Notifier
-from .protocol import DP_EPSILON
 from .results import RoundRecord, round_lines, write_history
-from .settings import Settings
-from .strategies.round import RoundOutcome
 
 
 class RoundRecorder:

@@ -25,7 +25,7 @@ from flwr.app import ConfigRecord, Message, MessageType, RecordDict
 from flwr.common.logger import log
 from flwr.serverapp import Grid
 
-from .protocol import (
+from ..protocol import (
     CLIENT,
     CONFIG,
     NODE_RECORD,
@@ -34,7 +34,7 @@ from .protocol import (
     OWN_DATA,
     SHARD_FINGERPRINT,
 )
-from .strategies.sampling import Participants, Roster, RosterError
+from .sampling import Participants, Roster, RosterError
 
 QUERY_TIMEOUT_SECONDS = 300.0  # a first query may decode a data set
 POLL_SECONDS = 1.0

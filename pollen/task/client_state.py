@@ -41,8 +41,8 @@ import numpy as np
 from flwr.app import Array, ArrayRecord, ConfigRecord, Context
 from flwr.common.logger import log
 
-from .checkpoints import CheckpointError, read_npz, write_npz
-from .files import write_atomic
+from ..files import write_atomic
+from ..runs.checkpoints import CheckpointError, read_npz, write_npz
 
 STATE_DIR = "state-dir"  # node config (wins) or server config: where to keep it
 RUN_NAME = "run-name"  # server config: the run's name, a folder under a node's dir

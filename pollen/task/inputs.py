@@ -1,0 +1,61 @@
+"""The run's model and what it sees of a batch: settings -> model, and,
+for a frozen backbone with `cache-features`, its features computed once.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable
+
+import torch
+from torch import nn
+
+from ..settings import Settings
+from .data import Dataset
+from .lora import FrozenBackboneClassifier
+from .models import ModelOptions, build_model
+from .shards import DataKey
+from .train import Preprocess, Transform, backbone_features, no_preprocess
+
+
+def settings_model(settings: Settings, dataset: Dataset) -> nn.Module:
+    """The run's model, freshly initialised from its seed (same on every node)."""
+    options = ModelOptions(
+        settings.lora_rank,
+        settings.lora_alpha,
+        settings.lora_dropout,
+        settings.backbone_weights,
+    )
+    return build_model(
+        settings.model, dataset.input_shape, dataset.num_classes, settings.seed, options
+    )
+
+
+_FEATURES: dict[tuple, torch.Tensor] = {}
+
+
+def model_inputs(
+    settings: Settings,
+    split: Hashable,
+    model: nn.Module,
+    x: torch.Tensor,
+    preprocess: Preprocess,
+) -> tuple[torch.Tensor, Transform]:
+    """What `model` sees of `x`: the images and `preprocess`, or, with
+    `cache-features` and a frozen backbone, the backbone's features of the
+    un-augmented images (computed once per process) and the identity.
+
+    `split` names what `x` is (e.g. "train-3", "test": `NodeData.split_key`);
+    together with the settings that decide the data and the backbone it keys
+    the cache, so any model instance of the run may fill it.
+    """
+    if not (settings.cache_features and isinstance(model, FrozenBackboneClassifier)):
+        return x, preprocess
+    key = (
+        DataKey.of(settings), settings.model, settings.backbone_weights,
+        settings.normalize, split, str(x.device),
+    )  # fmt: skip
+    if key not in _FEATURES:  # a None generator: no augmentation
+        _FEATURES[key] = backbone_features(
+            model, x, preprocess, settings.test_batch_size
+        )
+    return _FEATURES[key], no_preprocess

@@ -1,0 +1,159 @@
+"""What one node trains and evaluates on: shards of the run's data set, or
+the node's own examples (node config `data-file`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable
+from dataclasses import dataclass
+from functools import cache
+from logging import WARNING
+from pathlib import Path
+
+import torch
+from flwr.common.logger import log
+
+from ..settings import Settings
+from .data import DataError, Dataset, load_dataset, read_node_file
+from .partition import (
+    PartitionError,
+)
+from .shards import (
+    DataKey,
+    check_client,
+    client_shard,
+    client_test_shard,
+    federated_data,
+    held_out_split,
+    shard_fingerprints,
+)
+
+
+@dataclass(frozen=True)
+class OwnData:
+    """A node's own examples (node config `data-file`): one version of the
+    .npz that holds them (a changed file is read again) and the one client
+    (the node's `partition-id`) whose whole training shard they are."""
+
+    client: int
+    data_set: str
+    path: str
+    size: int
+    mtime_ns: int
+
+    @classmethod
+    def of(cls, data_set: str, path: str, client: int) -> OwnData:
+        """The file at `path` as it is now."""
+        resolved = Path(path).expanduser().resolve()
+        try:
+            stat = resolved.stat()
+        except OSError as err:
+            raise DataError(
+                f"data-file {resolved}: {err.strerror}; node config data-file must "
+                "name a .npz this node can read"
+            ) from err
+        return cls(client, data_set, str(resolved), stat.st_size, stat.st_mtime_ns)
+
+
+@dataclass(frozen=True)
+class NodeData:
+    """What one node trains and evaluates on: shards of the run's data set,
+    from `settings.data_root` (the node's own data-root, where it has one),
+    or the node's `own` examples."""
+
+    settings: Settings
+    own: OwnData | None = None
+
+    def dataset(self) -> Dataset:
+        """The data set the model is built for, with the statistics that
+        normalise its inputs."""
+        if self.own is not None:
+            return _own_dataset(self.own)
+        return federated_data(self.settings)[0]
+
+    def check_client(self, client: int) -> None:
+        """Refuse a client this node holds no examples for."""
+        check_client(self.settings, client)
+        if self.own is not None and client != self.own.client:
+            raise PartitionError(
+                f"client {client}: this node holds only client {self.own.client}'s "
+                f"examples (its partition-id; data-file {self.own.path})"
+            )
+
+    def num_examples(self, client: int) -> int:
+        """How many examples `client` trains on."""
+        self.check_client(client)
+        if self.own is not None:
+            return len(_own_dataset(self.own).y_train)
+        return len(federated_data(self.settings)[1][client])
+
+    def shard_fingerprint(self, client: int) -> str:
+        """`client`'s shard of the run's data set as `shard_fingerprints` gives
+        it, so the server can tell a node whose copy of the data set differs;
+        "" for a node's own examples, which the server does not know."""
+        self.check_client(client)
+        if self.own is not None:
+            return ""
+        return shard_fingerprints(self.settings, [client])[client]
+
+    def train_shard(
+        self, client: int, device: torch.device
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """`client`'s training images and labels on `device`."""
+        self.check_client(client)
+        if self.own is not None:
+            return _own_split(self.own, "train", str(device))
+        return client_shard(self.settings, client, device)
+
+    def test_shard(
+        self, client: int, device: torch.device
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """`client`'s own test examples on `device` (maybe none)."""
+        self.check_client(client)
+        if self.own is not None:
+            return _own_split(self.own, "test", str(device))
+        return client_test_shard(self.settings, client, device)
+
+    def global_test(
+        self, device: torch.device
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The data set's whole test split on `device`.
+
+        A node with its own examples needs no copy of the data set: it uses
+        the one in its data-root if there is one (never downloading it), and
+        gets None (no global metrics) if not.
+        """
+        if self.own is None:
+            return held_out_split(self.settings, device)
+        return _local_test_split(DataKey.of(self.settings), str(device))
+
+    def split_key(self, split: str, client: int) -> Hashable:
+        """What `model_inputs` names `client`'s `split` ("train", "test") by."""
+        return f"{split}-{client}" if self.own is None else (split, self.own)
+
+
+@cache
+def _own_dataset(own: OwnData) -> Dataset:
+    return read_node_file(own.data_set, Path(own.path))
+
+
+@cache
+def _own_split(
+    own: OwnData, split: str, device: str
+) -> tuple[torch.Tensor, torch.Tensor]:
+    dataset = _own_dataset(own)
+    x, y = getattr(dataset, f"x_{split}"), getattr(dataset, f"y_{split}")
+    return x.to(device), y.to(device)
+
+
+@cache
+def _local_test_split(
+    key: DataKey, device: str
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    try:
+        dataset = load_dataset(key.data_set, key.data_root, download=False)
+    except DataError as err:
+        log(WARNING, "pollen: no global test set on this node, its global "
+            "metrics are NaN: %s", err)  # fmt: skip
+        return None
+    return dataset.x_test.to(device), dataset.y_test.to(device)
