@@ -1,12 +1,14 @@
 """ServerApp: settings -> data -> model -> strategy -> rounds -> results on disk.
 
-After every round the global model is evaluated on the test split, the
-learning rate for the next round is set by a plateau rule on that loss,
-and the history is rewritten, so a run that dies keeps every finished round.
-Every `checkpoint-every` rounds the global model, the strategy's server
-state and the scheduler are saved; `resume` continues a run from its latest
-checkpoint, in its own directory. Optional webhook notifications report the
-start, progress, end and failure of the run.
+Each round the loop asks `Membership` who can take part, plays the round
+(`strategies.round.play_round`: train, check, aggregate, update, personal
+evaluation) and gets its outcome back; the global model is then evaluated
+on the test split (`runs.evaluation`) and the recorder writes the history,
+prints the round, steps the learning rate the next round's config carries
+and notifies (`runs.recorder`), so a run that dies keeps every finished
+round. Every `checkpoint-every` rounds the global model, the server state
+and the scheduler are saved; `resume` continues a run from its latest
+checkpoint, in its own directory.
 """
 
 from __future__ import annotations
