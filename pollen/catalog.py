@@ -64,6 +64,8 @@ class Part:
     name: str
     summary: str
     implementation: str = ""
+    # the likely cause when a run with this part diverges ({settings attribute})
+    divergence_hint: str = ""
 
     def load(self) -> Any:
         """The implementing object (a class or a function)."""
@@ -100,13 +102,14 @@ MODELS: dict[str, ModelInfo] = _by_name(
     ),
 )
 
+FEDDYN_HINT = "dyn-alpha={dyn_alpha:g} with lr={lr:g}"
 SERVER_UPDATES: dict[str, Part] = _by_name(
     Part("fedavg", "the aggregate is the model", "pollen.strategies.fedavg:FedAvgUpdate"),
     Part("feddyn", "uniform mean corrected by the server state h",
-         "pollen.strategies.feddyn:FedDynUpdate"),
+         "pollen.strategies.feddyn:FedDynUpdate", FEDDYN_HINT),
     *(
         Part(name, f"server {name} on the pseudo-gradient (FedOpt)",
-             "pollen.strategies.fedopt:FedOptUpdate")
+             "pollen.strategies.fedopt:FedOptUpdate", "server-lr={server_lr:g} too high")
         for name in ("sgd", "adagrad", "adam", "yogi")
     ),
 )  # fmt: skip
@@ -121,9 +124,9 @@ AGGREGATORS: dict[str, Part] = _by_name(
 LOCAL_OBJECTIVES: dict[str, Part] = _by_name(
     Part("plain", "the data loss"),
     Part("sam", "the data loss at SAM's perturbed point (FedSAM)"),
-    Part("feddyn", "FedDyn's dynamic regulariser"),
+    Part("feddyn", "FedDyn's dynamic regulariser", divergence_hint=FEDDYN_HINT),
     Part("prox", "FedProx's proximal term"),
-    Part("feddyn-sam", "FedDyn's regulariser with SAM"),
+    Part("feddyn-sam", "FedDyn's regulariser with SAM", divergence_hint=FEDDYN_HINT),
     Part("prox-sam", "FedProx's term with SAM"),
 )
 

@@ -26,10 +26,9 @@ def test_reading_the_catalogue_and_settings_imports_no_torch() -> None:
     assert out.stdout.strip() == "False", out.stderr
 
 
-def test_data_sets_agree_with_the_loaders_specs() -> None:
-    assert {n: (s.channels, s.size, s.num_classes) for n, s in SPECS.items()} == {
-        n: (d.channels, d.side, d.classes) for n, d in catalog.DATA_SETS.items()
-    }
+def test_every_data_set_has_a_loader_spec() -> None:
+    assert set(SPECS) == set(catalog.DATA_SETS)
+    assert SPECS["cifar100"].num_classes == 100 and SPECS["mnist"].size == 28
 
 
 def test_models_agree_with_the_builders() -> None:
@@ -57,3 +56,15 @@ def test_model_input_problems_name_the_model_and_the_shape() -> None:
     assert problem == "model 'simple-cnn' needs images of at least 16x16, not 8x8"
     assert "colour images" in catalog.MODELS["vgg16-lora"].input_problem(1, 28)
     assert catalog.MODELS["mlp"].input_problem(1, 8) is None
+
+
+def test_a_diverged_run_names_the_likely_causes_of_its_parts() -> None:
+    from pollen.runs.evaluation import _divergence_hint
+    from pollen.settings import Settings
+
+    dyn = Settings.from_run_config({"strategy": "feddyn", "dyn-alpha": 0.5})
+    assert _divergence_hint(dyn) == (
+        "dyn-alpha=0.5 with lr=0.01; or lr=0.01 too high (max-grad-norm=10)"
+    )
+    adam = Settings.from_run_config({"strategy": "fedadam", "server-lr": 0.3})
+    assert _divergence_hint(adam).startswith("server-lr=0.3 too high; or lr=")

@@ -8,11 +8,13 @@ console line, the learning-rate step) is the recorder's job.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import torch
 from flwr.app import ArrayRecord
 
+from ..catalog import LOCAL_OBJECTIVES, SERVER_UPDATES
 from ..settings import Settings
 from ..task.data import Dataset
 from ..task.inputs import model_inputs
@@ -79,10 +81,9 @@ def check_finite(
 
 
 def _divergence_hint(s: Settings) -> str:
-    hints = []
-    if s.server_update in ("sgd", "adagrad", "adam", "yogi"):
-        hints.append(f"server-lr={s.server_lr:g} too high")
-    if "feddyn" in (s.server_update, s.local_objective.removesuffix("-sam")):
-        hints.append(f"dyn-alpha={s.dyn_alpha:g} with lr={s.lr:g}")
+    """The parts' own hints (pollen.catalog), then the client learning rate."""
+    values = dataclasses.asdict(s)
+    parts = (SERVER_UPDATES[s.server_update], LOCAL_OBJECTIVES[s.local_objective])
+    hints = [p.divergence_hint.format(**values) for p in parts if p.divergence_hint]
     hints.append(f"lr={s.lr:g} too high (max-grad-norm={s.max_grad_norm:g})")
-    return "; or ".join(hints)
+    return "; or ".join(dict.fromkeys(hints))

@@ -43,6 +43,7 @@ import numpy as np
 import torch
 from PIL import Image
 
+from ..catalog import DATA_SETS
 from ..files import NpzError, read_npz
 
 SPLITS = ("x_train", "y_train", "x_test", "y_test")
@@ -57,18 +58,28 @@ class DataError(ValueError):
 
 @dataclass(frozen=True)
 class DataSpec:
-    """What a named data set must look like, and its training split's
-    per-channel pixel mean and std (0..1): what a node normalises with when it
-    holds its own examples instead of the data set (a loaded data set uses
-    the statistics of the copy it was loaded from)."""
+    """What a named data set must look like (its shape and classes, from
+    `pollen.catalog`), where torchvision downloads it, and its training
+    split's per-channel pixel mean and std (0..1): what a node normalises
+    with when it holds its own examples instead of the data set (a loaded
+    data set uses the statistics of the copy it was loaded from)."""
 
     name: str
-    num_classes: int
-    channels: int
-    size: int
     torchvision_class: str | None
     mean: tuple[float, ...]
     std: tuple[float, ...]
+
+    @property
+    def num_classes(self) -> int:
+        return DATA_SETS[self.name].classes
+
+    @property
+    def channels(self) -> int:
+        return DATA_SETS[self.name].channels
+
+    @property
+    def size(self) -> int:
+        return DATA_SETS[self.name].side
 
 
 # digits, mnist and fashion-mnist: as the loader computes them (from
@@ -78,16 +89,16 @@ class DataSpec:
 SPECS = {
     s.name: s
     for s in (
-        DataSpec("digits", 10, 1, 8, None,
+        DataSpec("digits", None,
                  (0.30549564554423025,), (0.37587373215482484,)),
-        DataSpec("mnist", 10, 1, 28, "MNIST",
+        DataSpec("mnist", "MNIST",
                  (0.13066047627384283,), (0.3081078038564627,)),
-        DataSpec("fashion-mnist", 10, 1, 28, "FashionMNIST",
+        DataSpec("fashion-mnist", "FashionMNIST",
                  (0.2860405969887955,), (0.35302424451492254,)),
-        DataSpec("cifar10", 10, 3, 32, "CIFAR10",
+        DataSpec("cifar10", "CIFAR10",
                  (0.4913997551666284, 0.48215855929893703, 0.4465309133731618),
                  (0.24703225141799082, 0.24348516474564, 0.2615878392604963)),
-        DataSpec("cifar100", 100, 3, 32, "CIFAR100",
+        DataSpec("cifar100", "CIFAR100",
                  (0.5070751592371323, 0.48654887331495095, 0.4409178433670343),
                  (0.2673342858792401, 0.2564384629170883, 0.27615047132568404)),
     )
