@@ -217,8 +217,8 @@ def test_warm_up_loads_the_data_without_threads_or_cuda(tmp_path: Path) -> None:
             {{"partition-id": 1, "num-partitions": 2}})
         executor.warm(hint)
         import torch
-        task = executor.stash.modules["pollen.task"][0]
-        assert task._client_shard.cache_info().currsize == 1
+        shards = executor.stash.modules["pollen.task.shards"][0]
+        assert shards._client_shard.cache_info().currsize == 1
         assert "pollen.client_app" not in sys.modules
         assert sys.modules["pollen.deployment.superexec"] is own
         assert torch.get_num_threads() == 1 and not torch.cuda.is_initialized()
