@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .catalog import (
+    AGGREGATORS,
     BN_POLICIES,
     CLASS_ASSIGNMENTS,
     CLIENT_OPTIMIZERS,
@@ -151,6 +152,11 @@ class Settings:
         AUTO, "how the server turns replies into the next model",
         one_of(AUTO, *SERVER_UPDATES),
     )  # fmt: skip
+    aggregator: str = key(
+        "mean",
+        "how a round's replies become one aggregate, before the server update",
+        one_of(*AGGREGATORS),
+    )
     local_objective: str = key(
         AUTO, "what each client minimises", one_of(AUTO, *LOCAL_OBJECTIVES)
     )
@@ -417,10 +423,13 @@ def first_difference(
     recorded: Mapping[str, Any], run_config: Mapping[str, Any], ignored: Collection[str]
 ) -> str | None:
     """The first key (in sorted order, outside `ignored`) whose value in
-    `run_config` differs from the one a run recorded (a key it did not record
-    differs), or None: whether a saved run computed what `run_config` asks."""
+    `run_config` differs from the one a run recorded, or None: whether a saved
+    run computed what `run_config` asks. A key the run did not record was
+    added to pollen since, so the run had its default."""
+    defaults = {key: default for key, default, _, _ in Settings.describe()}
     for key in sorted(run_config):
-        if key not in ignored and recorded.get(key) != run_config[key]:
+        then = recorded.get(key, defaults.get(key))  # a key added since: its default
+        if key not in ignored and then != run_config[key]:
             return key
     return None
 

@@ -7,7 +7,7 @@ import tomllib
 import pytest
 
 from pollen.catalog import MODELS
-from pollen.settings import Settings, SettingsError
+from pollen.settings import Settings, SettingsError, first_difference
 from tests.conftest import PROJECT
 
 
@@ -175,3 +175,13 @@ def test_every_preset_file_is_valid(preset) -> None:
     config = tomllib.loads((PROJECT / "configs" / preset).read_text())
     settings = Settings.from_run_config(config)
     assert all(getattr(settings, k.replace("-", "_")) == v for k, v in config.items())
+
+
+def test_a_key_added_since_a_run_counts_as_its_default_then() -> None:
+    """A checkpoint or grid written before `aggregator` existed still matches
+    a run config that leaves it at its default, and not one that changes it."""
+    now = Settings.from_run_config({}).to_run_config()
+    before = {k: v for k, v in now.items() if k != "aggregator"}
+    assert first_difference(before, now, ()) is None
+    assert first_difference(before, {**now, "seed": 1}, ()) == "seed"
+    assert first_difference(before, {**now, "aggregator": "median"}, ()) == "aggregator"

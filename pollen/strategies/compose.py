@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from torch import nn
 
-from ..catalog import SERVER_UPDATES
+from ..catalog import AGGREGATORS, SERVER_UPDATES
 from ..settings import Settings
 from .personal import PersonalEvaluation
 from .sharing import Sharing
@@ -15,15 +15,18 @@ from .strategy import Strategy
 def build_strategy(
     settings: Settings, model: nn.Module
 ) -> tuple[Strategy, PersonalEvaluation]:
-    """The strategy with the server update named by `server-update`, and the
-    personal evaluation, both sharing by `sharing` and `bn-policy`."""
+    """The strategy with the server update named by `server-update` and the
+    aggregation step named by `aggregator`, and the personal evaluation, both
+    sharing by `sharing` and `bn-policy`."""
     sharing = Sharing.of(settings.sharing_policy, model)
     update = SERVER_UPDATES[settings.server_update].load().from_settings(settings)
+    aggregate = AGGREGATORS[settings.aggregator].load()
     strategy = Strategy(
         num_clients=settings.num_clients,
         client_frac=settings.client_frac,
         seed=settings.seed,
         server_update=update,
+        aggregator=aggregate(uniform=update.uniform_mean),
         sharing=sharing,
         min_replies=settings.min_train_replies,
         min_train_nodes=settings.min_train_nodes,
