@@ -12,7 +12,7 @@ submitted with `pollen run . --deployment DIR` (or `flwr run . pollen` with
 The same files serve a deployment across machines: `pollen deploy certs`
 makes the CA and the SuperLink's certificate (subject alternative names for
 every host name or address the SuperNodes use), `pollen deploy key` makes a
-SuperNode's key pair; the README shows the `flower-superlink`,
+SuperNode's key pair; docs/deployment.md shows the `flower-superlink`,
 `flwr supernode register` and `flower-supernode` commands that use them.
 """
 
