@@ -8,7 +8,8 @@ import torch
 from flwr.app import Array, ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
 
 from pollen.protocol import CLIENT as CLIENT_KEY
-from pollen.strategies.aggregation import weighted_average
+from pollen.strategies.aggregation import ClientUpdate, Mean
+from pollen.strategies.fedavg import FedAvgUpdate
 from pollen.strategies.sampling import (
     OneMessagePerNode,
     Roster,
@@ -26,10 +27,21 @@ def record(**arrays: np.ndarray) -> ArrayRecord:
     return ArrayRecord({k: Array(v) for k, v in arrays.items()})
 
 
+def weighted_fedavg(
+    records: list[dict[str, np.ndarray]], weights: list[float]
+) -> dict[str, np.ndarray]:
+    """The aggregation step (Mean) and FedAvg's update, as a round applies them."""
+    updates = [
+        ClientUpdate(c, r, MetricRecord({"num-examples": w}), w)
+        for c, (r, w) in enumerate(zip(records, weights, strict=True))
+    ]
+    return FedAvgUpdate().apply(records[0], Mean()(updates, records[0]), lambda _: ())
+
+
 def test_weighted_average_by_hand() -> None:
     a = {"w": np.array([1.0, 2.0], np.float32), "n": np.array(4, np.int64)}
     b = {"w": np.array([3.0, 6.0], np.float32), "n": np.array(7, np.int64)}
-    out = weighted_average([a, b], [1, 3])  # weights 1/4, 3/4
+    out = weighted_fedavg([a, b], [1, 3])  # weights 1/4, 3/4
     np.testing.assert_allclose(out["w"], [2.5, 5.0])
     assert out["w"].dtype == np.float32
     assert out["n"].dtype == np.int64 and int(out["n"]) == 6  # 6.25
@@ -38,7 +50,7 @@ def test_weighted_average_by_hand() -> None:
 def test_weighted_average_rejects_bad_weights() -> None:
     a = {"w": np.zeros(2, np.float32)}
     with pytest.raises(ValueError, match="positive weight"):
-        weighted_average([a, a], [1, 0])
+        weighted_fedavg([a, a], [1, 0])
 
 
 def reply(client: int, node: int, arrays: ArrayRecord, examples: int) -> Message:

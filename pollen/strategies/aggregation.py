@@ -71,21 +71,6 @@ def cast_like(value: np.ndarray, like: np.ndarray) -> np.ndarray:
     return np.asarray(value, dtype=like.dtype)
 
 
-def weighted_average(
-    records: Sequence[Arrays], weights: Sequence[float]
-) -> dict[str, np.ndarray]:
-    """sum_k w_k x_k / sum_k w_k for every entry, accumulated in float64.
-
-    Floating entries come back in their own dtype (float32 on the wire);
-    integer entries such as BatchNorm's `num_batches_tracked` are rounded and
-    stay integers.
-    """
-    w = normalized(weights, len(records))
-    return {
-        key: cast_like(mean64(records, w, key), records[0][key]) for key in records[0]
-    }
-
-
 class Mean:
     """The example-weighted (or, with `uniform`, plain) mean of every entry."""
 
