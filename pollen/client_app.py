@@ -24,6 +24,7 @@ as client `partition-id` instead of a shard of the data set
 
 from __future__ import annotations
 
+import time
 from collections.abc import Hashable
 from dataclasses import dataclass, replace
 from functools import cache
@@ -55,7 +56,9 @@ from .protocol import (
     PERSONAL_METRICS,
     SERVER_ROUND,
     SHARD_FINGERPRINT,
+    SLOWDOWN,
     TRAIN_LOSS,
+    TRAIN_SECONDS,
     local_entries_key,
 )
 from .settings import Settings
@@ -306,6 +309,7 @@ def train(msg: Message, context: Context) -> Message:
         s.client_betas,
     )  # fmt: skip
     seed = client_seed(s.seed, cm.server_round, cm.client)
+    started = time.perf_counter()
     if s.dp:
         result, metrics = _train_private(cm, context, x, y, optimizer, prep, seed,
                                          objective)  # fmt: skip
@@ -317,12 +321,37 @@ def train(msg: Message, context: Context) -> Message:
             objective=objective,
         )  # fmt: skip
         metrics = {TRAIN_LOSS: result.loss}
+    seconds = time.perf_counter() - started
+    straggle(seconds, node_slowdown(context))
     objective.save(context, cm.client, cm.model)
     if cm.sharing.local:
         context.state[local_entries_key(cm.client)] = cm.entries(cm.sharing.local)
     client_state.persist(context, cm.client, cm.server_round, config)
-    metrics = MetricRecord({NUM_EXAMPLES: result.num_examples, **metrics})
+    metrics = MetricRecord(
+        {NUM_EXAMPLES: result.num_examples, TRAIN_SECONDS: seconds, **metrics}
+    )
     return cm.reply(msg, metrics, cm.entries(cm.sharing.shared))
+
+
+def node_slowdown(context: Context) -> float:
+    """This node's compute slowdown (node config `slowdown`, set by `pollen
+    compare --network` from the profile; 1 where absent)."""
+    value = context.node_config.get(SLOWDOWN, 1.0)
+    if isinstance(value, bool) or not isinstance(value, int | float) or not value >= 1:
+        raise ValueError(
+            f"node config {SLOWDOWN}={value!r}: expected a number >= 1 (1: this "
+            "machine's speed)"
+        )
+    return float(value)
+
+
+def straggle(seconds: float, slowdown: float) -> None:
+    """Make local work of `seconds` take `slowdown` times as long: a
+    straggler is emulated by sleeping (slowdown - 1) x its own measured
+    compute time after training, so the model it returns is the one it
+    would have returned, only later."""
+    if slowdown > 1:
+        time.sleep((slowdown - 1) * seconds)
 
 
 def _train_private(

@@ -29,9 +29,15 @@ NUM_PARTITIONS = "num-partitions"
 NUM_EXAMPLES = "num-examples"  # also the weight of a training reply
 OWN_DATA = "own-data"  # the node trains on its own data file
 SHARD_FINGERPRINT = "shard-fingerprint"
+# a straggler's compute slowdown (network profiles): local work takes this
+# many times as long (node config; 1 when absent)
+SLOWDOWN = "slowdown"
 
 # ---- metrics (client -> server) ---------------------------------------------
 TRAIN_LOSS = "train-loss"
+# seconds of local training, measured before any straggler's slowdown (the
+# simulated clock multiplies it by the profile's slowdown)
+TRAIN_SECONDS = "train-seconds"
 DP_EPSILON = "dp-epsilon"  # the privacy spent so far (DP-SGD)
 DP_NOISE_MULTIPLIER = "dp-noise-multiplier"
 PERSONAL_METRICS = ("global-accuracy", "global-loss", "local-accuracy", "local-loss")

@@ -64,6 +64,14 @@ class RoundRecord:
     personal: dict[int, dict[str, float]] = field(default_factory=dict)
     # under DP-SGD: the largest epsilon any client has spent so far
     dp_epsilon: float | None = None
+    # under a network profile: the round's seconds on the simulated clock
+    # (pollen.runs.clock), beside the real `seconds`
+    sim_seconds: float | None = None
+    # clients whose reply came after the round's deadline (discarded)
+    late: list[int] = field(default_factory=list)
+    # asynchronous mode: each applied update's staleness (model versions since
+    # its client's copy), in the order of `clients`; a row is a model version
+    staleness: list[int] = field(default_factory=list)
 
     def as_row(self) -> dict[str, Any]:
         row = {k.replace("_", "-"): v for k, v in asdict(self).items()}
