@@ -151,7 +151,12 @@ PRESETS: dict[str, dict[str, Scalar]] = {
     "fedadam": {"server-update": "adam", "local-objective": "plain"},
     "fedyogi": {"server-update": "yogi", "local-objective": "plain"},
     "fedsa": {"server-update": "fedavg", "local-objective": "plain", "sharing": "lora-a"},
+    "fedbuff": {"server-update": "sgd", "local-objective": "plain", "mode": "async"},
 }  # fmt: skip
+
+# how the server drives training: synchronous rounds, or FedBuff's buffered
+# asynchronous aggregation (pollen.strategies.asynchronous)
+MODES = ("sync", "async")
 
 # what `update-norm-bound` does to a larger update (pollen.strategies.replies)
 NORM_ACTIONS = ("clip", "drop")

@@ -13,10 +13,12 @@ classes per client than the data set has) live with the data, in
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from .catalog import (
@@ -29,6 +31,7 @@ from .catalog import (
     FEDDYN_H_SCALES,
     LOCAL_OBJECTIVES,
     MODELS,
+    MODES,
     NORM_ACTIONS,
     PARTITIONS,
     PRESETS,
@@ -36,6 +39,7 @@ from .catalog import (
     SHARING,
     Scalar,
 )
+from .network_profile import NetworkProfile, ProfileError
 from .runs.notify import check_url
 
 AUTO = "auto"
@@ -281,6 +285,35 @@ class Settings:
         "seconds to wait for min-available-nodes (and for a first node at start)",
         at_least(0),
     )
+    round_deadline: float = key(
+        0.0,
+        "seconds after which a synchronous round aggregates what arrived; later "
+        "replies are discarded and recorded as late (0: none; simulated seconds "
+        "under network-profile in simulation)",
+        at_least(0),
+    )
+    # Asynchronous training (FedBuff) and the simulated network
+    mode: str = key(
+        AUTO,
+        "sync rounds, or async buffered aggregation (FedBuff; auto: async for fedbuff)",
+        one_of(AUTO, *MODES),
+    )
+    concurrency: int = key(
+        0,
+        "async: clients training at once (0: as many as a synchronous round samples)",
+        at_least(0),
+    )
+    buffer_size: int = key(
+        0,
+        "async: replies per server update, K of FedBuff (0: half the concurrency, "
+        "at least 1)",
+        at_least(0),
+    )
+    network_profile: str = key(
+        "",
+        "a network profile (TOML, configs/networks/): the simulated clock's links "
+        "and slowdowns (empty: none)",
+    )
     round_timeout: float = key(
         3600.0,
         "seconds to wait for a round's replies; a client without a reply by then "
@@ -415,6 +448,8 @@ def _resolve_preset(values: dict[str, Scalar]) -> None:
         values["server-momentum"] = float(preset.get("server-momentum", 0.0))
     if values["sharing"] == AUTO:
         values["sharing"] = preset.get("sharing", "all")
+    if values["mode"] == AUTO:
+        values["mode"] = preset.get("mode", "sync")
     if values["server-lr"] == AUTO:
         values["server-lr"] = AUTO_SERVER_LR.get(str(values["server-update"]), 1.0)
 
@@ -427,8 +462,11 @@ def first_difference(
     run computed what `run_config` asks. A key the run did not record was
     added to pollen since, so the run had its default."""
     defaults = {key: default for key, default, _, _ in Settings.describe()}
+    resolved = {**defaults, **recorded}
+    with contextlib.suppress(KeyError):  # a record too old to name its strategy
+        _resolve_preset(resolved)  # an "auto" key added since: its preset's value
     for key in sorted(run_config):
-        then = recorded.get(key, defaults.get(key))  # a key added since: its default
+        then = recorded.get(key, resolved.get(key))  # a key added since: its default
         if key not in ignored and then != run_config[key]:
             return key
     return None
@@ -472,11 +510,40 @@ def _check_combination(values: dict[str, Scalar]) -> None:
             "second pass has no per-sample clipping; allowed with dp: plain, "
             "prox, feddyn"
         )
+    _check_async(values)
+    if values["network-profile"]:
+        try:
+            NetworkProfile.load(Path(str(values["network-profile"])))
+        except ProfileError as err:
+            raise SettingsError(f"network-profile: {err}") from None
     if values["dp"] and values["resume"]:
         raise SettingsError(
             "dp=true with resume is not supported: the noise is calibrated for "
             "the run as planned, and a node without its state files would count "
             "its privacy spending from zero; start a new run instead"
+        )
+
+
+def _check_async(values: dict[str, Scalar]) -> None:
+    """Refuse what buffered asynchronous training cannot do."""
+    if values["mode"] != "async":
+        return
+    if values["server-update"] == "feddyn":
+        raise SettingsError(
+            "mode='async' with server-update='feddyn': FedDyn's server state h "
+            "corrects a synchronous round's mean of one model version; allowed "
+            "with async: " + ", ".join(u for u in SERVER_UPDATES if u != "feddyn")
+        )
+    if values["round-deadline"]:
+        raise SettingsError(
+            "round-deadline with mode='async': a deadline ends a synchronous "
+            "round; async mode has no rounds to end (set round-deadline=0)"
+        )
+    concurrency, buffer = values["concurrency"], values["buffer-size"]
+    if concurrency and buffer and buffer > concurrency:  # type: ignore[operator]
+        raise SettingsError(
+            f"buffer-size={buffer} above concurrency={concurrency}: the buffer "
+            "would wait for more replies than clients train at once"
         )
 
 
