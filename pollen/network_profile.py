@@ -143,6 +143,7 @@ class NetworkProfile:
         default_table = document.get("default", {})
         if not isinstance(default_table, dict):
             raise ProfileError(f"{where}: [default] must be a table")
+        _no_unknown(default_table, NODE_KEYS, f"{where}: [default]", "key")
         default = _node(default_table, NodeProfile(), f"{where}: [default]")
         group_tables = document.get("group", [])
         if not isinstance(group_tables, list):
