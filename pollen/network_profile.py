@@ -159,7 +159,8 @@ def resolve(spec: str, app: Path) -> Path:
     """The profile file `spec` names: a path, or a preset's name (the stem of
     a file in the app's configs/networks/)."""
     path = Path(spec).expanduser()
-    if path.suffix == ".toml" or path.exists():
+    if path.suffix == ".toml" or path.exists() or path.name != spec:
+        # a .toml name, an existing path, or one with a directory: not a preset
         if not path.is_file():
             raise ProfileError(f"--network {spec}: no such file")
         return path.resolve()
