@@ -21,9 +21,11 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from .deployment import cluster, deploy_actions, launch
+from .deployment.network import NetworkError
 from .deployment.processes import ProcessError
 from .deployment.run_config import RunConfigError
 from .experiments import compare, report
+from .network_profile import NetworkProfile, ProfileError, resolve
 from .runs.checkpoints import CheckpointError
 from .runs.results import ResultsError
 from .settings import SettingsError
@@ -32,8 +34,8 @@ EXIT_FAILED, EXIT_BAD_INPUT = 1, 2
 DEPLOY_DIR = Path(".pollen-deploy")
 EXIT_CODES = (
     ((SettingsError, RunConfigError, launch.LaunchError, ResultsError,
-      CheckpointError, compare.CompareError), EXIT_BAD_INPUT),
-    ((cluster.DeployError, ProcessError), EXIT_FAILED),
+      CheckpointError, compare.CompareError, ProfileError), EXIT_BAD_INPUT),
+    ((cluster.DeployError, ProcessError, NetworkError), EXIT_FAILED),
 )  # fmt: skip
 EXPECTED_ERRORS = tuple(kind for kinds, _ in EXIT_CODES for kind in kinds)
 
@@ -43,9 +45,24 @@ def exit_code(error: Exception) -> int:
     return next(code for kinds, code in EXIT_CODES if isinstance(error, kinds))
 
 
+def network_profile(spec: str | None, app: Path) -> Path | None:
+    """The profile file `--network` names (a path or a preset of the app's
+    configs/networks/), read and validated now: None without --network."""
+    if spec is None:
+        return None
+    path = resolve(spec, app)
+    NetworkProfile.load(path)
+    return path
+
+
 def run_command(args: argparse.Namespace) -> int:
+    app = Path(args.app).expanduser().resolve()
+    overrides = list(args.run_config)
+    profile = network_profile(args.network, app)
+    if profile is not None:
+        overrides.append(compare.config_text({"network-profile": str(profile)}))
     completed = launch.run(
-        Path(args.app).expanduser().resolve(), args.run_config,
+        app, overrides,
         connection=args.connection, federation=args.federation_config,
         deployment_dir=Path(args.deployment) if args.deployment else None,
     )  # fmt: skip
@@ -60,9 +77,13 @@ def centralized_command(args: argparse.Namespace) -> None:
 
 
 def compare_command(args: argparse.Namespace) -> None:
+    app = Path(args.app).expanduser().resolve()
+    if args.simulate and args.network is None:
+        raise compare.CompareError("--simulate needs --network PROFILE")
     compare.run_comparison(
-        args.grid, Path(args.app).expanduser().resolve(), args.out,
-        args.run_config, only=args.only, dry_run=args.dry_run,
+        args.grid, app, args.out, args.run_config, only=args.only,
+        dry_run=args.dry_run, network=network_profile(args.network, app),
+        simulate=args.simulate,
     )  # fmt: skip
 
 
@@ -115,6 +136,13 @@ def build_parser() -> argparse.ArgumentParser:
         "--deployment", metavar="DIR", default=None,
         help="submit to the deployment `pollen deploy up` started in DIR",
     )  # fmt: skip
+    run_parser.add_argument(
+        "--network", metavar="PROFILE", default=None,
+        help="network profile (a TOML file, or a preset in configs/networks/: "
+        "datacenter, home-broadband, mobile-4g, mixed) for the simulated clock, "
+        "recorded as sim-seconds; with --deployment the clock only predicts: a "
+        "deployment's links are its own (`pollen compare --network` shapes them)",
+    )  # fmt: skip
     run_parser.set_defaults(handler=run_command)
     _add_deploy_parser(commands)
     commands.add_parser(
@@ -165,6 +193,19 @@ def _add_compare_parsers(commands: argparse._SubParsersAction) -> None:
         action="store_true",
         help="validate and list the cells, run nothing",
     )
+    grid.add_argument(
+        "--network", metavar="PROFILE", default=None,
+        help="run every cell as a deployment on this machine (TLS, node "
+        "authentication, warm executor), each SuperNode in its own network "
+        "namespace behind the link PROFILE gives it (a TOML file, or a preset "
+        "in configs/networks/, e.g. mixed); needs root; records network.json "
+        "per cell",
+    )  # fmt: skip
+    grid.add_argument(
+        "--simulate", action="store_true",
+        help="with --network: run the cells as simulations whose simulated "
+        "clock the profile drives, instead of deployments",
+    )  # fmt: skip
     grid.set_defaults(handler=compare_command)
     again = commands.add_parser(
         "report", help="tables and plots from result directories, without training",

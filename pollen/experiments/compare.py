@@ -12,6 +12,11 @@ run checked against its cell, before the first run starts: a grid may grow
 (more values, so more cells) in its directory, but a finished run computed
 with other settings than its cell now has is refused. The latest grid is
 kept as `DIR/grid.toml`.
+
+With `--network PROFILE` every cell runs as a real deployment on this
+machine, each SuperNode in its own network namespace behind the link the
+profile gives it (`network_cells`); with `--simulate` as well, the cells
+are simulations whose simulated clock the profile drives.
 """
 
 from __future__ import annotations
@@ -372,18 +377,33 @@ def _duration(seconds: float) -> str:
     return f"{seconds / 3600:.1f} h"
 
 
-def pollen_run_cell(app: Path, out: Path, overrides: Sequence[str]) -> Callable:
-    """`run_cell` for `run_grid`: a `pollen run` simulation per cell."""
+def cell_command(
+    app: Path, out: Path, overrides: Sequence[str]
+) -> Callable[[str, str, Path | None], list[str]]:
+    """`command(config, name, deployment)`: the argv of one cell's `pollen
+    run` (submitted to the deployment in that directory, when given)."""
 
-    def run_cell(config: str, name: str, log: Path) -> int:
-        command = [str(Path(sys.executable).parent / "pollen"), "run", str(app)]
+    def command(config: str, name: str, deployment: Path | None = None) -> list[str]:
+        argv = [str(Path(sys.executable).parent / "pollen"), "run", str(app)]
+        if deployment is not None:
+            argv += ["--deployment", str(deployment)]
         for value in [*overrides, config, config_text(
             {"output-dir": str((out / "runs").resolve()), "run-name": name}
         )]:  # fmt: skip
-            command += ["-c", value]
+            argv += ["-c", value]
+        return argv
+
+    return command
+
+
+def pollen_run_cell(app: Path, out: Path, overrides: Sequence[str]) -> Callable:
+    """`run_cell` for `run_grid`: a `pollen run` simulation per cell."""
+    command = cell_command(app, out, overrides)
+
+    def run_cell(config: str, name: str, log: Path) -> int:
         with log.open("a") as sink:  # a resumed or repeated cell keeps its log
             return subprocess.run(
-                command, stdout=sink, stderr=subprocess.STDOUT
+                command(config, name), stdout=sink, stderr=subprocess.STDOUT
             ).returncode
 
     return run_cell
@@ -396,10 +416,22 @@ def run_comparison(
     overrides: Sequence[str],
     only: Sequence[str] = (),
     dry_run: bool = False,
+    network: Path | None = None,
+    simulate: bool = False,
 ) -> None:
     """`pollen compare`: validate every selected cell of the grid in
     `grid_path` (with `overrides` under each), then list them (`dry_run`) or
-    run the unfinished ones into `out` and print the report's table."""
+    run the unfinished ones into `out` and print the report's table.
+
+    With a `network` profile (a resolved file) every cell runs as a
+    deployment over links shaped as the profile says
+    (`network_cells`), or, with `simulate`, as a simulation whose clock the
+    profile drives; either way the cells get `network-profile` (so a
+    finished cell computed over another profile is not kept)."""
+    from . import network_cells  # the deployment side: only --network pays
+
+    if network is not None:
+        overrides = [*overrides, config_text({"network-profile": str(network)})]
 
     def validate(config: str) -> dict[str, Any]:
         try:
@@ -409,13 +441,29 @@ def run_comparison(
 
     grid = Grid.load(grid_path).select(only)
     cells = validate_cells(grid, validate)  # before any write
+    deployed = network is not None and not simulate
+    run_configs = {cell.name: cell.run_config for cell in cells}
+    if deployed:
+        network_cells.check_cells(run_configs)
     if dry_run:
+        if deployed:
+            print(f"pollen: each cell runs as a deployment over {network}")
         print_plan(cells, out)
         return
-    with exclusive(out) as running:
+    run_cell = pollen_run_cell(app, out, overrides)
+    if deployed:
+        assert network is not None
+        network_cells.check_host()
+        run_cell = network_cells.network_run_cell(
+            cell_command(app, out, overrides), out, network, run_configs
+        )
+    interrupts = (
+        network_cells.sigterm_interrupts() if deployed else contextlib.nullcontext()
+    )
+    with exclusive(out) as running, interrupts:
         cells = with_states(cells, out)
         write_atomic(out / "grid.toml", grid_path.read_text())
-        run_grid(cells, out, pollen_run_cell(app, out, overrides), running=running)
+        run_grid(cells, out, run_cell, running=running)
         table = report(out, grid.target)
     print(table.read_text(), end="")
     print(f"pollen: comparison in {out}")
