@@ -254,3 +254,24 @@ def test_settings_accept_a_preset_file() -> None:
     path = PROJECT / PRESETS_DIR / "mixed.toml"
     settings = Settings.from_run_config({"network-profile": str(path)})
     assert settings.network_profile == str(path)
+
+
+def test_the_docs_table_gives_every_preset_s_numbers() -> None:
+    """docs/network.md's preset table stays true to configs/networks/."""
+    page = (PROJECT / "docs" / "network.md").read_text()
+    rows: dict[str, list[list[float]]] = {}
+    for line in page.splitlines():
+        cells = [cell.strip() for cell in line.strip().strip("|").split("|")]
+        if len(cells) == 8 and cells[0].startswith("`") and cells[2][0].isdigit():
+            values = [float(cell) for cell in cells[2:]]
+            rows.setdefault(cells[0].strip("`"), []).append(values)
+    assert set(rows) == {path.stem for path in PRESETS}
+    for name, documented in rows.items():
+        profile = _preset(name)
+        nodes = [profile.default, *(group.profile for group in profile.groups)]
+        actual = [
+            [n.link.delay_ms, n.link.jitter_ms, n.link.up_mbit, n.link.down_mbit,
+             n.link.loss_pct, n.slowdown]
+            for n in nodes
+        ]  # fmt: skip
+        assert documented == actual, name
