@@ -16,6 +16,7 @@ from __future__ import annotations
 import io
 import time
 from collections.abc import Callable
+from dataclasses import replace
 from logging import INFO
 from pathlib import Path
 
@@ -24,10 +25,13 @@ import torch
 from flwr.app import Array, ArrayRecord, ConfigRecord, Context
 from flwr.common.logger import log
 from flwr.serverapp import Grid, ServerApp
+from flwr.superlink.grid.inmemory_grid import InMemoryGrid
 
 from .files import write_atomic, write_json
+from .network_profile import NetworkProfile
 from .protocol import LR
 from .runs.checkpoints import Checkpoint, load_resumable, save_checkpoint
+from .runs.clock import SimulatedClock
 from .runs.evaluation import GlobalEvaluation
 from .runs.notify import Notifier
 from .runs.recorder import RoundRecorder
@@ -43,11 +47,12 @@ from .runs.results import (
     summarize,
 )
 from .settings import Settings, SettingsError
+from .strategies.asynchronous import BufferedAsync
 from .strategies.compose import build_strategy
 from .strategies.membership import Membership
 from .strategies.personal import PersonalEvaluation
-from .strategies.round import play_round
-from .strategies.sampling import OneMessagePerNode
+from .strategies.round import RoundOutcome, RoundTiming, play_round
+from .strategies.sampling import OneMessagePerNode, sample_clients
 from .strategies.sharing import count_parameters
 from .strategies.strategy import Strategy, to_numpy
 from .task import client_state
@@ -209,35 +214,113 @@ def _train(
     if checkpoint is not None:
         arrays = _resume(checkpoint, settings, model, strategy, personal, recorder)
         first_round = checkpoint.round + 1
-    if hasattr(grid, "pull_interval"):
-        grid.pull_interval = REPLY_POLL_SECONDS
-    grid = OneMessagePerNode(grid)
-    recorder.start_clock()
-    for server_round in range(first_round, settings.rounds + 1):
-        configs = (
-            ConfigRecord({LR: recorder.lr, **state_config}),
-            ConfigRecord(state_config),
-        )
-        outcome = play_round(
-            grid, strategy, personal, server_round, arrays, configs,
-            membership.participants(), settings.round_timeout,
-        )  # fmt: skip
-        arrays = outcome.arrays
-        loss, accuracy = evaluation(server_round, arrays)
+    simulation = isinstance(grid, InMemoryGrid)
+    clock = _clock(settings)
+    grid = OneMessagePerNode(grid, REPLY_POLL_SECONDS)
+
+    def train_config() -> ConfigRecord:
+        return ConfigRecord({LR: recorder.lr, **state_config})
+
+    def finish(server_round: int, outcome: RoundOutcome) -> ArrayRecord:
+        """Evaluate, record and (when due) checkpoint one round or version."""
+        loss, accuracy = evaluation(server_round, outcome.arrays)
         recorder.record(server_round, outcome, loss, accuracy)
         if settings.checkpoint_every and (
             server_round % settings.checkpoint_every == 0
             or server_round == settings.rounds
         ):
-            _save_checkpoint(settings, run_dir, server_round, arrays, strategy,
-                             personal, recorder, elapsed())  # fmt: skip
+            _save_checkpoint(settings, run_dir, server_round, outcome.arrays,
+                             strategy, personal, recorder, elapsed())  # fmt: skip
             # clients may now forget their state from before this round
             state_config[client_state.KEEP_FROM] = server_round
+        return outcome.arrays
+
+    recorder.start_clock()
+    if settings.mode == "async":
+        engine = BufferedAsync(
+            grid, strategy, concurrency=_concurrency(settings),
+            buffer_size=settings.buffer_size or max(1, _concurrency(settings) // 2),
+            seed=settings.seed, timeout=settings.round_timeout,
+            clock=clock if simulation else None,
+        )  # fmt: skip
+        versions = engine.versions(
+            arrays, first_round, settings.rounds, train_config, membership.participants
+        )
+        for version, outcome in enumerate(versions, first_round):
+            personal.record_trained(update.client for update in outcome.updates)
+            if version == settings.rounds:  # the last: nothing left in flight
+                outcome = _personal_at_end(
+                    engine, grid, personal, version, outcome,
+                    ConfigRecord(state_config), membership, settings.round_timeout,
+                )  # fmt: skip
+            arrays = finish(version, outcome)
+    else:
+        timing = RoundTiming(
+            settings.round_deadline, clock, simulation and clock is not None
+        )
+        for server_round in range(first_round, settings.rounds + 1):
+            configs = (train_config(), ConfigRecord(state_config))
+            outcome = play_round(
+                grid, strategy, personal, server_round, arrays, configs,
+                membership.participants(), settings.round_timeout, timing,
+            )  # fmt: skip
+            arrays = finish(server_round, outcome)
     buffer = io.BytesIO()
     torch.save(arrays.to_torch_state_dict(), buffer)
     write_atomic(run_dir / "model.pt", buffer.getvalue())
     plot_curves(
         history, run_dir / "curves.png", f"{settings.strategy} on {dataset.name}"
+    )
+
+
+def _clock(settings: Settings) -> SimulatedClock | None:
+    """The simulated clock of the run's network profile (None without one)."""
+    if not settings.network_profile:
+        return None
+    profile = NetworkProfile.load(Path(settings.network_profile))
+    return SimulatedClock(profile, settings.num_clients)
+
+
+def _concurrency(settings: Settings) -> int:
+    """Async clients training at once: `concurrency`, or as many as a
+    synchronous round samples."""
+    return settings.concurrency or len(
+        sample_clients(
+            settings.num_clients, settings.client_frac, settings.seed, 1,
+            minimum=settings.min_train_nodes,
+        )
+    )  # fmt: skip
+
+
+def _personal_at_end(
+    engine: BufferedAsync,
+    grid: Grid,
+    personal: PersonalEvaluation,
+    version: int,
+    outcome: RoundOutcome,
+    config: ConfigRecord,
+    membership: Membership,
+    timeout: float,
+) -> RoundOutcome:
+    """The last version's outcome with the clients' personal models
+    evaluated, once every client in flight has finished (async mode asks
+    for personal metrics only at the end: a busy node cannot answer)."""
+    unused = engine.drain()
+    failures = [f"client {c}: training ended before its reply was used"
+                for c in unused]  # fmt: skip
+    participants = membership.participants()
+    asked = personal.configure(version, outcome.arrays, config, participants)
+    if asked is None:
+        return replace(outcome, failures=outcome.failures + failures)
+    evaluated = personal.aggregate(
+        asked, grid.send_and_receive(asked.messages, timeout=timeout)
+    )
+    return replace(
+        outcome,
+        failures=outcome.failures + failures + evaluated.failures,
+        evaluating=evaluated.clients,
+        eval_bytes=evaluated.bytes_down,
+        personal=evaluated.results,
     )
 
 

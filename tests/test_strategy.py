@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import numpy as np
 import pytest
 import torch
@@ -137,44 +139,71 @@ def test_roster_refuses_duplicate_and_mismatched_partitions() -> None:
 
 class FakeGrid:
     """Answers every message from its node at once, but those to `silent`;
-    each call takes `seconds` on the clock `now`."""
+    pushing a wave takes `seconds` and a pull half a second on the clock `now`."""
 
     def __init__(self, silent=(), seconds: float = 0.0) -> None:
         self.waves: list[list[int]] = []
-        self.timeouts: list[float | None] = []
         self.silent, self.seconds, self.now = set(silent), seconds, 0.0
+        self.replies: dict[str, Message] = {}
 
-    def send_and_receive(self, messages, *, timeout=None):
+    def push_messages(self, messages):
         self.waves.append([m.metadata.dst_node_id for m in messages])
-        self.timeouts.append(timeout)
         self.now += self.seconds
-        return [reply_from(node, RecordDict()) for node in self.waves[-1]
-                if node not in self.silent]  # fmt: skip
+        ids = []
+        for message in messages:
+            message_id = f"m{len(self.replies) + len(ids)}-{len(self.waves)}"
+            ids.append(message_id)
+            node = message.metadata.dst_node_id
+            if node not in self.silent:
+                reply = reply_from(node, RecordDict())
+                reply.metadata.__dict__["_reply_to_message_id"] = message_id
+                self.replies[message_id] = reply
+        return ids
+
+    def pull_messages(self, message_ids):
+        self.now += 0.5
+        return [self.replies.pop(i) for i in message_ids if i in self.replies]
+
+
+@pytest.fixture
+def fake_clock(monkeypatch) -> Callable[[FakeGrid], None]:
+    """Make OneMessagePerNode read `grid.now` as its clock and never sleep."""
+
+    def use(grid: FakeGrid) -> None:
+        monkeypatch.setattr(
+            "pollen.strategies.sampling.time.monotonic", lambda: grid.now
+        )
+        monkeypatch.setattr("pollen.strategies.sampling.time.sleep", lambda s: None)
+
+    return use
 
 
 def to_nodes(*nodes: int) -> list[Message]:
     return [Message(RecordDict(), dst_node_id=n, message_type="train") for n in nodes]
 
 
-def test_one_message_per_node_sends_in_waves() -> None:
+def test_one_message_per_node_sends_in_waves(fake_clock) -> None:
     grid = FakeGrid()
+    fake_clock(grid)
     replies = OneMessagePerNode(grid).send_and_receive(to_nodes(1, 2, 1, 1), timeout=5)
     assert grid.waves == [[1, 2], [1], [1]]
     assert len(replies) == 4
 
 
-def test_the_waves_share_one_timeout(monkeypatch) -> None:
-    """round-timeout bounds the round, not each wave: 4 s a wave, 10 s in all."""
+def test_the_waves_share_one_timeout(fake_clock) -> None:
+    """round-timeout bounds the round, not each wave: 4.5 s a wave, 10 s in all."""
     grid = FakeGrid(seconds=4.0)
-    monkeypatch.setattr("pollen.strategies.sampling.time.monotonic", lambda: grid.now)
+    fake_clock(grid)
     replies = OneMessagePerNode(grid).send_and_receive(to_nodes(1, 1, 1, 1), timeout=10)
-    assert grid.timeouts == [10.0, 6.0, 2.0]  # the fourth message is never sent
+    assert grid.waves == [[1], [1], [1]]  # the fourth message is never sent
     assert len(replies) == 3
 
 
-def test_a_node_that_did_not_answer_is_sent_nothing_more() -> None:
-    """It may still be working on its first message."""
+def test_a_node_that_did_not_answer_is_sent_nothing_more(fake_clock) -> None:
+    """It may still be working on its first message; the wave waits for it
+    until the timeout, and its next message is never sent."""
     grid = FakeGrid(silent={1})
+    fake_clock(grid)
     replies = OneMessagePerNode(grid).send_and_receive(to_nodes(1, 2, 1, 2), timeout=5)
-    assert grid.waves == [[1, 2], [2]]
-    assert [r.metadata.src_node_id for r in replies] == [2, 2]
+    assert grid.waves == [[1, 2]]
+    assert [r.metadata.src_node_id for r in replies] == [2]

@@ -78,6 +78,9 @@ class RoundRecorder:
             eval_bytes=outcome.eval_bytes,
             personal=outcome.personal,
             dp_epsilon=self._privacy_spent(outcome),
+            sim_seconds=outcome.sim_seconds,
+            late=outcome.late,
+            staleness=outcome.staleness,
         )
         self._last = now
         self.history.append(record)

@@ -197,6 +197,13 @@ def round_lines(record: RoundRecord, total_rounds: int, seconds_left: float) -> 
         f"lr {record.lr:.3g}, clients {len(record.clients)}, "
         f"~{seconds_left:.0f} s left"
         + (f", dp epsilon {record.dp_epsilon:.2f}" if record.dp_epsilon else "")
+        + (
+            f", simulated {record.sim_seconds:.2f} s"
+            if record.sim_seconds is not None
+            else ""
+        )
+        + (f", staleness {record.staleness}" if record.staleness else "")
+        + (f", late {record.late}" if record.late else "")
         + _fault_line(record)
         + _personal_line(record)
     )

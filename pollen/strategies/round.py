@@ -14,17 +14,19 @@ step and server update.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from logging import INFO
 
-from flwr.app import ArrayRecord, ConfigRecord
+from flwr.app import ArrayRecord, ConfigRecord, Message
 from flwr.common.logger import log
 from flwr.serverapp import Grid
 
+from ..protocol import ARRAYS, TRAIN_SECONDS
+from ..runs.clock import SimulatedClock
 from .aggregation import ClientUpdate
 from .personal import PersonalEvaluation, PersonalOutcome
 from .sampling import Participants
-from .strategy import Strategy
+from .strategy import Strategy, TrainRequest
 
 
 @dataclass(frozen=True)
@@ -42,6 +44,53 @@ class RoundOutcome:
     evaluating: list[int]  # asked for personal metrics
     eval_bytes: int
     personal: dict[int, dict[str, float]]  # client -> its personal metrics
+    late: list[int] = field(default_factory=list)  # replies after the deadline
+    staleness: list[int] = field(default_factory=list)  # async: per update
+    sim_seconds: float | None = None  # on the simulated clock, under a profile
+
+
+@dataclass(frozen=True)
+class RoundTiming:
+    """The deadline of a synchronous round and the clock that times it.
+
+    With a `clock` the round's simulated seconds are recorded. A deadline
+    (0: none) is simulated when `simulated` (a simulation under a network
+    profile: replies whose simulated arrival is after it are discarded) and
+    real otherwise (the round stops waiting then; replies not in are late).
+    """
+
+    deadline: float = 0.0
+    clock: SimulatedClock | None = None
+    simulated: bool = False
+
+    def wait(self, timeout: float) -> float:
+        """How long the round waits for replies in real seconds."""
+        if self.deadline and not self.simulated:
+            return min(self.deadline, timeout)
+        return timeout
+
+    def client_times(
+        self, request: TrainRequest, updates: list[ClientUpdate]
+    ) -> dict[int, float]:
+        """Each accepted update's client time on the simulated clock."""
+        if self.clock is None:
+            return {}
+        per_client = request.bytes_down // max(len(request.clients), 1)
+        return {
+            u.client: self.clock.client_seconds(
+                u.client, per_client, float(u.metrics.get(TRAIN_SECONDS, 0.0)),
+                sum(int(a.nbytes) for a in u.arrays.values()),
+            )
+            for u in updates
+        }  # fmt: skip
+
+
+def message_bytes(message: Message) -> int:
+    """The bytes of a message's arrays (0 for an error reply)."""
+    if message.has_error():
+        return 0
+    arrays = message.content.get(ARRAYS)
+    return arrays.count_bytes() if isinstance(arrays, ArrayRecord) else 0
 
 
 def play_round(
@@ -53,14 +102,28 @@ def play_round(
     configs: tuple[ConfigRecord, ConfigRecord],
     participants: Participants,
     timeout: float,
+    timing: RoundTiming = RoundTiming(),
 ) -> RoundOutcome:
     """Train (with the first config), aggregate, update, then evaluate
     personal models (with the second) where due."""
     log(INFO, "[ROUND %d]", server_round)
     train_config, eval_config = configs
     request = strategy.configure_train(server_round, arrays, train_config, participants)
-    replies = grid.send_and_receive(request.messages, timeout=timeout)
-    trained = strategy.aggregate_train(request, replies)
+    replies = grid.send_and_receive(request.messages, timeout=timing.wait(timeout))
+    real_deadline = timing.deadline and not timing.simulated
+    late = _late_in_real_time(request, replies) if real_deadline else []
+    if late:
+        request = replace(
+            request, clients=[c for c in request.clients if c not in late]
+        )
+    trained = strategy.check_replies(request, replies, bound=False)
+    times = timing.client_times(request, trained.updates)
+    if timing.simulated and timing.deadline and timing.clock is not None:
+        late = timing.clock.late(times, timing.deadline)
+        trained.updates = [u for u in trained.updates if u.client not in late]
+    owner = participants.roster.owner
+    trained.updates = strategy.bounded(trained.updates, request.current, owner, trained)
+    trained = strategy.finish(request, trained)
     if not trained.skipped:
         personal.record_trained(update.client for update in trained.updates)
     arrays = trained.arrays if trained.arrays is not None else arrays
@@ -72,9 +135,13 @@ def play_round(
             asked, grid.send_and_receive(asked.messages, timeout=timeout)
         )
     )
+    sim_seconds = None
+    if timing.clock is not None:
+        deadline = timing.deadline if timing.simulated else 0.0
+        sim_seconds = timing.clock.round_seconds(times, deadline)
     return RoundOutcome(
         arrays=arrays,
-        clients=request.clients,
+        clients=request.clients + sorted(set(late) - set(request.clients)),
         updates=trained.updates,
         bytes_down=request.bytes_down,
         bytes_up=trained.bytes_up,
@@ -84,4 +151,14 @@ def play_round(
         evaluating=evaluated.clients,
         eval_bytes=evaluated.bytes_down,
         personal=evaluated.results,
+        late=late,
+        sim_seconds=sim_seconds,
     )
+
+
+def _late_in_real_time(request: TrainRequest, replies: list[Message]) -> list[int]:
+    """The sampled clients whose node sent nothing back before the round
+    stopped waiting (at its deadline, or its timeout without one)."""
+    answered = {reply.metadata.src_node_id for reply in replies}
+    owner = request.participants.roster.owner
+    return [c for c in request.clients if owner[c] not in answered]

@@ -152,8 +152,9 @@ class OneMessagePerNode:
     answered.
     """
 
-    def __init__(self, grid: Any) -> None:
+    def __init__(self, grid: Any, poll_seconds: float = 0.05) -> None:
         self._grid = grid
+        self.poll_seconds = poll_seconds
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._grid, name)
@@ -172,8 +173,27 @@ class OneMessagePerNode:
             left = None if deadline is None else deadline - time.monotonic()
             if left is not None and left <= 0:
                 break
-            answers = self._grid.send_and_receive(wave, timeout=left)
+            answers = self._exchange(wave, left)
             replies.extend(answers)
             answered = {reply.metadata.src_node_id for reply in answers}
             pending = [m for m in later if m.metadata.dst_node_id in answered]
+        return replies
+
+    def _exchange(
+        self, messages: list[Message], timeout: float | None
+    ) -> list[Message]:
+        """Push `messages` and pull their replies every `poll_seconds` until
+        all are in or `timeout` passes. Flower's own `send_and_receive`
+        sleeps 3 s between pulls in a deployment, which would round every
+        round's time up to a multiple of 3 s."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        waiting = {i for i in self._grid.push_messages(messages) if i}
+        replies: list[Message] = []
+        while waiting:
+            got = list(self._grid.pull_messages(list(waiting)))
+            replies += got
+            waiting -= {reply.metadata.reply_to_message_id for reply in got}
+            if not waiting or (deadline is not None and time.monotonic() >= deadline):
+                break
+            time.sleep(self.poll_seconds)
         return replies

@@ -44,7 +44,7 @@ from flwr.app import (
 from flwr.common.logger import log
 
 from .. import protocol
-from .aggregation import Arrays, ClientUpdate, Mean
+from .aggregation import Aggregate, Arrays, ClientUpdate, Mean
 from .replies import (
     Expectation,
     ReplyError,
@@ -72,6 +72,11 @@ class TrainRequest:
     shared: tuple[str, ...]  # the entries that travelled
     participants: Participants
     bytes_down: int
+
+    @property
+    def current(self) -> dict[str, np.ndarray]:
+        """The shared entries the clients were sent."""
+        return {key: self.model[key] for key in self.shared}
 
 
 @dataclass
@@ -192,6 +197,14 @@ class Strategy:
     ) -> TrainOutcome:
         """Check the replies, aggregate the valid ones in client order and
         apply the server update (no new arrays when too few are valid)."""
+        return self.finish(request, self.check_replies(request, replies))
+
+    def check_replies(
+        self, request: TrainRequest, replies: Iterable[Message], bound: bool = True
+    ) -> TrainOutcome:
+        """The valid replies as updates in client order (with the norm bound
+        applied among them unless `bound` is False), the bytes they carried
+        and why the others were dropped; no arrays yet."""
         replies = list(replies)
         outcome = TrainOutcome()
         failed = [msg for msg in replies if msg.has_error()]
@@ -199,22 +212,38 @@ class Strategy:
         outcome.failures = reply_failures(
             request.clients, request.participants.roster.owner, valid, failed
         )
-        current = {key: request.model[key] for key in request.shared}
-        outcome.updates = self._accepted(request, valid, current, outcome)
+        updates = self._checked(request, valid, outcome)
+        if bound:
+            owner = request.participants.roster.owner
+            updates = self.bounded(updates, request.current, owner, outcome)
+        outcome.updates = updates
+        return outcome
+
+    def finish(self, request: TrainRequest, outcome: TrainOutcome) -> TrainOutcome:
+        """Aggregate the outcome's updates and step the server update into
+        its arrays, or leave it skipped with fewer than `min_replies`."""
         if len(outcome.updates) < self.min_replies:
             log(WARNING, "pollen: round %d skipped, the model is unchanged: %d valid "
                 "replies, min-train-replies is %d", request.server_round,
                 len(outcome.updates), self.min_replies)  # fmt: skip
             return outcome
-        aggregate = self.aggregator(outcome.updates, current)
+        aggregate = self.aggregator(outcome.updates, request.current)
+        outcome.arrays = self.step(request.model, request.shared, aggregate)
+        return outcome
+
+    def step(
+        self, model: Arrays, shared: tuple[str, ...], aggregate: Aggregate
+    ) -> ArrayRecord:
+        """The next global model: the server update applied to the shared
+        entries of `model`, the others unchanged."""
+        current = {key: model[key] for key in shared}
         new_shared = self.server_update.apply(
             current,
             aggregate,
             lambda exclude_bn: self.trained_keys(current, exclude_bn),
         )
-        merged = {**request.model, **new_shared}
-        outcome.arrays = ArrayRecord({k: Array(v) for k, v in merged.items()})
-        return outcome
+        merged = {**model, **new_shared}
+        return ArrayRecord({k: Array(v) for k, v in merged.items()})
 
     def trained_keys(
         self, current: Arrays, exclude_bn: bool = False
@@ -226,19 +255,14 @@ class Strategy:
             k for k, v in current.items() if np.issubdtype(v.dtype, np.floating)
         )
 
-    def _accepted(
-        self,
-        request: TrainRequest,
-        replies: list[Message],
-        current: Arrays,
-        outcome: TrainOutcome,
+    def _checked(
+        self, request: TrainRequest, replies: list[Message], outcome: TrainOutcome
     ) -> list[ClientUpdate]:
-        """The replies that pass every check against the `current` shared
-        entries (and the norm bound), as updates in client order."""
-        owner = request.participants.roster.owner
+        """The replies that pass every check against the shared entries sent,
+        as updates in client order."""
         expected = Expectation(
-            arrays=current,
-            owner=owner,
+            arrays=request.current,
+            owner=request.participants.roster.owner,
             sampled=frozenset(request.clients),
             max_examples=request.participants.max_examples,
         )
@@ -257,13 +281,24 @@ class Strategy:
             weight = float(metrics[protocol.NUM_EXAMPLES])
             accepted.append(ClientUpdate(client, decoded, metrics, weight))
         accepted.sort(key=lambda update: update.client)
-        if not self.norm_bound or not accepted:
-            return accepted
+        return accepted
+
+    def bounded(
+        self,
+        updates: list[ClientUpdate],
+        current: Arrays,
+        owner: Mapping[int, int],
+        outcome: TrainOutcome,
+    ) -> list[ClientUpdate]:
+        """`updates` with the norm bound applied among them (relative to
+        `current`): clipped ones noted, dropped ones recorded as failures."""
+        if not self.norm_bound or not updates:
+            return updates
         bounded = bound_update_norms(
-            current, [u.arrays for u in accepted], self.norm_bound, self.norm_action
+            current, [u.arrays for u in updates], self.norm_bound, self.norm_action
         )
         kept = []
-        for update, (arrays, note) in zip(accepted, bounded, strict=True):
+        for update, (arrays, note) in zip(updates, bounded, strict=True):
             node = owner[update.client]
             if arrays is None:
                 reject(outcome.failures, node, f"client {update.client}: {note}")

@@ -1,0 +1,82 @@
+"""The simulated clock: how long a round would take over a network profile.
+
+A simulation runs every client on this machine, so its real seconds say
+nothing about a federation whose links and devices differ. Under a network
+profile (`pollen.network_profile`) each training message is timed as it
+would be on client k's node:
+
+    t_k = (L_k + b_down * 8 / R_down,k)        the model reaches the client
+        + s_k * c_k                            local work, slowed down
+        + (L_k + b_up * 8 / R_up,k)            the update reaches the server
+
+with L_k the one-way latency, R the link's rate (unlimited when 0), b the
+bytes of the message's arrays, c_k the training seconds the client measured
+and reported (`train-seconds`) and s_k its slowdown. A lossy link's rate is
+capped by TCP's steady-state throughput (Mathis et al. 1997,
+rate <= 1.22 * MSS / (RTT * sqrt(p)), MSS 1448 bytes), since lost frames are
+resent. Jitter averages out and is left out; so are TCP's slow start, TLS and
+gRPC framing, and Flower's own polling (an idle SuperNode asks for work every
+3 s), which is why a deployment's rounds take longer than predicted by up to
+a few seconds (docs/network.md measures it).
+
+A synchronous round ends with its slowest client, or at the deadline;
+`AsyncTimeline` advances FedBuff's clock event by event.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+
+from ..deployment.network import Direction, LinkShape
+from ..network_profile import NetworkProfile, NodeProfile
+
+MSS_BYTES = 1448  # a TCP segment's payload on Ethernet with timestamps
+MATHIS_C = math.sqrt(3 / 2)  # the constant of Mathis et al.'s bound, ~1.22
+
+
+def effective_rate(link: LinkShape, direction: Direction) -> float:
+    """Bits per second a bulk transfer gets in `direction` (inf: unlimited)."""
+    delay, _, rate, loss = link.direction(direction)
+    rate = rate or math.inf
+    rtt = 2 * delay
+    if loss and rtt:
+        rate = min(rate, MATHIS_C * MSS_BYTES * 8 / (rtt * math.sqrt(loss)))
+    return rate
+
+
+def transfer_seconds(num_bytes: int, link: LinkShape, direction: Direction) -> float:
+    """One message of `num_bytes` over `link`: latency plus serialisation."""
+    delay = link.direction(direction)[0]
+    return delay + num_bytes * 8 / effective_rate(link, direction)
+
+
+class SimulatedClock:
+    """Client times and round times of one run under a profile."""
+
+    def __init__(self, profile: NetworkProfile, num_clients: int) -> None:
+        self.profile = profile
+        self.nodes: list[NodeProfile] = profile.nodes(num_clients)
+
+    def client_seconds(
+        self, client: int, bytes_down: int, train_seconds: float, bytes_up: int
+    ) -> float:
+        """t_k of the module docstring: down, slowed-down work, up."""
+        node = self.nodes[client]
+        return (
+            transfer_seconds(bytes_down, node.link, "down")
+            + node.slowdown * train_seconds
+            + transfer_seconds(bytes_up, node.link, "up")
+        )
+
+    @staticmethod
+    def round_seconds(times: Mapping[int, float], deadline: float = 0.0) -> float:
+        """A synchronous round's time: its slowest client's, or the deadline
+        when a client is later than it (0: no deadline)."""
+        slowest = max(times.values(), default=0.0)
+        return min(slowest, deadline) if deadline else slowest
+
+    @staticmethod
+    def late(times: Mapping[int, float], deadline: float) -> list[int]:
+        """The clients whose reply comes after the deadline (0: none)."""
+        return sorted(c for c, t in times.items() if deadline and t > deadline)

@@ -1,0 +1,326 @@
+"""Asynchronous training: FedBuff's loop beside the synchronous round.
+
+Up to `concurrency` clients train at once. Whenever one replies, its reply
+is checked like a synchronous one (`Strategy.check_replies`) and goes into
+the buffer, and the freed slot goes at once to an idle client (seeded
+draw) with the current model. Every `buffer-size` accepted replies the
+server rebases them onto the current model, applies the norm bound among
+them, aggregates them with FedBuff's staleness weights (`fedbuff`) and
+steps the server update: one new model version, which the loop yields as a
+`RoundOutcome` (a history row per version) for evaluation, recording and
+checkpoints. `rounds` counts versions.
+
+Replies are taken in one of two orders:
+
+- real time (deployment, or a simulation without a network profile): as
+  they arrive, looked for every `POLL_SECONDS`;
+- simulated time (a simulation under a network profile): a reply's arrival
+  is its dispatch time on the simulated clock plus the client's simulated
+  time (`runs.clock`), so the loop waits until every client in flight has
+  replied for real and takes the earliest simulated arrival. Staleness and
+  the order of versions are then those of the profiled federation, not of
+  this machine; the real run is slower for it (one client trains at a time
+  once the first wave is in).
+
+A checkpoint is taken right after a version, when the buffer is empty, so a
+resumed run loses no accepted update; the clients in flight at that moment
+are not replayed (a resumed run dispatches afresh from the checkpointed
+version). At the end the loop waits for the clients still in flight and
+discards their replies (recorded in the last row as unused), so no message
+of the run is left running.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass, field, replace
+from logging import INFO
+
+import numpy as np
+from flwr.app import ArrayRecord, ConfigRecord, Message, MessageType
+from flwr.common.logger import log
+
+from .. import protocol
+from ..runs.clock import SimulatedClock
+from .aggregation import ClientUpdate
+from .fedbuff import buffered_mean, rebased
+from .round import RoundOutcome, message_bytes
+from .sampling import Participants
+from .strategy import Strategy, TrainOutcome, TrainRequest, addressed, to_numpy
+
+POLL_SECONDS = 0.05  # how often the real-time loop asks for replies
+
+
+@dataclass(frozen=True)
+class Dispatch:
+    """One training message in flight."""
+
+    request: TrainRequest  # the one-client request its reply is checked against
+    version: int  # the model version it carries
+    sent_at: float  # simulated seconds (0 without a clock)
+    started: float  # time.monotonic() when sent
+
+    @property
+    def client(self) -> int:
+        return self.request.clients[0]
+
+
+@dataclass
+class Buffered:
+    """An accepted update waiting in the buffer."""
+
+    update: ClientUpdate
+    dispatch: Dispatch
+
+
+@dataclass
+class _Pending:
+    """What the next version's history row accumulates."""
+
+    bytes_down: int = 0
+    bytes_up: int = 0
+    failures: list[str] = field(default_factory=list)
+    clipped: list[str] = field(default_factory=list)
+
+
+class BufferedAsync:
+    """FedBuff's server loop over a Flower grid (see module docstring)."""
+
+    def __init__(
+        self,
+        grid,
+        strategy: Strategy,
+        *,
+        concurrency: int,
+        buffer_size: int,
+        seed: int,
+        timeout: float,
+        clock: SimulatedClock | None = None,
+    ) -> None:
+        self.grid = grid
+        self.strategy = strategy
+        self.concurrency = concurrency
+        self.buffer_size = buffer_size
+        self.seed = seed
+        self.timeout = timeout
+        self.clock = clock
+        self.in_flight: dict[str, Dispatch] = {}
+        self.arrived: dict[str, tuple[Message, float]] = {}  # simulated order
+        self.buffer: list[Buffered] = []
+        self.snapshots: dict[int, dict[str, np.ndarray]] = {}  # version -> sent
+        self.now = 0.0  # simulated seconds
+        self.lost_nodes: set[int] = set()
+
+    def versions(
+        self,
+        arrays: ArrayRecord,
+        first: int,
+        last: int,
+        config: Callable[[], ConfigRecord],
+        participants: Callable[[], Participants],
+    ) -> Iterator[RoundOutcome]:
+        """Train from `arrays` (version first - 1) until version `last`,
+        yielding each new version's outcome; `config()` is the training
+        config of a new dispatch (its learning rate), `participants()` who
+        can take part (asked again after every version)."""
+        rng = np.random.default_rng([self.seed, first, 0xA5])
+        version, pending = first - 1, _Pending()
+        who = participants()
+        version_started = self.now
+        while version < last:
+            self._fill(arrays, version, config(), who, rng, pending)
+            if not self.in_flight:
+                raise RuntimeError(
+                    "async: no client can train (every node is lost or busy)"
+                )
+            self._take(*self._next_reply(), pending)
+            if len(self.buffer) < self.buffer_size:
+                continue
+            arrays, outcome = self._flush(arrays, version, pending)
+            version += 1
+            log_version(version, outcome)
+            sim = self.now - version_started if self.clock else None
+            version_started = self.now
+            yield replace(outcome, sim_seconds=sim)
+            pending, who = _Pending(), participants()
+
+    def drain(self) -> list[int]:
+        """Wait for every client still in flight (up to `timeout`); their
+        replies are not used. The clients that were still training."""
+        clients = sorted(d.client for d in self.in_flight.values())
+        deadline = time.monotonic() + self.timeout
+        while self.in_flight and time.monotonic() < deadline:
+            for reply in self.grid.pull_messages(list(self.in_flight)):
+                self.in_flight.pop(reply.metadata.reply_to_message_id, None)
+            time.sleep(POLL_SECONDS)
+        self.in_flight.clear()
+        return clients
+
+    # ---- dispatching ----------------------------------------------------
+
+    def _fill(
+        self,
+        arrays: ArrayRecord,
+        version: int,
+        config: ConfigRecord,
+        participants: Participants,
+        rng: np.random.Generator,
+        pending: _Pending,
+    ) -> None:
+        """Send the current model to idle clients until `concurrency` train."""
+        owner = participants.roster.owner
+        busy_nodes = {owner.get(d.client) for d in self.in_flight.values()}
+        idle = [
+            c for c in sorted(owner)
+            if owner[c] not in busy_nodes and owner[c] not in self.lost_nodes
+        ]  # fmt: skip
+        free = min(self.concurrency - len(self.in_flight), len(idle))
+        if free <= 0:
+            return
+        chosen: list[int] = []
+        for _ in range(free):  # one client per node, as OneMessagePerNode does
+            client = int(rng.choice(idle))
+            chosen.append(client)
+            idle = [c for c in idle if owner[c] != owner[client]]
+            if not idle:
+                break
+        payload = self.strategy.outgoing(arrays)
+        shared = self.strategy.shared_keys(arrays)
+        model = to_numpy(arrays)
+        self.snapshots.setdefault(version, model)
+        messages = addressed(
+            MessageType.TRAIN, chosen, payload, config, version + 1, owner
+        )
+        ids = list(self.grid.push_messages(messages))
+        now = time.monotonic()
+        for client, message, message_id in zip(chosen, messages, ids, strict=True):
+            bytes_down = payload.count_bytes()
+            pending.bytes_down += bytes_down
+            request = TrainRequest(
+                server_round=version + 1, messages=[message], clients=[client],
+                model=model, shared=shared, participants=participants,
+                bytes_down=bytes_down,
+            )  # fmt: skip
+            self.in_flight[message_id] = Dispatch(request, version, self.now, now)
+
+    # ---- receiving ------------------------------------------------------
+
+    def _next_reply(self) -> tuple[Message, Dispatch]:
+        """The next reply to take, in real or simulated order."""
+        while True:
+            got = list(self.grid.pull_messages(list(self.in_flight)))
+            for reply in sorted(got, key=self._client_of):  # a batch: client order
+                message_id = reply.metadata.reply_to_message_id
+                if message_id in self.in_flight:
+                    self.arrived[message_id] = (reply, self._arrival(reply, message_id))
+            self._expire()
+            if self.clock is None and self.arrived:
+                return self._pop(next(iter(self.arrived)))  # the first to arrive
+            if self.clock is not None and self.arrived and set(self.arrived) == set(
+                self.in_flight
+            ):
+                first = min(self.arrived, key=lambda m: self.arrived[m][1])
+                self.now = max(self.now, self.arrived[first][1])
+                return self._pop(first)
+            time.sleep(POLL_SECONDS)
+
+    def _client_of(self, reply: Message) -> int:
+        dispatch = self.in_flight.get(reply.metadata.reply_to_message_id)
+        return dispatch.client if dispatch else -1
+
+    def _pop(self, message_id: str) -> tuple[Message, Dispatch]:
+        reply, _ = self.arrived.pop(message_id)
+        return reply, self.in_flight.pop(message_id)
+
+    def _arrival(self, reply: Message, message_id: str) -> float:
+        """A reply's arrival on the simulated clock (0 without one)."""
+        dispatch = self.in_flight[message_id]
+        if self.clock is None or reply.has_error():
+            return dispatch.sent_at
+        metrics = reply.content.get(protocol.METRICS)
+        seconds = metrics.get(protocol.TRAIN_SECONDS, 0.0) if metrics else 0.0
+        seconds = float(seconds) if isinstance(seconds, int | float) else 0.0
+        return dispatch.sent_at + self.clock.client_seconds(
+            dispatch.client, dispatch.request.bytes_down, max(seconds, 0.0),
+            message_bytes(reply),
+        )  # fmt: skip
+
+    def _expire(self) -> None:
+        """Give up on clients in flight for longer than `timeout` (real s)."""
+        now = time.monotonic()
+        for message_id, dispatch in list(self.in_flight.items()):
+            if message_id not in self.arrived and now - dispatch.started > self.timeout:
+                del self.in_flight[message_id]
+                node = dispatch.request.participants.roster.owner[dispatch.client]
+                self.lost_nodes.add(node)
+
+    def _take(self, reply: Message, dispatch: Dispatch, pending: _Pending) -> None:
+        """Check one reply; a valid one goes into the buffer."""
+        checked: TrainOutcome = self.strategy.check_replies(
+            dispatch.request, [reply], bound=False
+        )
+        pending.bytes_up += checked.bytes_up
+        pending.failures += checked.failures
+        self.buffer += [Buffered(u, dispatch) for u in checked.updates]
+
+    def _flush(
+        self, arrays: ArrayRecord, version: int, pending: _Pending
+    ) -> tuple[ArrayRecord, RoundOutcome]:
+        """Rebase, bound, aggregate and step the buffer: the next version."""
+        batch, self.buffer = self.buffer, []
+        model = to_numpy(arrays)
+        shared = self.strategy.shared_keys(arrays)
+        current = {key: model[key] for key in shared}
+        sent = {
+            id(b): _shared(self.snapshots[b.dispatch.version], shared) for b in batch
+        }
+        updates = [rebased(b.update, sent[id(b)], current) for b in batch]
+        owner = batch[0].dispatch.request.participants.roster.owner
+        outcome = TrainOutcome(bytes_up=pending.bytes_up, failures=pending.failures)
+        kept = self.strategy.bounded(updates, current, owner, outcome)
+        staleness = _aligned(
+            [u.client for u in updates],
+            [u.client for u in kept],
+            [version - b.dispatch.version for b in batch],
+        )
+        if kept:
+            arrays = self.strategy.step(
+                model, shared, buffered_mean(kept, staleness, current)
+            )
+        in_use = {d.version for d in self.in_flight.values()}
+        self.snapshots = {v: s for v, s in self.snapshots.items() if v in in_use}
+        return arrays, RoundOutcome(
+            arrays=arrays,
+            clients=[u.client for u in kept],
+            updates=kept,
+            bytes_down=pending.bytes_down,
+            bytes_up=pending.bytes_up,
+            skipped=not kept,
+            failures=outcome.failures,
+            clipped=outcome.clipped,
+            evaluating=[],
+            eval_bytes=0,
+            personal={},
+            staleness=staleness,
+        )
+
+
+def _shared(model: Mapping[str, np.ndarray], shared: tuple[str, ...]) -> dict:
+    return {key: model[key] for key in shared}
+
+
+def _aligned(before: list[int], after: list[int], values: list[int]) -> list[int]:
+    """`values` (one per client of `before`) for the clients left in `after`,
+    a subsequence of `before` in the same order."""
+    kept, j = [], 0
+    for client, value in zip(before, values, strict=True):
+        if j < len(after) and after[j] == client:
+            kept.append(value)
+            j += 1
+    return kept
+
+
+def log_version(version: int, outcome: RoundOutcome) -> None:
+    log(INFO, "[VERSION %d] %d updates, staleness %s", version,
+        len(outcome.updates), outcome.staleness)  # fmt: skip

@@ -1,0 +1,67 @@
+"""FedBuff's aggregation (Nguyen et al. 2022, "Federated Learning with
+Buffered Asynchronous Aggregation", Algorithm 1).
+
+A client trains from the model version it was sent, v_k, and returns its
+model y_k; its update is Delta_k = y_k - x_{v_k}. The server collects K
+updates in a buffer and then applies
+
+    Delta_bar = (1 / K) * sum_k s(tau_k) * Delta_k,   s(tau) = 1 / sqrt(1 + tau),
+
+where tau_k, the update's staleness, is the number of server updates made
+since v_k. The paper steps x <- x + eta_g * Delta_bar; pollen hands the
+server update the aggregate x + Delta_bar, so FedAvg's update takes it as the
+model (eta_g = 1), FedOpt's `sgd` steps eta_g = server-lr along it (FedBuff's
+own rule; the `fedbuff` preset) and the adaptive optimisers take -Delta_bar as
+their pseudo-gradient. The mean divides by K, not by the sum of the weights,
+as in the paper: stale buffers move the model less.
+
+Each update is first rebased onto the current model (x_t + Delta_k), so the
+norm bound and the reply checks see it as they see a synchronous reply.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import numpy as np
+
+from .aggregation import Aggregate, Arrays, ClientUpdate
+
+
+def staleness_weight(staleness: int) -> float:
+    """s(tau) = 1 / sqrt(1 + tau): FedBuff's polynomial staleness scaling."""
+    if staleness < 0:
+        raise ValueError(f"staleness must be >= 0, got {staleness}")
+    return 1 / math.sqrt(1 + staleness)
+
+
+def rebased(update: ClientUpdate, sent: Arrays, current: Arrays) -> ClientUpdate:
+    """The update as x_t + Delta_k (float64): its change from the entries it
+    was sent (`sent`, version v_k), applied to the `current` ones."""
+    arrays = {
+        key: current[key].astype(np.float64)
+        + (update.arrays[key].astype(np.float64) - sent[key].astype(np.float64))
+        for key in current
+    }
+    return ClientUpdate(update.client, arrays, update.metrics, update.num_examples)
+
+
+def buffered_mean(
+    updates: Sequence[ClientUpdate], staleness: Sequence[int], current: Arrays
+) -> Aggregate:
+    """x_t + Delta_bar for updates already `rebased` onto `current`."""
+    if not updates or len(updates) != len(staleness):
+        raise ValueError(
+            f"need one staleness per update, got {len(updates)} updates and "
+            f"{len(staleness)} staleness values"
+        )
+    weights = [staleness_weight(tau) / len(updates) for tau in staleness]
+    arrays = {}
+    for key, x in current.items():
+        base = x.astype(np.float64)
+        arrays[key] = base + sum(
+            (w * (u.arrays[key] - base) for w, u in zip(weights, updates, strict=True)),
+            start=np.zeros(x.shape),
+        )
+    return Aggregate(arrays, tuple(updates))
