@@ -3,10 +3,18 @@
 `pollen report DIR` (and `compare`, after its last cell) reads every completed
 run directory under `DIR/runs/` (or `DIR` itself), groups the runs that differ
 only in `seed`, and writes `comparison.json`, `comparison.md` (final and best
-accuracy, the round reaching `target`, wall time, bytes up and down; mean
-and standard deviation over seeds) and `plots/`: accuracy per round and
-against bytes, one figure per setting with a line per strategy, and the
-label distribution of each setting's partition.
+accuracy; with a `target`, the round, wall-clock seconds, simulated seconds
+and MB to reach it; wall time, MB up, down and in all, simulated time, MB
+measured on shaped links; mean and standard deviation over seeds) and
+`plots/`: accuracy per round, against wall-clock seconds, simulated seconds
+and MB, one figure per setting with a line per strategy, and the label
+distribution of each setting's partition.
+
+Seconds, simulated seconds and bytes are `Measure`s: quantities a history
+row adds to. A group whose runs do not all record one (`sim-seconds` without
+a network profile, `seconds` in a hand-made history) has none; a measure no
+group has makes no column and no figure, so a report of runs that never had
+it looks as it did before.
 """
 
 from __future__ import annotations
@@ -15,10 +23,10 @@ import itertools
 import json
 import shutil
 import statistics
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from ..files import write_atomic, write_json
 from ..runs.results import plot_accuracy_against
@@ -33,6 +41,39 @@ NOT_COMPARED = frozenset(
 # seed, averaged over) make separate figures.
 SERIES_KEYS = ("strategy", "server-update", "local-objective", "bn-policy", "sharing")
 MB = 1e6
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class Measure:
+    """A quantity each history row adds to (seconds, bytes): the x of a plot,
+    a to-target column and, when `total` names one, a per-run total column.
+    `value` is a row's share, None where the row does not record it."""
+
+    key: str  # comparison.json: `<key>-to-target`, `<key>-total`
+    plot: str  # plots/accuracy-<plot>-<figure>.png
+    header: str  # table column, `{target}` the target in %
+    total: str | None  # table column of the run's total, None: none
+    xlabel: str
+    value: Callable[[Mapping[str, Any]], float | None]
+
+
+def _row_mb(row: Mapping[str, Any]) -> float:
+    """All a round moved: the model and updates both ways and the federated
+    evaluation's messages (older rows have no `eval-bytes`)."""
+    return (row["bytes-up"] + row["bytes-down"] + row.get("eval-bytes", 0)) / MB
+
+
+MEASURES = (
+    # the wall time column is the summary's total-seconds (start-up included)
+    Measure("seconds", "seconds", "time to {target} (s)", None,
+            "wall-clock seconds (cumulative)", lambda row: row.get("seconds")),
+    Measure("sim-seconds", "sim-seconds", "sim. time to {target} (s)",
+            "sim. time (s)", "simulated seconds under the network profile "
+            "(cumulative)", lambda row: row.get("sim-seconds")),
+    Measure("mb", "bytes", "MB to {target}", "MB total",
+            "MB sent and received (cumulative)", _row_mb),
+)  # fmt: skip
 
 
 class CompareError(ValueError):
@@ -59,23 +100,49 @@ class Run:
     settings: dict[str, Any]
     summary: dict[str, Any]
     history: list[dict[str, Any]]
+    # a deployment over shaped links: the bytes each node's link carried
+    network: dict[str, Any] | None = None
 
     @classmethod
     def read(cls, path: Path) -> Run:
+        def load(name: str) -> Any:
+            return json.loads((path / name).read_text())
+
         try:
             return cls(
-                path.name, path,
-                json.loads((path / "settings.json").read_text()),
-                json.loads((path / "summary.json").read_text()),
-                json.loads((path / "history.json").read_text()),
+                path.name, path, load("settings.json"), load("summary.json"),
+                load("history.json"),
+                load("network.json") if (path / "network.json").exists() else None,
             )  # fmt: skip
         except (OSError, ValueError) as err:
             raise CompareError(
                 f"{path} is not a finished run directory: {err}"
             ) from err
 
+    def reaching(self, target: float) -> int | None:
+        """The index of the first history row at `target` accuracy or above."""
+        return next(
+            (i for i, r in enumerate(self.history) if r["accuracy"] >= target), None
+        )
+
     def round_reaching(self, target: float) -> int | None:
-        return next((r["round"] for r in self.history if r["accuracy"] >= target), None)
+        index = self.reaching(target)
+        return None if index is None else self.history[index]["round"]
+
+    def cumulative(self, measure: Measure) -> list[float] | None:
+        """`measure` summed over the rounds so far, after each round; None if
+        a row does not record it (then no partial sum pretends it does)."""
+        values = [measure.value(row) for row in self.history]
+        if not values or any(v is None for v in values):
+            return None
+        return list(itertools.accumulate(v for v in values if v is not None))
+
+    def link_mb(self) -> float | None:
+        """MB the shaped links carried both ways (network.json), if measured."""
+        if self.network is None:
+            return None
+        nodes = self.network["nodes"]
+        return sum(n["bytes-up"] + n["bytes-down"] for n in nodes) / MB
 
 
 def read_runs(directory: Path) -> list[Run]:
@@ -117,15 +184,18 @@ def varying_keys(runs: Sequence[Run]) -> list[str]:
     ]  # fmt: skip
 
 
-def _mean_std(values: Sequence[float]) -> tuple[float, float]:
-    return statistics.fmean(values), statistics.stdev(values) if len(
-        values
-    ) > 1 else 0.0
+def _stats(values: Sequence[float]) -> dict[str, float]:
+    """Mean and (sample) standard deviation; 0 for a single value."""
+    std = statistics.stdev(values) if len(values) > 1 else 0.0
+    return {"mean": statistics.fmean(values), "std": std}
 
 
 def summarize_groups(runs: Sequence[Run], target: float | None) -> list[dict[str, Any]]:
     """One row per setting (runs equal but for the seed): means and standard
-    deviations over its seeds."""
+    deviations over its seeds. To-target values are per seed, None for a seed
+    that never reached it. A measure (or the links' MB) that not every seed
+    recorded is left out of the row: a mean over some seeds would pass for
+    one over all."""
     keys = [k for k in varying_keys(runs) if k != "seed"]
     groups: dict[tuple, list[Run]] = {}
     for run in runs:
@@ -147,12 +217,33 @@ def summarize_groups(runs: Sequence[Run], target: float | None) -> list[dict[str
             "mb-up": [m.summary["total-bytes-up"] / MB for m in members],
             "mb-down": [m.summary["total-bytes-down"] / MB for m in members],
         }.items():
-            row[field] = dict(zip(("mean", "std"), _mean_std(values), strict=True))
+            row[field] = _stats(values)
         if target is not None:
-            reached = [m.round_reaching(target) for m in members]
-            row["round-to-target"] = reached
+            row["round-to-target"] = [m.round_reaching(target) for m in members]
+        for measure in MEASURES:
+            sums = _of_every_seed([m.cumulative(measure) for m in members])
+            if sums is None:
+                continue
+            if measure.total:
+                row[f"{measure.key}-total"] = _stats([c[-1] for c in sums])
+            if target is not None:
+                row[f"{measure.key}-to-target"] = [
+                    None if (i := m.reaching(target)) is None else c[i]
+                    for m, c in zip(members, sums, strict=True)
+                ]
+        links = _of_every_seed([m.link_mb() for m in members])
+        if links is not None:
+            row["link-mb"] = _stats(links)
         rows.append(row)
     return sorted(rows, key=lambda row: [_order(v) for v in row["setting"].values()])
+
+
+def _of_every_seed(values: Sequence[T | None]) -> list[T] | None:
+    """`values` if every seed has one, else None: a mean over the seeds that
+    happen to record a quantity would pass for one over all of them."""
+    if any(v is None for v in values):
+        return None
+    return [v for v in values if v is not None]
 
 
 def _order(value: Any) -> tuple[int, Any]:
@@ -162,27 +253,68 @@ def _order(value: Any) -> tuple[int, Any]:
     return 1, str(value)
 
 
+Cell = Callable[[Mapping[str, Any]], str]
+
+
 def markdown_table(rows: Sequence[Mapping[str, Any]], target: float | None) -> str:
-    keys = list(rows[0]["setting"]) if rows else []
-    head = [*keys, "seeds", "final acc. (%)", "best acc. (%)"]
-    if target is not None:
-        head.append(f"round to {100 * target:g}%")
-    head += ["time (s)", "MB up", "MB down"]
-    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-    for row in rows:
-        cells = [str(row["setting"][k]) for k in keys]
-        cells.append(str(len(row["seeds"])))
-        cells.append(_pm(row["final-accuracy"], 100, 2))
-        cells.append(_pm(row["best-accuracy"], 100, 2))
-        if target is not None:
-            cells.append(_reached(row["round-to-target"]))
-        cells += [
-            _pm(row["seconds"], 1, 0),
-            _pm(row["mb-up"], 1, 1),
-            _pm(row["mb-down"], 1, 1),
+    """The groups as a markdown table. A to-target or total column that no
+    group has (no target, no network profile) is left out; a group without
+    it where others have it shows "n/a"."""
+
+    def present(optional: list[tuple[str, str, Cell]]) -> list[tuple[str, Cell]]:
+        return [
+            (head, cell) for key, head, cell in optional if any(key in r for r in rows)
         ]
-        lines.append("| " + " | ".join(cells) + " |")
+
+    keys = list(rows[0]["setting"]) if rows else []
+    columns: list[tuple[str, Cell]] = [
+        *((k, _setting_cell(k)) for k in keys),
+        ("seeds", lambda row: str(len(row["seeds"]))),
+        ("final acc. (%)", lambda row: _pm(row["final-accuracy"], 100, 2)),
+        ("best acc. (%)", lambda row: _pm(row["best-accuracy"], 100, 2)),
+    ]
+    if target is not None:
+        percent = f"{100 * target:g}%"
+        columns.append((f"round to {percent}",
+                        lambda row: _reached(row["round-to-target"], _mean_only)))  # fmt: skip
+        columns += present([
+            (f"{m.key}-to-target", m.header.format(target=percent),
+             _to_target_cell(f"{m.key}-to-target"))
+            for m in MEASURES
+        ])  # fmt: skip
+    columns += [
+        ("time (s)", lambda row: _pm(row["seconds"], 1, 0)),
+        ("MB up", lambda row: _pm(row["mb-up"], 1, 1)),
+        ("MB down", lambda row: _pm(row["mb-down"], 1, 1)),
+    ]
+    totals = [(f"{m.key}-total", m.total) for m in MEASURES if m.total]
+    columns += present([
+        (key, head, _stat_cell(key)) for key, head in [*totals, ("link-mb", "link MB")]
+    ])  # fmt: skip
+    lines = [
+        "| " + " | ".join(head for head, _ in columns) + " |",
+        "|" + "---|" * len(columns),
+    ]
+    for row in rows:
+        lines.append("| " + " | ".join(cell(row) for _, cell in columns) + " |")
     return "\n".join(lines) + "\n"
+
+
+def _setting_cell(key: str) -> Cell:
+    return lambda row: str(row["setting"][key])
+
+
+def _to_target_cell(key: str) -> Cell:
+    def cell(row: Mapping[str, Any]) -> str:
+        if key not in row:
+            return "n/a"
+        return _reached(row[key], lambda hit: _pm(_stats(hit), 1, 1))
+
+    return cell
+
+
+def _stat_cell(key: str) -> Cell:
+    return lambda row: _pm(row[key], 1, 1) if key in row else "n/a"
 
 
 def _pm(stat: Mapping[str, float], scale: float, digits: int) -> str:
@@ -190,19 +322,28 @@ def _pm(stat: Mapping[str, float], scale: float, digits: int) -> str:
     return f"{mean:.{digits}f} ± {std:.{digits}f}" if std else f"{mean:.{digits}f}"
 
 
-def _reached(rounds: Sequence[int | None]) -> str:
-    hit = [r for r in rounds if r is not None]
+def _mean_only(hit: Sequence[float]) -> str:
+    return f"{statistics.fmean(hit):.1f}"
+
+
+def _reached(values: Sequence[float | None], show: Callable[[list[float]], str]) -> str:
+    """Per-seed values to a target (None: never reached), shown by `show`
+    over the seeds that reached it, saying how many did when not all."""
+    hit = [v for v in values if v is not None]
     if not hit:
         return "never"
-    text = f"{statistics.fmean(hit):.1f}"
+    text = show(hit)
     return (
-        text if len(hit) == len(rounds) else f"{text} ({len(hit)}/{len(rounds)} seeds)"
+        text if len(hit) == len(values) else f"{text} ({len(hit)}/{len(values)} seeds)"
     )
 
 
 def plot_groups(runs: Sequence[Run], plots: Path) -> list[Path]:
-    """Accuracy per round and against bytes (means over seeds), one figure
-    per setting with a line per strategy; each setting's label distribution."""
+    """Accuracy per round and against each measure (cumulative seconds,
+    simulated seconds, MB; means over seeds), one figure per setting with a
+    line per strategy; each setting's label distribution. A line whose seeds
+    do not all record a measure is left off that figure, and a figure no
+    line has is not drawn."""
     keys = [k for k in varying_keys(runs) if k != "seed"]
     series_keys = [k for k in keys if k in SERIES_KEYS]
     figure_keys = [k for k in keys if k not in SERIES_KEYS]
@@ -227,26 +368,33 @@ def plot_groups(runs: Sequence[Run], plots: Path) -> list[Path]:
         some = next(iter(lines.values()))[0].settings
         figure = ", ".join(f"{k}={some[k]}" for k in figure_keys)
         seeds_in_title, labels = _seed_counts(lines)
-        by_round, by_bytes = {}, {}
-        for line, members in lines.items():
-            accuracy = _mean_curve(
-                [[r["accuracy"] for r in m.history] for m in members]
-            )
-            megabytes = _mean_curve([_cumulative_mb(m.history) for m in members])
-            rounds = list(range(1, len(accuracy) + 1))
-            label = labels[line]
-            by_round[label], by_bytes[label] = (rounds, accuracy), (megabytes, accuracy)
         title = ": ".join(t for t in (str(some.get("data-set", "")), figure) if t)
         title += seeds_in_title
-        for suffix, series, xlabel in (
-            ("rounds", by_round, "round"),
-            ("bytes", by_bytes, "MB sent and received (cumulative)"),
-        ):
-            path = plots / f"accuracy-{suffix}-{slug}.png"
-            plot_accuracy_against(
-                series, path, title, xlabel, integer_x=suffix == "rounds"
-            )
-            written.append(path)
+        accuracy = {
+            line: [[r["accuracy"] for r in m.history] for m in members]
+            for line, members in lines.items()
+        }
+        by_round = {}
+        for line, curves in accuracy.items():
+            mean = _mean_curve(curves)
+            by_round[labels[line]] = (list(range(1, len(mean) + 1)), mean)
+        plot_accuracy_against(
+            by_round, plots / f"accuracy-rounds-{slug}.png", title, "round",
+            integer_x=True,
+        )  # fmt: skip
+        written.append(plots / f"accuracy-rounds-{slug}.png")
+        for measure in MEASURES:
+            series = {}
+            for line, members in lines.items():
+                sums = _of_every_seed([m.cumulative(measure) for m in members])
+                if sums is not None:  # else this line is not on this figure
+                    series[labels[line]] = (
+                        _mean_curve(sums), _mean_curve(accuracy[line])
+                    )  # fmt: skip
+            if series:
+                path = plots / f"accuracy-{measure.plot}-{slug}.png"
+                plot_accuracy_against(series, path, title, measure.xlabel)
+                written.append(path)
     partition_keys = [k for k in keys if k not in SERIES_KEYS]  # not the strategy
     for run in runs:  # each setting's partition (the first seed's)
         labels = run.path / "labels.png"
@@ -274,12 +422,6 @@ def _mean_curve(curves: Sequence[Sequence[float]]) -> list[float]:
     """Mean per round over seeds, as long as the shortest curve."""
     length = min(len(c) for c in curves)
     return [statistics.fmean(c[i] for c in curves) for i in range(length)]
-
-
-def _cumulative_mb(history: Sequence[Mapping[str, Any]]) -> list[float]:
-    return list(
-        itertools.accumulate((r["bytes-up"] + r["bytes-down"]) / MB for r in history)
-    )
 
 
 def report(directory: Path, target: float | None = None) -> Path:
