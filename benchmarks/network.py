@@ -1,26 +1,24 @@
-"""Strategies compared over a real, shaped network: SuperNodes in namespaces.
+"""Strategies compared over a real, shaped network: a `pollen compare --network`.
 
     .venv/bin/python benchmarks/network.py [--nodes 3] [--rounds 4]
-        [--shape "delay=50ms,up=10mbit,down=50mbit"] [--only fedavg feddyn ...]
-        [--train 9000] [--data-root ../shared/data] [--out bench-out/network]
+        [--shape "delay=50ms,up=10mbit,down=50mbit" | --network mixed]
+        [--only fedavg feddyn ...] [--train 9000]
+        [--data-root ../shared/data] [--out bench-out/network]
 
-Builds a `pollen.deployment.network.ShapedNetwork` (one namespace per SuperNode, every
-link shaped the same way), brings up a TLS + authenticated deployment on it
-(`pollen.deployment.cluster.up`, the SuperLink on the bridge address, each SuperNode
-behind `ip netns exec`), and runs each strategy on the same data, partition
-and seed with `pollen run --deployment`. Per strategy it reports wall time
-per round, bytes up and down per round as counted from the messages and as
-counted by the nodes' interfaces (headers, TLS and Flower's own traffic
-included), and accuracy; it writes `network.md` (the table), `network.json`
-and two plots (accuracy against wall time and against bytes). The network,
-the processes and the namespaces are removed at the end, also on errors.
+A thin caller of the product command: it writes a grid (FedAvg, FedDyn,
+FedAdam, FedBN and FedSA on the same data, partition and seed) and a network
+profile (every node behind the link `--shape` describes, or the profile or
+preset `--network` names), then runs `pollen compare GRID --out OUT --network
+PROFILE`, which deploys each strategy over namespaced, shaped links (TLS,
+node authentication, warm executor), records the bytes on the wire per node
+and direction in each cell's `network.json`, tears everything down after
+each cell and resumes where a rerun with the same --out left off. Its table
+(with "link MB", the interfaces' count) and plots are in OUT.
 
 Data: a Fashion-MNIST subset (the first `--train` training and 2,000 test
 images, written under --out) split over the nodes by Dirichlet(0.5), model
 `cnn`, one local epoch per round, every node in every round. `fedsa` uses
-`cnn-lora` (only its LoRA A matrices travel). Each strategy's numbers are
-kept in `<out>/<name>.json`; a rerun with the same --out reads them back and
-runs only the strategies that have none.
+`cnn-lora` (only its LoRA A matrices travel).
 """
 
 from __future__ import annotations
@@ -29,7 +27,6 @@ import argparse
 import json
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import numpy as np
@@ -37,21 +34,20 @@ import numpy as np
 PROJECT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(PROJECT))
 
-from pollen.deployment import cluster  # noqa: E402
-from pollen.deployment.network import LinkShape, ShapedNetwork, netns_available  # noqa: E402
-from pollen.runs.results import plot_accuracy_against  # noqa: E402
+from pollen.deployment.network import LinkShape  # noqa: E402
 
-STRATEGIES = {
-    "fedavg": "strategy='fedavg' model='cnn'",
-    "feddyn": "strategy='feddyn' model='cnn'",
-    "fedadam": "strategy='fedadam' server-lr=0.003 model='cnn'",
-    "fedbn": "strategy='fedavg' bn-policy='fedbn' model='cnn'",
-    "fedsa": "strategy='fedsa' model='cnn-lora'",
+STRATEGIES = {  # cell name -> the keys it sets
+    "fedavg": {"strategy": "fedavg", "model": "cnn"},
+    "feddyn": {"strategy": "feddyn", "model": "cnn"},
+    "fedadam": {"strategy": "fedadam", "server-lr": 0.003, "model": "cnn"},
+    "fedbn": {"strategy": "fedavg", "bn-policy": "fedbn", "model": "cnn"},
+    "fedsa": {"strategy": "fedsa", "model": "cnn-lora"},
 }
-COMMON = (
-    "data-set='fashion-mnist' download=false partition='niid' alpha=0.5 "
-    "client-frac=1.0 local-epochs=1 batch-size=32 lr=0.05 seed=845"
-)
+COMMON = {
+    "data-set": "fashion-mnist", "download": False, "partition": "niid",
+    "alpha": 0.5, "client-frac": 1.0, "local-epochs": 1, "batch-size": 32,
+    "lr": 0.05, "seed": 845,
+}  # fmt: skip
 
 
 def subset(source: Path, target: Path, train: int) -> Path:
@@ -68,72 +64,28 @@ def subset(source: Path, target: Path, train: int) -> Path:
     return target
 
 
-def run_strategy(
-    net: ShapedNetwork, deployment: cluster.Deployment, out: Path, name: str,
-    config: str,
-) -> dict:  # fmt: skip
-    """One `pollen run` on the deployment; its history and interface bytes."""
-    before = [net.counters(i) for i in range(len(deployment.nodes))]
-    started = time.monotonic()
-    run = subprocess.run(
-        [str(Path(sys.executable).parent / "pollen"), "run", str(PROJECT),
-         "--deployment", deployment.directory, "-c", config],
-        capture_output=True, text=True, check=False,
+def toml_table(values: dict) -> str:
+    """`key = value` lines (JSON scalars are TOML scalars)."""
+    return "".join(f"{key} = {json.dumps(value)}\n" for key, value in values.items())
+
+
+def grid_text(base: dict) -> str:
+    """One cell per strategy, named after it."""
+    cells = ", ".join(
+        "{" + ", ".join(f"{k} = {json.dumps(v)}" for k, v in
+                        {"name": name, **keys}.items()) + "}"
+        for name, keys in STRATEGIES.items()
     )  # fmt: skip
-    wall = time.monotonic() - started
-    after = [net.counters(i) for i in range(len(deployment.nodes))]
-    (out / f"{name}.log").write_text(run.stdout + run.stderr)
-    if run.returncode != 0:
-        raise RuntimeError(f"{name} failed; see {out / f'{name}.log'}")
-    history = json.loads((out / name / "history.json").read_text())
-    result = {
-        "name": name,
-        "wall-seconds": wall,
-        "rounds": history,
-        "wire-up": sum(a[0] - b[0] for a, b in zip(after, before, strict=True)),
-        "wire-down": sum(a[1] - b[1] for a, b in zip(after, before, strict=True)),
-    }
-    (out / f"{name}.json").write_text(json.dumps(result))  # read back on a rerun
-    return result
+    return f"[base]\n{toml_table(base)}\n[grid]\nstrategy = [{cells}]\n"
 
 
-def table(results: list[dict], shape: LinkShape, nodes: int) -> str:
-    mb = 1e6
-    lines = [
-        f"Link per node: {str(shape) or 'unshaped'}; {nodes} SuperNodes, every one in "
-        "every round.",
-        "",
-        "| strategy | s / round | MB up / round (messages) | MB down / round "
-        "(messages) | MB up / round (wire) | MB down / round (wire) | final acc. | "
-        "best acc. |",
-        "|---|---|---|---|---|---|---|---|",
-    ]
-    for r in results:
-        rows, n = r["rounds"], len(r["rounds"])
-        lines.append(
-            f"| {r['name']} | {np.mean([x['seconds'] for x in rows]):.1f} | "
-            f"{sum(x['bytes-up'] for x in rows) / n / mb:.3f} | "
-            f"{sum(x['bytes-down'] + x['eval-bytes'] for x in rows) / n / mb:.3f} | "
-            f"{r['wire-up'] / n / mb:.3f} | {r['wire-down'] / n / mb:.3f} | "
-            f"{100 * rows[-1]['accuracy']:.2f}% | "
-            f"{100 * max(x['accuracy'] for x in rows):.2f}% |"
-        )
-    return "\n".join(lines) + "\n"
-
-
-def plots(results: list[dict], out: Path, shape: LinkShape) -> None:
-    by_time, by_bytes = {}, {}
-    for r in results:
-        rows = r["rounds"]
-        accuracy = [x["accuracy"] for x in rows]
-        by_time[r["name"]] = (np.cumsum([x["seconds"] for x in rows]), accuracy)
-        moved = [x["bytes-up"] + x["bytes-down"] + x["eval-bytes"] for x in rows]
-        by_bytes[r["name"]] = (np.cumsum(moved) / 1e6, accuracy)
-    title = f"Fashion-MNIST over a shaped network ({str(shape) or 'unshaped'})"
-    plot_accuracy_against(by_time, out / "accuracy-time.png", title, "wall time (s)")
-    plot_accuracy_against(
-        by_bytes, out / "accuracy-bytes.png", title, "megabytes sent and received"
-    )
+def profile_text(shape: LinkShape) -> str:
+    """A profile giving every node the link `shape`."""
+    return f'description = "every node: {shape}"\n\n[default]\n' + toml_table({
+        "delay-ms": shape.delay_ms, "jitter-ms": shape.jitter_ms,
+        "up-mbit": shape.up_mbit, "down-mbit": shape.down_mbit,
+        "loss-pct": shape.loss_pct,
+    })  # fmt: skip
 
 
 def main() -> None:
@@ -141,42 +93,32 @@ def main() -> None:
     parser.add_argument("--nodes", type=int, default=3)
     parser.add_argument("--rounds", type=int, default=4)
     parser.add_argument("--shape", default="delay=50ms,up=10mbit,down=50mbit")
+    parser.add_argument(
+        "--network", default=None,
+        help="a profile file or preset (configs/networks/) instead of --shape",
+    )  # fmt: skip
     parser.add_argument("--only", nargs="+", choices=list(STRATEGIES))
     parser.add_argument("--train", type=int, default=9000)
     parser.add_argument("--data-root", default=str(PROJECT.parent / "shared" / "data"))
     parser.add_argument("--out", default="bench-out/network", type=Path)
     args = parser.parse_args()
-    if reason := netns_available():
-        sys.exit(f"network namespaces are not available here: {reason}")
-    shape = LinkShape.parse(args.shape)
     out = args.out.resolve()
     data = subset(Path(args.data_root), out / "data", args.train)
-    results = []
-    with ShapedNetwork(args.nodes, shape) as net:
-        deployment = cluster.up(
-            out / "deployment", args.nodes, host=net.server_address,
-            data_root=str(data),
-            node_prefix={k: net.exec_prefix(k) for k in range(args.nodes)},
-        )  # fmt: skip
-        try:
-            for name in args.only or STRATEGIES:
-                if (out / f"{name}.json").exists():
-                    results.append(json.loads((out / f"{name}.json").read_text()))
-                    continue
-                config = (
-                    f"{COMMON} {STRATEGIES[name]} data-root='{data}' rounds="
-                    f"{args.rounds} num-clients={args.nodes} output-dir='{out}' "
-                    f"run-name='{name}'"
-                )
-                results.append(run_strategy(net, deployment, out, name, config))
-                print(f"{name}: {results[-1]['wall-seconds']:.0f} s", flush=True)
-        finally:
-            cluster.down(deployment.root)
-    report = table(results, shape, args.nodes)
-    (out / "network.md").write_text(report)
-    (out / "network.json").write_text(json.dumps(results, indent=2))
-    plots(results, out, shape)
-    print(report)
+    base = {**COMMON, "data-root": str(data), "rounds": args.rounds,
+            "num-clients": args.nodes}  # fmt: skip
+    (out / "grid.in.toml").write_text(grid_text(base))
+    network = args.network
+    if network is None:
+        network = str(out / "profile.toml")
+        Path(network).write_text(profile_text(LinkShape.parse(args.shape)))
+    command = [
+        str(Path(sys.executable).parent / "pollen"), "compare",
+        str(out / "grid.in.toml"), str(PROJECT), "--out", str(out / "compare"),
+        "--network", network,
+    ]  # fmt: skip
+    for name in args.only or ():
+        command += ["--only", f"strategy={name}"]
+    sys.exit(subprocess.run(command, check=False).returncode)
 
 
 if __name__ == "__main__":

@@ -5,6 +5,7 @@ from __future__ import annotations
 import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -59,3 +60,81 @@ def test_the_cli_loads_without_torch() -> None:
         [sys.executable, "-c", probe], capture_output=True, text=True, check=True
     )
     assert loaded.stdout.strip() == "False"
+
+
+# --- --network -------------------------------------------------------------
+
+
+def _capture_runs(monkeypatch: pytest.MonkeyPatch) -> list[list[str]]:
+    """Every `pollen run` a compare cell would start, recorded, not run."""
+    import subprocess as real
+
+    from pollen.experiments import compare
+
+    commands: list[list[str]] = []
+
+    def fake_run(command: list[str], **kwargs: object) -> real.CompletedProcess:
+        commands.append(command)
+        return real.CompletedProcess(command, 1)
+
+    monkeypatch.setattr(compare.subprocess, "run", fake_run)
+    return commands
+
+
+@pytest.mark.parametrize("command", ["run", "compare"])
+def test_a_bad_network_profile_is_one_line_and_bad_input(
+    command: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from pollen.cli import EXIT_BAD_INPUT, main
+    from tests.conftest import PROJECT
+
+    grid = tmp_path / "grid.toml"
+    grid.write_text('[grid]\nstrategy = ["fedavg"]\n')
+    where = [str(PROJECT)] if command == "run" else [
+        str(grid), str(PROJECT), "--out", str(tmp_path / "cmp")]  # fmt: skip
+    bad = tmp_path / "bad.toml"
+    bad.write_text("[default]\nslowdown = 0.5\n")
+    for spec, message in [
+        (str(tmp_path / "missing.toml"), "no such file"),
+        ("no-such-preset", "not a file and not a preset"),
+        (str(bad), "slowdown must be >= 1"),
+    ]:
+        assert main([command, *where, "--network", spec]) == EXIT_BAD_INPUT
+        error = capsys.readouterr().err
+        assert len(error.strip().splitlines()) == 1 and message in error
+    assert not (tmp_path / "cmp").exists()
+
+
+def test_compare_simulate_passes_the_profile_to_every_cell(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from pollen.cli import EXIT_BAD_INPUT, main
+    from tests.conftest import PROJECT
+
+    commands = _capture_runs(monkeypatch)
+    grid = tmp_path / "grid.toml"
+    grid.write_text('[base]\ndata-set = "digits"\n[grid]\nstrategy = ["fedavg"]\n')
+    profile = tmp_path / "net.toml"
+    profile.write_text("[default]\ndelay-ms = 5\n")
+    argv = ["compare", str(grid), str(PROJECT), "--out", str(tmp_path / "cmp")]
+    main([*argv, "--network", str(profile), "--simulate"])  # the fake run fails
+    assert len(commands) == 1 and "--deployment" not in commands[0]
+    assert f'network-profile="{profile.resolve()}"' in commands[0]
+    assert main([*argv, "--simulate"]) == EXIT_BAD_INPUT
+    assert "--simulate needs --network" in capsys.readouterr().err
+
+
+def test_run_network_passes_the_profile_key(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from pollen.cli import main
+    from pollen.deployment import launch
+
+    given: list[list[str]] = []
+    monkeypatch.setattr(
+        launch, "run", lambda app, overrides, **kwargs: given.append(overrides) or True
+    )
+    profile = tmp_path / "net.toml"
+    profile.write_text("[default]\ndelay-ms = 5\n")
+    assert main(["run", "-c", "rounds=1", "--network", str(profile)]) == 0
+    assert given == [["rounds=1", f'network-profile="{profile.resolve()}"']]
