@@ -10,7 +10,9 @@ work is done elsewhere: `pollen run` by `pollen.deployment.launch`,
 is printed as one line and ends the command with the exit status
 `EXIT_CODES` gives its kind: `EXIT_BAD_INPUT` for input to fix before
 anything runs, `EXIT_FAILED` for a deployment or a process that failed (and
-for a run that did not complete).
+for a run that did not complete); an interrupted `pollen compare` (Ctrl-C,
+or SIGTERM while a cell is deployed) says so in one line and ends with
+`EXIT_INTERRUPTED`.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ from .runs.results import ResultsError
 from .settings import SettingsError
 
 EXIT_FAILED, EXIT_BAD_INPUT = 1, 2
+EXIT_INTERRUPTED = 130  # as a shell reports a command Ctrl-C stopped
 DEPLOY_DIR = Path(".pollen-deploy")
 EXIT_CODES = (
     ((SettingsError, RunConfigError, launch.LaunchError, ResultsError,
@@ -76,15 +79,24 @@ def centralized_command(args: argparse.Namespace) -> None:
     centralized.run_centralized(app, args.run_config, args.epochs)
 
 
-def compare_command(args: argparse.Namespace) -> None:
+def compare_command(args: argparse.Namespace) -> int:
     app = Path(args.app).expanduser().resolve()
     if args.simulate and args.network is None:
         raise compare.CompareError("--simulate needs --network PROFILE")
-    compare.run_comparison(
-        args.grid, app, args.out, args.run_config, only=args.only,
-        dry_run=args.dry_run, network=network_profile(args.network, app),
-        simulate=args.simulate,
-    )  # fmt: skip
+    try:
+        compare.run_comparison(
+            args.grid, app, args.out, args.run_config, only=args.only,
+            dry_run=args.dry_run, network=network_profile(args.network, app),
+            simulate=args.simulate,
+        )  # fmt: skip
+    except KeyboardInterrupt:  # Ctrl-C, or SIGTERM during a deployed cell
+        print(
+            f"pollen: compare interrupted (the running cell was stopped and torn "
+            f"down); run it again to resume in {args.out}",
+            file=sys.stderr,
+        )
+        return EXIT_INTERRUPTED
+    return 0
 
 
 def report_command(args: argparse.Namespace) -> None:
@@ -171,7 +183,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _add_compare_parsers(commands: argparse._SubParsersAction) -> None:
     grid = commands.add_parser(
-        "compare", help="run a grid of simulations and compare them",
+        "compare", help="run a grid of simulations (or deployments over a "
+        "shaped network) and compare them",
         description=compare.__doc__.split("\n\n")[1],
     )  # fmt: skip
     grid.add_argument("grid", type=Path, help="TOML file: [base], [grid], target")
