@@ -209,7 +209,8 @@ class BufferedAsync:
     def _next_reply(self) -> tuple[Message, Dispatch]:
         """The next reply to take, in real or simulated order."""
         while True:
-            got = list(self.grid.pull_messages(list(self.in_flight)))
+            waiting = [m for m in self.in_flight if m not in self.arrived]
+            got = list(self.grid.pull_messages(waiting)) if waiting else []
             for reply in sorted(got, key=self._client_of):  # a batch: client order
                 message_id = reply.metadata.reply_to_message_id
                 if message_id in self.in_flight:
