@@ -149,6 +149,9 @@ class BufferedAsync:
         """Wait for every client still in flight (up to `timeout`); their
         replies are not used. The clients that were still training."""
         clients = sorted(d.client for d in self.in_flight.values())
+        for message_id in self.arrived:  # in, but not yet taken
+            self.in_flight.pop(message_id, None)
+        self.arrived.clear()
         deadline = time.monotonic() + self.timeout
         while self.in_flight and time.monotonic() < deadline:
             for reply in self.grid.pull_messages(list(self.in_flight)):

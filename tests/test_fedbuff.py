@@ -1,0 +1,188 @@
+"""FedBuff's staleness weights and buffered mean, by hand on tiny arrays, and
+the asynchronous loop's order, staleness and buffer on a scripted grid."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+from flwr.app import Array, ArrayRecord, ConfigRecord, MetricRecord, RecordDict
+
+from pollen.network_profile import NetworkProfile
+from pollen.protocol import (
+    ARRAYS,
+    CLIENT,
+    CLIENT_RECORD,
+    CONFIG,
+    METRICS,
+    NUM_EXAMPLES,
+    TRAIN_SECONDS,
+)
+from pollen.runs.clock import SimulatedClock
+from pollen.strategies.aggregation import ClientUpdate
+from pollen.strategies.asynchronous import BufferedAsync
+from pollen.strategies.fedavg import FedAvgUpdate
+from pollen.strategies.fedbuff import buffered_mean, rebased, staleness_weight
+from pollen.strategies.fedopt import FedOptUpdate
+from pollen.strategies.sampling import Participants, Roster
+from pollen.strategies.strategy import Strategy
+from tests.conftest import reply_from
+
+
+def update(client: int, *values: float) -> ClientUpdate:
+    return ClientUpdate(client, {"w": np.array(values)}, MetricRecord(), 1.0)
+
+
+def test_staleness_weight_is_one_over_sqrt_one_plus_staleness() -> None:
+    assert staleness_weight(0) == 1.0
+    assert staleness_weight(3) == 0.5
+    assert staleness_weight(8) == pytest.approx(1 / 3)
+    with pytest.raises(ValueError, match="staleness must be >= 0"):
+        staleness_weight(-1)
+
+
+def test_rebasing_moves_an_update_onto_the_current_model() -> None:
+    """Sent [0, 1], trained to [1, 3]: Delta = [1, 2], onto current [5, 5]."""
+    moved = rebased(
+        update(0, 1.0, 3.0), {"w": np.array([0.0, 1.0])}, {"w": np.array([5.0, 5.0])}
+    )
+    np.testing.assert_array_equal(moved.arrays["w"], [6.0, 7.0])
+
+
+def test_two_updates_of_different_staleness() -> None:
+    """x = [1, 2]; Delta_A = [1, 0] (tau 0), Delta_B = [0, 2] (tau 3):
+    Delta_bar = (1 * [1, 0] + 0.5 * [0, 2]) / 2 = [0.5, 0.5]."""
+    current = {"w": np.array([1.0, 2.0])}
+    result = buffered_mean([update(0, 2.0, 2.0), update(1, 1.0, 4.0)], [0, 3], current)
+    np.testing.assert_allclose(result.arrays["w"], [1.5, 2.5])
+
+
+def test_three_updates_divide_by_the_buffer_size_not_the_weights() -> None:
+    """x = [0]; Deltas 3, 6, 9 with tau 0, 1, 8: (3 + 6/sqrt 2 + 9/3) / 3."""
+    result = buffered_mean(
+        [update(0, 3.0), update(1, 6.0), update(2, 9.0)], [0, 1, 8], {"w": np.zeros(1)}
+    )
+    expected = (3 + 6 / math.sqrt(2) + 3) / 3
+    np.testing.assert_allclose(result.arrays["w"], [expected])
+
+
+def test_the_server_learning_rate_scales_the_buffered_step() -> None:
+    """FedBuff's x + eta_g * Delta_bar is FedOpt's sgd on x + Delta_bar."""
+    current = {"w": np.array([1.0, 2.0], np.float32)}
+    aggregate = buffered_mean(
+        [update(0, 2.0, 2.0), update(1, 1.0, 4.0)], [0, 3], current
+    )
+    sgd = FedOptUpdate(optimizer="sgd", server_lr=0.5)
+    stepped = sgd.apply(current, aggregate, lambda exclude_bn: ("w",))
+    np.testing.assert_allclose(stepped["w"], [1.25, 2.25])
+    assert stepped["w"].dtype == np.float32
+
+
+def test_a_buffer_needs_one_staleness_per_update() -> None:
+    with pytest.raises(ValueError, match="one staleness per update"):
+        buffered_mean([update(0, 1.0)], [0, 1], {"w": np.zeros(1)})
+
+
+class ScriptedGrid:
+    """Each client answers its training message with its received entries
+    + 1 after `train_seconds[client]` (reported, not slept); replies arrive
+    in the order of `order` (client ids), one per pull."""
+
+    def __init__(self, order: list[int], train_seconds: dict[int, float]) -> None:
+        self.order = list(order)
+        self.train_seconds = train_seconds
+        self.replies: dict[str, tuple[int, object]] = {}
+        self.sent: list[tuple[int, float]] = []  # (client, w it was sent)
+
+    def push_messages(self, messages):
+        ids = []
+        for message in messages:
+            client = int(message.content[CONFIG][CLIENT])
+            received = message.content[ARRAYS]["w"].numpy()
+            self.sent.append((client, float(received[0])))
+            content = RecordDict({
+                ARRAYS: ArrayRecord({"w": Array(received + 1)}),
+                METRICS: MetricRecord(
+                    {NUM_EXAMPLES: 1, TRAIN_SECONDS: self.train_seconds[client]}
+                ),
+                CLIENT_RECORD: ConfigRecord({CLIENT: client}),
+            })  # fmt: skip
+            message_id = f"m{len(self.sent)}"
+            reply = reply_from(message.metadata.dst_node_id, content)
+            reply.metadata.__dict__["_reply_to_message_id"] = message_id
+            self.replies[message_id] = (client, reply)
+            ids.append(message_id)
+        return ids
+
+    def pull_messages(self, message_ids):
+        wanted = [i for i in message_ids if i in self.replies]
+        for client in list(self.order):  # the next in the script that is in flight
+            for message_id in wanted:
+                if self.replies[message_id][0] == client:
+                    self.order.remove(client)
+                    return [self.replies.pop(message_id)[1]]
+        return [self.replies.pop(i)[1] for i in wanted]  # off script: all at once
+
+
+ROSTER = Roster.from_nodes({10 + c: (c, 3) for c in range(3)}, 3)
+
+
+def engine(grid, clock=None, concurrency=2, buffer_size=2) -> BufferedAsync:
+    strategy = Strategy(
+        num_clients=3, client_frac=1.0, seed=0, server_update=FedAvgUpdate()
+    )
+    return BufferedAsync(
+        grid, strategy, concurrency=concurrency, buffer_size=buffer_size, seed=0,
+        timeout=30.0, clock=clock,
+    )  # fmt: skip
+
+
+@pytest.mark.usefixtures("task_identity")
+def test_the_loop_buffers_replies_and_counts_staleness_in_versions() -> None:
+    """Concurrency 2, buffer 1, every update +1 (Delta = 1): each version
+    adds s(tau) = 1 / sqrt(1 + tau) to the model; the second client of the
+    first wave, sent version 0 and taken after version 1, has staleness 1."""
+    grid = ScriptedGrid(order=[], train_seconds=dict.fromkeys(range(3), 0.0))
+    loop = engine(grid, buffer_size=1)
+    start = ArrayRecord({"w": Array(np.zeros(1, np.float32))})
+    versions = list(
+        loop.versions(start, 1, 3, ConfigRecord, lambda: Participants(ROSTER))
+    )
+    assert versions[0].staleness == [0]
+    assert versions[1].staleness == [1]  # the second of the first wave
+    expected = np.cumsum([staleness_weight(v.staleness[0]) for v in versions])
+    np.testing.assert_allclose([v.arrays["w"].numpy()[0] for v in versions], expected)
+    assert expected[1] == pytest.approx(1 + 1 / math.sqrt(2))
+    assert all(len(v.updates) == 1 for v in versions)
+    assert loop.drain() and not loop.in_flight
+
+
+@pytest.mark.usefixtures("task_identity")
+def test_the_simulated_clock_orders_replies_by_simulated_arrival() -> None:
+    """Clients train 1 s each, client 2 ten times slower (profile, unlimited
+    links). Client 2 answers first for real, yet the loop takes replies by
+    simulated arrival: the fast pair makes a version every simulated second,
+    and client 2's update, sent version 0, arrives at 10 s into the version
+    made then, with the staleness of all the versions made meanwhile."""
+    profile = NetworkProfile.from_document(
+        {"group": [{"nodes": [2], "slowdown": 10}]}, "test"
+    )
+    clock = SimulatedClock(profile, 3)
+    grid = ScriptedGrid(order=[2], train_seconds=dict.fromkeys(range(3), 1.0))
+    loop = engine(grid, clock=clock, concurrency=3, buffer_size=2)
+    start = ArrayRecord({"w": Array(np.zeros(1, np.float32))})
+    versions = list(
+        loop.versions(start, 1, 10, ConfigRecord, lambda: Participants(ROSTER))
+    )
+    loop.drain()
+    assert sorted(u.client for u in versions[0].updates) == [0, 1]
+    assert versions[0].staleness == [0, 0]
+    assert versions[0].sim_seconds == pytest.approx(1.0)
+    with_slow = [v for v in versions if 2 in [u.client for u in v.updates]]
+    assert len(with_slow) == 1
+    index = versions.index(with_slow[0])
+    slow = [u.client for u in with_slow[0].updates].index(2)
+    assert with_slow[0].staleness[slow] == index  # versions 1..index came first
+    elapsed = sum(v.sim_seconds for v in versions[: index + 1])
+    assert elapsed == pytest.approx(10.0)
