@@ -433,3 +433,37 @@ def test_diverged_run_stops_with_a_clear_message(tmp_path: Path) -> None:
     assert summary["status"] == "failed" and "round 1" in summary["error"]
     assert summary["rounds"] == 0 and not (run_dir / "checkpoints").exists()
     assert not (run_dir / "model.pt").exists()
+
+
+def test_fedbuff_under_a_profile_resumes_from_its_last_version(tmp_path: Path) -> None:
+    """FedBuff with FedBN on the simulated clock of the `mixed` preset (the
+    last of 4 clients 10x slower; IID shards, so the others are about as fast
+    as each other): every version records its simulated time
+    and staleness, the slow client's update comes in stale. Killed after
+    version 2's checkpoint and resumed: versions 1-2 are kept as written, the
+    updates in flight at the checkpoint are not replayed (the first version
+    after the resume is made of updates sent from version 2: staleness 0),
+    and the clients' personal models are evaluated once, at the end."""
+    profile = PROJECT / "configs" / "networks" / "mixed.toml"
+    common = (
+        f"strategy='fedbuff' bn-policy='fedbn' model='mlp-bn' rounds=4 "
+        f"num-clients=4 partition='iid' concurrency=4 buffer-size=2 checkpoint-every=2 "
+        f"network-profile='{profile}' output-dir='{tmp_path}'"
+    )
+    run_dir = tmp_path / "async"
+    kill_after_checkpoint(
+        f"{common} run-name='async'", run_dir / "checkpoints" / "round-00002"
+    )
+    kept = history(run_dir)[:2]
+    resumed = pollen_run(f"{common} resume='{run_dir}'")
+    assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
+    rows = history(run_dir)
+    assert [r["round"] for r in rows] == [1, 2, 3, 4] and rows[:2] == kept
+    assert all(r["sim-seconds"] > 0 and len(r["staleness"]) == 2 for r in rows)
+    assert rows[0]["staleness"] == [0, 0] and 3 not in rows[0]["clients"]
+    assert max(s for r in rows[:2] for s in r["staleness"]) > 0
+    assert rows[2]["staleness"] == [0, 0]  # sent afresh from version 2
+    assert not any(r["personal"] for r in rows[:3])
+    assert set(rows[-1]["personal"]) == {str(c) for r in rows for c in r["clients"]}
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["status"] == "completed" and summary["rounds"] == 4
