@@ -210,3 +210,84 @@ def test_dry_run_with_a_network_lists_the_cells(tmp_path: Path, capsys) -> None:
         "strategy-fedavg", "strategy-fedprox",
     ]  # fmt: skip
     assert not (tmp_path / "cmp").exists()
+
+
+# FedBuff over 3 shaped links: node 2's device is 20x slower, so its update
+# comes in after versions made of the fast nodes' (real time, Flower's 3 s
+# polling included); a node that dies has its message counted as a failure
+# after round-timeout, and every accepted update still makes a version.
+ASYNC_GRID = """
+[base]
+data-set = "digits"
+model = "mlp"
+partition = "iid"
+num-clients = 3
+local-epochs = 5
+strategy = "fedbuff"
+concurrency = 3
+buffer-size = 2
+rounds = 4
+round-timeout = 25
+[grid]
+seed = [1]
+"""
+ASYNC_PROFILE = """
+[default]
+delay-ms = 1
+up-mbit = 1000
+down-mbit = 1000
+[[group]]
+nodes = [2]
+delay-ms = 20
+up-mbit = 20
+down-mbit = 50
+slowdown = 20
+"""
+
+
+@needs_netns
+def test_fedbuff_deployed_over_shaped_links_survives_a_killed_node(
+    tmp_path: Path,
+) -> None:
+    """Three SuperNodes in namespaces, FedBuff: node 1 is killed (SuperNode
+    and executor, SIGKILL) once version 1 is recorded. The run completes
+    all 4 versions, each of exactly buffer-size accepted updates (none is
+    lost), the slow node's update comes in stale, and the killed node's
+    message is recorded (a failure after round-timeout, or unused at the end)."""
+    (tmp_path / "grid.toml").write_text(ASYNC_GRID)
+    (tmp_path / "profile.toml").write_text(ASYNC_PROFILE)
+    out = tmp_path / "cmp"
+    compare = subprocess.Popen(
+        [str(BIN / "pollen"), "compare", str(tmp_path / "grid.toml"), str(PROJECT),
+         "--out", str(out), "--network", str(tmp_path / "profile.toml")],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )  # fmt: skip
+    run_dir = out / "runs" / "seed-1"
+    deadline = time.monotonic() + 240
+    while not _versions(run_dir):
+        assert compare.poll() is None, compare.communicate()[0][-3000:]
+        assert time.monotonic() < deadline, "no version recorded"
+        time.sleep(0.2)
+    site = cluster.Deployment.load(out / network_cells.DEPLOYMENTS / "seed-1")
+    killed = site.node(1)
+    for pid in (killed.pid, killed.executor_pid):
+        os.kill(pid, signal.SIGKILL)
+    output, _ = compare.communicate(timeout=300)
+    assert compare.returncode == 0, output[-3000:]
+    rows = json.loads((run_dir / "history.json").read_text())
+    assert [r["round"] for r in rows] == [1, 2, 3, 4]
+    assert all(len(r["clients"]) == len(r["staleness"]) == 2 for r in rows)
+    slow = [s for r in rows for c, s in zip(r["clients"], r["staleness"], strict=True)
+            if c == 2]  # fmt: skip
+    assert slow and max(slow) > 0
+    failures = [f for r in rows for f in r["failures"]]
+    # within round-timeout a failure, or unused when the run ends before that
+    assert any("client 1: " in f for f in failures)
+    assert deployment_processes(os.getpid()) == []
+
+
+def _versions(run_dir: Path) -> int:
+    try:
+        return len(json.loads((run_dir / "history.json").read_text()))
+    except (OSError, ValueError):
+        return 0

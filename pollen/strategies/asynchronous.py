@@ -47,7 +47,14 @@ from .aggregation import ClientUpdate
 from .fedbuff import buffered_mean, rebased
 from .round import RoundOutcome, message_bytes
 from .sampling import Participants
-from .strategy import Strategy, TrainOutcome, TrainRequest, addressed, to_numpy
+from .strategy import (
+    Strategy,
+    TrainOutcome,
+    TrainRequest,
+    addressed,
+    reject,
+    to_numpy,
+)
 
 POLL_SECONDS = 0.05  # how often the real-time loop asks for replies
 
@@ -134,7 +141,7 @@ class BufferedAsync:
                 raise RuntimeError(
                     "async: no client can train (every node is lost or busy)"
                 )
-            self._take(*self._next_reply(), pending)
+            self._take(*self._next_reply(pending), pending)
             if len(self.buffer) < self.buffer_size:
                 continue
             arrays, outcome = self._flush(arrays, version, pending)
@@ -209,7 +216,7 @@ class BufferedAsync:
 
     # ---- receiving ------------------------------------------------------
 
-    def _next_reply(self) -> tuple[Message, Dispatch]:
+    def _next_reply(self, pending: _Pending) -> tuple[Message, Dispatch]:
         """The next reply to take, in real or simulated order."""
         while True:
             waiting = [m for m in self.in_flight if m not in self.arrived]
@@ -218,11 +225,18 @@ class BufferedAsync:
                 message_id = reply.metadata.reply_to_message_id
                 if message_id in self.in_flight:
                     self.arrived[message_id] = (reply, self._arrival(reply, message_id))
-            self._expire()
+            self._expire(pending)
+            if not self.in_flight:
+                raise RuntimeError(
+                    "async: every client in flight went silent for round-timeout "
+                    f"({self.timeout:g} s); see the failures above"
+                )
             if self.clock is None and self.arrived:
                 return self._pop(next(iter(self.arrived)))  # the first to arrive
-            if self.clock is not None and self.arrived and set(self.arrived) == set(
-                self.in_flight
+            if (
+                self.clock is not None
+                and self.arrived
+                and set(self.arrived) == set(self.in_flight)
             ):
                 first = min(self.arrived, key=lambda m: self.arrived[m][1])
                 self.now = max(self.now, self.arrived[first][1])
@@ -250,14 +264,18 @@ class BufferedAsync:
             message_bytes(reply),
         )  # fmt: skip
 
-    def _expire(self) -> None:
-        """Give up on clients in flight for longer than `timeout` (real s)."""
+    def _expire(self, pending: _Pending) -> None:
+        """Give up on clients in flight for longer than `timeout` (real s):
+        a failure, and their node is sent nothing more (it may be gone, or
+        still busy with the message)."""
         now = time.monotonic()
         for message_id, dispatch in list(self.in_flight.items()):
             if message_id not in self.arrived and now - dispatch.started > self.timeout:
                 del self.in_flight[message_id]
                 node = dispatch.request.participants.roster.owner[dispatch.client]
                 self.lost_nodes.add(node)
+                reject(pending.failures, node, f"client {dispatch.client}: no reply "
+                       f"within round-timeout ({self.timeout:g} s)")  # fmt: skip
 
     def _take(self, reply: Message, dispatch: Dispatch, pending: _Pending) -> None:
         """Check one reply; a valid one goes into the buffer."""
