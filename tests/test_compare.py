@@ -16,13 +16,19 @@ from tests.conftest import PROJECT
 
 
 def write_run(
-    root: Path, name: str, settings: dict, accuracy: list[float], seconds: float = 10.0
+    root: Path,
+    name: str,
+    settings: dict,
+    accuracy: list[float],
+    seconds: float = 10.0,
+    history: list[dict] | None = None,
 ) -> Path:
-    """A finished run directory as `pollen run` leaves it (what reports read)."""
+    """A finished run directory as `pollen run` leaves it (what reports read);
+    `history` replaces the default rows (1 MB up, 2 MB down a round)."""
     run = root / name
     run.mkdir(parents=True)
     settings = {"seed": 1, "data-set": "digits", "run-name": name, **settings}
-    history = [
+    history = history or [
         {"round": i + 1, "accuracy": a, "bytes-up": 1_000_000, "bytes-down": 2_000_000}
         for i, a in enumerate(accuracy)
     ]

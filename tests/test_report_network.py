@@ -11,6 +11,7 @@ import pytest
 
 from pollen.cli import main
 from pollen.experiments import report
+from tests.test_compare import write_run as write_finished_run
 
 MB = 1_000_000
 
@@ -26,9 +27,6 @@ def write_run(
     """A finished run directory with history rows as `pollen run` writes
     them: 1 MB up, 2 MB down and 1 MB of evaluation a round (4 MB in all);
     `sim-seconds` null unless given (no network profile)."""
-    run = root / name
-    run.mkdir(parents=True)
-    settings = {"seed": 1, "data-set": "digits", "run-name": name, **settings}
     history = [
         {"round": i + 1, "accuracy": a, "loss": 1.0, "lr": 0.1, "seconds": s,
          "bytes-up": MB, "bytes-down": 2 * MB, "eval-bytes": MB, "clients": [0, 1],
@@ -37,21 +35,10 @@ def write_run(
          "sim-seconds": None if sim_seconds is None else sim_seconds[i]}
         for i, (a, s) in enumerate(zip(accuracy, seconds, strict=True))
     ]  # fmt: skip
-    summary = {
-        "status": "completed", "rounds": len(accuracy),
-        "final-accuracy": accuracy[-1], "best-accuracy": max(accuracy),
-        "best-round": accuracy.index(max(accuracy)) + 1,
-        "total-seconds": sum(seconds) + 1.0,  # start-up beside the rounds
-        "total-bytes-up": MB * len(accuracy),
-        "total-bytes-down": 2 * MB * len(accuracy),
-    }  # fmt: skip
-    for file, content in (
-        ("settings", settings),
-        ("summary", summary),
-        ("history", history),
-    ):
-        (run / f"{file}.json").write_text(json.dumps(content))
-    return run
+    # start-up beside the rounds
+    return write_finished_run(
+        root, name, settings, accuracy, sum(seconds) + 1.0, history
+    )
 
 
 def three_fedavg_seeds(root: Path, sim: bool = False) -> None:
