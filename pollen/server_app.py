@@ -249,8 +249,11 @@ def _train(
         for version, outcome in enumerate(versions, first_round):
             personal.record_trained(update.client for update in outcome.updates)
             if version == settings.rounds:  # the last: nothing left in flight
+                drain_started = time.monotonic()
+                unused = engine.drain()
+                recorder.exclude(time.monotonic() - drain_started)
                 outcome = _personal_at_end(
-                    engine, grid, personal, version, outcome,
+                    grid, personal, version, outcome, unused,
                     ConfigRecord(state_config), membership, settings.round_timeout,
                 )  # fmt: skip
             arrays = finish(version, outcome)
@@ -293,19 +296,19 @@ def _concurrency(settings: Settings) -> int:
 
 
 def _personal_at_end(
-    engine: BufferedAsync,
     grid: Grid,
     personal: PersonalEvaluation,
     version: int,
     outcome: RoundOutcome,
+    unused: list[int],
     config: ConfigRecord,
     membership: Membership,
     timeout: float,
 ) -> RoundOutcome:
-    """The last version's outcome with the clients' personal models
-    evaluated, once every client in flight has finished (async mode asks
-    for personal metrics only at the end: a busy node cannot answer)."""
-    unused = engine.drain()
+    """The last version's outcome with the clients still in flight when it
+    was made (`unused`, drained by now) recorded, and the clients' personal
+    models evaluated (async mode asks for personal metrics only at the end:
+    a busy node cannot answer)."""
     failures = [f"client {c}: training ended before its reply was used"
                 for c in unused]  # fmt: skip
     participants = membership.participants()

@@ -58,6 +58,11 @@ class RoundRecorder:
         """Round times count from here (after set-up and any resume)."""
         self._last = time.monotonic()
 
+    def exclude(self, seconds: float) -> None:
+        """Leave `seconds` out of the current round's time: waiting for
+        clients whose updates are not used (the end of an async run)."""
+        self._last += seconds
+
     def record(
         self, server_round: int, outcome: RoundOutcome, loss: float, accuracy: float
     ) -> RoundRecord:

@@ -197,8 +197,9 @@ class BufferedAsync:
                 break
         payload = self.strategy.outgoing(arrays)
         shared = self.strategy.shared_keys(arrays)
-        model = to_numpy(arrays)
-        self.snapshots.setdefault(version, model)
+        if version not in self.snapshots:
+            self.snapshots[version] = to_numpy(arrays)
+        model = self.snapshots[version]
         messages = addressed(
             MessageType.TRAIN, chosen, payload, config, version + 1, owner
         )
