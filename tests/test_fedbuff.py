@@ -45,7 +45,10 @@ def test_staleness_weight_is_one_over_sqrt_one_plus_staleness() -> None:
 def test_rebasing_moves_an_update_onto_the_current_model() -> None:
     """Sent [0, 1], trained to [1, 3]: Delta = [1, 2], onto current [5, 5]."""
     moved = rebased(
-        update(0, 1.0, 3.0), {"w": np.array([0.0, 1.0])}, {"w": np.array([5.0, 5.0])}
+        update(0, 1.0, 3.0),
+        {"w": np.array([0.0, 1.0])},
+        {"w": np.array([5.0, 5.0])},
+        trained={"w"},
     )
     np.testing.assert_array_equal(moved.arrays["w"], [6.0, 7.0])
 
@@ -54,14 +57,19 @@ def test_two_updates_of_different_staleness() -> None:
     """x = [1, 2]; Delta_A = [1, 0] (tau 0), Delta_B = [0, 2] (tau 3):
     Delta_bar = (1 * [1, 0] + 0.5 * [0, 2]) / 2 = [0.5, 0.5]."""
     current = {"w": np.array([1.0, 2.0])}
-    result = buffered_mean([update(0, 2.0, 2.0), update(1, 1.0, 4.0)], [0, 3], current)
+    result = buffered_mean(
+        [update(0, 2.0, 2.0), update(1, 1.0, 4.0)], [0, 3], current, {"w"}
+    )
     np.testing.assert_allclose(result.arrays["w"], [1.5, 2.5])
 
 
 def test_three_updates_divide_by_the_buffer_size_not_the_weights() -> None:
     """x = [0]; Deltas 3, 6, 9 with tau 0, 1, 8: (3 + 6/sqrt 2 + 9/3) / 3."""
     result = buffered_mean(
-        [update(0, 3.0), update(1, 6.0), update(2, 9.0)], [0, 1, 8], {"w": np.zeros(1)}
+        [update(0, 3.0), update(1, 6.0), update(2, 9.0)],
+        [0, 1, 8],
+        {"w": np.zeros(1)},
+        {"w"},
     )
     expected = (3 + 6 / math.sqrt(2) + 3) / 3
     np.testing.assert_allclose(result.arrays["w"], [expected])
@@ -71,7 +79,7 @@ def test_the_server_learning_rate_scales_the_buffered_step() -> None:
     """FedBuff's x + eta_g * Delta_bar is FedOpt's sgd on x + Delta_bar."""
     current = {"w": np.array([1.0, 2.0], np.float32)}
     aggregate = buffered_mean(
-        [update(0, 2.0, 2.0), update(1, 1.0, 4.0)], [0, 3], current
+        [update(0, 2.0, 2.0), update(1, 1.0, 4.0)], [0, 3], current, {"w"}
     )
     sgd = FedOptUpdate(optimizer="sgd", server_lr=0.5)
     stepped = sgd.apply(current, aggregate, lambda exclude_bn: ("w",))
@@ -81,7 +89,19 @@ def test_the_server_learning_rate_scales_the_buffered_step() -> None:
 
 def test_a_buffer_needs_one_staleness_per_update() -> None:
     with pytest.raises(ValueError, match="one staleness per update"):
-        buffered_mean([update(0, 1.0)], [0, 1], {"w": np.zeros(1)})
+        buffered_mean([update(0, 1.0)], [0, 1], {"w": np.zeros(1)}, {"w"})
+
+
+def test_statistics_are_a_staleness_weighted_mean_not_rebased() -> None:
+    """A running variance sent as 5 (version 0), trained to 1 (tau 3), with
+    the current model's at 1.5: rebased it would be 1.5 - 4 < 0. Statistics
+    instead take sum s(tau) v / sum s(tau): (1 * 2 + 0.5 * 1) / 1.5."""
+    stale = ClientUpdate(1, {"var": np.array([1.0])}, MetricRecord(), 1.0)
+    moved = rebased(stale, {"var": np.array([5.0])}, {"var": np.array([1.5])}, set())
+    np.testing.assert_array_equal(moved.arrays["var"], [1.0])
+    fresh = ClientUpdate(0, {"var": np.array([2.0])}, MetricRecord(), 1.0)
+    result = buffered_mean([fresh, moved], [0, 3], {"var": np.array([1.5])}, set())
+    np.testing.assert_allclose(result.arrays["var"], [(2.0 + 0.5) / 1.5])
 
 
 class ScriptedGrid:

@@ -298,7 +298,8 @@ class BufferedAsync:
         sent = {
             id(b): _shared(self.snapshots[b.dispatch.version], shared) for b in batch
         }
-        updates = [rebased(b.update, sent[id(b)], current) for b in batch]
+        trained = set(self.strategy.trained_keys(current))
+        updates = [rebased(b.update, sent[id(b)], current, trained) for b in batch]
         owner = batch[0].dispatch.request.participants.roster.owner
         outcome = TrainOutcome(bytes_up=pending.bytes_up, failures=pending.failures)
         kept = self.strategy.bounded(updates, current, owner, outcome)
@@ -309,7 +310,7 @@ class BufferedAsync:
         )
         if kept:
             arrays = self.strategy.step(
-                model, shared, buffered_mean(kept, staleness, current)
+                model, shared, buffered_mean(kept, staleness, current, trained)
             )
         in_use = {d.version for d in self.in_flight.values()}
         self.snapshots = {v: s for v, s in self.snapshots.items() if v in in_use}

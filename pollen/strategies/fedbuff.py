@@ -17,16 +17,21 @@ as in the paper: stale buffers move the model less.
 
 Each update is first rebased onto the current model (x_t + Delta_k), so the
 norm bound and the reply checks see it as they see a synchronous reply.
+That holds for trained entries. Statistics and buffers (BatchNorm's running
+mean and variance, its batch counter) are not rebased: a running variance
+moved by a stale update's change can turn negative. They are the
+staleness-weighted mean of the clients' own values,
+sum_k s(tau_k) v_k / sum_k s(tau_k), as a synchronous round averages them.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 
 import numpy as np
 
-from .aggregation import Aggregate, Arrays, ClientUpdate
+from .aggregation import Aggregate, Arrays, ClientUpdate, mean64
 
 
 def staleness_weight(staleness: int) -> float:
@@ -36,32 +41,45 @@ def staleness_weight(staleness: int) -> float:
     return 1 / math.sqrt(1 + staleness)
 
 
-def rebased(update: ClientUpdate, sent: Arrays, current: Arrays) -> ClientUpdate:
-    """The update as x_t + Delta_k (float64): its change from the entries it
-    was sent (`sent`, version v_k), applied to the `current` ones."""
+def rebased(
+    update: ClientUpdate, sent: Arrays, current: Arrays, trained: Collection[str]
+) -> ClientUpdate:
+    """The update's `trained` entries as x_t + Delta_k (float64): their
+    change from the entries it was sent (`sent`, version v_k), applied to
+    the `current` ones; its other entries (statistics) as they are."""
     arrays = {
         key: current[key].astype(np.float64)
         + (update.arrays[key].astype(np.float64) - sent[key].astype(np.float64))
+        if key in trained
+        else update.arrays[key].astype(np.float64)
         for key in current
     }
     return ClientUpdate(update.client, arrays, update.metrics, update.num_examples)
 
 
 def buffered_mean(
-    updates: Sequence[ClientUpdate], staleness: Sequence[int], current: Arrays
+    updates: Sequence[ClientUpdate],
+    staleness: Sequence[int],
+    current: Arrays,
+    trained: Collection[str],
 ) -> Aggregate:
-    """x_t + Delta_bar for updates already `rebased` onto `current`."""
+    """x_t + Delta_bar on the `trained` entries of updates already `rebased`
+    onto `current`; the staleness-weighted mean of the others."""
     if not updates or len(updates) != len(staleness):
         raise ValueError(
             f"need one staleness per update, got {len(updates)} updates and "
             f"{len(staleness)} staleness values"
         )
-    weights = [staleness_weight(tau) / len(updates) for tau in staleness]
+    scale = np.array([staleness_weight(tau) for tau in staleness])
+    records = [u.arrays for u in updates]
     arrays = {}
     for key, x in current.items():
-        base = x.astype(np.float64)
-        arrays[key] = base + sum(
-            (w * (u.arrays[key] - base) for w, u in zip(weights, updates, strict=True)),
-            start=np.zeros(x.shape),
-        )
+        if key in trained:
+            base = x.astype(np.float64)
+            steps = [r[key] - base for r in records]
+            arrays[key] = base + mean64(
+                [{key: d} for d in steps], scale / len(updates), key
+            )
+        else:
+            arrays[key] = mean64(records, scale / scale.sum(), key)
     return Aggregate(arrays, tuple(updates))
