@@ -340,8 +340,10 @@ def up(
             deployment.save()
         deployment.wait_online(num_nodes)
     except BaseException:
-        down(directory)
-        raise
+        if deployment.superlink_pid:  # something started: record it, stop it
+            deployment.save()
+            down(directory)
+        raise  # the first failure, not one of the clean-up
     return deployment
 
 
