@@ -67,17 +67,24 @@ def test_the_cli_loads_without_torch() -> None:
 
 def _capture_runs(monkeypatch: pytest.MonkeyPatch) -> list[list[str]]:
     """Every `pollen run` a compare cell would start, recorded, not run."""
-    import subprocess as real
-
     from pollen.experiments import compare
 
     commands: list[list[str]] = []
 
-    def fake_run(command: list[str], **kwargs: object) -> real.CompletedProcess:
-        commands.append(command)
-        return real.CompletedProcess(command, 1)
+    class Finished:  # a run that has exited with status 1
+        pid = 0
 
-    monkeypatch.setattr(compare.subprocess, "run", fake_run)
+        def wait(self) -> int:
+            return 1
+
+        def poll(self) -> int:
+            return 1
+
+    def fake_start(command: list[str], **kwargs: object) -> Finished:
+        commands.append(command)
+        return Finished()
+
+    monkeypatch.setattr(compare.processes, "start", fake_start)
     return commands
 
 

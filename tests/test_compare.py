@@ -6,6 +6,9 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
+import subprocess
+import time
 from pathlib import Path
 
 import pytest
@@ -430,3 +433,35 @@ def test_each_line_says_over_how_many_seeds_it_is_a_mean(
     drawn.clear()
     report.plot_groups(report.read_runs(tmp_path), tmp_path / "plots")
     assert drawn[0] == ("digits (mean of 3 seeds)", ["fedavg", "fedprox"])
+
+
+def test_sigterm_stops_a_simulated_comparison_and_everything_its_cell_started(
+    tmp_path: Path,
+) -> None:
+    """SIGTERM while a cell's simulation runs: the comparison exits as after
+    Ctrl-C, and the cell's `pollen run`, its local SuperLink and Ray go with
+    it (before, the run and the SuperLink were left orphaned)."""
+    from tests.deployed import BIN
+    from tests.test_simulation import orphaned, running
+
+    grid = tmp_path / "grid.toml"
+    grid.write_text("[base]\nrounds = 30\n[grid]\nseed = [1]\n")
+    markers = (b"flower-superlink", b"flwr-simulation", b"raylet", b"pollen run")
+    before = {marker: running(marker) for marker in markers}
+    out = tmp_path / "cmp"
+    comparison = subprocess.Popen(
+        [str(BIN / "pollen"), "compare", str(grid), str(PROJECT), "--out", str(out)],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )  # fmt: skip
+    history = out / "runs" / "seed-1" / "history.json"
+    deadline = time.monotonic() + 180
+    while not history.exists():
+        assert comparison.poll() is None, comparison.communicate()[0][-3000:]
+        assert time.monotonic() < deadline, "no round finished"
+        time.sleep(0.2)
+    comparison.send_signal(signal.SIGTERM)
+    output, _ = comparison.communicate(timeout=120)
+    assert comparison.returncode == 130, output[-3000:]
+    time.sleep(1)  # what was stopped has exited
+    for marker in markers:
+        assert not orphaned(before[marker], marker), f"{marker!r} left running"

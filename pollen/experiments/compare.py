@@ -28,7 +28,6 @@ import itertools
 import json
 import os
 import statistics
-import subprocess
 import sys
 import time
 import tomllib
@@ -37,6 +36,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any, NamedTuple
 
+from ..deployment import processes
 from ..deployment.run_config import RunConfigError, resolve_settings
 from ..files import write_atomic
 from ..runs.checkpoints import CheckpointError, check_resumable
@@ -401,10 +401,14 @@ def pollen_run_cell(app: Path, out: Path, overrides: Sequence[str]) -> Callable:
     command = cell_command(app, out, overrides)
 
     def run_cell(config: str, name: str, log: Path) -> int:
-        with log.open("a") as sink:  # a resumed or repeated cell keeps its log
-            return subprocess.run(
-                command(config, name), stdout=sink, stderr=subprocess.STDOUT
-            ).returncode
+        # output appended: a resumed or repeated cell keeps its log; the run
+        # is stopped with all it started if the comparison is interrupted
+        run = processes.start(command(config, name), log=log)
+        try:
+            return run.wait()
+        finally:
+            if run.poll() is None:
+                processes.stop(run.pid)
 
     return run_cell
 
@@ -457,10 +461,8 @@ def run_comparison(
         run_cell = network_cells.network_run_cell(
             cell_command(app, out, overrides), out, network, run_configs
         )
-    interrupts = (
-        network_cells.sigterm_interrupts() if deployed else contextlib.nullcontext()
-    )
-    with exclusive(out) as running, interrupts:
+    # SIGTERM stops a comparison as Ctrl-C does: the cell's processes go too
+    with exclusive(out) as running, network_cells.sigterm_interrupts():
         cells = with_states(cells, out)
         write_atomic(out / "grid.toml", grid_path.read_text())
         run_grid(cells, out, run_cell, running=running)
