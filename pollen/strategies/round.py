@@ -6,10 +6,13 @@ that has trained to evaluate its personal model. It returns the round's
 `RoundOutcome`: the new global model and everything the round did. Nothing
 outside writes into the strategy; the loop passes in who can take part.
 The same calls Flower's `Strategy.start` makes, in its order, so that a
-round can start anywhere (a resumed run starts after its checkpoint). An
-asynchronous loop would sit beside this one, pushing and pulling messages
-as they come and handing each batch of updates to the same aggregation
-step and server update.
+round can start anywhere (a resumed run starts after its checkpoint).
+
+With a `RoundTiming` the round has a deadline (replies after it are
+discarded and recorded as late) and, under a network profile, a simulated
+time (`runs.clock`). The asynchronous loop, FedBuff's, sits beside this one
+(`asynchronous.BufferedAsync`) and returns the same `RoundOutcome` per
+model version.
 """
 
 from __future__ import annotations
