@@ -237,9 +237,10 @@ def _train(
 
     recorder.start_clock()
     if settings.mode == "async":
+        concurrency = _concurrency(settings)
         engine = BufferedAsync(
-            grid, strategy, concurrency=_concurrency(settings),
-            buffer_size=settings.buffer_size or max(1, _concurrency(settings) // 2),
+            grid, strategy, concurrency=concurrency,
+            buffer_size=settings.buffer_size or max(1, concurrency // 2),
             seed=settings.seed, timeout=settings.round_timeout,
             clock=clock if simulation else None,
         )  # fmt: skip

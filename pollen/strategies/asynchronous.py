@@ -33,7 +33,7 @@ of the run is left running.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, replace
 from logging import INFO
 
@@ -88,7 +88,6 @@ class _Pending:
     bytes_down: int = 0
     bytes_up: int = 0
     failures: list[str] = field(default_factory=list)
-    clipped: list[str] = field(default_factory=list)
 
 
 class BufferedAsync:
@@ -205,8 +204,8 @@ class BufferedAsync:
         )
         ids = list(self.grid.push_messages(messages))
         now = time.monotonic()
+        bytes_down = payload.count_bytes()  # the same payload to every client
         for client, message, message_id in zip(chosen, messages, ids, strict=True):
-            bytes_down = payload.count_bytes()
             pending.bytes_down += bytes_down
             request = TrainRequest(
                 server_round=version + 1, messages=[message], clients=[client],
@@ -292,14 +291,14 @@ class BufferedAsync:
     ) -> tuple[ArrayRecord, RoundOutcome]:
         """Rebase, bound, aggregate and step the buffer: the next version."""
         batch, self.buffer = self.buffer, []
-        model = to_numpy(arrays)
+        model = self.snapshots.get(version) or to_numpy(arrays)  # sent as version
         shared = self.strategy.shared_keys(arrays)
         current = {key: model[key] for key in shared}
-        sent = {
-            id(b): _shared(self.snapshots[b.dispatch.version], shared) for b in batch
-        }
         trained = set(self.strategy.trained_keys(current))
-        updates = [rebased(b.update, sent[id(b)], current, trained) for b in batch]
+        updates = [
+            rebased(b.update, self.snapshots[b.dispatch.version], current, trained)
+            for b in batch
+        ]
         owner = batch[0].dispatch.request.participants.roster.owner
         outcome = TrainOutcome(bytes_up=pending.bytes_up, failures=pending.failures)
         kept = self.strategy.bounded(updates, current, owner, outcome)
@@ -328,10 +327,6 @@ class BufferedAsync:
             personal={},
             staleness=staleness,
         )
-
-
-def _shared(model: Mapping[str, np.ndarray], shared: tuple[str, ...]) -> dict:
-    return {key: model[key] for key in shared}
 
 
 def _aligned(before: list[int], after: list[int], values: list[int]) -> list[int]:
