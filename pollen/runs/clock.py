@@ -15,12 +15,14 @@ and reported (`train-seconds`) and s_k its slowdown. A lossy link's rate is
 capped by TCP's steady-state throughput (Mathis et al. 1997,
 rate <= 1.22 * MSS / (RTT * sqrt(p)), MSS 1448 bytes), since lost frames are
 resent. Jitter averages out and is left out; so are TCP's slow start, TLS and
-gRPC framing, and Flower's own polling (an idle SuperNode asks for work every
-3 s), which is why a deployment's rounds take longer than predicted by up to
-a few seconds (docs/network.md measures it).
+gRPC framing, Flower's own polling (an idle SuperNode asks for work every
+3 s) and each deployed task's start (message pull, app load), which is why a
+deployment's rounds take longer than predicted (17-21 % on the mixed
+profile: docs/network.md).
 
 A synchronous round ends with its slowest client, or at the deadline;
-`AsyncTimeline` advances FedBuff's clock event by event.
+FedBuff's loop (`strategies.asynchronous`) orders replies by their arrival
+on this clock.
 """
 
 from __future__ import annotations
