@@ -114,10 +114,25 @@ SERVER_UPDATES: dict[str, Part] = _by_name(
     ),
 )  # fmt: skip
 
+ROBUST = "pollen.strategies.robust"
 AGGREGATORS: dict[str, Part] = _by_name(
     Part("mean", "weighted mean of the replies, per entry",
          "pollen.strategies.aggregation:Mean"),
+    Part("median", "coordinate-wise median (Yin et al. 2018)", f"{ROBUST}:Median"),
+    Part("trimmed-mean", "coordinate-wise mean without the trim-fraction "
+         "extremes on each side (Yin et al. 2018)", f"{ROBUST}:TrimmedMean"),
+    Part("krum", "the one reply closest to its n-f-2 neighbours (Blanchard "
+         "et al. 2017)", f"{ROBUST}:Krum"),
+    Part("multi-krum", "weighted mean of the krum-select replies of lowest "
+         "Krum score", f"{ROBUST}:Krum"),
+    Part("bulyan", "recursive Krum, then a trimmed mean around the median "
+         "(El Mhamdi et al. 2018)", f"{ROBUST}:Bulyan"),
 )  # fmt: skip
+
+# What a malicious client does (pollen.task.attacks): model poisoning after
+# honest training, or training on flipped labels
+MODEL_POISONING = ("sign-flip", "scale", "noise")
+ATTACKS = ("none", *MODEL_POISONING, "label-flip")
 
 # "<regulariser>-sam": that regulariser, with the data gradient taken at SAM's
 # perturbed point (pollen.task.objectives decodes these names)

@@ -41,6 +41,7 @@ from flwr.app import (
 )
 from flwr.clientapp import ClientApp
 
+from .catalog import DATA_SETS, MODEL_POISONING
 from .deployment.warm_hint import hint_mod
 from .protocol import (
     ARRAYS,
@@ -64,6 +65,7 @@ from .protocol import (
 from .settings import Settings
 from .strategies.sharing import Sharing
 from .task import client_state
+from .task.attacks import flipped_labels, poisoned
 from .task.data import Dataset
 from .task.inputs import model_inputs, settings_model
 from .task.node_data import NodeData, OwnData
@@ -301,6 +303,9 @@ def train(msg: Message, context: Context) -> Message:
     s = cm.settings
     config = msg.content[CONFIG]
     images, y = cm.data.train_shard(cm.client, cm.device)
+    attacking = cm.client in s.attacking_clients
+    if attacking and s.attack == "label-flip":
+        y = flipped_labels(y, DATA_SETS[s.data_set].classes)
     x, prep = cm.inputs(cm.data.split_key("train", cm.client), images, s.augment)
     objective = LocalObjective.from_settings(s)
     objective.load(context, cm.client, cm.model, cm.sharing)
@@ -331,7 +336,10 @@ def train(msg: Message, context: Context) -> Message:
     metrics = MetricRecord(
         {NUM_EXAMPLES: result.num_examples, TRAIN_SECONDS: seconds, **metrics}
     )
-    return cm.reply(msg, metrics, cm.entries(cm.sharing.shared))
+    shared = cm.entries(cm.sharing.shared)
+    if attacking and s.attack in MODEL_POISONING:
+        shared = poisoned(s.attack, msg.content[ARRAYS], shared, s.attack_scale, seed)
+    return cm.reply(msg, metrics, shared)
 
 
 @cache

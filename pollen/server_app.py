@@ -52,7 +52,7 @@ from .strategies.compose import build_strategy
 from .strategies.membership import Membership
 from .strategies.personal import PersonalEvaluation
 from .strategies.round import RoundOutcome, RoundTiming, play_round
-from .strategies.sampling import OneMessagePerNode, sample_clients
+from .strategies.sampling import OneMessagePerNode
 from .strategies.sharing import count_parameters
 from .strategies.strategy import Strategy, to_numpy
 from .task import client_state
@@ -288,12 +288,7 @@ def _clock(settings: Settings) -> SimulatedClock | None:
 def _concurrency(settings: Settings) -> int:
     """Async clients training at once: `concurrency`, or as many as a
     synchronous round samples."""
-    return settings.concurrency or len(
-        sample_clients(
-            settings.num_clients, settings.client_frac, settings.seed, 1,
-            minimum=settings.min_train_nodes,
-        )
-    )  # fmt: skip
+    return settings.concurrency or settings.sample_size
 
 
 def _personal_at_end(

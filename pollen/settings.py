@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import math
+import random
 from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -23,6 +24,7 @@ from typing import Any
 
 from .catalog import (
     AGGREGATORS,
+    ATTACKS,
     BN_POLICIES,
     CLASS_ASSIGNMENTS,
     CLIENT_OPTIMIZERS,
@@ -89,6 +91,17 @@ def webhook_rule() -> Rule:
             return False
 
     return Rule(valid, "an http(s) URL, or empty")
+
+
+def _parse_clients(text: str) -> tuple[int, ...] | None:
+    """'3,7' -> (3, 7); None where a part is not an integer >= 0."""
+    if not text.strip():
+        return ()
+    try:
+        clients = tuple(int(part) for part in text.split(","))
+    except ValueError:
+        return None
+    return clients if all(c >= 0 for c in clients) else None
 
 
 def _parse_betas(text: str) -> tuple[float, float] | None:
@@ -160,6 +173,23 @@ class Settings:
         "mean",
         "how a round's replies become one aggregate, before the server update",
         one_of(*AGGREGATORS),
+    )
+    trim_fraction: float = key(
+        0.2,
+        "aggregator trimmed-mean: share of the values dropped at each end, per "
+        "coordinate",
+        Rule(lambda v: 0 <= v < 0.5, "in [0, 0.5)"),
+    )
+    byzantine_clients: int = key(
+        0,
+        "aggregators krum, multi-krum, bulyan: f, the Byzantine replies a round "
+        "must tolerate",
+        at_least(0),
+    )
+    krum_select: int = key(
+        0,
+        "aggregator multi-krum: m, the replies of lowest score averaged (0: n - f)",
+        at_least(0),
     )
     local_objective: str = key(
         AUTO, "what each client minimises", one_of(AUTO, *LOCAL_OBJECTIVES)
@@ -266,6 +296,25 @@ class Settings:
     )
     update_norm_action: str = key(
         "clip", "what update-norm-bound does to a larger update", one_of(*NORM_ACTIONS)
+    )
+    # Attacks, to test the robust aggregators (pollen.task.attacks)
+    attack: str = key(
+        "none",
+        "what the attacking clients do: sign-flip (send -s x update), scale (s x "
+        "update), noise (N(0, s^2) instead of the update), label-flip (train on "
+        "C-1-y); s is attack-scale",
+        one_of(*ATTACKS),
+    )
+    attack_scale: float = key(10.0, "s of sign-flip, scale and noise", above(0))
+    attackers: float = key(
+        0.0,
+        "share of the clients that attack, drawn by seed (or attacker-clients)",
+        Rule(lambda v: 0 <= v < 1, "in [0, 1)"),
+    )
+    attacker_clients: str = key(
+        "",
+        "the clients that attack, as 'i,j,...' (instead of attackers)",
+        Rule(lambda v: _parse_clients(v) is not None, "'i,j,...' of integers >= 0"),
     )
     # Participation: who must be there, how long to wait for them
     min_available_nodes: int = key(
@@ -405,6 +454,23 @@ class Settings:
         return self.bn_policy if self.sharing == "all" else self.sharing
 
     @property
+    def attacking_clients(self) -> frozenset[int]:
+        """The clients that attack: `attacker-clients`, or round(attackers x
+        num-clients) of them drawn by a generator seeded by `seed`."""
+        if self.attack == "none":
+            return frozenset()
+        if self.attacker_clients:
+            return frozenset(_parse_clients(self.attacker_clients) or ())
+        count = round(self.attackers * self.num_clients)
+        rng = random.Random(f"attackers-{self.seed}")
+        return frozenset(rng.sample(range(self.num_clients), count))
+
+    @property
+    def sample_size(self) -> int:
+        """The clients a synchronous round asks when every node is connected."""
+        return sample_size(self.num_clients, self.client_frac, self.min_train_nodes)
+
+    @property
     def client_betas(self) -> tuple[float, float]:
         """`betas` as numbers (validated when the settings were made)."""
         return _parse_betas(self.betas) or (0.9, 0.999)
@@ -436,6 +502,11 @@ def _allowed_text(f: dataclasses.Field) -> str:
     if f.default == AUTO and f.metadata["kind"] is not str:
         text = f"auto or {text}"
     return text
+
+
+def sample_size(num_clients: int, fraction: float, minimum: int) -> int:
+    """max(minimum, floor(fraction x num_clients)), at most num_clients."""
+    return min(max(minimum, int(fraction * num_clients + 1e-9)), num_clients)
 
 
 def _resolve_preset(values: dict[str, Scalar]) -> None:
@@ -510,6 +581,8 @@ def _check_combination(values: dict[str, Scalar]) -> None:
             "second pass has no per-sample clipping; allowed with dp: plain, "
             "prox, feddyn"
         )
+    _check_aggregator(values)
+    _check_attack(values)
     _check_async(values)
     if values["network-profile"]:
         try:
@@ -521,6 +594,82 @@ def _check_combination(values: dict[str, Scalar]) -> None:
             "dp=true with resume is not supported: the noise is calibrated for "
             "the run as planned, and a node without its state files would count "
             "its privacy spending from zero; start a new run instead"
+        )
+
+
+def _check_aggregator(values: dict[str, Scalar]) -> None:
+    """Refuse a robust aggregator where its result would be misused or
+    undefined for the round's sample."""
+    aggregator = values["aggregator"]
+    if aggregator == "mean":
+        return
+    if values["server-update"] == "feddyn":
+        raise SettingsError(
+            f"aggregator={aggregator!r} with server-update='feddyn': FedDyn's "
+            "server state h is corrected by the plain mean of the participants' "
+            "models (Acar et al. 2021, eq. 4); a robust aggregate breaks that "
+            "correction; allowed with feddyn: mean"
+        )
+    if values["mode"] == "async":
+        raise SettingsError(
+            f"aggregator={aggregator!r} with mode='async': FedBuff aggregates "
+            "its buffer by the staleness-weighted mean; allowed with async: mean"
+        )
+    f, select = int(values["byzantine-clients"]), int(values["krum-select"])
+    n = sample_size(
+        int(values["num-clients"]), float(values["client-frac"]),
+        int(values["min-train-nodes"]),
+    )  # fmt: skip
+    needed = {"krum": 2 * f + 3, "multi-krum": 2 * f + 3, "bulyan": 4 * f + 3}.get(
+        str(aggregator), 1
+    )
+    if n < needed:
+        rule = {"bulyan": "n >= 4f + 3"}.get(str(aggregator), "n >= 2f + 3")
+        raise SettingsError(
+            f"aggregator={aggregator!r} with byzantine-clients={f} needs {rule} "
+            f"replies per round ({needed}); a round samples {n} (client-frac x "
+            "num-clients); sample more clients or lower byzantine-clients"
+        )
+    if aggregator == "multi-krum" and select > n - f:
+        raise SettingsError(
+            f"krum-select={select} above n - f = {n - f} (a round samples {n}, "
+            f"byzantine-clients={f}): multi-Krum would average Byzantine replies "
+            "too; allowed: 1 to n - f, or 0 for n - f"
+        )
+
+
+def _check_attack(values: dict[str, Scalar]) -> None:
+    """An attack needs attackers, attackers need an attack, and the named
+    clients must exist."""
+    attack, share = values["attack"], values["attackers"]
+    named = _parse_clients(str(values["attacker-clients"])) or ()
+    if attack == "none":
+        if share or named:
+            raise SettingsError(
+                "attackers or attacker-clients without an attack: set attack to "
+                "one of " + ", ".join(ATTACKS[1:])
+            )
+        return
+    if share and named:
+        raise SettingsError(
+            "attackers and attacker-clients are both set; name the clients or "
+            "give a share, not both"
+        )
+    if not share and not named:
+        raise SettingsError(
+            f"attack={attack!r} without attackers: set attackers (a share of the "
+            "clients) or attacker-clients ('i,j,...')"
+        )
+    clients = int(values["num-clients"])
+    if any(c >= clients for c in named):
+        raise SettingsError(
+            f"attacker-clients={values['attacker-clients']!r}: clients are 0 to "
+            f"{clients - 1} (num-clients={clients})"
+        )
+    if share and round(float(share) * clients) == 0:
+        raise SettingsError(
+            f"attackers={share:g} of num-clients={clients} rounds to no client; "
+            f"allowed: at least {1 / clients:g}"
         )
 
 

@@ -86,6 +86,8 @@ class RoundRecorder:
             sim_seconds=outcome.sim_seconds,
             late=outcome.late,
             staleness=outcome.staleness,
+            attackers=sorted(set(outcome.clients) & self.settings.attacking_clients),
+            unselected=outcome.unselected,
         )
         self._last = now
         self.history.append(record)

@@ -72,6 +72,10 @@ class RoundRecord:
     # asynchronous mode: each applied update's staleness (model versions since
     # its client's copy), in the order of `clients`; a row is a model version
     staleness: list[int] = field(default_factory=list)
+    # with an attack: the asked clients that attack (settings' attacking
+    # clients); with Krum or Bulyan: the accepted updates the aggregator left out
+    attackers: list[int] = field(default_factory=list)
+    unselected: list[int] = field(default_factory=list)
 
     def as_row(self) -> dict[str, Any]:
         row = {k.replace("_", "-"): v for k, v in asdict(self).items()}
@@ -204,6 +208,8 @@ def round_lines(record: RoundRecord, total_rounds: int, seconds_left: float) -> 
         )
         + (f", staleness {record.staleness}" if record.staleness else "")
         + (f", late {record.late}" if record.late else "")
+        + (f", attackers {record.attackers}" if record.attackers else "")
+        + (f", left out by the aggregator {record.unselected}" if record.unselected else "")
         + _fault_line(record)
         + _personal_line(record)
     )

@@ -8,14 +8,16 @@ the weighted mean (FedAvg's, McMahan et al. 2017),
 with w_k the client's example count, or 1 for every client where the server
 update asks for a uniform mean (FedDyn). The aggregate stays in float64 so
 the server update that follows (FedAvg, FedOpt, FedDyn) works at full
-precision and casts once. Robust rules (median, trimmed mean, Krum) and
-central DP's clip-and-noise belong here, as other aggregators.
+precision and casts once. The Byzantine-robust rules (median, trimmed
+mean, Krum, Bulyan) are the other aggregators (`robust`); each is named in
+`pollen.catalog.AGGREGATORS` and built by its `from_settings`.
 """
 
 from __future__ import annotations
 
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any, Protocol
 
 import numpy as np
 from flwr.app import MetricRecord
@@ -71,11 +73,33 @@ def cast_like(value: np.ndarray, like: np.ndarray) -> np.ndarray:
     return np.asarray(value, dtype=like.dtype)
 
 
+class Aggregator(Protocol):
+    """An aggregation step: accepted updates (in client order) and the shared
+    entries to aggregate -> one float64 aggregate per entry."""
+
+    @property
+    def min_updates(self) -> int:
+        """The fewest updates the rule is defined for (a round with fewer is
+        skipped)."""
+        ...
+
+    def __call__(
+        self, updates: Sequence[ClientUpdate], keys: Collection[str]
+    ) -> Aggregate: ...
+
+
 class Mean:
     """The example-weighted (or, with `uniform`, plain) mean of every entry."""
 
+    min_updates = 1
+
     def __init__(self, uniform: bool = False) -> None:
         self.uniform = uniform
+
+    @classmethod
+    def from_settings(cls, settings: Any, uniform: bool = False) -> Mean:
+        """`uniform` comes from the server update (FedDyn's plain mean)."""
+        return cls(uniform)
 
     def __call__(
         self, updates: Sequence[ClientUpdate], keys: Collection[str]

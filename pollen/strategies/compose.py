@@ -20,13 +20,13 @@ def build_strategy(
     sharing by `sharing` and `bn-policy`."""
     sharing = Sharing.of(settings.sharing_policy, model)
     update = SERVER_UPDATES[settings.server_update].load().from_settings(settings)
-    aggregate = AGGREGATORS[settings.aggregator].load()
+    aggregator = AGGREGATORS[settings.aggregator].load()
     strategy = Strategy(
         num_clients=settings.num_clients,
         client_frac=settings.client_frac,
         seed=settings.seed,
         server_update=update,
-        aggregator=aggregate(uniform=update.uniform_mean),
+        aggregator=aggregator.from_settings(settings, uniform=update.uniform_mean),
         sharing=sharing,
         min_replies=settings.min_train_replies,
         min_train_nodes=settings.min_train_nodes,

@@ -49,6 +49,7 @@ class RoundOutcome:
     personal: dict[int, dict[str, float]]  # client -> its personal metrics
     late: list[int] = field(default_factory=list)  # replies after the deadline
     staleness: list[int] = field(default_factory=list)  # async: per update
+    unselected: list[int] = field(default_factory=list)  # accepted, not aggregated
     sim_seconds: float | None = None  # on the simulated clock, under a profile
 
 
@@ -156,6 +157,7 @@ def play_round(
         personal=evaluated.results,
         late=late,
         sim_seconds=sim_seconds,
+        unselected=trained.unselected,
     )
 
 

@@ -23,6 +23,8 @@ from typing import Any
 import numpy as np
 from flwr.app import Message
 
+from ..settings import sample_size
+
 
 class RosterError(RuntimeError):
     """The connected nodes cannot serve the configured clients."""
@@ -134,7 +136,7 @@ def sample_clients(
     draw is the same as from range(K), so simulations do not depend on it.
     """
     pool = np.arange(num_clients) if available is None else np.asarray(available)
-    count = min(max(minimum, int(fraction * num_clients + 1e-9)), len(pool))
+    count = min(sample_size(num_clients, fraction, minimum), len(pool))
     if count == 0:
         return []
     rng = np.random.default_rng([seed, server_round])

@@ -11,8 +11,8 @@ A round's training half, as `pollen.strategies.round.play_round` drives it:
    turns the valid ones, in client order, into typed `ClientUpdate`s; an
    optional norm bound clips or drops an update far above the round's
    median; with fewer than `min_replies` the round is skipped;
-3. the **aggregation step** (`aggregation.Mean`) reduces the updates to one
-   float64 aggregate per entry;
+3. the **aggregation step** (`aggregation.Mean`, or a robust rule of
+   `robust`) reduces the updates to one float64 aggregate per entry;
 4. the **server update** (`fedavg`, `fedopt`, `feddyn`) turns the aggregate
    into the next shared entries.
 
@@ -44,7 +44,7 @@ from flwr.app import (
 from flwr.common.logger import log
 
 from .. import protocol
-from .aggregation import Aggregate, Arrays, ClientUpdate, Mean
+from .aggregation import Aggregate, Aggregator, Arrays, ClientUpdate, Mean
 from .replies import (
     Expectation,
     ReplyError,
@@ -88,6 +88,7 @@ class TrainOutcome:
     bytes_up: int = 0
     failures: list[str] = field(default_factory=list)  # replies dropped, and why
     clipped: list[str] = field(default_factory=list)  # updates scaled back
+    unselected: list[int] = field(default_factory=list)  # accepted, not aggregated
 
     @property
     def skipped(self) -> bool:
@@ -125,7 +126,7 @@ class Strategy:
         client_frac: float,
         seed: int,
         server_update: ServerUpdate,
-        aggregator: Mean | None = None,
+        aggregator: Aggregator | None = None,
         sharing: Sharing | None = None,
         min_replies: int = 1,
         min_train_nodes: int = 1,
@@ -142,6 +143,11 @@ class Strategy:
         self.min_train_nodes = min_train_nodes
         self.norm_bound = norm_bound
         self.norm_action = norm_action
+
+    @property
+    def min_updates(self) -> int:
+        """The fewest accepted updates a round aggregates."""
+        return max(self.min_replies, self.aggregator.min_updates)
 
     # ---- checkpointed state ---------------------------------------------------
 
@@ -221,13 +227,18 @@ class Strategy:
 
     def finish(self, request: TrainRequest, outcome: TrainOutcome) -> TrainOutcome:
         """Aggregate the outcome's updates and step the server update into
-        its arrays, or leave it skipped with fewer than `min_replies`."""
-        if len(outcome.updates) < self.min_replies:
+        its arrays, or leave it skipped with fewer than `min_replies` or than
+        the aggregation step is defined for."""
+        needed = self.min_updates
+        if len(outcome.updates) < needed:
             log(WARNING, "pollen: round %d skipped, the model is unchanged: %d valid "
-                "replies, min-train-replies is %d", request.server_round,
-                len(outcome.updates), self.min_replies)  # fmt: skip
+                "replies, it needs %d (min-train-replies %d, the aggregator %d)",
+                request.server_round, len(outcome.updates), needed, self.min_replies,
+                self.aggregator.min_updates)  # fmt: skip
             return outcome
         aggregate = self.aggregator(outcome.updates, request.current)
+        used = {update.client for update in aggregate.updates}
+        outcome.unselected = [u.client for u in outcome.updates if u.client not in used]
         outcome.arrays = self.step(request.model, request.shared, aggregate)
         return outcome
 
