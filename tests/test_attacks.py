@@ -59,7 +59,10 @@ def test_label_flip_maps_each_class_to_its_mirror() -> None:
 
 
 def settings(**overrides: object) -> Settings:
-    config = {"num-clients": 20, **{k.replace("_", "-"): v for k, v in overrides.items()}}
+    config = {
+        "num-clients": 20,
+        **{k.replace("_", "-"): v for k, v in overrides.items()},
+    }
     return Settings.from_run_config(config)
 
 
@@ -67,7 +70,9 @@ def test_attacking_clients_drawn_by_seed_or_named() -> None:
     drawn = settings(attack="sign-flip", attackers=0.2).attacking_clients
     assert len(drawn) == 4 and drawn <= set(range(20))
     assert settings(attack="sign-flip", attackers=0.2).attacking_clients == drawn
-    assert settings(attack="sign-flip", attackers=0.2, seed=2).attacking_clients != drawn
+    assert (
+        settings(attack="sign-flip", attackers=0.2, seed=2).attacking_clients != drawn
+    )
     named = settings(attack="noise", attacker_clients="3,7")
     assert named.attacking_clients == {3, 7}
     assert settings().attacking_clients == frozenset()

@@ -40,7 +40,9 @@ pytestmark = pytest.mark.usefixtures("task_identity")
 
 def update(client: int, w: list[float], examples: float = 1.0) -> ClientUpdate:
     arrays = {"w": np.asarray(w, dtype=np.float64)}
-    return ClientUpdate(client, arrays, MetricRecord({"num-examples": examples}), examples)
+    return ClientUpdate(
+        client, arrays, MetricRecord({"num-examples": examples}), examples
+    )
 
 
 # ---- by hand ------------------------------------------------------------------
@@ -213,7 +215,9 @@ def test_bulyan_equals_flowers_bulyan_with_far_off_attackers(seed: int) -> None:
     paper's recursion pick the same 7, and the results agree."""
     messages, updates = replies_and_updates(seed, 11, 2)
     distances = squared_distances(updates, SHAPES)
-    assert sorted(recursive_krum(distances, 2, 7)) == sorted(lowest_scores(distances, 2, 7))
+    assert sorted(recursive_krum(distances, 2, 7)) == sorted(
+        lowest_scores(distances, 2, 7)
+    )
     flower, _ = FlowerBulyan(num_malicious_nodes=2).aggregate_train(1, messages)
     assert_same(pollen_model(Bulyan(byzantine=2), updates), flower)
 
@@ -226,7 +230,9 @@ def test_bulyans_coordinate_step_equals_flowers(seed: int) -> None:
     _, updates = replies_and_updates(seed, 11, 0)
     result = Bulyan(byzantine=2)(updates, SHAPES)
     selected = [[u.arrays[key] for key in SHAPES] for u in result.updates]
-    medians = [np.median(np.stack(layer), axis=0) for layer in zip(*selected, strict=True)]
+    medians = [
+        np.median(np.stack(layer), axis=0) for layer in zip(*selected, strict=True)
+    ]
     flower = aggregate_n_closest_weights(medians, selected, beta=11 - 4 - 4)
     for key, theirs in zip(SHAPES, flower, strict=True):
         np.testing.assert_allclose(result.arrays[key], theirs, rtol=1e-5, atol=1e-6)

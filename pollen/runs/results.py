@@ -209,7 +209,11 @@ def round_lines(record: RoundRecord, total_rounds: int, seconds_left: float) -> 
         + (f", staleness {record.staleness}" if record.staleness else "")
         + (f", late {record.late}" if record.late else "")
         + (f", attackers {record.attackers}" if record.attackers else "")
-        + (f", left out by the aggregator {record.unselected}" if record.unselected else "")
+        + (
+            f", left out by the aggregator {record.unselected}"
+            if record.unselected
+            else ""
+        )
         + _fault_line(record)
         + _personal_line(record)
     )
