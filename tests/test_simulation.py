@@ -467,3 +467,34 @@ def test_fedbuff_under_a_profile_resumes_from_its_last_version(tmp_path: Path) -
     assert set(rows[-1]["personal"]) == {str(c) for r in rows for c in r["clients"]}
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["status"] == "completed" and summary["rounds"] == 4
+
+
+def test_sign_flip_attack_breaks_the_mean_not_multi_krum(tmp_path: Path) -> None:
+    """3 of 10 digits clients send their update reversed and 10x larger
+    (sum: 7 - 30 = -23 honest updates' worth). The mean does not survive it
+    (the run diverges or stays near chance); multi-Krum with f = 3 leaves
+    exactly the attackers out every round and learns; both histories name
+    the attackers."""
+    attack = "num-clients=10 client-frac=1.0 rounds=3 attack='sign-flip' "
+    attack += "attacker-clients='0,1,2'"
+    runs = {
+        name: pollen_run(f"{attack} {extra} output-dir='{tmp_path}' run-name='{name}'")
+        for name, extra in (
+            ("mean", ""),
+            ("krum", "aggregator='multi-krum' byzantine-clients=3"),
+        )
+    }
+    krum = runs["krum"]
+    assert krum.returncode == 0, krum.stdout[-2000:] + krum.stderr[-2000:]
+    rows = history(tmp_path / "krum")
+    assert [r["attackers"] for r in rows] == [[0, 1, 2]] * 3
+    assert [r["unselected"] for r in rows] == [[0, 1, 2]] * 3
+    assert rows[-1]["accuracy"] > 0.8
+    assert "left out by the aggregator [0, 1, 2]" in krum.stdout
+    mean = runs["mean"]
+    if mean.returncode == 0:
+        rows = history(tmp_path / "mean")
+        assert rows[0]["attackers"] == [0, 1, 2] and not rows[0]["unselected"]
+        assert rows[-1]["accuracy"] < 0.3
+    else:
+        assert "DivergenceError" in mean.stderr, mean.stderr[-2000:]
