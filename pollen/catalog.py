@@ -127,6 +127,8 @@ AGGREGATORS: dict[str, Part] = _by_name(
          "Krum score", f"{ROBUST}:Krum"),
     Part("bulyan", "recursive Krum, then a trimmed mean around the median "
          "(El Mhamdi et al. 2018)", f"{ROBUST}:Bulyan"),
+    Part("fednova", "normalised averaging: each update over its effective "
+         "local steps (Wang et al. 2020)", "pollen.strategies.fednova:FedNova"),
 )  # fmt: skip
 
 # What a malicious client does (pollen.task.attacks): model poisoning after

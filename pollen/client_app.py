@@ -45,6 +45,8 @@ from .catalog import DATA_SETS, MODEL_POISONING
 from .deployment.warm_hint import hint_mod
 from .protocol import (
     ARRAYS,
+    EFFECTIVE_STEPS,
+    LOCAL_STEPS,
     CLIENT,
     CLIENT_RECORD,
     CONFIG,
@@ -63,6 +65,7 @@ from .protocol import (
     local_entries_key,
 )
 from .settings import Settings
+from .strategies.fednova import effective_steps
 from .strategies.sharing import Sharing
 from .task import client_state
 from .task.attacks import flipped_labels, poisoned
@@ -334,12 +337,30 @@ def train(msg: Message, context: Context) -> Message:
         context.state[local_entries_key(cm.client)] = cm.entries(cm.sharing.local)
     client_state.persist(context, cm.client, cm.server_round, config)
     metrics = MetricRecord(
-        {NUM_EXAMPLES: result.num_examples, TRAIN_SECONDS: seconds, **metrics}
+        {
+            NUM_EXAMPLES: result.num_examples,
+            TRAIN_SECONDS: seconds,
+            **step_metrics(s, result.steps, float(config[LR]), objective),
+            **metrics,
+        }
     )
     shared = cm.entries(cm.sharing.shared)
     if attacking and s.attack in MODEL_POISONING:
         shared = poisoned(s.attack, msg.content[ARRAYS], shared, s.attack_scale, seed)
     return cm.reply(msg, metrics, shared)
+
+
+def step_metrics(
+    settings: Settings, steps: int, lr: float, objective: LocalObjective
+) -> dict[str, float]:
+    """The round's local steps and, for SGD, FedNova's effective number a_k
+    under its momentum and the objective's pull (`strategies.fednova`)."""
+    metrics = {LOCAL_STEPS: float(steps)}
+    if settings.client_optimizer == "sgd":
+        metrics[EFFECTIVE_STEPS] = effective_steps(
+            steps, lr, settings.momentum, objective.pull
+        )
+    return metrics
 
 
 @cache

@@ -38,6 +38,10 @@ TRAIN_LOSS = "train-loss"
 # seconds of local training, measured before any straggler's slowdown (the
 # simulated clock multiplies it by the profile's slowdown)
 TRAIN_SECONDS = "train-seconds"
+# the SGD steps of this round's local training, and FedNova's a_k: their
+# effective number under momentum and a pull towards the received model
+LOCAL_STEPS = "local-steps"
+EFFECTIVE_STEPS = "effective-steps"
 DP_EPSILON = "dp-epsilon"  # the privacy spent so far (DP-SGD)
 DP_NOISE_MULTIPLIER = "dp-noise-multiplier"
 PERSONAL_METRICS = ("global-accuracy", "global-loss", "local-accuracy", "local-loss")

@@ -598,8 +598,8 @@ def _check_combination(values: dict[str, Scalar]) -> None:
 
 
 def _check_aggregator(values: dict[str, Scalar]) -> None:
-    """Refuse a robust aggregator where its result would be misused or
-    undefined for the round's sample."""
+    """Refuse an aggregator other than the mean where its result would be
+    misused or undefined for the round's sample."""
     aggregator = values["aggregator"]
     if aggregator == "mean":
         return
@@ -607,13 +607,19 @@ def _check_aggregator(values: dict[str, Scalar]) -> None:
         raise SettingsError(
             f"aggregator={aggregator!r} with server-update='feddyn': FedDyn's "
             "server state h is corrected by the plain mean of the participants' "
-            "models (Acar et al. 2021, eq. 4); a robust aggregate breaks that "
+            "models (Acar et al. 2021, eq. 4); another aggregate breaks that "
             "correction; allowed with feddyn: mean"
         )
     if values["mode"] == "async":
         raise SettingsError(
             f"aggregator={aggregator!r} with mode='async': FedBuff aggregates "
             "its buffer by the staleness-weighted mean; allowed with async: mean"
+        )
+    if aggregator == "fednova" and values["client-optimizer"] != "sgd":
+        raise SettingsError(
+            f"aggregator='fednova' with client-optimizer="
+            f"{values['client-optimizer']!r}: FedNova's effective steps a_k are "
+            "defined for SGD (with momentum); allowed: client-optimizer='sgd'"
         )
     f, select = int(values["byzantine-clients"]), int(values["krum-select"])
     n = sample_size(

@@ -350,13 +350,17 @@ def test_client_app_accounts_epsilon_per_client_across_rounds() -> None:
     assert settings["dp-epsilon"] - 0.01 <= planned <= settings["dp-epsilon"]
     assert 0 < first["dp-epsilon"] < second["dp-epsilon"] < settings["dp-epsilon"]
     # no loss on the private batches leaves the client; the training time
-    # does (the simulated clock's), as the reply's own arrival would show it
+    # does (the simulated clock's), as the reply's own arrival would show it,
+    # and so do its steps (FedNova's; fixed by the shard size, as above)
     assert set(first) == {
         "num-examples",
         "dp-epsilon",
         "dp-noise-multiplier",
         "train-seconds",
+        "local-steps",
+        "effective-steps",
     }
+    assert first["local-steps"] == per_round
     assert context.state["dp-steps-1"]["steps"] == 2 * per_round
     assert context.state["dp-steps-0"]["steps"] == steps_per_round(other)
     for metrics, steps in ((first, per_round), (second, 2 * per_round)):

@@ -65,6 +65,9 @@ class LocalBias:
     shared = ("w",)
     local = ("b",)
 
+    def trained_shared(self, exclude_bn: bool = False) -> tuple[str, ...]:
+        return self.shared
+
 
 def parts(min_replies: int = 1) -> tuple[Strategy, PersonalEvaluation]:
     strategy = Strategy(

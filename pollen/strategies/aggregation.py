@@ -74,8 +74,9 @@ def cast_like(value: np.ndarray, like: np.ndarray) -> np.ndarray:
 
 
 class Aggregator(Protocol):
-    """An aggregation step: accepted updates (in client order) and the shared
-    entries to aggregate -> one float64 aggregate per entry."""
+    """An aggregation step: the accepted updates (in client order), the
+    shared entries the clients were sent (`current`) and which of them are
+    trained -> one float64 aggregate per entry."""
 
     @property
     def min_updates(self) -> int:
@@ -83,15 +84,31 @@ class Aggregator(Protocol):
         skipped)."""
         ...
 
+    # metrics every reply must carry as positive numbers for this rule
+    required_metrics: tuple[str, ...]
+
     def __call__(
-        self, updates: Sequence[ClientUpdate], keys: Collection[str]
+        self,
+        updates: Sequence[ClientUpdate],
+        current: Arrays,
+        trained: Collection[str] = (),
     ) -> Aggregate: ...
 
 
-class Mean:
-    """The example-weighted (or, with `uniform`, plain) mean of every entry."""
+class Rule:
+    """Defaults of an aggregation rule: defined for one update, reads no
+    metric, built from settings without parameters."""
 
     min_updates = 1
+    required_metrics: tuple[str, ...] = ()
+
+    @classmethod
+    def from_settings(cls, settings: Any, uniform: bool = False) -> Any:
+        return cls()
+
+
+class Mean(Rule):
+    """The example-weighted (or, with `uniform`, plain) mean of every entry."""
 
     def __init__(self, uniform: bool = False) -> None:
         self.uniform = uniform
@@ -102,7 +119,10 @@ class Mean:
         return cls(uniform)
 
     def __call__(
-        self, updates: Sequence[ClientUpdate], keys: Collection[str]
+        self,
+        updates: Sequence[ClientUpdate],
+        keys: Collection[str],
+        trained: Collection[str] = (),
     ) -> Aggregate:
         weights = [1.0 if self.uniform else u.num_examples for u in updates]
         w = normalized(weights, len(updates))

@@ -40,6 +40,8 @@ class Expectation:
     owner: Mapping[int, int]  # client -> the node that serves it
     sampled: frozenset[int]  # the clients asked to train this round
     max_examples: Mapping[int, int]  # client -> its shard size (absent: unbounded)
+    # metrics the aggregation step reads (positive numbers, e.g. FedNova's a_k)
+    required_metrics: tuple[str, ...] = ()
 
 
 class ReplyError(ValueError):
@@ -166,6 +168,17 @@ def _check_metrics(metrics: MetricRecord, client: int, expected: Expectation) ->
     for name, value in metrics.items():
         if isinstance(value, list) or not math.isfinite(value):
             raise ReplyError(f"metric {name!r} must be a finite number, got {value!r}")
+    for name in expected.required_metrics:
+        value = metrics.get(name)
+        if (
+            isinstance(value, bool)
+            or not isinstance(value, int | float)
+            or not value > 0
+        ):
+            raise ReplyError(
+                f"metric {name!r} must be a positive number (the aggregator needs "
+                f"it), got {value!r}"
+            )
 
 
 def _decoded(arrays: ArrayRecord, sent: Arrays) -> dict[str, np.ndarray]:

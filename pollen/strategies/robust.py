@@ -39,20 +39,17 @@ from typing import Any
 
 import numpy as np
 
-from .aggregation import Aggregate, ClientUpdate, Mean
+from .aggregation import Aggregate, ClientUpdate, Mean, Rule
 
 
-class Median:
+class Median(Rule):
     """The coordinate-wise median of the replies."""
 
-    min_updates = 1
-
-    @classmethod
-    def from_settings(cls, settings: Any, uniform: bool = False) -> Median:
-        return cls()
-
     def __call__(
-        self, updates: Sequence[ClientUpdate], keys: Collection[str]
+        self,
+        updates: Sequence[ClientUpdate],
+        keys: Collection[str],
+        trained: Collection[str] = (),
     ) -> Aggregate:
         stacked = {key: _stack(updates, key) for key in keys}
         return Aggregate(
@@ -61,11 +58,9 @@ class Median:
         )
 
 
-class TrimmedMean:
+class TrimmedMean(Rule):
     """Per coordinate, the mean after dropping the floor(beta n) smallest and
     floor(beta n) largest values (beta = `trim-fraction`, below 1/2)."""
-
-    min_updates = 1
 
     def __init__(self, beta: float) -> None:
         if not 0 <= beta < 0.5:
@@ -77,7 +72,10 @@ class TrimmedMean:
         return cls(settings.trim_fraction)
 
     def __call__(
-        self, updates: Sequence[ClientUpdate], keys: Collection[str]
+        self,
+        updates: Sequence[ClientUpdate],
+        keys: Collection[str],
+        trained: Collection[str] = (),
     ) -> Aggregate:
         n = len(updates)
         cut = int(self.beta * n)
@@ -88,7 +86,7 @@ class TrimmedMean:
         return Aggregate(arrays, tuple(updates))
 
 
-class Krum:
+class Krum(Rule):
     """Multi-Krum: the example-weighted mean of the `select` replies of lowest
     Krum score; `select` = 1 is Krum itself (its one reply, unchanged).
     `select` = 0 means n - f, Blanchard et al.'s suggestion."""
@@ -113,7 +111,10 @@ class Krum:
         return cls(settings.byzantine_clients, select, uniform)
 
     def __call__(
-        self, updates: Sequence[ClientUpdate], keys: Collection[str]
+        self,
+        updates: Sequence[ClientUpdate],
+        keys: Collection[str],
+        trained: Collection[str] = (),
     ) -> Aggregate:
         select = self.select or len(updates) - self.byzantine
         distances = squared_distances(updates, keys)
@@ -121,7 +122,7 @@ class Krum:
         return self.mean([updates[i] for i in sorted(chosen)], keys)
 
 
-class Bulyan:
+class Bulyan(Rule):
     """Recursive Krum selects theta = n - 2f replies; per coordinate, the mean
     of the beta = theta - 2f selected values closest to their median."""
 
@@ -140,7 +141,10 @@ class Bulyan:
         return cls(settings.byzantine_clients)
 
     def __call__(
-        self, updates: Sequence[ClientUpdate], keys: Collection[str]
+        self,
+        updates: Sequence[ClientUpdate],
+        keys: Collection[str],
+        trained: Collection[str] = (),
     ) -> Aggregate:
         f = self.byzantine
         theta = len(updates) - 2 * f

@@ -236,7 +236,10 @@ class Strategy:
                 request.server_round, len(outcome.updates), needed, self.min_replies,
                 self.aggregator.min_updates)  # fmt: skip
             return outcome
-        aggregate = self.aggregator(outcome.updates, request.current)
+        current = request.current
+        aggregate = self.aggregator(
+            outcome.updates, current, self.trained_keys(current)
+        )
         used = {update.client for update in aggregate.updates}
         outcome.unselected = [u.client for u in outcome.updates if u.client not in used]
         outcome.arrays = self.step(request.model, request.shared, aggregate)
@@ -276,6 +279,7 @@ class Strategy:
             owner=request.participants.roster.owner,
             sampled=frozenset(request.clients),
             max_examples=request.participants.max_examples,
+            required_metrics=self.aggregator.required_metrics,
         )
         accepted: list[ClientUpdate] = []
         seen: set[int] = set()

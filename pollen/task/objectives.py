@@ -54,6 +54,10 @@ class Regularizer(Protocol):
 
     exclude_bn: bool  # leave BatchNorm's scale and shift out of the anchor
 
+    @property
+    def pull(self) -> float:
+        """The coefficient of (theta - theta^t) in grad R_k (FedNova's a_k)."""
+
     def load(self, context: Context, client: int, anchor: Parameters) -> None:
         """Anchor the term at the received model; read the client's state."""
 
@@ -87,6 +91,10 @@ class ProxTerm:
     anchor: dict[str, torch.Tensor] = field(default_factory=dict)
     exclude_bn: ClassVar[bool] = False  # BatchNorm's scale and shift are anchored
 
+    @property
+    def pull(self) -> float:
+        return self.mu
+
     def load(self, context: Context, client: int, anchor: Parameters) -> None:
         self.anchor = _anchor_of(anchor)
 
@@ -116,6 +124,10 @@ class DynTerm:
     anchor: dict[str, torch.Tensor] = field(default_factory=dict)
     h: dict[str, torch.Tensor] = field(default_factory=dict)
     exclude_bn: bool = True  # anchor no BatchNorm entries (`feddyn-exclude-bn`)
+
+    @property
+    def pull(self) -> float:
+        return self.alpha
 
     def load(self, context: Context, client: int, anchor: Parameters) -> None:
         self.anchor = _anchor_of(anchor)
@@ -237,6 +249,11 @@ class LocalObjective:
             regrade()
         with torch.no_grad():
             torch._foreach_sub_(params, eps)
+
+    @property
+    def pull(self) -> float:
+        """The regulariser's pull towards the received model (0 without one)."""
+        return self.regularizer.pull if self.regularizer is not None else 0.0
 
     def add_regularizer_gradient(self, named: Parameters) -> None:
         """Add grad R_k(theta) (nothing for `plain` and `sam`)."""
