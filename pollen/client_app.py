@@ -45,11 +45,11 @@ from .catalog import DATA_SETS, MODEL_POISONING
 from .deployment.warm_hint import hint_mod
 from .protocol import (
     ARRAYS,
-    EFFECTIVE_STEPS,
-    LOCAL_STEPS,
     CLIENT,
     CLIENT_RECORD,
     CONFIG,
+    EFFECTIVE_STEPS,
+    LOCAL_STEPS,
     LR,
     METRICS,
     NODE_RECORD,

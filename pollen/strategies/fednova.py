@@ -23,6 +23,7 @@ a_k the rule is the weighted mean.
 from __future__ import annotations
 
 from collections.abc import Collection, Sequence
+
 import numpy as np
 
 from ..protocol import EFFECTIVE_STEPS
