@@ -145,7 +145,12 @@ LOCAL_OBJECTIVES: dict[str, Part] = _by_name(
     Part("prox", "FedProx's proximal term"),
     Part("feddyn-sam", "FedDyn's regulariser with SAM", divergence_hint=FEDDYN_HINT),
     Part("prox-sam", "FedProx's term with SAM"),
+    Part("scaffold", "SCAFFOLD's control-variate correction c - c_k"),
+    Part("scaffold-sam", "SCAFFOLD's correction with SAM"),
 )
+
+# the objectives whose server keeps a control variate (pollen.strategies.scaffold)
+CONTROL_VARIATE_OBJECTIVES = ("scaffold", "scaffold-sam")
 
 # Which model entries travel (pollen.strategies.sharing): BatchNorm policies
 # under `sharing = all`, and the LoRA policies of FedSA.
@@ -163,6 +168,7 @@ PRESETS: dict[str, dict[str, Scalar]] = {
     },
     "fedprox": {"server-update": "fedavg", "local-objective": "prox"},
     "fedsam": {"server-update": "fedavg", "local-objective": "sam"},
+    "scaffold": {"server-update": "fedavg", "local-objective": "scaffold"},
     "feddyn": {"server-update": "feddyn", "local-objective": "feddyn"},
     "fedadagrad": {"server-update": "adagrad", "local-objective": "plain"},
     "fedadam": {"server-update": "adam", "local-objective": "plain"},

@@ -286,9 +286,13 @@ class ClientModel:
         return ArrayRecord({name: state[name].detach().cpu() for name in names})
 
     def reply(
-        self, msg: Message, metrics: MetricRecord, arrays: ArrayRecord | None = None
+        self,
+        msg: Message,
+        metrics: MetricRecord,
+        arrays: ArrayRecord | None = None,
+        records: dict[str, ArrayRecord] | None = None,
     ) -> Message:
-        records = {} if arrays is None else {ARRAYS: arrays}
+        records = {**(records or {}), **({} if arrays is None else {ARRAYS: arrays})}
         content = RecordDict(
             {
                 **records,
@@ -311,7 +315,7 @@ def train(msg: Message, context: Context) -> Message:
         y = flipped_labels(y, DATA_SETS[s.data_set].classes)
     x, prep = cm.inputs(cm.data.split_key("train", cm.client), images, s.augment)
     objective = LocalObjective.from_settings(s)
-    objective.load(context, cm.client, cm.model, cm.sharing)
+    objective.load(context, cm.client, cm.model, cm.sharing, msg.content)
     optimizer = ClientOptimizer(
         s.client_optimizer, float(config[LR]), s.momentum, s.weight_decay,
         s.client_betas,
@@ -347,7 +351,7 @@ def train(msg: Message, context: Context) -> Message:
     shared = cm.entries(cm.sharing.shared)
     if attacking and s.attack in MODEL_POISONING:
         shared = poisoned(s.attack, msg.content[ARRAYS], shared, s.attack_scale, seed)
-    return cm.reply(msg, metrics, shared)
+    return cm.reply(msg, metrics, shared, objective.reply_records())
 
 
 def step_metrics(

@@ -17,6 +17,9 @@ ARRAYS = "arrays"  # ArrayRecord: the model entries that travel
 CONFIG = "config"  # ConfigRecord: what the server asks of this message
 METRICS = "metrics"  # MetricRecord: what the client reports
 CLIENT_RECORD = "client"  # ConfigRecord {CLIENT: k} in a reply
+# SCAFFOLD's control variates (ArrayRecord over the trained shared entries):
+# the server's c in a training message, the client's change Delta c_k in its reply
+CONTROL = "control"
 NODE_RECORD = "node"  # ConfigRecord: a node's answer to the start-up query
 
 # ---- config keys (server -> client) -----------------------------------------
@@ -51,6 +54,11 @@ PERSONAL_METRICS = ("global-accuracy", "global-loss", "local-accuracy", "local-l
 def local_entries_key(client: int) -> str:
     """The model entries a sharing policy keeps on the client."""
     return f"local-{client}"
+
+
+def scaffold_state_key(client: int) -> str:
+    """SCAFFOLD's client control variate c_k."""
+    return f"scaffold-c-{client}"
 
 
 def feddyn_state_key(client: int) -> str:

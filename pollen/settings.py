@@ -28,6 +28,7 @@ from .catalog import (
     BN_POLICIES,
     CLASS_ASSIGNMENTS,
     CLIENT_OPTIMIZERS,
+    CONTROL_VARIATE_OBJECTIVES,
     DATA_SETS,
     DEVICES,
     FEDDYN_H_SCALES,
@@ -603,6 +604,14 @@ def _check_aggregator(values: dict[str, Scalar]) -> None:
     aggregator = values["aggregator"]
     if aggregator == "mean":
         return
+    if values["local-objective"] in CONTROL_VARIATE_OBJECTIVES:
+        raise SettingsError(
+            f"aggregator={aggregator!r} with local-objective="
+            f"{values['local-objective']!r}: SCAFFOLD's server control variate "
+            "moves by every accepted client's Delta c_k while the model would "
+            "follow another rule, so c would stop tracking the clients' "
+            "corrections; allowed with scaffold: mean"
+        )
     if values["server-update"] == "feddyn":
         raise SettingsError(
             f"aggregator={aggregator!r} with server-update='feddyn': FedDyn's "
@@ -683,6 +692,15 @@ def _check_async(values: dict[str, Scalar]) -> None:
     """Refuse what buffered asynchronous training cannot do."""
     if values["mode"] != "async":
         return
+    if values["local-objective"] in CONTROL_VARIATE_OBJECTIVES:
+        raise SettingsError(
+            f"mode='async' with local-objective={values['local-objective']!r}: "
+            "SCAFFOLD's control variates are defined for synchronous rounds of "
+            "one model version; allowed with async: "
+            + ", ".join(
+                o for o in LOCAL_OBJECTIVES if o not in CONTROL_VARIATE_OBJECTIVES
+            )
+        )
     if values["server-update"] == "feddyn":
         raise SettingsError(
             "mode='async' with server-update='feddyn': FedDyn's server state h "

@@ -194,7 +194,7 @@ def test_feddyn_anchors_at_the_received_model_and_keeps_h_in_state(
     settings = {"local-objective": "feddyn", "dyn-alpha": 0.5,
                 "feddyn-exclude-bn": exclude_bn}  # fmt: skip
     objective = objective_of(**settings)
-    objective.load(context, 4, model, sharing)
+    objective.load(context, 4, model, sharing, RecordDict())
     term = objective.regularizer
     assert tuple(term.anchor) == sharing.trained_shared(exclude_bn=exclude_bn)
     bn_affine = set(sharing.trained_shared()) - set(sharing.trained_shared(True))
@@ -210,7 +210,7 @@ def test_feddyn_anchors_at_the_received_model_and_keeps_h_in_state(
     for name, h in saved.items():
         torch.testing.assert_close(h, -0.5 * (params[name].detach() - theta_t[name]))
     again = objective_of(**settings)
-    again.load(context, 4, model, sharing)
+    again.load(context, 4, model, sharing, RecordDict())
     assert all(torch.equal(again.regularizer.h[n], saved[n]) for n in saved)
     assert all(torch.equal(again.regularizer.anchor[n], params[n]) for n in saved)
 
@@ -220,7 +220,7 @@ def test_prox_anchors_every_trained_shared_entry_and_keeps_nothing() -> None:
     sharing = Sharing.of("fedbn", model)  # BatchNorm stays local: not anchored
     context = Context(1, 1, {}, RecordDict(), {})
     objective = objective_of(**{"local-objective": "prox-sam", "prox-mu": 0.3})
-    objective.load(context, 0, model, sharing)
+    objective.load(context, 0, model, sharing, RecordDict())
     assert tuple(objective.regularizer.anchor) == sharing.trained_shared()
     objective.save(context, 0, model)
     assert dict(context.state) == {}
@@ -230,7 +230,7 @@ def test_plain_objective_loads_and_saves_nothing() -> None:
     model = build_model("mlp", (1, 8, 8), 10, seed=0)
     context = Context(1, 1, {}, RecordDict(), {})
     objective = objective_of(**{"local-objective": "sam"})
-    objective.load(context, 0, model, Sharing.of("shared", model))
+    objective.load(context, 0, model, Sharing.of("shared", model), RecordDict())
     objective.save(context, 0, model)
     assert objective.regularizer is None and dict(context.state) == {}
 
@@ -352,7 +352,7 @@ def test_feddyn_stays_finite_over_many_rounds() -> None:
                 {k: torch.from_numpy(v.copy()) for k, v in global_state.items()}
             )
             objective = LocalObjective.from_settings(settings)
-            objective.load(context, c, model, sharing)
+            objective.load(context, c, model, sharing, RecordDict())
             idx = torch.from_numpy(shards[c])
             train_local(
                 model, ds.x_train[idx], ds.y_train[idx], epochs=2, batch_size=16,

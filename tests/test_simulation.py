@@ -261,6 +261,8 @@ SUITE = [
     ("fedprox", "shared", "cnn-gn", "dp=true dp-epsilon=4"),
     ("fedsam", "shared", "mlp-bn", ""),
     ("fedsa", "lora-a", "cnn-lora", ""),
+    ("scaffold", "silobn", "mlp-bn", "local-objective='scaffold-sam'"),
+    ("fedavgm", "fedbn", "mlp-bn", "aggregator='fednova'"),
 ]
 
 
@@ -283,6 +285,9 @@ def test_every_strategy_runs_end_to_end(
     state = reference.state_dict()
     shared = Sharing.of(policy, reference).shared
     per_client = ArrayRecord({k: state[k] for k in shared}).count_bytes()
+    if strategy == "scaffold":  # c down, Delta c_k up: the trained shared entries
+        trained = Sharing.of(policy, reference).trained_shared(exclude_bn=False)
+        per_client += ArrayRecord({k: state[k] for k in trained}).count_bytes()
     for r in rows:  # exactly the shared entries travelled, both ways
         assert r["bytes-down"] == r["bytes-up"] == per_client * len(r["clients"])
     if "update-norm-bound=1" in extra:  # of 2 updates, the larger is cut to the median

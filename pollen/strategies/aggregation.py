@@ -16,7 +16,7 @@ mean, Krum, Bulyan) are the other aggregators (`robust`); each is named in
 from __future__ import annotations
 
 from collections.abc import Collection, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import numpy as np
@@ -28,12 +28,14 @@ Arrays = Mapping[str, np.ndarray]
 @dataclass(frozen=True)
 class ClientUpdate:
     """One accepted training reply: the client, its decoded shared entries,
-    its checked metrics and its weight (example count)."""
+    its checked metrics, its weight (example count) and any further checked
+    array records the round expects (SCAFFOLD's Delta c_k), by record name."""
 
     client: int
     arrays: Arrays
     metrics: MetricRecord
     num_examples: float
+    records: Mapping[str, Arrays] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)

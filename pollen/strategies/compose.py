@@ -5,9 +5,10 @@ from __future__ import annotations
 
 from torch import nn
 
-from ..catalog import AGGREGATORS, SERVER_UPDATES
+from ..catalog import AGGREGATORS, CONTROL_VARIATE_OBJECTIVES, SERVER_UPDATES
 from ..settings import Settings
 from .personal import PersonalEvaluation
+from .scaffold import ServerControl
 from .sharing import Sharing
 from .strategy import Strategy
 
@@ -32,5 +33,19 @@ def build_strategy(
         min_train_nodes=settings.min_train_nodes,
         norm_bound=settings.update_norm_bound,
         norm_action=settings.update_norm_action,
+        control=_control(settings, model, sharing),
     )
     return strategy, PersonalEvaluation(sharing, settings.personal_eval_every)
+
+
+def _control(
+    settings: Settings, model: nn.Module, sharing: Sharing
+) -> ServerControl | None:
+    """SCAFFOLD's server control variate over the trained shared entries
+    (None for every other local objective)."""
+    if settings.local_objective not in CONTROL_VARIATE_OBJECTIVES:
+        return None
+    state = model.state_dict()
+    trained = sharing.trained_shared(exclude_bn=False)
+    like = {name: state[name].detach().cpu().numpy() for name in trained}
+    return ServerControl(like, settings.num_clients)

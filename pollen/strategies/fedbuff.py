@@ -26,6 +26,7 @@ sum_k s(tau_k) v_k / sum_k s(tau_k), as a synchronous round averages them.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Collection, Sequence
 
@@ -54,7 +55,7 @@ def rebased(
         else update.arrays[key].astype(np.float64)
         for key in current
     }
-    return ClientUpdate(update.client, arrays, update.metrics, update.num_examples)
+    return dataclasses.replace(update, arrays=arrays)
 
 
 def buffered_mean(

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Collection, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from logging import WARNING
 
 import numpy as np
@@ -42,6 +42,8 @@ class Expectation:
     max_examples: Mapping[int, int]  # client -> its shard size (absent: unbounded)
     # metrics the aggregation step reads (positive numbers, e.g. FedNova's a_k)
     required_metrics: tuple[str, ...] = ()
+    # further array records every reply carries: name -> entries to match
+    records: Mapping[str, Arrays] = field(default_factory=dict)
 
 
 class ReplyError(ValueError):
@@ -50,11 +52,11 @@ class ReplyError(ValueError):
 
 def checked_reply(
     msg: Message, expected: Expectation, seen: set[int]
-) -> tuple[int, MetricRecord, dict[str, np.ndarray]]:
-    """The client a training reply names, its metrics and its entries, decoded
-    once, after every check has passed; `ReplyError` saying which check failed
-    otherwise. Only these records are used: any other record in the reply is
-    ignored, never aggregated.
+) -> tuple[int, MetricRecord, dict[str, np.ndarray], dict[str, dict[str, np.ndarray]]]:
+    """The client a training reply names, its metrics, its entries and its
+    expected further records, decoded once, after every check has passed;
+    `ReplyError` saying which check failed otherwise. Only these records are
+    used: any other record in the reply is ignored, never aggregated.
 
     `seen` holds the clients already accepted this round; a second reply for
     one of them is refused.
@@ -64,7 +66,13 @@ def checked_reply(
         raise ReplyError(f"reply lacks its {ARRAYS!r} or {METRICS!r} record")
     client = _named_client(msg, expected.owner, expected.sampled, seen, "train")
     _check_metrics(metrics, client, expected)
-    return client, metrics, _decoded(arrays, expected.arrays)
+    records = {}
+    for name, entries in expected.records.items():
+        record = msg.content.get(name)
+        if not isinstance(record, ArrayRecord):
+            raise ReplyError(f"reply lacks its {name!r} record")
+        records[name] = _decoded(record, entries, f"{name}: ")
+    return client, metrics, _decoded(arrays, expected.arrays), records
 
 
 def checked_personal_reply(
@@ -181,12 +189,14 @@ def _check_metrics(metrics: MetricRecord, client: int, expected: Expectation) ->
             )
 
 
-def _decoded(arrays: ArrayRecord, sent: Arrays) -> dict[str, np.ndarray]:
+def _decoded(
+    arrays: ArrayRecord, sent: Arrays, where: str = ""
+) -> dict[str, np.ndarray]:
     if set(arrays) != set(sent):
         missing = sorted(set(sent) - set(arrays))
         extra = sorted(set(arrays) - set(sent))
         raise ReplyError(
-            f"wrong entries (missing {missing[:3]}, unexpected {extra[:3]})"
+            f"{where}wrong entries (missing {missing[:3]}, unexpected {extra[:3]})"
         )
     decoded = {}
     for key, expected in sent.items():
@@ -194,15 +204,15 @@ def _decoded(arrays: ArrayRecord, sent: Arrays) -> dict[str, np.ndarray]:
             value = arrays[key].numpy()
         except Exception as err:  # a corrupt buffer: whatever numpy raises
             raise ReplyError(
-                f"entry {key!r} cannot be read ({type(err).__name__})"
+                f"{where}entry {key!r} cannot be read ({type(err).__name__})"
             ) from err
         if value.shape != expected.shape or value.dtype != expected.dtype:
             raise ReplyError(
-                f"entry {key!r} is {value.dtype}{list(value.shape)}, "
+                f"{where}entry {key!r} is {value.dtype}{list(value.shape)}, "
                 f"expected {expected.dtype}{list(expected.shape)}"
             )
         if np.issubdtype(value.dtype, np.floating) and not np.isfinite(value).all():
-            raise ReplyError(f"entry {key!r} is not finite")
+            raise ReplyError(f"{where}entry {key!r} is not finite")
         decoded[key] = value
     return decoded
 

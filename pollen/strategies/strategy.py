@@ -28,6 +28,7 @@ BatchNorm counters).
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from logging import WARNING
@@ -53,6 +54,7 @@ from .replies import (
     reply_failures,
 )
 from .sampling import Participants, sample_clients
+from .scaffold import ServerControl
 from .server_update import ServerUpdate
 from .sharing import Sharing
 
@@ -102,14 +104,22 @@ def addressed(
     config: Mapping,
     server_round: int,
     owner: Mapping[int, int],
+    records: Mapping[str, ArrayRecord] | None = None,
 ) -> list[Message]:
-    """One message per client, to the node that serves it, naming the client."""
+    """One message per client, to the node that serves it, naming the client
+    (with further array `records` beside the model, e.g. SCAFFOLD's c)."""
     messages = []
     for client in clients:
         client_config = ConfigRecord(
             {**config, protocol.SERVER_ROUND: server_round, protocol.CLIENT: client}
         )
-        content = RecordDict({protocol.ARRAYS: payload, protocol.CONFIG: client_config})
+        content = RecordDict(
+            {
+                protocol.ARRAYS: payload,
+                protocol.CONFIG: client_config,
+                **(records or {}),
+            }
+        )
         messages.append(
             Message(content=content, message_type=kind, dst_node_id=owner[client])
         )
@@ -132,6 +142,7 @@ class Strategy:
         min_train_nodes: int = 1,
         norm_bound: float = 0.0,
         norm_action: str = "clip",
+        control: ServerControl | None = None,
     ) -> None:
         self.num_clients = num_clients
         self.client_frac = client_frac
@@ -143,6 +154,7 @@ class Strategy:
         self.min_train_nodes = min_train_nodes
         self.norm_bound = norm_bound
         self.norm_action = norm_action
+        self.control = control
 
     @property
     def min_updates(self) -> int:
@@ -153,11 +165,14 @@ class Strategy:
 
     def state_arrays(self) -> dict[str, np.ndarray]:
         """Server state beyond the global model that a resumed run needs."""
-        return self.server_update.state_arrays()
+        control = self.control.state_arrays() if self.control else {}
+        return {**self.server_update.state_arrays(), **control}
 
     def load_state_arrays(self, state: Mapping[str, np.ndarray]) -> None:
         """Restore what `state_arrays` returned."""
         self.server_update.load_state_arrays(state)
+        if self.control:
+            self.control.load_state_arrays(state)
 
     # ---- what travels -------------------------------------------------------
 
@@ -185,8 +200,12 @@ class Strategy:
             available=sorted(owner), minimum=self.min_train_nodes,
         )  # fmt: skip
         payload = self.outgoing(arrays)
+        records = {protocol.CONTROL: self.control.record()} if self.control else {}
         messages = addressed(
-            MessageType.TRAIN, clients, payload, config, server_round, owner
+            MessageType.TRAIN, clients, payload, config, server_round, owner, records
+        )
+        per_client = payload.count_bytes() + sum(
+            r.count_bytes() for r in records.values()
         )
         return TrainRequest(
             server_round=server_round,
@@ -195,7 +214,7 @@ class Strategy:
             model=to_numpy(arrays),
             shared=self.shared_keys(arrays),
             participants=participants,
-            bytes_down=payload.count_bytes() * len(clients),
+            bytes_down=per_client * len(clients),
         )
 
     def aggregate_train(
@@ -243,6 +262,8 @@ class Strategy:
         used = {update.client for update in aggregate.updates}
         outcome.unselected = [u.client for u in outcome.updates if u.client not in used]
         outcome.arrays = self.step(request.model, request.shared, aggregate)
+        if self.control:
+            self.control.update(outcome.updates)
         return outcome
 
     def step(
@@ -280,21 +301,23 @@ class Strategy:
             sampled=frozenset(request.clients),
             max_examples=request.participants.max_examples,
             required_metrics=self.aggregator.required_metrics,
+            records=self.control.expected() if self.control else {},
         )
         accepted: list[ClientUpdate] = []
         seen: set[int] = set()
         for msg in replies:
-            arrays = msg.content.get(protocol.ARRAYS)
-            if isinstance(arrays, ArrayRecord):
-                outcome.bytes_up += arrays.count_bytes()
+            for name in (protocol.ARRAYS, *expected.records):
+                record = msg.content.get(name)
+                if isinstance(record, ArrayRecord):
+                    outcome.bytes_up += record.count_bytes()
             try:
-                client, metrics, decoded = checked_reply(msg, expected, seen)
+                client, metrics, decoded, records = checked_reply(msg, expected, seen)
             except ReplyError as problem:
                 reject(outcome.failures, msg.metadata.src_node_id, str(problem))
                 continue
             seen.add(client)
             weight = float(metrics[protocol.NUM_EXAMPLES])
-            accepted.append(ClientUpdate(client, decoded, metrics, weight))
+            accepted.append(ClientUpdate(client, decoded, metrics, weight, records))
         accepted.sort(key=lambda update: update.client)
         return accepted
 
@@ -322,9 +345,7 @@ class Strategy:
                 outcome.clipped.append(f"node {node}: client {update.client}: {note}")
                 log(WARNING, "pollen: clipped update: client %d: %s",
                     update.client, note)  # fmt: skip
-            kept.append(
-                ClientUpdate(update.client, arrays, update.metrics, update.num_examples)
-            )
+            kept.append(dataclasses.replace(update, arrays=arrays))
         return kept
 
 

@@ -14,6 +14,15 @@ regulariser around the received model, its anchor:
   R_k(theta) = alpha/2 ||theta - theta^t||^2 - <h_k, theta>, where h_k (the
   paper's grad L_k(theta_k^{t-1})) is the client's own state: zero at the
   start and, after each round it trains, h_k <- h_k - alpha (theta_k^t - theta^t).
+- `scaffold` (SCAFFOLD, Karimireddy et al. 2020, Algorithm 1, option II):
+  R_k(theta) = <c - c_k, theta>, so each local gradient is corrected by the
+  server's control variate c (sent with the model) minus the client's own
+  c_k (its state, zero at the start). After the round's K steps of rate eta,
+  c_k^+ = c_k - c + (theta^t - theta_k) / (eta K); the client keeps c_k^+
+  and replies with Delta c_k = c_k^+ - c_k (record `control`), from which
+  the server moves c (`pollen.strategies.scaffold`). With momentum rho, K is
+  FedNova's effective steps a(K, rho), so (theta^t - theta_k) / (eta a)
+  stays the mean gradient of the round (with rho = 0, a = K).
 - `-sam` (FedSAM, Qu et al. 2022, Caldarola et al. 2022): the data gradient
   is taken at the worst point of a rho-ball, theta + eps with
   eps = rho g / ||g||, g = grad F_k(theta) (Foret et al. 2021); `sam` alone
@@ -35,11 +44,12 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, ClassVar, Protocol
 
 import torch
-from flwr.app import ArrayRecord, Context
+from flwr.app import ArrayRecord, Context, RecordDict
 from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
-from ..protocol import feddyn_state_key
+from ..protocol import CONFIG, CONTROL, LR, feddyn_state_key, scaffold_state_key
+from ..strategies.fednova import effective_steps
 
 if TYPE_CHECKING:
     from ..settings import Settings
@@ -58,8 +68,11 @@ class Regularizer(Protocol):
     def pull(self) -> float:
         """The coefficient of (theta - theta^t) in grad R_k (FedNova's a_k)."""
 
-    def load(self, context: Context, client: int, anchor: Parameters) -> None:
-        """Anchor the term at the received model; read the client's state."""
+    def load(
+        self, context: Context, client: int, anchor: Parameters, content: RecordDict
+    ) -> None:
+        """Anchor the term at the received model; read the client's state and
+        what the training message (`content`) carries for it."""
 
     def add_gradients(self, named: Parameters) -> None:
         """Add grad R_k(theta) to the parameters' gradients."""
@@ -67,10 +80,13 @@ class Regularizer(Protocol):
     def save(self, context: Context, client: int, named: Parameters) -> None:
         """Keep the client's state for its next round (after training)."""
 
+    def reply_records(self) -> dict[str, ArrayRecord]:
+        """Array records the reply carries for the server (after `save`)."""
+
 
 def _add_gradient(param: nn.Parameter, term: torch.Tensor) -> None:
     if param.grad is None:
-        param.grad = term
+        param.grad = term.clone()
     else:
         param.grad.add_(term)
 
@@ -95,7 +111,9 @@ class ProxTerm:
     def pull(self) -> float:
         return self.mu
 
-    def load(self, context: Context, client: int, anchor: Parameters) -> None:
+    def load(
+        self, context: Context, client: int, anchor: Parameters, content: RecordDict
+    ) -> None:
         self.anchor = _anchor_of(anchor)
 
     @torch.no_grad()
@@ -106,6 +124,9 @@ class ProxTerm:
 
     def save(self, context: Context, client: int, named: Parameters) -> None:
         """Nothing to keep."""
+
+    def reply_records(self) -> dict[str, ArrayRecord]:
+        return {}
 
 
 @dataclass
@@ -129,7 +150,9 @@ class DynTerm:
     def pull(self) -> float:
         return self.alpha
 
-    def load(self, context: Context, client: int, anchor: Parameters) -> None:
+    def load(
+        self, context: Context, client: int, anchor: Parameters, content: RecordDict
+    ) -> None:
         self.anchor = _anchor_of(anchor)
         stored = context.state.get(feddyn_state_key(client))
         if isinstance(stored, ArrayRecord):
@@ -154,6 +177,85 @@ class DynTerm:
 
     def save(self, context: Context, client: int, named: Parameters) -> None:
         context.state[feddyn_state_key(client)] = ArrayRecord(self.next_h(named))
+
+    def reply_records(self) -> dict[str, ArrayRecord]:
+        return {}
+
+
+@dataclass
+class ControlTerm:
+    """SCAFFOLD's correction (Karimireddy et al. 2020, Algorithm 1, option II):
+
+        R_k(theta) = <c - c_k, theta>,   grad R_k = c - c_k,
+
+    and, after the round's steps, c_k^+ = c_k - c + (theta^t - theta_k) /
+    (eta a), a = FedNova's effective steps of the K steps taken (K without
+    momentum). c comes with the training message (record `control`), c_k is
+    the client's state under `pollen.protocol.scaffold_state_key(client)`;
+    the reply carries Delta c_k = c_k^+ - c_k.
+    """
+
+    momentum: float
+    anchor: dict[str, torch.Tensor] = field(default_factory=dict)
+    server: dict[str, torch.Tensor] = field(default_factory=dict)  # c
+    own: dict[str, torch.Tensor] = field(default_factory=dict)  # c_k
+    correction: dict[str, torch.Tensor] = field(default_factory=dict)  # c - c_k
+    lr: float = 0.0
+    steps: int = 0
+    delta: dict[str, torch.Tensor] = field(default_factory=dict)
+    exclude_bn: ClassVar[bool] = False
+    pull: ClassVar[float] = 0.0
+
+    def load(
+        self, context: Context, client: int, anchor: Parameters, content: RecordDict
+    ) -> None:
+        self.anchor = _anchor_of(anchor)
+        control = content.get(CONTROL)
+        if not isinstance(control, ArrayRecord) or set(control) != set(self.anchor):
+            raise ValueError(
+                "local-objective scaffold: the training message lacks the server's "
+                f"control variate over {len(self.anchor)} entries (record "
+                f"{CONTROL!r}; same settings on both sides?)"
+            )
+        device = next(iter(self.anchor.values())).device
+        self.server = {
+            k: v.to(device) for k, v in control.to_torch_state_dict().items()
+        }
+        stored = context.state.get(scaffold_state_key(client))
+        if isinstance(stored, ArrayRecord):
+            self.own = {
+                k: v.to(device) for k, v in stored.to_torch_state_dict().items()
+            }
+        else:
+            self.own = {k: torch.zeros_like(v) for k, v in self.anchor.items()}
+        self.correction = {k: self.server[k] - self.own[k] for k in self.anchor}
+        self.lr, self.steps = float(content[CONFIG][LR]), 0
+
+    @torch.no_grad()
+    def add_gradients(self, named: Parameters) -> None:
+        self.steps += 1
+        for name, correction in self.correction.items():
+            _add_gradient(named[name], correction)
+
+    @torch.no_grad()
+    def save(self, context: Context, client: int, named: Parameters) -> None:
+        """c_k^+ = c_k - c + (theta^t - theta_k) / (eta a); keep it, and Delta c_k."""
+        a = effective_steps(self.steps, self.lr, self.momentum, 0.0)
+        mean_gradient = {
+            name: (anchor - named[name]) / (self.lr * a)
+            if a
+            else torch.zeros_like(anchor)
+            for name, anchor in self.anchor.items()
+        }
+        self.delta = {
+            name: (mean_gradient[name] - self.server[name]).cpu()
+            for name in self.anchor
+        }
+        own = {name: self.own[name].cpu() + self.delta[name] for name in self.anchor}
+        context.state[scaffold_state_key(client)] = ArrayRecord(own)
+
+    def reply_records(self) -> dict[str, ArrayRecord]:
+        return {CONTROL: ArrayRecord(self.delta)}
 
 
 @contextmanager
@@ -191,6 +293,8 @@ def _regularizer(settings: Settings, name: str) -> Regularizer | None:
         return ProxTerm(settings.prox_mu)
     if name == "feddyn":
         return DynTerm(settings.dyn_alpha, exclude_bn=settings.feddyn_exclude_bn)
+    if name == "scaffold":
+        return ControlTerm(settings.momentum)
     if name == "plain":
         return None
     raise ValueError(f"unknown local objective regulariser {name!r}")
@@ -220,15 +324,26 @@ class LocalObjective:
         return cls(settings.sam_rho if sam else 0.0, _regularizer(settings, base))
 
     def load(
-        self, context: Context, client: int, model: nn.Module, sharing: Sharing
+        self,
+        context: Context,
+        client: int,
+        model: nn.Module,
+        sharing: Sharing,
+        content: RecordDict,
     ) -> None:
         """Anchor the regulariser at `model` as received (before training)
-        and read the state the client kept for it."""
+        and read the state the client kept for it and what the training
+        message's `content` carries for it."""
         if self.regularizer is None:
             return
         names = sharing.trained_shared(exclude_bn=self.regularizer.exclude_bn)
         params = dict(model.named_parameters())
-        self.regularizer.load(context, client, {name: params[name] for name in names})
+        anchor = {name: params[name] for name in names}
+        self.regularizer.load(context, client, anchor, content)
+
+    def reply_records(self) -> dict[str, ArrayRecord]:
+        """What the reply carries for the server beside the model (after `save`)."""
+        return self.regularizer.reply_records() if self.regularizer else {}
 
     def save(self, context: Context, client: int, model: nn.Module) -> None:
         """Keep the regulariser's state for the client's next round (after
