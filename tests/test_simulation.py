@@ -250,12 +250,12 @@ def test_plain_flwr_run_on_flowers_default_federation(tmp_path: Path) -> None:
     assert summary["status"] == "completed" and summary["rounds"] == 3
 
 
-# Every server update, local objective and sharing policy (and DP-SGD),
-# 2 rounds each.
+# Every server update, local objective and sharing policy (and DP-SGD), and
+# aggregators beside the mean, 2 rounds each.
 SUITE = [
     ("fedavgm", "silobn", "mlp-bn", ""),
-    ("fedadagrad", "fedbn", "mlp-bn", ""),
-    ("fedadam", "shared", "mlp-bn", ""),
+    ("fedadagrad", "fedbn", "mlp-bn", "aggregator='median'"),
+    ("fedadam", "shared", "mlp-bn", "aggregator='trimmed-mean' trim-fraction=0.3"),
     ("fedyogi", "shared", "mlp", "update-norm-bound=1 min-train-replies=2"),
     ("feddyn", "shared", "mlp-bn", "local-objective='feddyn-sam'"),
     ("fedprox", "shared", "cnn-gn", "dp=true dp-epsilon=4"),
