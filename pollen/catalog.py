@@ -155,7 +155,8 @@ CONTROL_VARIATE_OBJECTIVES = ("scaffold", "scaffold-sam")
 # Which model entries travel (pollen.strategies.sharing): BatchNorm policies
 # under `sharing = all`, and the LoRA policies of FedSA.
 BN_POLICIES = ("shared", "fedbn", "silobn")
-SHARING = ("all", "lora-a", "lora")
+SHARING = ("all", "lora-a", "lora", "fedper")
+LORA_SHARING = ("lora-a", "lora")
 SHARING_POLICIES = (*BN_POLICIES, *SHARING[1:])
 
 # A strategy preset is a default combination of parts (explicit keys win):
@@ -174,6 +175,7 @@ PRESETS: dict[str, dict[str, Scalar]] = {
     "fedadam": {"server-update": "adam", "local-objective": "plain"},
     "fedyogi": {"server-update": "yogi", "local-objective": "plain"},
     "fedsa": {"server-update": "fedavg", "local-objective": "plain", "sharing": "lora-a"},
+    "fedper": {"server-update": "fedavg", "local-objective": "plain", "sharing": "fedper"},
     "fedbuff": {"server-update": "sgd", "local-objective": "plain", "mode": "async"},
 }  # fmt: skip
 

@@ -33,6 +33,7 @@ from .catalog import (
     DEVICES,
     FEDDYN_H_SCALES,
     LOCAL_OBJECTIVES,
+    LORA_SHARING,
     MODELS,
     MODES,
     NORM_ACTIONS,
@@ -203,7 +204,7 @@ class Settings:
     sharing: str = key(
         AUTO,
         "what travels: all (per bn-policy), lora-a (A matrices only; auto: fedsa), "
-        "lora (A and B)",
+        "lora (A and B), fedper (all but the classifier; auto: fedper)",
         one_of(AUTO, *SHARING),
     )
     client_optimizer: str = key("sgd", "client optimiser", one_of(*CLIENT_OPTIMIZERS))
@@ -549,17 +550,23 @@ def _check_combination(values: dict[str, Scalar]) -> None:
     data_set, model = DATA_SETS[str(values["data-set"])], MODELS[str(values["model"])]
     if problem := model.input_problem(data_set.channels, data_set.side):
         raise SettingsError(f"{problem}; data-set={values['data-set']!r}")
-    if values["sharing"] != "all" and not model.lora:
+    if values["sharing"] in LORA_SHARING and not model.lora:
         raise SettingsError(
             f"sharing={values['sharing']!r} needs a model with LoRA layers; "
             f"model is {values['model']!r}; allowed: "
             + ", ".join(name for name, m in MODELS.items() if m.lora)
         )
+    if values["sharing"] == "fedper" and model.lora:
+        raise SettingsError(
+            f"sharing='fedper' with model={values['model']!r}: its classifier is a "
+            "LoRA head, whose sharing is lora-a (FedSA) or lora; allowed with "
+            "fedper: " + ", ".join(name for name, m in MODELS.items() if not m.lora)
+        )
     if values["sharing"] != "all" and values["bn-policy"] != "shared":
         raise SettingsError(
             f"bn-policy={values['bn-policy']!r} with sharing={values['sharing']!r}: "
-            "under a LoRA sharing everything but the LoRA matrices stays local "
-            "already; leave bn-policy at shared"
+            "a sharing other than all decides every entry itself (BatchNorm "
+            "included); leave bn-policy at shared"
         )
     if (
         values["model"] == "vgg16-lora"

@@ -53,7 +53,10 @@ def test_lora_kinds_come_from_the_owning_module() -> None:
     kinds = entry_kinds(Named())
     assert kinds["base.lora_a.weight"] == "lora-a"
     assert kinds["base.lora_b.weight"] == "lora-b"
-    assert kinds["base.base.weight"] == kinds["lora_a.weight"] == "weight"
+    assert kinds["base.base.weight"] == "weight"
+    # a plain Linear named lora_a is no LoRA matrix; as the last Linear it is
+    # the model's classifier
+    assert kinds["lora_a.weight"] == "head"
     assert Sharing.of("lora-a", Named()).shared == ("base.lora_a.weight",)
     both = Sharing.of("lora", Named())
     assert set(both.shared) == {"base.lora_a.weight", "base.lora_b.weight"}

@@ -11,7 +11,7 @@ from torch import nn
 
 from pollen import client_app
 from pollen.protocol import CLIENT as CLIENT_KEY
-from pollen.settings import Settings
+from pollen.settings import Settings, SettingsError
 from pollen.strategies.sharing import Sharing, entry_kinds
 from pollen.task.data import load_dataset
 from pollen.task.models import build_model
@@ -165,3 +165,42 @@ def test_client_model_starts_local_entries_from_the_common_initialisation() -> N
     fresh = build_model("mlp-bn", (1, 8, 8), 10, settings["seed"])
     for name in sharing.local:
         assert torch.equal(model.state_dict()[name], fresh.state_dict()[name])
+
+
+@pytest.mark.parametrize(
+    ("model_name", "shape"),
+    [("mlp", (1, 8, 8)), ("mlp-bn", (1, 8, 8)), ("cnn", (1, 28, 28)),
+     ("simple-cnn", (1, 28, 28)), ("mobilenet", (3, 32, 32))],
+)  # fmt: skip
+def test_fedper_keeps_the_classifier_local(model_name: str, shape: tuple) -> None:
+    """The head is the last nn.Linear: the layer that outputs the classes."""
+    model = build_model(model_name, shape, 10, 0)
+    last = [m for m in model.modules() if isinstance(m, nn.Linear)][-1]
+    assert last.out_features == 10
+    fedper = Sharing.of("fedper", model)
+    head = {k for k, kind in fedper.kinds.items() if kind == "head"}
+    assert len(head) == 2 and set(fedper.local) == head
+    assert set(fedper.shared) == set(model.state_dict()) - head
+    assert not head & set(fedper.trained_shared())
+    assert set(Sharing.of("shared", model).shared) == set(model.state_dict())
+
+
+def test_fedper_head_stays_on_the_client_across_rounds() -> None:
+    settings = run_config(sharing="fedper")
+    model = build_model("mlp-bn", (1, 8, 8), 10, settings["seed"])
+    sharing = Sharing.of("fedper", model)
+    assert set(sharing.local) == {"4.weight", "4.bias"}
+    context = Context(1, 1, {}, RecordDict(), settings)
+    sent = ArrayRecord({k: model.state_dict()[k] for k in sharing.shared})
+    heads = []
+    for rnd in (1, 2):
+        reply = client_app.train(message("train", sent, 1, rnd), context)
+        assert set(reply.content["arrays"]) == set(sharing.shared)
+        heads.append(context.state["local-1"]["4.weight"].numpy().copy())
+        sent = reply.content["arrays"]
+    assert not np.array_equal(heads[0], heads[1])  # round 2 trained round 1's head
+
+
+def test_fedper_is_refused_on_lora_heads() -> None:
+    with pytest.raises(SettingsError, match="its classifier is a LoRA head"):
+        Settings.from_run_config({"strategy": "fedper", "model": "cnn-lora"})

@@ -259,7 +259,7 @@ SUITE = [
     ("fedyogi", "shared", "mlp", "update-norm-bound=1 min-train-replies=2"),
     ("feddyn", "shared", "mlp-bn", "local-objective='feddyn-sam'"),
     ("fedprox", "shared", "cnn-gn", "dp=true dp-epsilon=4"),
-    ("fedsam", "shared", "mlp-bn", ""),
+    ("fedsam", "fedper", "mlp-bn", ""),
     ("fedsa", "lora-a", "cnn-lora", ""),
     ("scaffold", "silobn", "mlp-bn", "local-objective='scaffold-sam'"),
     ("fedavgm", "fedbn", "mlp-bn", "aggregator='fednova'"),

@@ -4,6 +4,8 @@ Every state-dict entry gets a kind from the module type that owns it and
 whether it is trained, never from its name:
 
 - `weight`: a trained parameter outside BatchNorm;
+- `head`: a trained parameter of the model's last `nn.Linear`, its
+  classifier (FedPer's personal layer, Arivazhagan et al. 2019);
 - `bn-affine`: BatchNorm's trained scale and shift;
 - `bn-stat`: BatchNorm's running mean, variance and batch counter;
 - `buffer`: any other persistent buffer;
@@ -13,7 +15,8 @@ whether it is trained, never from its name:
 A policy is the set of kinds that travel; everything else stays on the
 client, in `context.state`, and is restored before its next local training.
 `shared`, `fedbn` and `silobn` differ in BatchNorm entries only; `lora-a`
-(FedSA) sends the A matrices alone, `lora` both A and B.
+(FedSA) sends the A matrices alone, `lora` both A and B; `fedper` sends
+everything but the classifier.
 """
 
 from __future__ import annotations
@@ -26,16 +29,19 @@ from torch import nn
 
 from ..task.lora import LoRALinear
 
-Kind = Literal["weight", "bn-affine", "bn-stat", "buffer", "lora-a", "lora-b", "frozen"]
+Kind = Literal[
+    "weight", "head", "bn-affine", "bn-stat", "buffer", "lora-a", "lora-b", "frozen"
+]
 LORA: frozenset[Kind] = frozenset({"lora-a", "lora-b"})
-TRAINED: frozenset[Kind] = frozenset({"weight", "bn-affine"}) | LORA
+TRAINED: frozenset[Kind] = frozenset({"weight", "head", "bn-affine"}) | LORA
 
 POLICIES: dict[str, frozenset[Kind]] = {
-    "shared": frozenset({"weight", "bn-affine", "bn-stat", "buffer"}) | LORA,
-    "fedbn": frozenset({"weight", "buffer"}) | LORA,
-    "silobn": frozenset({"weight", "bn-affine", "buffer"}) | LORA,
+    "shared": frozenset({"weight", "head", "bn-affine", "bn-stat", "buffer"}) | LORA,
+    "fedbn": frozenset({"weight", "head", "buffer"}) | LORA,
+    "silobn": frozenset({"weight", "head", "bn-affine", "buffer"}) | LORA,
     "lora-a": frozenset({"lora-a"}),
     "lora": LORA,
+    "fedper": frozenset({"weight", "bn-affine", "bn-stat", "buffer"}),
 }
 
 
@@ -52,6 +58,12 @@ def entry_kinds(model: nn.Module) -> dict[str, Kind]:
                 kinds[dot + name] = "bn-affine" if is_bn else "weight"
         for name, _ in module.named_buffers(recurse=False):
             kinds[dot + name] = "bn-stat" if is_bn else "buffer"
+    linears = [p for p, m in model.named_modules() if isinstance(m, nn.Linear)]
+    if linears:
+        dot = f"{linears[-1]}." if linears[-1] else ""
+        for name in ("weight", "bias"):
+            if kinds.get(dot + name) == "weight":
+                kinds[dot + name] = "head"
     for prefix, module in model.named_modules():
         if isinstance(module, LoRALinear):
             for part, kind in (("lora_a", "lora-a"), ("lora_b", "lora-b")):
