@@ -176,6 +176,10 @@ PRESETS: dict[str, dict[str, Scalar]] = {
     "fedyogi": {"server-update": "yogi", "local-objective": "plain"},
     "fedsa": {"server-update": "fedavg", "local-objective": "plain", "sharing": "lora-a"},
     "fedper": {"server-update": "fedavg", "local-objective": "plain", "sharing": "fedper"},
+    "fedrep": {
+        "server-update": "fedavg", "local-objective": "plain", "sharing": "fedper",
+        "head-epochs": 2,
+    },
     "fedbuff": {"server-update": "sgd", "local-objective": "plain", "mode": "async"},
 }  # fmt: skip
 

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Hashable
+from contextlib import nullcontext
 from dataclasses import dataclass, replace
 from functools import cache
 from pathlib import Path
@@ -72,7 +73,7 @@ from .task.attacks import flipped_labels, poisoned
 from .task.data import Dataset
 from .task.inputs import model_inputs, settings_model
 from .task.node_data import NodeData, OwnData
-from .task.objectives import LocalObjective
+from .task.objectives import LocalObjective, frozen_bn_statistics
 from .task.privacy import (
     PrivacyLedger,
     PrivacyPlan,
@@ -88,6 +89,7 @@ from .task.train import (
     evaluate,
     pick_device,
     train_local,
+    training_only,
 )
 
 # Under pollen's warm executor, each message leaves the parent a hint of what
@@ -327,12 +329,17 @@ def train(msg: Message, context: Context) -> Message:
         result, metrics = _train_private(cm, context, x, y, optimizer, prep, seed,
                                          objective)  # fmt: skip
     else:
-        result = train_local(
-            cm.model, x, y,
-            epochs=s.local_epochs, batch_size=s.batch_size, optimizer=optimizer,
-            preprocess=prep, seed=seed, max_grad_norm=s.max_grad_norm,
-            objective=objective,
-        )  # fmt: skip
+        if s.head_epochs:
+            _train_head(cm, x, y, optimizer, prep, seed, objective)
+        # FedRep: then the shared body alone, the classifier frozen
+        body = training_only(cm.model, cm.sharing.shared)
+        with body if s.head_epochs else nullcontext():
+            result = train_local(
+                cm.model, x, y,
+                epochs=s.local_epochs, batch_size=s.batch_size, optimizer=optimizer,
+                preprocess=prep, seed=seed, max_grad_norm=s.max_grad_norm,
+                objective=objective,
+            )  # fmt: skip
         metrics = {TRAIN_LOSS: result.loss}
     seconds = time.perf_counter() - started
     straggle(seconds, node_slowdown(context))
@@ -352,6 +359,30 @@ def train(msg: Message, context: Context) -> Message:
     if attacking and s.attack in MODEL_POISONING:
         shared = poisoned(s.attack, msg.content[ARRAYS], shared, s.attack_scale, seed)
     return cm.reply(msg, metrics, shared, objective.reply_records())
+
+
+def _train_head(
+    cm: ClientModel,
+    x: torch.Tensor,
+    y: torch.Tensor,
+    optimizer: ClientOptimizer,
+    prep: Transform,
+    seed: int,
+    objective: LocalObjective,
+) -> None:
+    """FedRep's first phase (Collins et al. 2021, Algorithm 1): `head-epochs`
+    epochs of the client's own classifier with the shared body frozen (its
+    BatchNorm statistics too); the body's epochs follow with the classifier
+    frozen. The objective's regulariser anchors shared entries only, so this
+    phase keeps SAM but no regulariser."""
+    with training_only(cm.model, cm.sharing.local), frozen_bn_statistics(cm.model):
+        train_local(
+            cm.model, x, y,
+            epochs=cm.settings.head_epochs, batch_size=cm.settings.batch_size,
+            optimizer=optimizer, preprocess=prep, seed=seed + 3,
+            max_grad_norm=cm.settings.max_grad_norm,
+            objective=LocalObjective(objective.sam_rho),
+        )  # fmt: skip
 
 
 def step_metrics(

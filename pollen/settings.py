@@ -207,6 +207,14 @@ class Settings:
         "lora (A and B), fedper (all but the classifier; auto: fedper)",
         one_of(AUTO, *SHARING),
     )
+    head_epochs: int = key(
+        AUTO,
+        "FedRep: epochs of the local classifier alone (body frozen) before the "
+        "local-epochs of the body (classifier frozen); needs sharing fedper "
+        "(auto: 0, fedrep: 2)",
+        at_least(0),
+        int,
+    )
     client_optimizer: str = key("sgd", "client optimiser", one_of(*CLIENT_OPTIMIZERS))
     betas: str = key("0.9,0.999", "client adam/adamw betas", betas_rule())
     max_grad_norm: float = key(
@@ -523,6 +531,8 @@ def _resolve_preset(values: dict[str, Scalar]) -> None:
         values["sharing"] = preset.get("sharing", "all")
     if values["mode"] == AUTO:
         values["mode"] = preset.get("mode", "sync")
+    if values["head-epochs"] == AUTO:
+        values["head-epochs"] = int(preset.get("head-epochs", 0))
     if values["server-lr"] == AUTO:
         values["server-lr"] = AUTO_SERVER_LR.get(str(values["server-update"]), 1.0)
 
@@ -561,6 +571,18 @@ def _check_combination(values: dict[str, Scalar]) -> None:
             f"sharing='fedper' with model={values['model']!r}: its classifier is a "
             "LoRA head, whose sharing is lora-a (FedSA) or lora; allowed with "
             "fedper: " + ", ".join(name for name, m in MODELS.items() if not m.lora)
+        )
+    if values["head-epochs"] and values["sharing"] != "fedper":
+        raise SettingsError(
+            f"head-epochs={values['head-epochs']} with sharing="
+            f"{values['sharing']!r}: FedRep trains the client's own classifier "
+            "first, so the classifier must stay local; set sharing='fedper' (or "
+            "strategy='fedrep')"
+        )
+    if values["head-epochs"] and values["dp"]:
+        raise SettingsError(
+            "head-epochs with dp=true: DP-SGD's budget is planned for one "
+            "training pass per round; set head-epochs=0"
         )
     if values["sharing"] != "all" and values["bn-policy"] != "shared":
         raise SettingsError(

@@ -16,6 +16,7 @@ from pollen.strategies.sharing import Sharing, entry_kinds
 from pollen.task.data import load_dataset
 from pollen.task.models import build_model
 from pollen.task.partition import client_test_indices, label_counts, partition_indices
+from pollen.task.train import training_only
 
 pytestmark = pytest.mark.usefixtures("task_identity")
 
@@ -204,3 +205,44 @@ def test_fedper_head_stays_on_the_client_across_rounds() -> None:
 def test_fedper_is_refused_on_lora_heads() -> None:
     with pytest.raises(SettingsError, match="its classifier is a LoRA head"):
         Settings.from_run_config({"strategy": "fedper", "model": "cnn-lora"})
+
+
+def test_training_only_freezes_the_others_and_restores_them() -> None:
+    model = build_model("mlp", (1, 8, 8), 10, 0)
+    names = [n for n, _ in model.named_parameters()]
+    with training_only(model, names[:2]):
+        assert [p.requires_grad for p in model.parameters()] == [True, True] + [
+            False
+        ] * (len(names) - 2)
+    assert all(p.requires_grad for p in model.parameters())
+
+
+def test_fedrep_trains_the_head_first_then_the_body() -> None:
+    """Round 1 of FedRep on one client: the body it sends and the classifier
+    it keeps both moved, and the classifier differs from FedPer's (trained
+    together with the body from the same start): the head phase ran."""
+    settings = run_config(strategy="fedrep")
+    assert settings["head-epochs"] == 2 and settings["sharing"] == "fedper"
+    model = build_model("mlp-bn", (1, 8, 8), 10, settings["seed"])
+    sharing = Sharing.of("fedper", model)
+    sent = ArrayRecord({k: model.state_dict()[k] for k in sharing.shared})
+    heads, bodies = {}, {}
+    for name, config in (
+        ("fedrep", settings),
+        ("fedper", run_config(sharing="fedper")),
+    ):
+        context = Context(1, 1, {}, RecordDict(), config)
+        reply = client_app.train(message("train", sent, 1, 1), context)
+        heads[name] = context.state["local-1"]["4.weight"].numpy()
+        bodies[name] = reply.content["arrays"]["1.weight"].numpy()
+    initial = model.state_dict()
+    assert not np.allclose(heads["fedrep"], initial["4.weight"].numpy())
+    assert not np.allclose(bodies["fedrep"], initial["1.weight"].numpy())
+    assert not np.allclose(heads["fedrep"], heads["fedper"])
+
+
+def test_head_epochs_need_a_local_classifier() -> None:
+    with pytest.raises(SettingsError, match="set sharing='fedper'"):
+        Settings.from_run_config({"head-epochs": 1})
+    with pytest.raises(SettingsError, match="head-epochs with dp=true"):
+        Settings.from_run_config({"strategy": "fedrep", "dp": True, "model": "cnn-gn"})

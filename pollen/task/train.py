@@ -8,7 +8,8 @@ batched operation, instead of sample by sample in a DataLoader.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Collection, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from functools import partial
 from typing import Protocol
@@ -130,6 +131,21 @@ Batch = tuple[torch.Tensor, torch.Tensor]  # model inputs, targets
 def trainable(model: nn.Module) -> dict[str, nn.Parameter]:
     """The parameters a local step moves, by name, in the model's order."""
     return {n: p for n, p in model.named_parameters() if p.requires_grad}
+
+
+@contextmanager
+def training_only(model: nn.Module, names: Collection[str]) -> Iterator[None]:
+    """Inside, only the trainable parameters named in `names` are trained;
+    the others are frozen, and restored on the way out (FedRep's phases)."""
+    params = dict(model.named_parameters())
+    was = {name: p.requires_grad for name, p in params.items()}
+    for name, p in params.items():
+        p.requires_grad_(was[name] and name in names)
+    try:
+        yield
+    finally:
+        for name, p in params.items():
+            p.requires_grad_(was[name])
 
 
 class StepRule(Protocol):
