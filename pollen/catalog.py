@@ -176,6 +176,7 @@ PRESETS: dict[str, dict[str, Scalar]] = {
     "fedyogi": {"server-update": "yogi", "local-objective": "plain"},
     "fedsa": {"server-update": "fedavg", "local-objective": "plain", "sharing": "lora-a"},
     "fedper": {"server-update": "fedavg", "local-objective": "plain", "sharing": "fedper"},
+    "ditto": {"server-update": "fedavg", "local-objective": "plain", "ditto-lambda": 0.1},
     "fedrep": {
         "server-update": "fedavg", "local-objective": "plain", "sharing": "fedper",
         "head-epochs": 2,

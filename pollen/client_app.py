@@ -63,6 +63,7 @@ from .protocol import (
     SLOWDOWN,
     TRAIN_LOSS,
     TRAIN_SECONDS,
+    ditto_state_key,
     local_entries_key,
 )
 from .settings import Settings
@@ -73,7 +74,7 @@ from .task.attacks import flipped_labels, poisoned
 from .task.data import Dataset
 from .task.inputs import model_inputs, settings_model
 from .task.node_data import NodeData, OwnData
-from .task.objectives import LocalObjective, frozen_bn_statistics
+from .task.objectives import LocalObjective, ProxTerm, frozen_bn_statistics
 from .task.privacy import (
     PrivacyLedger,
     PrivacyPlan,
@@ -323,6 +324,11 @@ def train(msg: Message, context: Context) -> Message:
         s.client_betas,
     )  # fmt: skip
     seed = client_seed(s.seed, cm.server_round, cm.client)
+    received = (  # Ditto's anchor and its personal model's first start
+        {k: v.detach().clone() for k, v in cm.model.state_dict().items()}
+        if s.ditto_lambda
+        else {}
+    )
     _load_optimizer_modules(s.client_optimizer)
     started = time.perf_counter()
     if s.dp:
@@ -341,6 +347,8 @@ def train(msg: Message, context: Context) -> Message:
                 objective=objective,
             )  # fmt: skip
         metrics = {TRAIN_LOSS: result.loss}
+    if s.ditto_lambda:
+        _train_personal(cm, context, x, y, optimizer, prep, seed, received)
     seconds = time.perf_counter() - started
     straggle(seconds, node_slowdown(context))
     objective.save(context, cm.client, cm.model)
@@ -383,6 +391,41 @@ def _train_head(
             max_grad_norm=cm.settings.max_grad_norm,
             objective=LocalObjective(objective.sam_rho),
         )  # fmt: skip
+
+
+def _train_personal(
+    cm: ClientModel,
+    context: Context,
+    x: torch.Tensor,
+    y: torch.Tensor,
+    optimizer: ClientOptimizer,
+    prep: Transform,
+    seed: int,
+    received: dict[str, torch.Tensor],
+) -> None:
+    """Ditto's personal step (Li et al. 2021, Algorithm 1): the client's own
+    model v_k (the received model before its first round) trains
+    `local-epochs` on F_k(v) + lambda/2 ||v - w^t||^2, w^t the received
+    global model, and stays in `context.state`; it never travels."""
+    personal = settings_model(cm.settings, cm.dataset)
+    stored = context.state.get(ditto_state_key(cm.client))
+    start = (
+        stored.to_torch_state_dict() if isinstance(stored, ArrayRecord) else received
+    )
+    personal.load_state_dict(start)
+    personal.to(cm.device)
+    anchor = {n: p for n, p in personal.named_parameters() if p.requires_grad}
+    pull = ProxTerm(cm.settings.ditto_lambda)
+    pull.anchor = {name: received[name].to(cm.device) for name in anchor}
+    train_local(
+        personal, x, y,
+        epochs=cm.settings.local_epochs, batch_size=cm.settings.batch_size,
+        optimizer=optimizer, preprocess=prep, seed=seed + 6,
+        max_grad_norm=cm.settings.max_grad_norm,
+        objective=LocalObjective(regularizer=pull),
+    )  # fmt: skip
+    state = {k: v.detach().cpu() for k, v in personal.state_dict().items()}
+    context.state[ditto_state_key(cm.client)] = ArrayRecord(state)
 
 
 def step_metrics(
@@ -454,10 +497,14 @@ def _train_private(
 
 @app.evaluate()
 def evaluate_personal(msg: Message, context: Context) -> Message:
-    """This client's model (shared + local entries) on the global test set and
-    on its own test shard; NaN for either where the node has none (a node
+    """This client's model (shared + local entries, or under Ditto its
+    personal model) on the global test set and on its own test shard; NaN for
+    either where the node has none (a node
     with its own data file and no copy of the data set has no global one)."""
     cm = ClientModel.assemble(msg, context)
+    personal = context.state.get(ditto_state_key(cm.client))
+    if cm.settings.ditto_lambda and isinstance(personal, ArrayRecord):
+        cm.model.load_state_dict(personal.to_torch_state_dict())
     g_loss, g_acc = cm.loss_and_accuracy("test", cm.data.global_test(cm.device))
     own = cm.data.test_shard(cm.client, cm.device)
     l_loss, l_acc = cm.loss_and_accuracy(cm.data.split_key("test", cm.client), own)

@@ -56,6 +56,11 @@ def local_entries_key(client: int) -> str:
     return f"local-{client}"
 
 
+def ditto_state_key(client: int) -> str:
+    """Ditto's personal model v_k (every state-dict entry)."""
+    return f"ditto-{client}"
+
+
 def scaffold_state_key(client: int) -> str:
     """SCAFFOLD's client control variate c_k."""
     return f"scaffold-c-{client}"

@@ -215,6 +215,14 @@ class Settings:
         at_least(0),
         int,
     )
+    ditto_lambda: float = key(
+        AUTO,
+        "Ditto: each client also trains a personal model regularised by "
+        "lambda/2 ||v - w||^2 towards the received global model, and is "
+        "evaluated on it (auto: 0 = off, ditto: 0.1)",
+        at_least(0),
+        float,
+    )
     client_optimizer: str = key("sgd", "client optimiser", one_of(*CLIENT_OPTIMIZERS))
     betas: str = key("0.9,0.999", "client adam/adamw betas", betas_rule())
     max_grad_norm: float = key(
@@ -533,6 +541,8 @@ def _resolve_preset(values: dict[str, Scalar]) -> None:
         values["mode"] = preset.get("mode", "sync")
     if values["head-epochs"] == AUTO:
         values["head-epochs"] = int(preset.get("head-epochs", 0))
+    if values["ditto-lambda"] == AUTO:
+        values["ditto-lambda"] = float(preset.get("ditto-lambda", 0.0))
     if values["server-lr"] == AUTO:
         values["server-lr"] = AUTO_SERVER_LR.get(str(values["server-update"]), 1.0)
 
@@ -578,6 +588,12 @@ def _check_combination(values: dict[str, Scalar]) -> None:
             f"{values['sharing']!r}: FedRep trains the client's own classifier "
             "first, so the classifier must stay local; set sharing='fedper' (or "
             "strategy='fedrep')"
+        )
+    if values["ditto-lambda"] and (values["dp"] or values["sharing"] in LORA_SHARING):
+        raise SettingsError(
+            f"ditto-lambda with {'dp=true' if values['dp'] else 'a LoRA sharing'}: "
+            "Ditto's personal model trains the whole model without DP-SGD on the "
+            "client's data; allowed with ditto: dp=false and sharing all or fedper"
         )
     if values["head-epochs"] and values["dp"]:
         raise SettingsError(

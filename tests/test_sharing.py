@@ -246,3 +246,41 @@ def test_head_epochs_need_a_local_classifier() -> None:
         Settings.from_run_config({"head-epochs": 1})
     with pytest.raises(SettingsError, match="head-epochs with dp=true"):
         Settings.from_run_config({"strategy": "fedrep", "dp": True, "model": "cnn-gn"})
+
+
+def test_ditto_keeps_a_personal_model_and_evaluates_it() -> None:
+    """The reply is exactly FedAvg's (Ditto's personal step touches nothing
+    that travels); the personal model v_k stays in the client's state, moved
+    from the received model, and is what the personal evaluation tests."""
+    model = build_model("mlp-bn", (1, 8, 8), 10, 845)
+    sent = ArrayRecord(dict(model.state_dict()))
+    replies, contexts = {}, {}
+    for name, overrides in (("fedavg", {}), ("ditto", {"strategy": "ditto"})):
+        contexts[name] = Context(1, 1, {}, RecordDict(), run_config(**overrides))
+        replies[name] = client_app.train(message("train", sent, 1, 1), contexts[name])
+    for key in sent:
+        np.testing.assert_array_equal(
+            replies["fedavg"].content["arrays"][key].numpy(),
+            replies["ditto"].content["arrays"][key].numpy(),
+        )
+    personal = contexts["ditto"].state["ditto-1"]
+    assert set(personal) == set(model.state_dict())
+    assert not np.allclose(personal["1.weight"].numpy(), sent["1.weight"].numpy())
+    assert "ditto-1" not in contexts["fedavg"].state
+    global_model = replies["ditto"].content["arrays"]
+    scores = {}
+    for name in ("fedavg", "ditto"):
+        reply = client_app.evaluate_personal(
+            message("evaluate", global_model, 1, 1), contexts[name]
+        )
+        scores[name] = reply.content["metrics"]["global-loss"]
+    assert scores["ditto"] != scores["fedavg"]  # v_k, not the global model
+
+
+def test_ditto_refuses_dp_and_lora_sharing() -> None:
+    with pytest.raises(SettingsError, match="ditto-lambda with dp=true"):
+        Settings.from_run_config({"strategy": "ditto", "dp": True, "model": "cnn-gn"})
+    with pytest.raises(SettingsError, match="ditto-lambda with a LoRA sharing"):
+        Settings.from_run_config(
+            {"strategy": "ditto", "sharing": "lora-a", "model": "cnn-lora"}
+        )

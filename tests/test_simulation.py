@@ -263,6 +263,7 @@ SUITE = [
     ("fedsa", "lora-a", "cnn-lora", ""),
     ("scaffold", "silobn", "mlp-bn", "local-objective='scaffold-sam'"),
     ("fedavgm", "fedbn", "mlp-bn", "aggregator='fednova'"),
+    ("ditto", "fedper", "mlp-bn", "head-epochs=1"),  # Ditto beside FedRep
 ]
 
 

@@ -35,7 +35,10 @@ def build_strategy(
         norm_action=settings.update_norm_action,
         control=_control(settings, model, sharing),
     )
-    return strategy, PersonalEvaluation(sharing, settings.personal_eval_every)
+    personal = PersonalEvaluation(
+        sharing, settings.personal_eval_every, personal_models=settings.ditto_lambda > 0
+    )
+    return strategy, personal
 
 
 def _control(

@@ -1,7 +1,8 @@
 """Personal evaluation: each client tests its own model (shared + local entries).
 
 Under a sharing policy that keeps entries on the clients (FedBN, SiloBN,
-FedSA), the global model alone is not what a client uses: every
+FedSA, FedPer, FedRep), or with a personal model of its own (Ditto), the
+global model alone is not what a client uses: every
 `personal_eval_every` rounds, each client that has trained so far is sent
 the shared entries and evaluates them with its own local ones, on the
 global test set and on its own test shard. Composed beside the strategy
@@ -48,9 +49,12 @@ class PersonalOutcome:
 class PersonalEvaluation:
     """Every `every` rounds, every client that has trained evaluates its own model."""
 
-    def __init__(self, sharing: Sharing | None, every: int) -> None:
+    def __init__(
+        self, sharing: Sharing | None, every: int, personal_models: bool = False
+    ) -> None:
         self.sharing = sharing
         self.every = every
+        self.personal_models = personal_models  # clients keep one (Ditto)
         self.trained_clients: set[int] = set()
 
     def state_arrays(self) -> dict[str, np.ndarray]:
@@ -68,7 +72,7 @@ class PersonalEvaluation:
         return bool(
             self.every
             and self.sharing is not None
-            and self.sharing.local
+            and (self.sharing.local or self.personal_models)
             and server_round % self.every == 0
         )
 
