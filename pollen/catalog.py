@@ -149,6 +149,9 @@ LOCAL_OBJECTIVES: dict[str, Part] = _by_name(
     Part("scaffold-sam", "SCAFFOLD's correction with SAM"),
 )
 
+# user-level DP-FedAvg (pollen.strategies.central_dp): off, or its clipping
+CENTRAL_DP = ("off", "fixed", "adaptive")
+
 # the objectives whose server keeps a control variate (pollen.strategies.scaffold)
 CONTROL_VARIATE_OBJECTIVES = ("scaffold", "scaffold-sam")
 

@@ -48,6 +48,7 @@ from .protocol import (
     ARRAYS,
     CLIENT,
     CLIENT_RECORD,
+    CLIP_NORM,
     CONFIG,
     EFFECTIVE_STEPS,
     LOCAL_STEPS,
@@ -63,10 +64,12 @@ from .protocol import (
     SLOWDOWN,
     TRAIN_LOSS,
     TRAIN_SECONDS,
+    UPDATE_NORM,
     ditto_state_key,
     local_entries_key,
 )
 from .settings import Settings
+from .strategies.central_dp import clipped_reply
 from .strategies.fednova import effective_steps
 from .strategies.sharing import Sharing
 from .task import client_state
@@ -364,6 +367,11 @@ def train(msg: Message, context: Context) -> Message:
         }
     )
     shared = cm.entries(cm.sharing.shared)
+    if CLIP_NORM in config:  # central DP, clipped here first
+        shared, norm = clipped_reply(
+            msg.content[ARRAYS], shared, float(config[CLIP_NORM])
+        )
+        metrics[UPDATE_NORM] = norm
     if attacking and s.attack in MODEL_POISONING:
         shared = poisoned(s.attack, msg.content[ARRAYS], shared, s.attack_scale, seed)
     return cm.reply(msg, metrics, shared, objective.reply_records())

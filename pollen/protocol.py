@@ -25,6 +25,7 @@ NODE_RECORD = "node"  # ConfigRecord: a node's answer to the start-up query
 # ---- config keys (server -> client) -----------------------------------------
 CLIENT = "partition-id"  # the client (data partition) a message is for
 SERVER_ROUND = "server-round"
+CLIP_NORM = "clip-norm"  # central DP clipped on the client: this round's C
 LR = "lr"  # this round's client learning rate
 
 # ---- node config and the start-up query's answer (client -> server) ---------
@@ -45,6 +46,7 @@ TRAIN_SECONDS = "train-seconds"
 # effective number under momentum and a pull towards the received model
 LOCAL_STEPS = "local-steps"
 EFFECTIVE_STEPS = "effective-steps"
+UPDATE_NORM = "update-norm"  # central DP: the client's update norm before clipping
 DP_EPSILON = "dp-epsilon"  # the privacy spent so far (DP-SGD)
 DP_NOISE_MULTIPLIER = "dp-noise-multiplier"
 PERSONAL_METRICS = ("global-accuracy", "global-loss", "local-accuracy", "local-loss")

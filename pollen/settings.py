@@ -26,6 +26,7 @@ from .catalog import (
     AGGREGATORS,
     ATTACKS,
     BN_POLICIES,
+    CENTRAL_DP,
     CLASS_ASSIGNMENTS,
     CLIENT_OPTIMIZERS,
     CONTROL_VARIATE_OBJECTIVES,
@@ -300,6 +301,36 @@ class Settings:
         1e-5, "privacy parameter delta", Rule(lambda v: 0 < v < 1, "in (0, 1)")
     )
     dp_max_grad_norm: float = key(1.0, "per-sample gradient clipping bound C", above(0))
+    # Central (user-level) DP: clip each client's update, noise on the server
+    central_dp: str = key(
+        "off",
+        "user-level DP-FedAvg: fixed or adaptive clipping of each update, "
+        "Gaussian noise on the server's sum (off: none)",
+        one_of(*CENTRAL_DP),
+    )
+    central_clip_on: str = key(
+        "server",
+        "who clips first (the server always clips too)",
+        one_of("server", "client"),
+    )
+    central_clip_norm: float = key(
+        1.0, "central DP: the clipping norm C (adaptive: its start)", above(0)
+    )
+    central_noise_multiplier: float = key(
+        1.0, "central DP: z, noise std z C on the sum of clipped updates", above(0)
+    )
+    central_clip_quantile: float = key(
+        0.5,
+        "adaptive clipping: the share of updates C aims to leave unclipped",
+        Rule(lambda v: 0 < v < 1, "in (0, 1)"),
+    )
+    central_clip_lr: float = key(0.2, "adaptive clipping: step of log C", above(0))
+    central_count_noise: float = key(
+        0.0,
+        "adaptive clipping: std of the noise on the unclipped count (0: clients "
+        "per round / 20)",
+        at_least(0),
+    )
     # Untrusted clients: what the server does with replies it cannot use
     min_train_replies: int = key(
         1,
@@ -628,6 +659,7 @@ def _check_combination(values: dict[str, Scalar]) -> None:
             "prox, feddyn"
         )
     _check_aggregator(values)
+    _check_central_dp(values)
     _check_attack(values)
     _check_async(values)
     if values["network-profile"]:
@@ -696,6 +728,45 @@ def _check_aggregator(values: dict[str, Scalar]) -> None:
             f"byzantine-clients={f}): multi-Krum would average Byzantine replies "
             "too; allowed: 1 to n - f, or 0 for n - f"
         )
+
+
+def _check_central_dp(values: dict[str, Scalar]) -> None:
+    """Refuse what would break user-level DP or cannot be accounted for."""
+    mode = values["central-dp"]
+    if mode == "off":
+        return
+    reasons = {
+        "aggregator": (values["aggregator"] != "mean", "central DP is the "
+                       "aggregation step itself (a clipped, noised sum); leave "
+                       "aggregator at mean"),
+        "mode": (values["mode"] == "async", "FedBuff's buffer changes the sum's "
+                 "sensitivity; use mode='sync'"),
+        "local-objective": (values["local-objective"] in CONTROL_VARIATE_OBJECTIVES,
+                            "SCAFFOLD's Delta c_k would leave the clients without "
+                            "noise; use another local objective"),
+        "dp": (bool(values["dp"]), "choose example-level DP-SGD (dp=true) or "
+               "user-level central DP, not both"),
+    }  # fmt: skip
+    for key, (refused, why) in reasons.items():
+        if refused:
+            raise SettingsError(
+                f"central-dp={mode!r} with {key}={values[key]!r}: {why}"
+            )
+    z, count = (
+        float(values["central-noise-multiplier"]),
+        float(values["central-count-noise"]),
+    )
+    if mode == "adaptive":
+        count = count or sample_size(
+            int(values["num-clients"]), float(values["client-frac"]),
+            int(values["min-train-nodes"]),
+        ) / 20  # fmt: skip
+        if 2 * count <= z:
+            raise SettingsError(
+                f"central-dp='adaptive': the count noise {count:g} must exceed "
+                f"central-noise-multiplier / 2 = {z / 2:g} (Andrew et al. 2021, "
+                "Theorem 1); raise central-count-noise or sample more clients"
+            )
 
 
 def _check_attack(values: dict[str, Scalar]) -> None:

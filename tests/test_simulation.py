@@ -253,7 +253,13 @@ def test_plain_flwr_run_on_flowers_default_federation(tmp_path: Path) -> None:
 # Every server update, local objective and sharing policy (and DP-SGD), and
 # aggregators beside the mean, 2 rounds each.
 SUITE = [
-    ("fedavgm", "silobn", "mlp-bn", ""),
+    (
+        "fedavgm",
+        "silobn",
+        "mlp-bn",
+        "central-dp='adaptive' central-clip-on='client' "
+        "central-noise-multiplier=0.5 central-count-noise=1",
+    ),
     ("fedadagrad", "fedbn", "mlp-bn", "aggregator='median'"),
     ("fedadam", "shared", "mlp-bn", "aggregator='trimmed-mean' trim-fraction=0.3"),
     ("fedyogi", "shared", "mlp", "update-norm-bound=1 min-train-replies=2"),
@@ -299,6 +305,11 @@ def test_every_strategy_runs_end_to_end(
         assert 0 < epsilons[0] <= epsilons[1] <= 4.0 and "dp epsilon" in run.stdout
     else:
         assert epsilons == [None, None]
+    if "central-dp" in extra:  # user-level epsilon per release, clip norm moving
+        central = [r["aggregation"] for r in rows]
+        assert 0 < central[0]["epsilon"] < central[1]["epsilon"]
+        assert central[0]["clip-norm"] == 1.0 != central[1]["clip-norm"]
+        assert "user-level epsilon" in run.stdout
     if policy == "shared":
         assert "personal models" not in run.stdout and not rows[-1]["personal"]
     else:

@@ -88,6 +88,7 @@ class RoundRecorder:
             staleness=outcome.staleness,
             attackers=sorted(set(outcome.clients) & self.settings.attacking_clients),
             unselected=outcome.unselected,
+            aggregation=outcome.aggregation,
         )
         self._last = now
         self.history.append(record)

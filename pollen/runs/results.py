@@ -76,6 +76,9 @@ class RoundRecord:
     # clients); with Krum or Bulyan: the accepted updates the aggregator left out
     attackers: list[int] = field(default_factory=list)
     unselected: list[int] = field(default_factory=list)
+    # what the aggregation step reported (central DP: clip-norm, unclipped
+    # share, epsilon: the user-level privacy spent so far)
+    aggregation: dict[str, float] = field(default_factory=dict)
 
     def as_row(self) -> dict[str, Any]:
         row = {k.replace("_", "-"): v for k, v in asdict(self).items()}
@@ -201,6 +204,7 @@ def round_lines(record: RoundRecord, total_rounds: int, seconds_left: float) -> 
         f"lr {record.lr:.3g}, clients {len(record.clients)}, "
         f"~{seconds_left:.0f} s left"
         + (f", dp epsilon {record.dp_epsilon:.2f}" if record.dp_epsilon else "")
+        + _central_dp_text(record.aggregation)
         + (
             f", simulated {record.sim_seconds:.2f} s"
             if record.sim_seconds is not None
@@ -216,6 +220,15 @@ def round_lines(record: RoundRecord, total_rounds: int, seconds_left: float) -> 
         )
         + _fault_line(record)
         + _personal_line(record)
+    )
+
+
+def _central_dp_text(report: dict[str, float]) -> str:
+    if "epsilon" not in report:
+        return ""
+    return (
+        f", user-level epsilon {report['epsilon']:.2f} (clip {report['clip-norm']:.3g}, "
+        f"{100 * report['unclipped']:.0f}% unclipped)"
     )
 
 

@@ -41,10 +41,12 @@ class ClientUpdate:
 @dataclass(frozen=True)
 class Aggregate:
     """What the aggregation step hands the server update: one float64 value
-    per shared entry, and the updates it was made of (in client order)."""
+    per shared entry, the updates it was made of (in client order), and what
+    the step reports for the history (central DP: clip norm, epsilon)."""
 
     arrays: dict[str, np.ndarray]
     updates: tuple[ClientUpdate, ...]
+    report: Mapping[str, float] = field(default_factory=dict)
 
 
 def normalized(weights: Sequence[float], count: int) -> np.ndarray:
@@ -89,6 +91,12 @@ class Aggregator(Protocol):
     # metrics every reply must carry as positive numbers for this rule
     required_metrics: tuple[str, ...]
 
+    def train_config(self) -> dict[str, float]: ...
+
+    def state_arrays(self) -> dict[str, np.ndarray]: ...
+
+    def load_state_arrays(self, state: Mapping[str, np.ndarray]) -> None: ...
+
     def __call__(
         self,
         updates: Sequence[ClientUpdate],
@@ -99,7 +107,8 @@ class Aggregator(Protocol):
 
 class Rule:
     """Defaults of an aggregation rule: defined for one update, reads no
-    metric, built from settings without parameters."""
+    metric, adds nothing to the training config, keeps no state, built from
+    settings without parameters."""
 
     min_updates = 1
     required_metrics: tuple[str, ...] = ()
@@ -107,6 +116,17 @@ class Rule:
     @classmethod
     def from_settings(cls, settings: Any, uniform: bool = False) -> Any:
         return cls()
+
+    def train_config(self) -> dict[str, float]:
+        """Entries for every training message's config (none by default)."""
+        return {}
+
+    def state_arrays(self) -> dict[str, np.ndarray]:
+        """What a resumed run needs of this rule's state (none by default)."""
+        return {}
+
+    def load_state_arrays(self, state: Mapping[str, np.ndarray]) -> None:
+        """Restore what `state_arrays` returned."""
 
 
 class Mean(Rule):

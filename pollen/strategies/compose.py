@@ -7,6 +7,7 @@ from torch import nn
 
 from ..catalog import AGGREGATORS, CONTROL_VARIATE_OBJECTIVES, SERVER_UPDATES
 from ..settings import Settings
+from .central_dp import CentralDP
 from .personal import PersonalEvaluation
 from .scaffold import ServerControl
 from .sharing import Sharing
@@ -21,7 +22,11 @@ def build_strategy(
     sharing by `sharing` and `bn-policy`."""
     sharing = Sharing.of(settings.sharing_policy, model)
     update = SERVER_UPDATES[settings.server_update].load().from_settings(settings)
-    aggregator = AGGREGATORS[settings.aggregator].load()
+    aggregator = (
+        CentralDP
+        if settings.central_dp != "off"
+        else AGGREGATORS[settings.aggregator].load()
+    )
     strategy = Strategy(
         num_clients=settings.num_clients,
         client_frac=settings.client_frac,

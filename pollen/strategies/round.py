@@ -50,6 +50,7 @@ class RoundOutcome:
     late: list[int] = field(default_factory=list)  # replies after the deadline
     staleness: list[int] = field(default_factory=list)  # async: per update
     unselected: list[int] = field(default_factory=list)  # accepted, not aggregated
+    aggregation: dict[str, float] = field(default_factory=dict)  # its report
     sim_seconds: float | None = None  # on the simulated clock, under a profile
 
 
@@ -158,6 +159,7 @@ def play_round(
         late=late,
         sim_seconds=sim_seconds,
         unselected=trained.unselected,
+        aggregation=trained.report,
     )
 
 

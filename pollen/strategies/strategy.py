@@ -91,6 +91,7 @@ class TrainOutcome:
     failures: list[str] = field(default_factory=list)  # replies dropped, and why
     clipped: list[str] = field(default_factory=list)  # updates scaled back
     unselected: list[int] = field(default_factory=list)  # accepted, not aggregated
+    report: dict[str, float] = field(default_factory=dict)  # the aggregation step's
 
     @property
     def skipped(self) -> bool:
@@ -166,11 +167,16 @@ class Strategy:
     def state_arrays(self) -> dict[str, np.ndarray]:
         """Server state beyond the global model that a resumed run needs."""
         control = self.control.state_arrays() if self.control else {}
-        return {**self.server_update.state_arrays(), **control}
+        return {
+            **self.server_update.state_arrays(),
+            **self.aggregator.state_arrays(),
+            **control,
+        }
 
     def load_state_arrays(self, state: Mapping[str, np.ndarray]) -> None:
         """Restore what `state_arrays` returned."""
         self.server_update.load_state_arrays(state)
+        self.aggregator.load_state_arrays(state)
         if self.control:
             self.control.load_state_arrays(state)
 
@@ -200,6 +206,7 @@ class Strategy:
             available=sorted(owner), minimum=self.min_train_nodes,
         )  # fmt: skip
         payload = self.outgoing(arrays)
+        config = ConfigRecord({**config, **self.aggregator.train_config()})
         records = {protocol.CONTROL: self.control.record()} if self.control else {}
         messages = addressed(
             MessageType.TRAIN, clients, payload, config, server_round, owner, records
@@ -259,6 +266,7 @@ class Strategy:
         aggregate = self.aggregator(
             outcome.updates, current, self.trained_keys(current)
         )
+        outcome.report = dict(aggregate.report)
         used = {update.client for update in aggregate.updates}
         outcome.unselected = [u.client for u in outcome.updates if u.client not in used]
         outcome.arrays = self.step(request.model, request.shared, aggregate)

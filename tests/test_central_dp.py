@@ -1,0 +1,233 @@
+"""Central (user-level) DP: clipping, the fixed denominator and the noise
+by hand; Flower's DP wrappers on the same replies; the adaptive clip norm;
+the accountant against an independent one and the exact epsilon."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+from flwr.app import Array, ArrayRecord, MetricRecord, RecordDict
+from flwr.serverapp.strategy import (
+    DifferentialPrivacyServerSideAdaptiveClipping,
+    DifferentialPrivacyServerSideFixedClipping,
+    FedAvg,
+)
+from flwr.supercore.differential_privacy import compute_adaptive_noise_params
+from opacus.accountants import PRVAccountant
+from scipy.optimize import brentq
+from scipy.stats import norm
+
+from pollen.protocol import UPDATE_NORM
+from pollen.settings import Settings, SettingsError
+from pollen.strategies.aggregation import ClientUpdate
+from pollen.strategies.central_dp import (
+    CentralDP,
+    clipped_reply,
+    epsilon_spent,
+    update_noise_multiplier,
+)
+from tests.conftest import reply_from
+
+
+class NoNoise:
+    """A generator whose every Gaussian draw is its mean: the mechanism
+    without noise, to check the rest exactly."""
+
+    def normal(self, loc=0.0, scale=1.0, size=None):
+        return np.full(size, loc) if size is not None else loc
+
+
+def update(client: int, w: list[float], metrics: dict | None = None) -> ClientUpdate:
+    record = MetricRecord({"num-examples": 7, **(metrics or {})})
+    return ClientUpdate(client, {"w": np.asarray(w, dtype=np.float32)}, record, 7.0)
+
+
+def mechanism(**kw: object) -> CentralDP:
+    options = {"clip_norm": 2.0, "noise_multiplier": 1.0, "sample_size": 2,
+               "delta": 1e-5, "rng": NoNoise(), **kw}  # fmt: skip
+    return CentralDP(**options)  # type: ignore[arg-type]
+
+
+def test_clip_sum_and_fixed_denominator_by_hand() -> None:
+    """x = [1, 1]; client 0 moved by [3, 4] (norm 5, clipped to C = 2:
+    [1.2, 1.6]), client 1 by [0.6, 0.8] (norm 1, kept). Sum [1.8, 2.4] over
+    m = 2: x_bar = [1.9, 2.2]; over a planned m = 3 (one client failed):
+    [1.6, 1.8]. Example counts play no part."""
+    current = {"w": np.array([1.0, 1.0], np.float32)}
+    updates = [update(0, [4.0, 5.0]), update(1, [1.6, 1.8])]
+    np.testing.assert_allclose(mechanism()(updates, current).arrays["w"], [1.9, 2.2])
+    three = mechanism(sample_size=3)(updates, current).arrays["w"]
+    np.testing.assert_allclose(three, [1.6, 1.8])
+
+
+def test_noise_has_std_z_c_on_the_sum() -> None:
+    """No update at all: x_bar - x is the noise over m, of std z C / m."""
+    shape = (200, 100)
+    current = {"w": np.zeros(shape, np.float32)}
+    updates = [update(k, np.zeros(shape).tolist()) for k in range(4)]
+    dp = CentralDP(clip_norm=0.5, noise_multiplier=1.3, sample_size=4, delta=1e-5,
+                   rng=np.random.default_rng(0))  # fmt: skip
+    noise = dp(updates, current).arrays["w"]
+    assert noise.std() == pytest.approx(1.3 * 0.5 / 4, rel=0.02)
+
+
+@pytest.mark.usefixtures("task_identity")
+@pytest.mark.parametrize("seed", [0, 1])
+def test_fixed_clipping_equals_flowers_wrapper_without_noise(seed: int) -> None:
+    """Flower's server-side fixed clipping around FedAvg (equal example
+    counts, every sampled client replies, noise multiplier 0) gives the same
+    model as pollen's mechanism without noise."""
+    rng = np.random.default_rng(seed)
+    shapes = {"a": (3, 4), "b": (5,)}
+    current = {k: rng.normal(size=s).astype(np.float32) for k, s in shapes.items()}
+    clients = [
+        {k: (v + rng.normal(scale=scale, size=v.shape)).astype(np.float32)
+         for k, v in current.items()}
+        for scale in (0.1, 1.0, 3.0)
+    ]  # fmt: skip
+    messages = [
+        reply_from(
+            k + 1,
+            RecordDict(
+                {
+                    "arrays": ArrayRecord({n: Array(v) for n, v in c.items()}),
+                    "metrics": MetricRecord({"num-examples": 10}),
+                }
+            ),
+        )
+        for k, c in enumerate(clients)
+    ]
+    flower = DifferentialPrivacyServerSideFixedClipping(
+        FedAvg(), noise_multiplier=0.0, clipping_norm=1.5, num_sampled_clients=3
+    )
+    flower.current_arrays = ArrayRecord({n: Array(v) for n, v in current.items()})
+    theirs, _ = flower.aggregate_train(1, messages)
+    updates = [
+        ClientUpdate(k, c, MetricRecord({"num-examples": 10}), 10.0)
+        for k, c in enumerate(clients)
+    ]
+    ours = mechanism(clip_norm=1.5, sample_size=3)(updates, current).arrays
+    for name in shapes:
+        np.testing.assert_allclose(
+            ours[name], theirs[name].numpy(), rtol=1e-5, atol=1e-6
+        )
+
+
+def test_adaptive_clip_norm_follows_the_unclipped_share() -> None:
+    """C = 2, gamma = 0.2, eta = 0.2: one of two updates is unclipped, b_bar
+    = 0.5 > gamma, so C shrinks to 2 exp(-0.2 x 0.3); noise z_Delta from
+    Theorem 1 of Andrew et al. equals Flower's for the same z and sigma_b."""
+    current = {"w": np.array([1.0, 1.0], np.float32)}
+    updates = [update(0, [4.0, 5.0]), update(1, [1.6, 1.8])]
+    dp = mechanism(adaptive=True, quantile=0.2, clip_lr=0.2, count_noise=1.0)
+    aggregate = dp(updates, current)
+    assert aggregate.report["clip-norm"] == 2.0 and aggregate.report["unclipped"] == 0.5
+    assert dp.clip_norm == pytest.approx(2.0 * math.exp(-0.2 * 0.3))
+    # every update far above C: b_bar = 0 < gamma, so C grows
+    grow = mechanism(adaptive=True, quantile=0.5, count_noise=1.0)
+    grow([update(0, [40.0, 50.0]), update(1, [16.0, 18.0])], current)
+    assert grow.clip_norm == pytest.approx(2.0 * math.exp(0.2 * 0.5))
+    _, flowers_z = compute_adaptive_noise_params(1.0, 2, 1.0)
+    assert dp.z_update == pytest.approx(flowers_z) == pytest.approx((1 - 0.25) ** -0.5)
+    assert update_noise_multiplier(1.0, 0.0) == 1.0
+
+
+def test_flowers_adaptive_wrapper_counts_clipped_updates() -> None:
+    """Why pollen's adaptive rule is checked by hand, not against Flower 1.41:
+    Flower's server-side adaptive wrapper feeds the share of *clipped*
+    updates into C <- C exp(-eta (b_bar - gamma)), where Andrew et al. use
+    the share of *unclipped* ones, so with every update clipped its C shrinks
+    further (pollen's grows, above)."""
+    flower = DifferentialPrivacyServerSideAdaptiveClipping(
+        FedAvg(), noise_multiplier=0.0, num_sampled_clients=2,
+        initial_clipping_norm=2.0, target_clipped_quantile=0.5, clip_norm_lr=0.2,
+    )  # fmt: skip
+    flower._geometric_update(flower._noisy_fraction(2, 2))  # both clipped
+    assert flower.clipping_norm < 2.0
+
+
+def test_client_side_clipping_and_its_reported_norm() -> None:
+    """The client moves its reply back onto the ball; the integer counter is
+    untouched; the server counts b_k from the norm the client reports."""
+    sent = ArrayRecord({"w": Array(np.array([1.0, 1.0], np.float32)),
+                        "n": Array(np.array(3, np.int64))})  # fmt: skip
+    trained = ArrayRecord({"w": Array(np.array([4.0, 5.0], np.float32)),
+                           "n": Array(np.array(5, np.int64))})  # fmt: skip
+    reply, norm = clipped_reply(sent, trained, 2.0)
+    assert norm == pytest.approx(5.0)
+    np.testing.assert_allclose(reply["w"].numpy(), [2.2, 2.6])
+    assert int(reply["n"].numpy()) == 5
+    dp = mechanism(adaptive=True, client_clips=True, count_noise=1.0)
+    assert dp.train_config() == {"clip-norm": 2.0}
+    assert dp.required_metrics == (UPDATE_NORM,)
+    current = {"w": np.array([1.0, 1.0], np.float32)}
+    updates = [
+        update(0, [2.2, 2.6], {UPDATE_NORM: 5.0}),
+        update(1, [1.6, 1.8], {UPDATE_NORM: 1.0}),
+    ]
+    assert dp(updates, current).report["unclipped"] == 0.5
+
+
+def exact_epsilon(z: float, releases: int, delta: float) -> float:
+    """The exact epsilon of `releases` Gaussian mechanisms of multiplier z:
+    together one Gaussian mechanism of mu = sqrt(T) / z, whose delta(eps) =
+    Phi(-eps/mu + mu/2) - e^eps Phi(-eps/mu - mu/2) (Balle & Wang 2018)."""
+    mu = math.sqrt(releases) / z
+
+    def gap(eps: float) -> float:
+        return (
+            norm.cdf(-eps / mu + mu / 2)
+            - math.exp(eps) * norm.cdf(-eps / mu - mu / 2)
+            - delta
+        )
+
+    return brentq(gap, 0.0, 500.0)
+
+
+@pytest.mark.parametrize(("z", "releases"), [(1.0, 10), (2.0, 50), (0.8, 3)])
+def test_accountant_against_prv_and_the_exact_epsilon(z: float, releases: int) -> None:
+    """pollen's RDP epsilon is an upper bound of the exact one, within 15 %;
+    Opacus's PRV accountant (an independent, numerical method) is within 1 %
+    of exact."""
+    delta = 1e-5
+    exact = exact_epsilon(z, releases, delta)
+    prv = PRVAccountant()
+    for _ in range(releases):
+        prv.step(noise_multiplier=z, sample_rate=1.0)
+    assert prv.get_epsilon(delta=delta) == pytest.approx(exact, rel=0.01)
+    ours = epsilon_spent(z, releases, delta)
+    assert exact <= ours <= 1.15 * exact
+    assert epsilon_spent(z, 0, delta) == 0.0
+
+
+def test_state_survives_a_checkpoint() -> None:
+    dp = mechanism(adaptive=True, count_noise=1.0)
+    dp(
+        [update(0, [40.0, 50.0]), update(1, [16.0, 18.0])],
+        {"w": np.zeros(2, np.float32)},
+    )
+    again = mechanism(adaptive=True, count_noise=1.0)
+    again.load_state_arrays(dp.state_arrays())
+    assert (again.clip_norm, again.releases) == (dp.clip_norm, 1)
+    assert again.epsilon == dp.epsilon > 0
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        ({"aggregator": "median"}, r"leave aggregator at mean"),
+        ({"strategy": "fedbuff"}, r"use mode='sync'"),
+        ({"strategy": "scaffold"}, r"Delta c_k would leave"),
+        ({"dp": True, "model": "cnn-gn"}, r"not both"),
+        (
+            {"central-dp": "adaptive", "central-noise-multiplier": 2.0},
+            r"count noise 0.5 must exceed",
+        ),
+    ],
+)
+def test_refused_combinations_name_the_reason(overrides: dict, message: str) -> None:
+    config = {"num-clients": 10, "client-frac": 1.0, "central-dp": "fixed", **overrides}
+    with pytest.raises(SettingsError, match=message):
+        Settings.from_run_config(config)
