@@ -326,7 +326,9 @@ def train(msg: Message, context: Context) -> Message:
         s.client_optimizer, float(config[LR]), s.momentum, s.weight_decay,
         s.client_betas,
     )  # fmt: skip
-    seed = client_seed(s.seed, cm.server_round, cm.client)
+    run = LocalRun(
+        cm, x, y, optimizer, prep, client_seed(s.seed, cm.server_round, cm.client)
+    )
     received = (  # Ditto's anchor and its personal model's first start
         {k: v.detach().clone() for k, v in cm.model.state_dict().items()}
         if s.ditto_lambda
@@ -335,23 +337,17 @@ def train(msg: Message, context: Context) -> Message:
     _load_optimizer_modules(s.client_optimizer)
     started = time.perf_counter()
     if s.dp:
-        result, metrics = _train_private(cm, context, x, y, optimizer, prep, seed,
-                                         objective)  # fmt: skip
+        result, metrics = run.private(context, objective)
     else:
         if s.head_epochs:
-            _train_head(cm, x, y, optimizer, prep, seed, objective)
+            run.head(objective)
         # FedRep: then the shared body alone, the classifier frozen
         body = training_only(cm.model, cm.sharing.shared)
         with body if s.head_epochs else nullcontext():
-            result = train_local(
-                cm.model, x, y,
-                epochs=s.local_epochs, batch_size=s.batch_size, optimizer=optimizer,
-                preprocess=prep, seed=seed, max_grad_norm=s.max_grad_norm,
-                objective=objective,
-            )  # fmt: skip
+            result = run.epochs(cm.model, s.local_epochs, objective)
         metrics = {TRAIN_LOSS: result.loss}
     if s.ditto_lambda:
-        _train_personal(cm, context, x, y, optimizer, prep, seed, received)
+        run.personal(context, received)
     seconds = time.perf_counter() - started
     straggle(seconds, node_slowdown(context))
     objective.save(context, cm.client, cm.model)
@@ -373,67 +369,101 @@ def train(msg: Message, context: Context) -> Message:
         )
         metrics[UPDATE_NORM] = norm
     if attacking and s.attack in MODEL_POISONING:
-        shared = poisoned(s.attack, msg.content[ARRAYS], shared, s.attack_scale, seed)
+        shared = poisoned(
+            s.attack, msg.content[ARRAYS], shared, s.attack_scale, run.seed
+        )
     return cm.reply(msg, metrics, shared, objective.reply_records())
 
 
-def _train_head(
-    cm: ClientModel,
-    x: torch.Tensor,
-    y: torch.Tensor,
-    optimizer: ClientOptimizer,
-    prep: Transform,
-    seed: int,
-    objective: LocalObjective,
-) -> None:
-    """FedRep's first phase (Collins et al. 2021, Algorithm 1): `head-epochs`
-    epochs of the client's own classifier with the shared body frozen (its
-    BatchNorm statistics too); the body's epochs follow with the classifier
-    frozen. The objective's regulariser anchors shared entries only, so this
-    phase keeps SAM but no regulariser."""
-    with training_only(cm.model, cm.sharing.local), frozen_bn_statistics(cm.model):
-        train_local(
-            cm.model, x, y,
-            epochs=cm.settings.head_epochs, batch_size=cm.settings.batch_size,
-            optimizer=optimizer, preprocess=prep, seed=seed + 3,
-            max_grad_norm=cm.settings.max_grad_norm,
-            objective=LocalObjective(objective.sam_rho),
+@dataclass
+class LocalRun:
+    """One round's local training on one client: its model, examples (after
+    any label flip), optimiser, preprocessing and seed, and the passes that
+    train on them. Each pass draws from its own seeds (`seed`, `seed + 3`,
+    `seed + 6`: `train_local` uses three from its seed)."""
+
+    cm: ClientModel
+    x: torch.Tensor
+    y: torch.Tensor
+    optimizer: ClientOptimizer
+    prep: Transform
+    seed: int
+
+    def epochs(
+        self,
+        model: torch.nn.Module,
+        epochs: int,
+        objective: LocalObjective,
+        seed_offset: int = 0,
+    ) -> TrainResult:
+        """`epochs` of SGD steps on `model` for `objective`."""
+        s = self.cm.settings
+        return train_local(
+            model, self.x, self.y,
+            epochs=epochs, batch_size=s.batch_size, optimizer=self.optimizer,
+            preprocess=self.prep, seed=self.seed + seed_offset,
+            max_grad_norm=s.max_grad_norm, objective=objective,
         )  # fmt: skip
 
+    def head(self, objective: LocalObjective) -> None:
+        """FedRep's first phase (Collins et al. 2021, Algorithm 1): `head-epochs`
+        epochs of the client's own classifier with the shared body frozen (its
+        BatchNorm statistics too); the body's epochs follow with the classifier
+        frozen. The objective's regulariser anchors shared entries only, so this
+        phase keeps SAM but no regulariser."""
+        model = self.cm.model
+        with training_only(model, self.cm.sharing.local), frozen_bn_statistics(model):
+            self.epochs(
+                model,
+                self.cm.settings.head_epochs,
+                LocalObjective(objective.sam_rho),
+                3,
+            )
 
-def _train_personal(
-    cm: ClientModel,
-    context: Context,
-    x: torch.Tensor,
-    y: torch.Tensor,
-    optimizer: ClientOptimizer,
-    prep: Transform,
-    seed: int,
-    received: dict[str, torch.Tensor],
-) -> None:
-    """Ditto's personal step (Li et al. 2021, Algorithm 1): the client's own
-    model v_k (the received model before its first round) trains
-    `local-epochs` on F_k(v) + lambda/2 ||v - w^t||^2, w^t the received
-    global model, and stays in `context.state`; it never travels."""
-    personal = settings_model(cm.settings, cm.dataset)
-    stored = context.state.get(ditto_state_key(cm.client))
-    start = (
-        stored.to_torch_state_dict() if isinstance(stored, ArrayRecord) else received
-    )
-    personal.load_state_dict(start)
-    personal.to(cm.device)
-    anchor = {n: p for n, p in personal.named_parameters() if p.requires_grad}
-    pull = ProxTerm(cm.settings.ditto_lambda)
-    pull.anchor = {name: received[name].to(cm.device) for name in anchor}
-    train_local(
-        personal, x, y,
-        epochs=cm.settings.local_epochs, batch_size=cm.settings.batch_size,
-        optimizer=optimizer, preprocess=prep, seed=seed + 6,
-        max_grad_norm=cm.settings.max_grad_norm,
-        objective=LocalObjective(regularizer=pull),
-    )  # fmt: skip
-    state = {k: v.detach().cpu() for k, v in personal.state_dict().items()}
-    context.state[ditto_state_key(cm.client)] = ArrayRecord(state)
+    def personal(self, context: Context, received: dict[str, torch.Tensor]) -> None:
+        """Ditto's personal step (Li et al. 2021, Algorithm 1): the client's own
+        model v_k (the received model before its first round) trains
+        `local-epochs` on F_k(v) + lambda/2 ||v - w^t||^2, w^t the received
+        global model, and stays in `context.state`; it never travels."""
+        cm = self.cm
+        personal = settings_model(cm.settings, cm.dataset)
+        stored = context.state.get(ditto_state_key(cm.client))
+        start = (
+            stored.to_torch_state_dict()
+            if isinstance(stored, ArrayRecord)
+            else received
+        )
+        personal.load_state_dict(start)
+        personal.to(cm.device)
+        pull = ProxTerm(cm.settings.ditto_lambda)
+        pull.anchor = {
+            name: received[name].to(cm.device)
+            for name, p in personal.named_parameters()
+            if p.requires_grad
+        }
+        self.epochs(
+            personal, cm.settings.local_epochs, LocalObjective(regularizer=pull), 6
+        )
+        state = {k: v.detach().cpu() for k, v in personal.state_dict().items()}
+        context.state[ditto_state_key(cm.client)] = ArrayRecord(state)
+
+    def private(
+        self, context: Context, objective: LocalObjective
+    ) -> tuple[TrainResult, dict[str, float]]:
+        """DP-SGD for one round; the privacy spent over every round so far. The
+        loss on the private batches is not covered by epsilon, so it does not
+        leave the client."""
+        cm = self.cm
+        check_private_model(cm.model, cm.settings.model)
+        plan = PrivacyPlan.from_settings(cm.settings, len(self.y))
+        ledger = PrivacyLedger.load(context, cm.client, plan)
+        result = train_private(
+            cm.model, self.x, self.y, plan=plan, optimizer=self.optimizer,
+            preprocess=self.prep, seed=self.seed, objective=objective,
+        )  # fmt: skip
+        ledger.spend(result.steps)
+        ledger.save(context, cm.client)
+        return result, ledger.metrics()
 
 
 def step_metrics(
@@ -476,31 +506,6 @@ def straggle(seconds: float, slowdown: float) -> None:
     would have returned, only later."""
     if slowdown > 1:
         time.sleep((slowdown - 1) * seconds)
-
-
-def _train_private(
-    cm: ClientModel,
-    context: Context,
-    x: torch.Tensor,
-    y: torch.Tensor,
-    optimizer: ClientOptimizer,
-    prep: Transform,
-    seed: int,
-    objective: LocalObjective,
-) -> tuple[TrainResult, dict[str, float]]:
-    """DP-SGD for one round; the privacy spent over every round so far. The
-    loss on the private batches is not covered by epsilon, so it does not
-    leave the client."""
-    check_private_model(cm.model, cm.settings.model)
-    plan = PrivacyPlan.from_settings(cm.settings, len(y))
-    ledger = PrivacyLedger.load(context, cm.client, plan)
-    result = train_private(
-        cm.model, x, y, plan=plan, optimizer=optimizer,
-        preprocess=prep, seed=seed, objective=objective,
-    )  # fmt: skip
-    ledger.spend(result.steps)
-    ledger.save(context, cm.client)
-    return result, ledger.metrics()
 
 
 @app.evaluate()
