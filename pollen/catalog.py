@@ -123,7 +123,7 @@ AGGREGATORS: dict[str, Part] = _by_name(
          "extremes on each side (Yin et al. 2018)", f"{ROBUST}:TrimmedMean"),
     Part("krum", "the one reply closest to its n-f-2 neighbours (Blanchard "
          "et al. 2017)", f"{ROBUST}:Krum"),
-    Part("multi-krum", "weighted mean of the krum-select replies of lowest "
+    Part("multi-krum", "mean of the krum-select replies of lowest "
          "Krum score", f"{ROBUST}:Krum"),
     Part("bulyan", "recursive Krum, then a trimmed mean around the median "
          "(El Mhamdi et al. 2018)", f"{ROBUST}:Bulyan"),

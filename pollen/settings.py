@@ -655,8 +655,18 @@ def _check_combination(values: dict[str, Scalar]) -> None:
     if values["dp"] and str(values["local-objective"]).endswith("sam"):
         raise SettingsError(
             f"dp=true with local-objective={values['local-objective']!r}: SAM's "
-            "second pass has no per-sample clipping; allowed with dp: plain, "
-            "prox, feddyn"
+            "second pass has no per-sample clipping; allowed with dp: "
+            + ", ".join(o for o in LOCAL_OBJECTIVES if not o.endswith("sam"))
+        )
+    if (
+        values["local-objective"] in CONTROL_VARIATE_OBJECTIVES
+        and values["client-optimizer"] != "sgd"
+    ):
+        raise SettingsError(
+            f"local-objective={values['local-objective']!r} with client-optimizer="
+            f"{values['client-optimizer']!r}: SCAFFOLD's c_k^+ = c_k - c + "
+            "(x - y) / (lr K) reads the round's mean gradient off SGD steps; "
+            "allowed: client-optimizer='sgd'"
         )
     _check_aggregator(values)
     _check_central_dp(values)
@@ -679,6 +689,11 @@ def _check_aggregator(values: dict[str, Scalar]) -> None:
     """Refuse an aggregator other than the mean where its result would be
     misused or undefined for the round's sample."""
     aggregator = values["aggregator"]
+    if values["krum-select"] and aggregator != "multi-krum":
+        raise SettingsError(
+            f"krum-select={values['krum-select']} with aggregator={aggregator!r}: "
+            "only multi-krum averages several replies; set aggregator='multi-krum'"
+        )
     if aggregator == "mean":
         return
     if values["local-objective"] in CONTROL_VARIATE_OBJECTIVES:
@@ -722,6 +737,12 @@ def _check_aggregator(values: dict[str, Scalar]) -> None:
             f"replies per round ({needed}); a round samples {n} (client-frac x "
             "num-clients); sample more clients or lower byzantine-clients"
         )
+    if aggregator == "trimmed-mean" and int(float(values["trim-fraction"]) * n) == 0:
+        raise SettingsError(
+            f"trim-fraction={values['trim-fraction']:g} of the {n} replies a round "
+            f"samples trims none (floor({values['trim-fraction']:g} x {n}) = 0): the "
+            f"rule would be the plain mean; allowed: at least {1 / n:g}"
+        )
     if aggregator == "multi-krum" and select > n - f:
         raise SettingsError(
             f"krum-select={select} above n - f = {n - f} (a round samples {n}, "
@@ -746,6 +767,21 @@ def _check_central_dp(values: dict[str, Scalar]) -> None:
                             "noise; use another local objective"),
         "dp": (bool(values["dp"]), "choose example-level DP-SGD (dp=true) or "
                "user-level central DP, not both"),
+        "update-norm-bound": (bool(values["update-norm-bound"]), "a bound relative "
+                              "to the round's median norm lets one client change "
+                              "the others' contributions; set update-norm-bound=0 "
+                              "(central DP clips every update to C)"),
+        "resume": (bool(values["resume"]), "the rounds after the checkpoint were "
+                   "released once already, and a resumed accountant would not "
+                   "count them; start a new run instead"),
+        "model": (
+            MODELS[str(values["model"])].batchnorm
+            and values["sharing"] in ("all", "fedper")
+            and values["bn-policy"] == "shared",
+            "BatchNorm's running statistics would be released with noise (a "
+            "negative variance breaks the model); set bn-policy='silobn' or "
+            "'fedbn', or use a model without BatchNorm (mlp, cnn-gn, simple-cnn)",
+        ),
     }  # fmt: skip
     for key, (refused, why) in reasons.items():
         if refused:

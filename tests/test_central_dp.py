@@ -117,8 +117,9 @@ def test_fixed_clipping_equals_flowers_wrapper_without_noise(seed: int) -> None:
 
 def test_adaptive_clip_norm_follows_the_unclipped_share() -> None:
     """C = 2, gamma = 0.2, eta = 0.2: one of two updates is unclipped, b_bar
-    = 0.5 > gamma, so C shrinks to 2 exp(-0.2 x 0.3); noise z_Delta from
-    Theorem 1 of Andrew et al. equals Flower's for the same z and sigma_b."""
+    = (1 - 2/2) / 2 + 1/2 = 0.5 > gamma (the centred count, no noise), so C
+    shrinks to 2 exp(-0.2 x 0.3); noise z_Delta from Theorem 1 of Andrew et
+    al. equals Flower's for the same z and sigma_b."""
     current = {"w": np.array([1.0, 1.0], np.float32)}
     updates = [update(0, [4.0, 5.0]), update(1, [1.6, 1.8])]
     dp = mechanism(adaptive=True, quantile=0.2, clip_lr=0.2, count_noise=1.0)
@@ -225,9 +226,28 @@ def test_state_survives_a_checkpoint() -> None:
             {"central-dp": "adaptive", "central-noise-multiplier": 2.0},
             r"count noise 0.5 must exceed",
         ),
+        ({"update-norm-bound": 2.0}, r"set update-norm-bound=0"),
+        ({"resume": "results/x"}, r"released once already"),
+        ({"model": "mlp-bn"}, r"BatchNorm's running statistics"),
     ],
 )
 def test_refused_combinations_name_the_reason(overrides: dict, message: str) -> None:
     config = {"num-clients": 10, "client-frac": 1.0, "central-dp": "fixed", **overrides}
     with pytest.raises(SettingsError, match=message):
         Settings.from_run_config(config)
+
+
+def test_the_count_is_centred_so_one_client_moves_it_by_a_half() -> None:
+    """The released count sum_k (b_k - 1/2) changes by 1/2 when one client
+    comes or goes, whatever its bit: the sensitivity Theorem 1 needs."""
+
+    def released(bits: list[int]) -> float:
+        dp = mechanism(adaptive=True, count_noise=1.0, sample_size=len(bits))
+        norms = [1.0 if b else 50.0 for b in bits]  # C = 2
+        updates = [update(k, [1.0 + v, 1.0]) for k, v in enumerate(norms)]
+        report = dp(updates, {"w": np.array([1.0, 1.0], np.float32)}).report
+        return (report["unclipped"] - 0.5) * dp.sample_size
+
+    base = [1, 0, 1]
+    for extra in (0, 1):
+        assert abs(released([*base, extra]) - released(base)) == pytest.approx(0.5)

@@ -70,7 +70,8 @@ def test_trimmed_mean_by_hand() -> None:
 def test_krum_scores_by_hand() -> None:
     """Points 0, 1, 3, 10 on a line, f = 1: each sums its n - f - 2 = 1
     nearest squared distances: 1, 1, 4, 49; Krum picks client 0 (first of
-    the tie), multi-Krum with m = 2 averages clients 0 and 1 by examples."""
+    the tie), multi-Krum with m = 2 averages clients 0 and 1, unweighted
+    (client 1's claim of 3 examples changes nothing)."""
     updates = [update(0, [0], 1), update(1, [1], 3), update(2, [3]), update(3, [10])]
     distances = squared_distances(updates, ["w"])
     np.testing.assert_array_equal(krum_scores(distances, 1), [1, 1, 4, 49])
@@ -78,10 +79,10 @@ def test_krum_scores_by_hand() -> None:
     np.testing.assert_array_equal(krum_scores(distances, 0), [10, 5, 13, 130])
     np.testing.assert_array_equal(krum(updates, ["w"]).arrays["w"], [1])
     multi = Krum(byzantine=1, select=2)(updates, ["w"])
-    np.testing.assert_allclose(multi.arrays["w"], [0.75])  # (0 x 1 + 1 x 3) / 4
+    np.testing.assert_allclose(multi.arrays["w"], [0.5])
     assert [u.client for u in multi.updates] == [0, 1]
     assert Krum(byzantine=1, select=0)(updates, ["w"]).arrays["w"] == pytest.approx(
-        (0 + 3 + 3) / 5  # m = n - f = 3: clients 0, 1, 2
+        (0 + 1 + 3) / 3  # m = n - f = 3: clients 0, 1, 2
     )
 
 
@@ -119,13 +120,15 @@ SHAPES = {"conv": (4, 3, 3, 3), "bias": (4,), "fc": (10, 8)}
 
 
 def replies_and_updates(
-    seed: int, n: int, outliers: int
+    seed: int, n: int, outliers: int, equal_counts: bool = False
 ) -> tuple[list, list[ClientUpdate]]:
     """n random float32 replies of several shapes, as Flower's messages and
     pollen's updates: honest ones around 0 with a spread growing by 1.3x
     per client, the last `outliers` far off and far from each other."""
     rng = np.random.default_rng(seed)
     counts = [int(c) for c in rng.integers(1, 500, size=n)]
+    if equal_counts:  # what Flower's example-weighted MultiKrum and pollen share
+        counts = [100] * n
     clients = []
     for k in range(n):
         spread, shift = (1.3**k, 0.0) if k < n - outliers else (10.0, 100.0 * k)
@@ -203,7 +206,7 @@ def test_multi_krum_equals_flowers_multikrum(
     seed: int, n: int, outliers: int, select: int
 ) -> None:
     f = max(outliers, 1)
-    messages, updates = replies_and_updates(seed, n, outliers)
+    messages, updates = replies_and_updates(seed, n, outliers, equal_counts=True)
     strategy = MultiKrum(num_malicious_nodes=f, num_nodes_to_select=select)
     flower, _ = strategy.aggregate_train(1, messages)
     assert_same(pollen_model(Krum(byzantine=f, select=select), updates), flower)
@@ -257,6 +260,8 @@ def run_config(**overrides: object) -> dict[str, object]:
         ({"aggregator": "trimmed-mean", "strategy": "fedbuff"}, r"mode='async'"),
         ({"aggregator": "trimmed-mean", "trim_fraction": 0.5}, r"in \[0, 0.5\)"),
         ({"aggregator": "geomed"}, r"one of mean, median, trimmed-mean"),
+        ({"aggregator": "krum", "krum_select": 3}, r"only multi-krum averages"),
+        ({"aggregator": "trimmed-mean", "trim_fraction": 0.05}, r"trims none .*0.1"),
     ],
 )  # fmt: skip
 def test_settings_refuse_what_a_rule_cannot_do(overrides: dict, message: str) -> None:
@@ -267,13 +272,13 @@ def test_settings_refuse_what_a_rule_cannot_do(overrides: dict, message: str) ->
 def test_compose_builds_each_aggregator_from_settings() -> None:
     from pollen.catalog import AGGREGATORS
 
-    settings = Settings.from_run_config(
-        run_config(byzantine_clients=1, krum_select=3, trim_fraction=0.3)
-    )
+    def settings(name: str) -> Settings:
+        select = {"krum_select": 3} if name == "multi-krum" else {}
+        config = run_config(byzantine_clients=1, trim_fraction=0.3, **select)
+        return Settings.from_run_config({**config, "aggregator": name})
+
     built = {
-        name: part.load().from_settings(
-            Settings.from_run_config({**settings.to_run_config(), "aggregator": name})
-        )
+        name: part.load().from_settings(settings(name))
         for name, part in AGGREGATORS.items()
     }
     assert built["trimmed-mean"].beta == 0.3

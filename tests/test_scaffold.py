@@ -154,6 +154,10 @@ def test_server_control_checkpoints_and_refuses_a_foreign_state() -> None:
             r"allowed with scaffold: mean",
         ),
         ({"strategy": "scaffold", "mode": "async"}, r"synchronous rounds"),
+        (
+            {"strategy": "scaffold", "client-optimizer": "adam"},
+            r"allowed: client-optimizer='sgd'",
+        ),
     ],
 )
 def test_refused_combinations_name_the_reason(overrides: dict, message: str) -> None:

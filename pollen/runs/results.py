@@ -226,9 +226,11 @@ def round_lines(record: RoundRecord, total_rounds: int, seconds_left: float) -> 
 def _central_dp_text(report: dict[str, float]) -> str:
     if "epsilon" not in report:
         return ""
+    share = report.get("unclipped")
     return (
-        f", user-level epsilon {report['epsilon']:.2f} (clip {report['clip-norm']:.3g}, "
-        f"{100 * report['unclipped']:.0f}% unclipped)"
+        f", user-level epsilon {report['epsilon']:.2f} (clip {report['clip-norm']:.3g}"
+        + (f", {100 * share:.0f}% unclipped, noised" if share is not None else "")
+        + ")"
     )
 
 

@@ -21,12 +21,14 @@ bound. Adaptive clipping moves C towards the gamma-quantile of the update
 norms: with b_k = 1 when ||y_k - x|| <= C (the client reports its norm when
 it clips itself),
 
-    b_bar = (sum_k b_k + N(0, sigma_b^2)) / m,    C <- C exp(-eta (b_bar - gamma)),
+    b_bar = (sum_k (b_k - 1/2) + N(0, sigma_b^2)) / m + 1/2,
+    C <- C exp(-eta (b_bar - gamma)).
 
-and the update's noise becomes z_Delta = (z^-2 - (2 sigma_b)^-2)^(-1/2), so
-that the two releases together cost what one Gaussian mechanism of
-multiplier z costs (Andrew et al., Theorem 1). With fixed clipping z_Delta
-= z.
+Centring the bits makes one client change the noised sum by at most 1/2,
+so the update's noise can be z_Delta = (z^-2 - (2 sigma_b)^-2)^(-1/2) and
+the two releases together cost what one Gaussian mechanism of multiplier z
+costs (Andrew et al., Theorem 1; TensorFlow Privacy's quantile estimator
+centres the same way). With fixed clipping z_Delta = z.
 
 The privacy spent is counted per release (a round that aggregated) by
 Opacus's RDP accountant at `dp-delta`, with no amplification by sampling:
@@ -35,9 +37,12 @@ accountants at hand assume Poisson sampling, so none is claimed.
 `tests/test_central_dp.py` checks that accountant against Opacus's PRV
 accountant and the exact epsilon of composed Gaussian mechanisms.
 
-Covered: the model's floating entries (BatchNorm's statistics included).
-Not covered: integer entries (BatchNorm's batch counters, averaged as
-usual) and the metrics a reply carries (example count, training time).
+Covered: the model's floating entries that travel (settings refuse
+BatchNorm statistics that would travel: noise would make a variance
+negative). Not covered: integer entries (averaged, unweighted), the metrics
+a reply carries (example count, training time), and personal evaluations
+of what stays on the clients (FedBN/FedPer entries, Ditto's models), whose
+metrics reach the history without noise.
 The noise comes from the operating system's entropy, never from `seed`: a
 run with central DP is not bit-reproducible, by design.
 """
@@ -197,17 +202,16 @@ class CentralDP(Rule):
             records = [u.arrays for u in updates]
             arrays.update({k: mean64(records, w, k) for k in others})
         clip_norm = self.clip_norm
+        report = {"clip-norm": clip_norm}
         if self.adaptive:
+            centred = unclipped - len(updates) / 2
             noisy = (
-                unclipped + self.rng.normal(0.0, self.count_noise)
+                centred + self.rng.normal(0.0, self.count_noise)
             ) / self.sample_size
-            self.clip_norm *= math.exp(-self.clip_lr * (noisy - self.quantile))
+            self.clip_norm *= math.exp(-self.clip_lr * (noisy + 0.5 - self.quantile))
+            report["unclipped"] = noisy + 0.5  # noised: the exact share is private
         self.releases += 1
-        report = {
-            "clip-norm": clip_norm,
-            "unclipped": unclipped / len(updates),
-            "epsilon": self.epsilon,
-        }
+        report["epsilon"] = self.epsilon
         return Aggregate(arrays, tuple(updates), report)
 
     def state_arrays(self) -> dict[str, np.ndarray]:
@@ -217,5 +221,10 @@ class CentralDP(Rule):
         }
 
     def load_state_arrays(self, state: Mapping[str, np.ndarray]) -> None:
+        if "central-dp/releases" not in state:
+            raise ValueError(
+                "the checkpoint holds no central-DP state (clip norm, releases): "
+                "it was written by a run without central-dp"
+            )
         self.clip_norm = float(state["central-dp/clip-norm"])
         self.releases = int(state["central-dp/releases"])

@@ -14,16 +14,16 @@ Notation: n replies, of which at most f (`byzantine-clients`) are Byzantine.
 - **Krum** and **multi-Krum** (Blanchard et al. 2017, "Machine learning with
   adversaries: Byzantine tolerant gradient descent"): score(k) = sum of the
   squared distances from x_k to its n - f - 2 nearest other replies; Krum
-  takes the reply of lowest score, multi-Krum the example-weighted mean of
-  the m lowest;
+  takes the reply of lowest score, multi-Krum the mean of the m lowest;
 - **Bulyan** (El Mhamdi et al. 2018, "The hidden vulnerability of
   distributed learning in Byzantium", Algorithm 2): Krum applied
   recursively (pick, remove, re-score the rest) selects theta = n - 2f
   replies; per coordinate, the mean of the beta = theta - 2f selected values
   closest to their median.
 
-The rules are unweighted where the papers are (median, trimmed mean, Bulyan:
-a Byzantine client could claim any example count). Flower 1.41 ships the
+The rules are unweighted, as the papers are: a Byzantine client could
+claim any example count (Flower's MultiKrum weights its selected replies by
+it; the test compares them with equal counts). Flower 1.41 ships the
 same rules as strategies (FedMedian, FedTrimmedAvg, Krum, MultiKrum,
 Bulyan); tests/test_robust.py checks pollen's results against theirs. One
 difference is deliberate: Flower's Bulyan selects its theta replies by one
@@ -87,18 +87,18 @@ class TrimmedMean(Rule):
 
 
 class Krum(Rule):
-    """Multi-Krum: the example-weighted mean of the `select` replies of lowest
-    Krum score; `select` = 1 is Krum itself (its one reply, unchanged).
-    `select` = 0 means n - f, Blanchard et al.'s suggestion."""
+    """Multi-Krum: the mean of the `select` replies of lowest Krum score;
+    `select` = 1 is Krum itself (its one reply, unchanged). `select` = 0
+    means n - f, Blanchard et al.'s suggestion."""
 
-    def __init__(self, byzantine: int, select: int = 1, uniform: bool = False) -> None:
+    def __init__(self, byzantine: int, select: int = 1) -> None:
         if byzantine < 0 or select < 0:
             raise ValueError(
                 f"byzantine={byzantine}, select={select}: allowed >= 0 each"
             )
         self.byzantine = byzantine
         self.select = select
-        self.mean = Mean(uniform)
+        self.mean = Mean(uniform=True)
 
     @property
     def min_updates(self) -> int:
@@ -108,7 +108,7 @@ class Krum(Rule):
     @classmethod
     def from_settings(cls, settings: Any, uniform: bool = False) -> Krum:
         select = 1 if settings.aggregator == "krum" else settings.krum_select
-        return cls(settings.byzantine_clients, select, uniform)
+        return cls(settings.byzantine_clients, select)
 
     def __call__(
         self,

@@ -255,6 +255,8 @@ class Strategy:
         """Aggregate the outcome's updates and step the server update into
         its arrays, or leave it skipped with fewer than `min_replies` or than
         the aggregation step is defined for."""
+        if self.control:  # the clients kept their c_k^+: c follows, skipped or not
+            self.control.update(outcome.updates)
         needed = self.min_updates
         if len(outcome.updates) < needed:
             log(WARNING, "pollen: round %d skipped, the model is unchanged: %d valid "
@@ -270,8 +272,6 @@ class Strategy:
         used = {update.client for update in aggregate.updates}
         outcome.unselected = [u.client for u in outcome.updates if u.client not in used]
         outcome.arrays = self.step(request.model, request.shared, aggregate)
-        if self.control:
-            self.control.update(outcome.updates)
         return outcome
 
     def step(
