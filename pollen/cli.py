@@ -6,7 +6,8 @@ work is done elsewhere: `pollen run` by `pollen.deployment.launch`,
 `pollen.deployment.cluster`), `pollen superexec` by
 `pollen.deployment.superexec`, `pollen compare` and `pollen report` by
 `pollen.experiments.compare` (tables and plots: `pollen.experiments.report`),
-`pollen centralized` by `pollen.experiments.centralized`. An expected error
+`pollen centralized` by `pollen.experiments.centralized`, `pollen list` and
+`pollen config` by `pollen.listing`. An expected error
 is printed as one line and ends the command with the exit status
 `EXIT_CODES` gives its kind: `EXIT_BAD_INPUT` for input to fix before
 anything runs, `EXIT_FAILED` for a deployment or a process that failed (and
@@ -22,6 +23,7 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
+from . import listing
 from .deployment import cluster, deploy_actions, launch
 from .deployment.network import NetworkError
 from .deployment.processes import ProcessError
@@ -163,6 +165,19 @@ def build_parser() -> argparse.ArgumentParser:
         "started with --isolation process); `pollen superexec --help`",
     )  # fmt: skip
     _add_compare_parsers(commands)
+    listing_parser = commands.add_parser(
+        "list", help="what pollen offers: strategies, parts, models, data sets, keys"
+    )
+    listing_parser.add_argument(
+        "section", nargs="?", choices=list(listing.SECTIONS),
+        help="one section (default: all but keys)",
+    )  # fmt: skip
+    listing_parser.set_defaults(handler=lambda a: print(listing.listing(a.section)))
+    config_parser = commands.add_parser(
+        "config", help="one run-config key: its type, default, allowed values"
+    )
+    config_parser.add_argument("key")
+    config_parser.set_defaults(handler=lambda a: print(listing.describe_key(a.key)))
     central = commands.add_parser(
         "centralized", help="the centralised baseline: the run's model and data, no federation",
         description="Reads the same run config as `pollen run` and trains its model "

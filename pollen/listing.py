@@ -1,0 +1,138 @@
+"""What pollen offers, printed from the one declaration of each name.
+
+`pollen list [SECTION]` prints the catalogue (`pollen.catalog`: strategy
+presets and the parts they combine, models, data sets, partitions) and the
+run-config keys (`pollen.settings.Settings.describe`); `pollen config KEY`
+prints one key. Nothing here is a second list to keep in sync: a new part,
+model or key appears here as soon as it is declared. Torch-free, so the
+answer comes without loading a model.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+from collections.abc import Callable
+
+from .catalog import (
+    AGGREGATORS,
+    ATTACKS,
+    CENTRAL_DP,
+    DATA_SETS,
+    LOCAL_OBJECTIVES,
+    MODELS,
+    PARTITIONS,
+    PRESETS,
+    SERVER_UPDATES,
+    SHARING_POLICIES,
+    ModelInfo,
+)
+from .settings import Settings, SettingsError
+
+
+def _rows(pairs: list[tuple[str, str]], indent: int = 2) -> str:
+    width = max(len(name) for name, _ in pairs)
+    pad = " " * indent
+    return "\n".join(f"{pad}{name:<{width}}  {text}".rstrip() for name, text in pairs)
+
+
+def strategies() -> str:
+    """Each preset and the parts (and settings) it chooses."""
+    return _rows(
+        [
+            (name, ", ".join(f"{key}={value}" for key, value in parts.items()))
+            for name, parts in PRESETS.items()
+        ]
+    )
+
+
+def parts() -> str:
+    """The composable parts, by the key that chooses them."""
+    sections = [
+        ("server-update", [(p.name, p.summary) for p in SERVER_UPDATES.values()]),
+        ("aggregator", [(p.name, p.summary) for p in AGGREGATORS.values()]),
+        ("local-objective", [(p.name, p.summary) for p in LOCAL_OBJECTIVES.values()]),
+        ("bn-policy / sharing", [(name, "") for name in SHARING_POLICIES]),
+        ("central-dp", [(name, "") for name in CENTRAL_DP]),
+        ("attack", [(name, "") for name in ATTACKS]),
+    ]
+    return "\n".join(f"  {key}:\n{_rows(pairs, 4)}" for key, pairs in sections)
+
+
+def _model_notes(info: ModelInfo) -> str:
+    flags = [
+        ("BatchNorm", info.batchnorm),
+        ("LoRA", info.lora),
+        (f"images of at least {info.min_side}px", info.min_side > 0),
+        ("colour only", info.colour_only),
+    ]
+    marked = [label for label, on in flags if on]
+    return f" ({', '.join(marked)})" if marked else ""
+
+
+def models() -> str:
+    return _rows([(m.name, m.summary + _model_notes(m)) for m in MODELS.values()])
+
+
+def datasets() -> str:
+    return _rows(
+        [
+            (
+                d.name,
+                f"{d.summary}; {d.channels}x{d.side}x{d.side}, {d.classes} classes",
+            )
+            for d in DATA_SETS.values()
+        ]
+    )
+
+
+def partitions() -> str:
+    return _rows([(name, "") for name in PARTITIONS])
+
+
+def keys() -> str:
+    return _rows(
+        [(key, f"{default!r}: {text}") for key, default, text, _ in Settings.describe()]
+    )
+
+
+SECTIONS: dict[str, Callable[[], str]] = {
+    "strategies": strategies,
+    "parts": parts,
+    "models": models,
+    "datasets": datasets,
+    "partitions": partitions,
+    "keys": keys,
+}
+
+
+def listing(section: str | None = None) -> str:
+    """One section, or every section but the keys (`pollen list keys`)."""
+    chosen = [section] if section else [s for s in SECTIONS if s != "keys"]
+    return "\n\n".join(f"{name}:\n{SECTIONS[name]()}" for name in chosen)
+
+
+def describe_key(name: str) -> str:
+    """A key's type, default, allowed values and help; a close match for a typo."""
+    table = {
+        key: (default, text, allowed)
+        for key, default, text, allowed in Settings.describe()
+    }
+    if name not in table:
+        close = difflib.get_close_matches(name, table, n=3)
+        hint = f"; did you mean {', '.join(close)}?" if close else ""
+        raise SettingsError(
+            f"unknown run-config key {name!r}{hint} (`pollen list keys`)"
+        )
+    default, text, allowed = table[name]
+    field = next(
+        f for f in dataclasses.fields(Settings) if f.name == name.replace("-", "_")
+    )
+    return "\n".join(
+        [
+            f"{name}: {text}",
+            f"  type: {field.metadata['kind'].__name__}",
+            f"  default: {default!r}",
+            f"  allowed: {allowed or 'any'}",
+        ]
+    )

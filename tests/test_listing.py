@@ -1,0 +1,37 @@
+"""`pollen list` and `pollen config`: generated from the catalogue and the
+settings declaration, so every name declared there is listed."""
+
+from __future__ import annotations
+
+import pytest
+
+from pollen import cli, listing
+from pollen.catalog import AGGREGATORS, DATA_SETS, LOCAL_OBJECTIVES, MODELS, PRESETS
+from pollen.settings import Settings
+
+
+def test_every_declared_name_is_listed() -> None:
+    text = listing.listing()
+    for names in (PRESETS, AGGREGATORS, LOCAL_OBJECTIVES, MODELS, DATA_SETS):
+        for name in names:
+            assert f"  {name} " in text or f"  {name}\n" in text, name
+    assert "ditto-lambda=0.1" in text and "head-epochs=2" in text  # preset settings
+
+
+def test_keys_section_lists_every_key_with_its_default() -> None:
+    lines = listing.listing("keys").splitlines()[1:]
+    assert [line.split()[0] for line in lines] == [k for k, *_ in Settings.describe()]
+
+
+def test_config_describes_a_key_and_suggests_for_a_typo(capsys) -> None:
+    assert cli.main(["config", "trim-fraction"]) == 0
+    out = capsys.readouterr().out
+    assert "type: float" in out and "default: 0.2" in out and "[0, 0.5)" in out
+    assert cli.main(["config", "trim-fraktion"]) == cli.EXIT_BAD_INPUT
+    assert "did you mean trim-fraction" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("section", list(listing.SECTIONS))
+def test_each_section_prints(section: str, capsys) -> None:
+    assert cli.main(["list", section]) == 0
+    assert capsys.readouterr().out.startswith(f"{section}:\n")
