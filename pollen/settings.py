@@ -319,6 +319,12 @@ class Settings:
     central_noise_multiplier: float = key(
         1.0, "central DP: z, noise std z C on the sum of clipped updates", above(0)
     )
+    central_epsilon: float = key(
+        0.0,
+        "central DP: calibrate the noise multiplier so that `rounds` rounds spend "
+        "this epsilon at dp-delta (0: use central-noise-multiplier)",
+        at_least(0),
+    )
     central_clip_quantile: float = key(
         0.5,
         "adaptive clipping: the share of updates C aims to leave unclipped",
@@ -792,6 +798,14 @@ def _check_central_dp(values: dict[str, Scalar]) -> None:
         float(values["central-noise-multiplier"]),
         float(values["central-count-noise"]),
     )
+    if values["central-epsilon"]:
+        from .strategies.central_dp import noise_for_epsilon  # opacus: only here
+
+        z = noise_for_epsilon(
+            float(values["central-epsilon"]),
+            int(values["rounds"]),
+            float(values["dp-delta"]),
+        )
     if mode == "adaptive":
         count = count or sample_size(
             int(values["num-clients"]), float(values["client-frac"]),

@@ -251,3 +251,14 @@ def test_the_count_is_centred_so_one_client_moves_it_by_a_half() -> None:
     base = [1, 0, 1]
     for extra in (0, 1):
         assert abs(released([*base, extra]) - released(base)) == pytest.approx(0.5)
+
+
+def test_central_epsilon_calibrates_the_noise_for_the_planned_rounds() -> None:
+    """z for epsilon 3 over 20 rounds spends at most 3 (within Opacus's
+    0.01 tolerance) after round 20, and more noise means less epsilon."""
+    settings = Settings.from_run_config(
+        {"central-dp": "fixed", "central-epsilon": 3.0, "rounds": 20, "model": "mlp"}
+    )
+    dp = CentralDP.from_settings(settings)
+    assert 2.95 <= epsilon_spent(dp.z, 20, 1e-5) <= 3.0
+    assert epsilon_spent(dp.z * 2, 20, 1e-5) < 1.5

@@ -59,8 +59,6 @@ from flwr.app import Array, ArrayRecord
 from ..protocol import CLIP_NORM, UPDATE_NORM
 from .aggregation import Aggregate, Arrays, ClientUpdate, Rule, mean64, normalized
 
-RDP_ORDERS = [1 + x / 10.0 for x in range(1, 100)] + list(range(12, 256))
-
 
 def update_noise_multiplier(z: float, count_noise: float) -> float:
     """z_Delta = (z^-2 - (2 sigma_b)^-2)^(-1/2): the update's share of a budget
@@ -80,13 +78,35 @@ def update_noise_multiplier(z: float, count_noise: float) -> float:
 def epsilon_spent(z: float, releases: int, delta: float) -> float:
     """Epsilon after `releases` Gaussian mechanisms of multiplier z at
     `delta` (Opacus's RDP accountant, no sampling amplification)."""
-    from opacus.accountants.analysis.rdp import compute_rdp, get_privacy_spent
+    from opacus.accountants import RDPAccountant
 
     if releases == 0:
         return 0.0
-    rdp = compute_rdp(q=1.0, noise_multiplier=z, steps=releases, orders=RDP_ORDERS)
-    epsilon, _ = get_privacy_spent(orders=RDP_ORDERS, rdp=rdp, delta=delta)
-    return float(epsilon)
+    accountant = RDPAccountant()
+    accountant.history = [(z, 1.0, releases)]
+    return float(accountant.get_epsilon(delta))
+
+
+def noise_for_epsilon(epsilon: float, releases: int, delta: float) -> float:
+    """The smallest z (Opacus's search, same accountant) whose `releases`
+    rounds spend at most `epsilon` at `delta`: `central-epsilon`."""
+    from opacus.accountants.utils import get_noise_multiplier
+
+    z = get_noise_multiplier(
+        target_epsilon=epsilon, target_delta=delta, sample_rate=1.0,
+        steps=releases, accountant="rdp",
+    )  # fmt: skip
+    return float(z)
+
+
+def planned_noise(settings: Any) -> float:
+    """z: `central-noise-multiplier`, or calibrated to `central-epsilon` over
+    the run's `rounds`."""
+    if settings.central_epsilon:
+        return noise_for_epsilon(
+            settings.central_epsilon, settings.rounds, settings.dp_delta
+        )
+    return settings.central_noise_multiplier
 
 
 def clipped_reply(
@@ -146,7 +166,7 @@ class CentralDP(Rule):
         n = settings.sample_size
         return cls(
             clip_norm=settings.central_clip_norm,
-            noise_multiplier=settings.central_noise_multiplier,
+            noise_multiplier=planned_noise(settings),
             sample_size=n,
             delta=settings.dp_delta,
             adaptive=adaptive,
