@@ -244,6 +244,10 @@ def test_the_niid_bench_grid_validates_with_its_named_variant(
         'local-objective="feddyn-sam" seed=846',
         'strategy-fedprox_seed-846: to run: checkpoint-every=5 strategy="fedprox" seed=846',
         'strategy-fedsam_seed-846: to run: checkpoint-every=5 strategy="fedsam" seed=846',
+        'strategy-scaffold_seed-846: to run: checkpoint-every=5 strategy="scaffold" '
+        "seed=846",
+        'strategy-fednova_seed-846: to run: checkpoint-every=5 strategy="fedavg" '
+        'aggregator="fednova" seed=846',
     ]
 
 
