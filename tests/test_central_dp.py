@@ -10,7 +10,6 @@ import numpy as np
 import pytest
 from flwr.app import Array, ArrayRecord, MetricRecord, RecordDict
 from flwr.serverapp.strategy import (
-    DifferentialPrivacyServerSideAdaptiveClipping,
     DifferentialPrivacyServerSideFixedClipping,
     FedAvg,
 )
@@ -133,20 +132,6 @@ def test_adaptive_clip_norm_follows_the_unclipped_share() -> None:
     _, flowers_z = compute_adaptive_noise_params(1.0, 2, 1.0)
     assert dp.z_update == pytest.approx(flowers_z) == pytest.approx((1 - 0.25) ** -0.5)
     assert update_noise_multiplier(1.0, 0.0) == 1.0
-
-
-def test_flowers_adaptive_wrapper_counts_clipped_updates() -> None:
-    """Why pollen's adaptive rule is checked by hand, not against Flower 1.41:
-    Flower's server-side adaptive wrapper feeds the share of *clipped*
-    updates into C <- C exp(-eta (b_bar - gamma)), where Andrew et al. use
-    the share of *unclipped* ones, so with every update clipped its C shrinks
-    further (pollen's grows, above)."""
-    flower = DifferentialPrivacyServerSideAdaptiveClipping(
-        FedAvg(), noise_multiplier=0.0, num_sampled_clients=2,
-        initial_clipping_norm=2.0, target_clipped_quantile=0.5, clip_norm_lr=0.2,
-    )  # fmt: skip
-    flower._geometric_update(flower._noisy_fraction(2, 2))  # both clipped
-    assert flower.clipping_norm < 2.0
 
 
 def test_client_side_clipping_and_its_reported_norm() -> None:
