@@ -261,7 +261,12 @@ SUITE = [
         "central-noise-multiplier=0.5 central-count-noise=1",
     ),
     ("fedadagrad", "fedbn", "mlp-bn", "aggregator='median'"),
-    ("fedadam", "shared", "mlp-bn", "aggregator='trimmed-mean' trim-fraction=0.3"),
+    (
+        "fedadam",
+        "shared",
+        "mlp-bn",
+        "aggregator='trimmed-mean' trim-fraction=0.3 min-train-nodes=4",
+    ),
     ("fedyogi", "shared", "mlp", "update-norm-bound=1 min-train-replies=2"),
     ("feddyn", "shared", "mlp-bn", "local-objective='feddyn-sam'"),
     ("fedprox", "shared", "cnn-gn", "dp=true dp-epsilon=4"),
