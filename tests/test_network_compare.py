@@ -123,8 +123,10 @@ def test_cells_run_as_deployments_record_the_wire_and_leave_nothing(
 @needs_netns
 def test_ctrl_c_in_a_deployed_cell_leaves_nothing_behind(tmp_path: Path) -> None:
     """Ctrl-C while a cell's run is under way: the comparison stops, and its
-    processes, relays and namespaces are gone."""
-    grid, profile = files(tmp_path)
+    processes, relays and namespaces are gone. The cell runs 50 rounds, so
+    that it is still under way when Ctrl-C comes (one round of digits can
+    end within the test's 3 s wait)."""
+    grid, profile = files(tmp_path, GRID.replace("rounds = 1", "rounds = 50"))
     out = tmp_path / "cmp"
     argv = ["compare", str(grid), str(PROJECT), "--out", str(out),
             "--network", str(profile), "--only", "strategy=fedprox"]  # fmt: skip
