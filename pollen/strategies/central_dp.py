@@ -109,25 +109,28 @@ def planned_noise(settings: Any) -> float:
     return settings.central_noise_multiplier
 
 
+def clipped(delta: dict[str, np.ndarray], clip_norm: float) -> tuple[dict, float]:
+    """Delta min(1, C / ||Delta||) over all entries together, and ||Delta||."""
+    norm = math.sqrt(sum(float(np.sum(d * d)) for d in delta.values()))
+    scale = min(1.0, clip_norm / norm) if norm > 0 else 1.0
+    return {k: d * scale for k, d in delta.items()}, norm
+
+
 def clipped_reply(
     sent: ArrayRecord, trained: ArrayRecord, clip_norm: float
 ) -> tuple[ArrayRecord, float]:
     """A client's clipping (`central-clip-on = "client"`): its floating
     entries moved back to x + Delta min(1, C / ||Delta||), and ||Delta||."""
-    floating = [
-        k for k in trained if np.issubdtype(trained[k].numpy().dtype, np.floating)
-    ]
-    delta = {
-        k: trained[k].numpy().astype(np.float64) - sent[k].numpy().astype(np.float64)
-        for k in floating
+    values = {k: trained[k].numpy() for k in trained}  # each decoded once
+    start = {
+        k: sent[k].numpy().astype(np.float64)
+        for k, v in values.items()
+        if np.issubdtype(v.dtype, np.floating)
     }
-    norm = math.sqrt(sum(float(np.sum(d * d)) for d in delta.values()))
-    scale = min(1.0, clip_norm / norm) if norm > 0 else 1.0
-    out = {k: Array(trained[k].numpy()) for k in trained}
-    for k, d in delta.items():
-        value = sent[k].numpy().astype(np.float64) + scale * d
-        out[k] = Array(value.astype(trained[k].numpy().dtype))
-    return ArrayRecord(out), norm
+    delta, norm = clipped({k: values[k] - x for k, x in start.items()}, clip_norm)
+    for k, x in start.items():
+        values[k] = (x + delta[k]).astype(values[k].dtype)
+    return ArrayRecord({k: Array(v) for k, v in values.items()}), norm
 
 
 class CentralDP(Rule):
@@ -201,13 +204,12 @@ class CentralDP(Rule):
         deltas, unclipped = [], 0
         for u in updates:
             delta = {k: u.arrays[k].astype(np.float64) - current[k] for k in floating}
-            norm = math.sqrt(sum(float(np.sum(d * d)) for d in delta.values()))
+            scaled, norm = clipped(delta, self.clip_norm)
             reported = (
                 float(u.metrics.get(UPDATE_NORM, norm)) if self.client_clips else norm
             )
             unclipped += int(0 <= reported <= self.clip_norm)
-            scale = min(1.0, self.clip_norm / norm) if norm > 0 else 1.0
-            deltas.append({k: d * scale for k, d in delta.items()})
+            deltas.append(scaled)
         std = self.z_update * self.clip_norm
         arrays = {}
         for key in floating:
