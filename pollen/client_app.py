@@ -512,13 +512,17 @@ def straggle(seconds: float, slowdown: float) -> None:
 def evaluate_personal(msg: Message, context: Context) -> Message:
     """This client's model (shared + local entries, or under Ditto its
     personal model) on the global test set and on its own test shard; NaN for
-    either where the node has none (a node
-    with its own data file and no copy of the data set has no global one)."""
+    either where the node has none (a node with its own data file and no copy
+    of the data set has no global one), and for the global test where the
+    client keeps nothing of its own (the model is the global one, which the
+    server evaluates on that set already)."""
     cm = ClientModel.assemble(msg, context)
     personal = context.state.get(ditto_state_key(cm.client))
     if cm.settings.ditto_lambda and isinstance(personal, ArrayRecord):
         cm.model.load_state_dict(personal.to_torch_state_dict())
-    g_loss, g_acc = cm.loss_and_accuracy("test", cm.data.global_test(cm.device))
+    keeps_own = bool(cm.sharing.local) or cm.settings.ditto_lambda > 0
+    global_test = cm.data.global_test(cm.device) if keeps_own else None
+    g_loss, g_acc = cm.loss_and_accuracy("test", global_test)
     own = cm.data.test_shard(cm.client, cm.device)
     l_loss, l_acc = cm.loss_and_accuracy(cm.data.split_key("test", cm.client), own)
     personal = dict(zip(PERSONAL_METRICS, (g_acc, g_loss, l_acc, l_loss), strict=True))

@@ -270,9 +270,13 @@ class Settings:
         False, "adaptive server: divide moments by 1 - beta^t (the notebook's Adam)"
     )
     personal_eval_every: int = key(
-        1,
-        "with local BatchNorm, evaluate each client's own model every N rounds (0: never)",
+        AUTO,
+        "evaluate each client's own model (its local entries or Ditto's personal "
+        "model; the global model where it keeps none) on its own test shard every "
+        "N rounds (0: never; auto: 1 where clients keep entries or a personal "
+        "model, else 0)",
         at_least(0),
+        int,
     )
     # LoRA heads and the frozen VGG16 backbone (models cnn-lora, vgg16-lora)
     lora_rank: int = key(
@@ -580,6 +584,12 @@ def _resolve_preset(values: dict[str, Scalar]) -> None:
         values["head-epochs"] = int(preset.get("head-epochs", 0))
     if values["ditto-lambda"] == AUTO:
         values["ditto-lambda"] = float(preset.get("ditto-lambda", 0.0))
+    if values["personal-eval-every"] == AUTO:
+        policy = (
+            values["bn-policy"] if values["sharing"] == "all" else values["sharing"]
+        )
+        keeps_own = policy != "shared" or values["ditto-lambda"] != 0
+        values["personal-eval-every"] = int(keeps_own)
     if values["server-lr"] == AUTO:
         values["server-lr"] = AUTO_SERVER_LR.get(str(values["server-update"]), 1.0)
 
@@ -651,6 +661,13 @@ def _check_combination(values: dict[str, Scalar]) -> None:
         raise SettingsError(
             "cache-features=true with augment=true: features are computed once, "
             "from un-augmented images; set augment=false or cache-features=false"
+        )
+    if values["bn-policy"] != "shared" and not model.batchnorm:
+        raise SettingsError(
+            f"bn-policy={values['bn-policy']!r} with model={values['model']!r}, "
+            "which has no BatchNorm layer to keep local (the run would be plain "
+            "FedAvg); models with BatchNorm: "
+            + ", ".join(name for name, m in MODELS.items() if m.batchnorm)
         )
     if model.batchnorm and values["batch-size"] == 1:
         raise SettingsError(

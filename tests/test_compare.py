@@ -292,6 +292,45 @@ def test_groups_average_over_seeds_and_the_table_shows_it(tmp_path: Path) -> Non
     assert report.markdown_table(high, target=0.95).count(" never |") == 4
 
 
+def test_clients_own_shard_accuracy_and_its_spread_are_reported(
+    tmp_path: Path,
+) -> None:
+    """The last personal evaluation's own-shard accuracies: their mean and
+    their population standard deviation over clients, each averaged over
+    seeds; a client without a test shard (null) does not count."""
+
+    def rows(own: dict[str, float | None]) -> list[dict]:
+        personal = {c: {"global-accuracy": 0.5, "local-accuracy": a}
+                    for c, a in own.items()}  # fmt: skip
+        mb = {"bytes-up": 1_000_000, "bytes-down": 2_000_000}
+        return [
+            {
+                "round": 1,
+                "accuracy": 0.5,
+                "personal": {"0": {"local-accuracy": 0.1}},
+                **mb,
+            },
+            {"round": 2, "accuracy": 0.6, "personal": personal, **mb},
+            {"round": 3, "accuracy": 0.7, "personal": {}, **mb},  # not due
+        ]
+
+    for seed, own in (
+        (1, {"0": 0.6, "1": 1.0}),
+        (2, {"0": 0.8, "1": 0.8, "2": None}),
+    ):
+        write_run(tmp_path, f"per-{seed}", {"strategy": "fedper", "seed": seed},
+                  [0.5, 0.6, 0.7], history=rows(own))  # fmt: skip
+    write_run(tmp_path, "avg-1", {"strategy": "fedavg"}, [0.5, 0.6, 0.7])
+    avg, per = report.summarize_groups(report.read_runs(tmp_path), target=None)
+    assert "own-accuracy" not in avg
+    assert per["own-accuracy"] == {"mean": pytest.approx(0.8), "std": 0.0}
+    assert per["own-spread"]["mean"] == pytest.approx(0.1)  # (0.2 + 0) / 2
+    table = report.markdown_table([avg, per], target=None)
+    assert "| own-shard acc. (%) | std over clients (pts) |" in table
+    assert "| fedavg | 1 | 70.00 | 70.00 | n/a | n/a |" in table
+    assert "| fedper | 2 | 70.00 | 70.00 | 80.00 | 10.00 ± 14.14 |" in table
+
+
 def test_what_a_strategy_resolves_does_not_split_the_report(tmp_path: Path) -> None:
     """`server-lr = "auto"` is 1.0 for FedAvg and 0.01 for FedAdam in their
     settings.json: one figure with both strategies, not one figure each."""

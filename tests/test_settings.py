@@ -110,6 +110,33 @@ def test_batch_size_one_is_refused_for_exactly_the_batchnorm_models() -> None:
             assert Settings.from_run_config(config).batch_size == 1
 
 
+def test_a_bn_policy_needs_a_model_with_batchnorm() -> None:
+    """FedBN on a model without BatchNorm would silently be FedAvg."""
+    with pytest.raises(
+        SettingsError, match=r"bn-policy='fedbn' with model='mlp'.*mlp-bn"
+    ):
+        Settings.from_run_config({"bn-policy": "fedbn", "model": "mlp"})
+    assert Settings.from_run_config({"bn-policy": "silobn", "model": "mlp-bn"})
+
+
+@pytest.mark.parametrize(
+    ("config", "every"),
+    [
+        ({}, 0),  # FedAvg keeps nothing: the server's evaluation says it all
+        ({"bn-policy": "fedbn", "model": "mlp-bn"}, 1),
+        ({"strategy": "fedper"}, 1),
+        ({"strategy": "fedsa", "model": "cnn-lora"}, 1),
+        ({"strategy": "ditto"}, 1),
+        ({"personal-eval-every": 3}, 3),  # asked for: the global model per client
+        ({"strategy": "fedrep", "personal-eval-every": 0}, 0),
+    ],
+)
+def test_personal_evaluation_is_on_where_clients_keep_something(config, every):
+    s = Settings.from_run_config(config)
+    assert s.personal_eval_every == every
+    assert Settings.from_run_config(s.to_run_config()) == s
+
+
 def test_dp_runs_cannot_be_resumed() -> None:
     with pytest.raises(SettingsError, match="dp=true with resume is not supported"):
         Settings.from_run_config({"dp": True, "model": "cnn-gn", "resume": "runs/a"})

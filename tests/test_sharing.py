@@ -117,6 +117,21 @@ def test_local_entries_never_travel_and_survive_rounds(policy) -> None:
     assert metrics["num-examples"] < 0.6 * 360
 
 
+def test_a_client_that_keeps_nothing_tests_the_global_model_on_its_own_shard():
+    """Under FedAvg a client's own model is the global one: its own-shard
+    accuracy is measured, its global-test accuracy left to the server."""
+    settings = run_config(model="mlp")
+    model = build_model("mlp", (1, 8, 8), 10, settings["seed"])
+    context = Context(1, 1, {}, RecordDict(), settings)
+    sent = ArrayRecord(model.state_dict())
+    sent = client_app.train(message("train", sent, 1, 1), context).content["arrays"]
+    metrics = client_app.evaluate_personal(
+        message("evaluate", sent, 1, 2), context
+    ).content["metrics"]
+    assert np.isnan(metrics["global-accuracy"]) and np.isnan(metrics["global-loss"])
+    assert 0.5 < metrics["local-accuracy"] <= 1 and metrics["num-examples"] > 0
+
+
 def test_client_refuses_entries_its_policy_keeps_local() -> None:
     settings = run_config(**{"bn-policy": "fedbn"})
     model, _ = global_model(settings)

@@ -267,7 +267,12 @@ SUITE = [
         "mlp-bn",
         "aggregator='trimmed-mean' trim-fraction=0.3 min-train-nodes=4",
     ),
-    ("fedyogi", "shared", "mlp", "update-norm-bound=1 min-train-replies=2"),
+    (
+        "fedyogi",
+        "shared",
+        "mlp",
+        "update-norm-bound=1 min-train-replies=2 personal-eval-every=2",
+    ),
     ("feddyn", "shared", "mlp-bn", "local-objective='feddyn-sam'"),
     ("fedprox", "shared", "cnn-gn", "dp=true dp-epsilon=4"),
     ("fedsam", "fedper", "mlp-bn", ""),
@@ -315,7 +320,14 @@ def test_every_strategy_runs_end_to_end(
         assert 0 < central[0]["epsilon"] < central[1]["epsilon"]
         assert central[0]["clip-norm"] == 1.0 != central[1]["clip-norm"]
         assert "user-level epsilon" in run.stdout
-    if policy == "shared":
+    if "personal-eval-every=2" in extra:  # the global model on each own shard
+        assert run.stdout.count("personal models") == 1 and not rows[0]["personal"]
+        trained = {str(c) for r in rows for c in r["clients"]}
+        own = rows[-1]["personal"]
+        assert set(own) == trained
+        assert all(v["global-accuracy"] is None for v in own.values())
+        assert all(0 <= v["local-accuracy"] <= 1 for v in own.values())
+    elif policy == "shared":
         assert "personal models" not in run.stdout and not rows[-1]["personal"]
     else:
         assert run.stdout.count("personal models") == 2

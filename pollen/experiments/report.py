@@ -5,7 +5,9 @@ run directory under `DIR/runs/` (or `DIR` itself), groups the runs that differ
 only in `seed`, and writes `comparison.json`, `comparison.md` (final and best
 accuracy; with a `target`, the round, wall-clock seconds, simulated seconds
 and MB to reach it; wall time, MB up, down and in all, simulated time, MB
-measured on shaped links; mean and standard deviation over seeds) and
+measured on shaped links; where clients evaluated their own models, their
+mean accuracy on their own test shards and its spread over clients; mean and
+standard deviation over seeds) and
 `plots/`: accuracy per round, against wall-clock seconds, simulated seconds
 and MB, one figure per setting with a line per strategy, and the label
 distribution of each setting's partition.
@@ -137,6 +139,17 @@ class Run:
             return None
         return list(itertools.accumulate(v for v in values if v is not None))
 
+    def own_accuracies(self) -> list[float] | None:
+        """Each client's accuracy on its own test shard at the last personal
+        evaluation (history's `personal` rows), None if clients never
+        evaluated; a client without a test shard (null) is left out."""
+        last = next((r["personal"] for r in reversed(self.history)
+                     if r.get("personal")), None)  # fmt: skip
+        if last is None:
+            return None
+        values = [v["local-accuracy"] for v in last.values()]
+        return [v for v in values if v is not None] or None
+
     def link_mb(self) -> float | None:
         """MB the shaped links carried both ways (network.json), if measured."""
         if self.network is None:
@@ -231,6 +244,10 @@ def summarize_groups(runs: Sequence[Run], target: float | None) -> list[dict[str
                     None if (i := m.reaching(target)) is None else c[i]
                     for m, c in zip(members, sums, strict=True)
                 ]
+        owns = _of_every_seed([m.own_accuracies() for m in members])
+        if owns is not None:  # clients' own shards: their mean, and their spread
+            row["own-accuracy"] = _stats([statistics.fmean(o) for o in owns])
+            row["own-spread"] = _stats([statistics.pstdev(o) for o in owns])
         links = _of_every_seed([m.link_mb() for m in members])
         if links is not None:
             row["link-mb"] = _stats(links)
@@ -273,6 +290,10 @@ def markdown_table(rows: Sequence[Mapping[str, Any]], target: float | None) -> s
         ("final acc. (%)", lambda row: _pm(row["final-accuracy"], 100, 2)),
         ("best acc. (%)", lambda row: _pm(row["best-accuracy"], 100, 2)),
     ]
+    columns += present([
+        ("own-accuracy", "own-shard acc. (%)", _percent_cell("own-accuracy")),
+        ("own-spread", "std over clients (pts)", _percent_cell("own-spread")),
+    ])  # fmt: skip
     if target is not None:
         percent = f"{100 * target:g}%"
         columns.append((f"round to {percent}",
@@ -315,6 +336,10 @@ def _to_target_cell(key: str) -> Cell:
 
 def _stat_cell(key: str) -> Cell:
     return lambda row: _pm(row[key], 1, 1) if key in row else "n/a"
+
+
+def _percent_cell(key: str) -> Cell:
+    return lambda row: _pm(row[key], 100, 2) if key in row else "n/a"
 
 
 def _pm(stat: Mapping[str, float], scale: float, digits: int) -> str:

@@ -5,9 +5,12 @@ FedSA, FedPer, FedRep), or with a personal model of its own (Ditto), the
 global model alone is not what a client uses: every
 `personal_eval_every` rounds, each client that has trained so far is sent
 the shared entries and evaluates them with its own local ones, on the
-global test set and on its own test shard. Composed beside the strategy
-(it needs none of its internals); which clients have trained is its state,
-exported for checkpoints as `trained-clients`.
+global test set and on its own test shard. Where a client keeps nothing
+(FedAvg), its own model is the global one, tested on its own shard only:
+the per-client row a personalisation table compares against (asked for with
+an explicit `personal-eval-every`). Composed beside the strategy (it needs
+none of its internals); which clients have trained is its state, exported
+for checkpoints as `trained-clients`.
 """
 
 from __future__ import annotations
@@ -70,10 +73,7 @@ class PersonalEvaluation:
     def due(self, server_round: int) -> bool:
         """Whether clients evaluate their own models after this round."""
         return bool(
-            self.every
-            and self.sharing is not None
-            and (self.sharing.local or self.personal_models)
-            and server_round % self.every == 0
+            self.every and self.sharing is not None and server_round % self.every == 0
         )
 
     def configure(
