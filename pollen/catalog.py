@@ -26,6 +26,7 @@ class DataSetInfo:
     channels: int
     side: int
     classes: int
+    train_examples: int  # in its training split (the most clients it can feed)
     summary: str
 
 
@@ -35,7 +36,7 @@ class ModelInfo:
 
     name: str
     summary: str
-    batchnorm: bool = False  # trains on 2+ samples per batch; refused under DP
+    batchnorm: bool = False  # trains on 2+ samples per batch; refused under DP-SGD
     lora: bool = False  # has LoRA layers: sharing lora-a / lora applies
     min_side: int = 0  # smallest image side it takes
     colour_only: bool = False
@@ -78,11 +79,11 @@ def _by_name(*items: Any) -> dict[str, Any]:
 
 
 DATA_SETS: dict[str, DataSetInfo] = _by_name(
-    DataSetInfo("digits", 1, 8, 10, "scikit-learn's 8x8 digits (1,797 images)"),
-    DataSetInfo("mnist", 1, 28, 10, "handwritten digits"),
-    DataSetInfo("fashion-mnist", 1, 28, 10, "Zalando's clothing images"),
-    DataSetInfo("cifar10", 3, 32, 10, "32x32 colour images, 10 classes"),
-    DataSetInfo("cifar100", 3, 32, 100, "32x32 colour images, 100 classes"),
+    DataSetInfo("digits", 1, 8, 10, 1437, "scikit-learn's 8x8 digits (1,797 images)"),
+    DataSetInfo("mnist", 1, 28, 10, 60000, "handwritten digits"),
+    DataSetInfo("fashion-mnist", 1, 28, 10, 60000, "Zalando's clothing images"),
+    DataSetInfo("cifar10", 3, 32, 10, 50000, "32x32 colour images, 10 classes"),
+    DataSetInfo("cifar100", 3, 32, 100, 50000, "32x32 colour images, 100 classes"),
 )
 
 MODELS: dict[str, ModelInfo] = _by_name(

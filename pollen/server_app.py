@@ -37,6 +37,7 @@ from .runs.notify import Notifier
 from .runs.recorder import RoundRecorder
 from .runs.results import (
     RUN_COMPLETED,
+    RUN_MARKER,
     ResultsError,
     RoundRecord,
     create_run_dir,
@@ -135,10 +136,10 @@ def _open_run_dir(settings: Settings) -> tuple[Path, str, Checkpoint | None]:
     the checkpoint it continues from (checked before anything is written)."""
     if settings.resume:
         run_dir = Path(settings.resume).expanduser().resolve()
-        if not (run_dir / "settings.json").is_file():
+        if not (run_dir / RUN_MARKER).is_file():
             raise ResultsError(
                 f"invalid value for 'resume': {settings.resume!r}; {run_dir} is not "
-                "a pollen run directory (no settings.json)"
+                f"a pollen run directory (no {RUN_MARKER})"
             )
         checkpoint = load_resumable(run_dir, settings.to_run_config())
         return run_dir, run_dir.name, checkpoint
@@ -146,9 +147,7 @@ def _open_run_dir(settings: Settings) -> tuple[Path, str, Checkpoint | None]:
         settings.strategy, settings.data_set
     )
     run_dir = create_run_dir(settings.output_dir, run_name)
-    write_json(
-        run_dir / "settings.json", {**settings.to_run_config(), "run-name": run_name}
-    )
+    write_json(run_dir / RUN_MARKER, {**settings.to_run_config(), "run-name": run_name})
     return run_dir, run_name, None
 
 

@@ -662,6 +662,29 @@ def _check_combination(values: dict[str, Scalar]) -> None:
             "cache-features=true with augment=true: features are computed once, "
             "from un-augmented images; set augment=false or cache-features=false"
         )
+    if values["num-clients"] > data_set.train_examples:
+        raise SettingsError(
+            f"num-clients={values['num-clients']} with data-set="
+            f"{values['data-set']!r}, whose training split has "
+            f"{data_set.train_examples:,} examples: every client needs at least "
+            f"one; allowed: 1 to {data_set.train_examples}"
+        )
+    if (
+        values["partition"] == "pathological"
+        and values["classes-per-client"] > data_set.classes
+    ):
+        raise SettingsError(
+            f"classes-per-client={values['classes-per-client']} with data-set="
+            f"{values['data-set']!r}, which has {data_set.classes} classes; "
+            f"allowed: 1 to {data_set.classes}"
+        )
+    if values["dp"] and model.batchnorm:
+        raise SettingsError(
+            f"dp=true with model={values['model']!r}: its BatchNorm mixes the "
+            "samples of a batch, so per-sample gradients (DP-SGD) are undefined; "
+            "allowed with dp: "
+            + ", ".join(n for n, m in MODELS.items() if not m.batchnorm)
+        )
     if values["bn-policy"] != "shared" and not model.batchnorm:
         raise SettingsError(
             f"bn-policy={values['bn-policy']!r} with model={values['model']!r}, "
@@ -903,6 +926,14 @@ def _check_async(values: dict[str, Scalar]) -> None:
         )
 
 
+KIND_NAMES = {
+    int: "an integer",
+    float: "a finite number",
+    bool: "true or false",
+    str: "a string",
+}
+
+
 def _coerce(name: str, raw: Scalar, kind: type, auto: bool = False) -> Scalar:
     """Give `raw` the type of the key's default, refusing lossy conversions."""
     if kind is bool:
@@ -924,6 +955,5 @@ def _coerce(name: str, raw: Scalar, kind: type, auto: bool = False) -> Scalar:
     raise SettingsError(
         f"invalid value for {name!r}: {raw!r}; allowed: "
         + ("auto or " if auto else "")
-        + f"a {kind.__name__}"
-        + (" (finite)" if kind is float else "")
+        + KIND_NAMES.get(kind, kind.__name__)
     )

@@ -213,8 +213,9 @@ def test_global_metrics_come_from_the_data_set_where_the_node_has_it(
     tmp_path: Path,
 ) -> None:
     """digits ships with scikit-learn, so every node has its test split; a
-    file without test examples gives NaN local metrics, not an error."""
-    config = run_config()
+    file without test examples gives NaN local metrics, not an error. (Under
+    Ditto a client keeps a model of its own, so it tests on the global split.)"""
+    config = run_config(strategy="ditto")
     path = write_node_file(tmp_path / "mine.npz", x_train=images(9), y_train=labels(9))
     own = Context(1, 1, node(1, **{"data-file": path}), RecordDict(), config)
     simulated = Context(2, 1, node(1), RecordDict(), config)

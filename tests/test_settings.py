@@ -61,9 +61,9 @@ def test_pyproject_declares_every_key_with_the_same_type() -> None:
         ("rounds", 0, ">= 1"),
         ("num-clients", 0, ">= 1"),
         ("lr", 0.0, "> 0"),
-        ("rounds", "ten", "a int"),
-        ("lr", float("nan"), "a float (finite)"),
-        ("normalize", "yes", "a bool"),
+        ("rounds", "ten", "an integer"),
+        ("lr", float("nan"), "a finite number"),
+        ("normalize", "yes", "true or false"),
         ("min-train-replies", 0, ">= 1"),
         ("update-norm-bound", 0.5, "0 (off) or >= 1"),
         ("update-norm-action", "zero", "one of clip, drop"),
@@ -178,7 +178,7 @@ def test_explicit_parts_override_the_preset() -> None:
         {"strategy": "fedadam", "local-objective": "sam", "server-lr": 0.1}
     )
     assert (s.server_update, s.local_objective, s.server_lr) == ("adam", "sam", 0.1)
-    with pytest.raises(SettingsError, match="allowed: auto or a float"):
+    with pytest.raises(SettingsError, match="allowed: auto or a finite number"):
         Settings.from_run_config({"server-lr": "fast"})
     with pytest.raises(SettingsError, match="'b1,b2'"):
         Settings.from_run_config({"betas": "0.9"})

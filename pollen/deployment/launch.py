@@ -24,7 +24,7 @@ from ..runs.results import RUN_COMPLETED
 from . import cluster, processes
 from .fab import staged_app
 from .flower import flower_env, start_superlink
-from .run_config import prepare_run
+from .run_config import check_local_device, prepare_run
 
 CLIENT_CPUS = 1  # per ClientApp actor in a simulation, unless the user says
 FLWR_STOP_SECONDS = 5.0
@@ -96,7 +96,8 @@ def run(
     if deployment_dir is not None:
         deployment = running_deployment(deployment_dir, connection)
     federation = list(federation)
-    if connection is None and deployment is None:
+    if connection is None and deployment is None:  # a simulation, on this machine
+        check_local_device(settings.device)
         federation = simulation_federation(federation, settings.num_clients)
     run_dir = Path(settings.resume or Path(settings.output_dir) / settings.run_name)
     with staged_app(app) as staged:

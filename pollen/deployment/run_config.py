@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import re
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -24,6 +25,39 @@ from ..settings import Settings, SettingsError
 class RunConfigError(ValueError):
     """A run config that cannot be resolved (not a Flower App, unknown key,
     unreadable value); the user must fix it before anything runs."""
+
+
+# One "key=value" of a --run-config string, as Flower's parser reads it.
+PAIR = re.compile(r"""[^\s=]+=(?:'[^']*'|"[^"]*"|\S+)""")
+
+
+def check_pairs(text: str) -> None:
+    """Refuse anything in a "key=value ..." string besides such pairs.
+
+    Flower's parser keeps only what its pattern matches, so `rounds=` (no
+    value) or a stray word would silently fall back to the default.
+    """
+    position = 0
+    while (position := _skip_spaces(text, position)) < len(text):
+        pair = PAIR.match(text, position)
+        if pair is None or (pair.end() < len(text) and not text[pair.end()].isspace()):
+            token = text[position:].split(maxsplit=1)[0]
+            problem = (
+                "has no value" if token.endswith("=") and token.count("=") == 1
+                else "is not key=value"
+            )  # fmt: skip
+            raise RunConfigError(
+                f"invalid --run-config {text!r}: {token!r} {problem}; write "
+                "key=value pairs separated by spaces, strings quoted "
+                "(e.g. rounds=3 run-name='a b')"
+            )
+        position = pair.end()
+
+
+def _skip_spaces(text: str, position: int) -> int:
+    while position < len(text) and text[position].isspace():
+        position += 1
+    return position
 
 
 def resolve_run_config(app: Path, overrides: Sequence[str]) -> dict[str, Any]:
@@ -41,6 +75,8 @@ def resolve_run_config(app: Path, overrides: Sequence[str]) -> dict[str, Any]:
             f"{app} is not a Flower App with [tool.flwr.app.config]: {err}"
         ) from err
     for value in overrides:
+        if not value.endswith(".toml"):
+            check_pairs(value)
         try:
             parsed = parse_config_args([value])
         except (ValueError, OSError, ClickException) as err:
@@ -58,6 +94,23 @@ def resolve_run_config(app: Path, overrides: Sequence[str]) -> dict[str, Any]:
 def resolve_settings(app: Path, overrides: Sequence[str]) -> Settings:
     """`resolve_run_config`, validated."""
     return Settings.from_run_config(resolve_run_config(app, overrides))
+
+
+def check_local_device(device: str) -> None:
+    """Refuse a `device` this machine lacks, for work that runs here (a
+    simulation, the centralised baseline): now, not after Flower and Ray have
+    started. torch is imported only when a device is named."""
+    if device in ("auto", "cpu"):
+        return
+    import torch
+
+    found = {"cuda": torch.cuda.is_available, "mps": torch.backends.mps.is_available}
+    if not found[device]():
+        raise SettingsError(
+            f"invalid value for 'device': {device!r}; torch finds no "
+            f"{device.upper()} device on this machine; allowed here: auto "
+            "(picks what there is), cpu"
+        )
 
 
 def pin_paths(settings: Settings, strategy: str) -> Settings:

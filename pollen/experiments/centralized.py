@@ -21,7 +21,12 @@ from pathlib import Path
 
 import torch
 
-from ..deployment.run_config import RunConfigError, pin_paths, resolve_settings
+from ..deployment.run_config import (
+    RunConfigError,
+    check_local_device,
+    pin_paths,
+    resolve_settings,
+)
 from ..files import write_atomic, write_json
 from ..runs.results import (
     RoundRecord,
@@ -49,6 +54,7 @@ def run_centralized(app: Path, overrides: Sequence[str], epochs: int | None) -> 
         raise RunConfigError("a centralised run cannot resume; leave out resume")
     if epochs is not None and epochs < 1:
         raise RunConfigError(f"--epochs must be at least 1, got {epochs}")
+    check_local_device(settings.device)
     settings = pin_paths(settings, STRATEGY)
     check_run_dir_is_new(settings.output_dir, settings.run_name)
     epochs = epochs or settings.rounds * settings.local_epochs

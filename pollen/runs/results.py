@@ -22,6 +22,7 @@ import numpy as np
 
 from ..files import write_atomic, write_json
 
+RUN_MARKER = "settings.json"  # the file that makes a directory a run's
 HISTORY_FIELDS = (
     "round", "accuracy", "loss", "lr", "seconds", "bytes-up", "bytes-down", "clients",
     "rejected", "clipped", "skipped",
@@ -112,8 +113,18 @@ def default_run_name(strategy: str, data_set: str) -> str:
 
 
 def check_run_dir_is_new(output_dir: str, run_name: str) -> Path:
-    """`<output-dir>/<run-name>`, refused if it exists: results are never overwritten."""
-    path = Path(output_dir).expanduser().resolve() / run_name
+    """`<output-dir>/<run-name>`, refused if it exists (results are never
+    overwritten) or if `output-dir` lies inside a run directory (a run nested
+    in another's results would be taken for part of them)."""
+    parent = Path(output_dir).expanduser().resolve()
+    if run := next((d for d in (parent, *parent.parents)
+                    if (d / RUN_MARKER).is_file()), None):  # fmt: skip
+        raise ResultsError(
+            f"invalid value for 'output-dir': {output_dir!r} is inside the run "
+            f"directory {run}; choose a directory outside every run's results "
+            f"(e.g. {run.parent})"
+        )
+    path = parent / run_name
     if path.exists():
         raise ResultsError(
             f"invalid value for 'run-name': {run_name!r}; {path} already exists "

@@ -1,0 +1,77 @@
+"""Mistakes caught before any Flower process starts: each `pollen run` below
+exits with status 2 and one line naming the key, the value and what is
+allowed, without staging the app for Flower (issue 32's list of inputs that
+used to be found only after start-up, or not at all)."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+from pollen.cli import EXIT_BAD_INPUT, main
+from pollen.deployment import launch
+from tests.conftest import PROJECT
+
+
+@pytest.fixture
+def no_flower(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Fail the test if a run gets as far as staging the app for Flower."""
+
+    def staged_app(app: Path) -> None:
+        raise AssertionError("the run reached Flower before its check")
+
+    monkeypatch.setattr(launch, "staged_app", staged_app)
+
+
+CASES = [
+    ("rounds=", r"'rounds=' has no value"),
+    ("lr=0.01 rounds= local-epochs=2", r"'rounds=' has no value"),
+    ("rounds 3", r"'rounds' is not key=value"),
+    ("rounds='ten'", r"'rounds': 'ten'; allowed: an integer"),
+    (
+        "partition='pathological' classes-per-client=11",
+        r"classes-per-client=11 with data-set='digits', which has 10 classes",
+    ),
+    ("dp=true model='mlp-bn'", r"dp=true with model='mlp-bn': its BatchNorm"),
+    ("num-clients=100000", r"training split has 1,437 examples.*1 to 1437"),
+    ("bn-policy='fedbn'", r"bn-policy='fedbn' with model='mlp', which has no"),
+]
+
+
+@pytest.mark.parametrize(("config", "message"), CASES, ids=[c for c, _ in CASES])
+def test_a_mistake_stops_before_flower_starts(
+    config: str, message: str, no_flower: None, tmp_path: Path, capsys
+) -> None:
+    argv = ["run", str(PROJECT), "-c", f"output-dir='{tmp_path}'", "-c", config]
+    assert main(argv) == EXIT_BAD_INPUT
+    error = capsys.readouterr().err.strip()
+    assert len(error.splitlines()) == 1
+    assert re.search(message, error), error
+    assert not any(tmp_path.iterdir())  # no run directory left behind
+
+
+def test_a_device_this_machine_lacks_stops_a_simulation(
+    no_flower: None, tmp_path: Path, capsys
+) -> None:
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA: device='cuda' is valid here")
+    argv = ["run", str(PROJECT), "-c", f"output-dir='{tmp_path}' device='cuda'"]
+    assert main(argv) == EXIT_BAD_INPUT
+    assert "torch finds no CUDA device on this machine" in capsys.readouterr().err
+
+
+def test_an_output_dir_inside_a_run_directory_is_refused(
+    no_flower: None, tmp_path: Path, capsys
+) -> None:
+    """A new run nested inside an old run's results would pass for part of them."""
+    old = tmp_path / "old-run"
+    old.mkdir()
+    (old / "settings.json").write_text("{}")
+    argv = ["run", str(PROJECT), "-c", f"output-dir='{old / 'plots'}'"]
+    assert main(argv) == EXIT_BAD_INPUT
+    assert f"is inside the run directory {old}" in capsys.readouterr().err
+    assert sorted(p.name for p in old.iterdir()) == ["settings.json"]
