@@ -32,7 +32,7 @@ from .network_profile import NetworkProfile
 from .protocol import LR
 from .runs.checkpoints import Checkpoint, load_resumable, save_checkpoint
 from .runs.clock import SimulatedClock
-from .runs.evaluation import GlobalEvaluation
+from .runs.evaluation import GlobalEvaluation, check_clients_finite
 from .runs.notify import Notifier
 from .runs.recorder import RoundRecorder
 from .runs.results import (
@@ -222,6 +222,7 @@ def _train(
 
     def finish(server_round: int, outcome: RoundOutcome) -> ArrayRecord:
         """Evaluate, record and (when due) checkpoint one round or version."""
+        check_clients_finite(server_round, outcome.diverged, settings)
         loss, accuracy = evaluation(server_round, outcome.arrays)
         recorder.record(server_round, outcome, loss, accuracy)
         if settings.checkpoint_every and (

@@ -177,6 +177,33 @@ def test_too_few_valid_replies_skip_the_round() -> None:
     assert not strategy.trained_clients  # nothing of the round was kept
 
 
+NON_FINITE = {"nan", "inf", "nan metric"}
+
+
+@pytest.mark.parametrize(
+    ("faults", "honest_replies", "diverged"),
+    [
+        (["nan", "inf", "nan metric"], 0, True),  # every client: training diverged
+        (["nan"], 0, True),
+        (["nan", "inf"], 1, False),  # NaN among honest replies: a bad client
+        (["nan", "wrong shape"], 0, False),  # not all fail the same way
+        ([], 0, False),  # nobody answered: lost nodes, not a divergence
+    ],
+)
+def test_a_round_diverged_when_every_reply_is_non_finite(
+    faults: list[str], honest_replies: int, diverged: bool
+) -> None:
+    make = dict(FAULTS)
+    rng = np.random.default_rng(0)
+    replies = [honest(c, rng) for c in range(honest_replies)]
+    replies += [make[f](HONEST + i) for i, f in enumerate(faults)]
+    _, strategy = play(build("fedavg"), replies)
+    outcome = strategy.traffic[1]
+    assert outcome.answered == len(replies)
+    assert outcome.non_finite == sum(f in NON_FINITE for f in faults)
+    assert outcome.diverged is diverged
+
+
 def with_delta(client: int, delta: np.ndarray, examples: int) -> Message:
     arrays = {**GLOBAL, "w": GLOBAL["w"] + delta.astype(np.float32)}
     return reply_from(client + 1, content(client, arrays, examples=examples))

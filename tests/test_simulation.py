@@ -450,18 +450,30 @@ def test_killed_run_resumes_to_the_uninterrupted_history(
     assert summary["status"] == "completed" and summary["rounds"] == 6
 
 
-def test_diverged_run_stops_with_a_clear_message(tmp_path: Path) -> None:
-    """A server step of 1e17 overflows the model in round 1: the run stops
-    there, names the round and the likely cause, and records nothing of it."""
+@pytest.mark.parametrize(
+    ("settings", "what", "cause"),
+    [
+        # the server's step overflows the model
+        ("strategy='fedavgm' server-lr=1e17", r"round 1: .* not finite, the run "
+         "diverged", "likely cause: server-lr=1e+17 too high"),
+        # every client's training overflows: not a round of bad clients to skip
+        ("lr=1e30 max-grad-norm=0", r"round 1: every client's reply carried NaN "
+         "or infinity .* the clients' training diverged", "lr=1e+30 too high"),
+    ],
+    ids=["server", "clients"],
+)  # fmt: skip
+def test_diverged_run_stops_with_a_clear_message(
+    settings: str, what: str, cause: str, tmp_path: Path
+) -> None:
+    """A diverged run stops in round 1, names the round and the likely
+    cause, and records nothing of it."""
     run = pollen_run(
-        f"strategy='fedavgm' server-lr=1e17 rounds=3 checkpoint-every=1 "
+        f"{settings} rounds=3 checkpoint-every=1 "
         f"output-dir='{tmp_path}' run-name='diverged'"
     )
     assert run.returncode == 1
-    assert re.search(
-        r"DivergenceError: round 1: .* not finite, the run diverged", run.stderr
-    )
-    assert "likely cause: server-lr=1e+17 too high" in run.stderr
+    assert re.search(f"DivergenceError: {what}", run.stderr), run.stderr[-2000:]
+    assert cause in run.stderr
     run_dir = tmp_path / "diverged"
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["status"] == "failed" and "round 1" in summary["error"]

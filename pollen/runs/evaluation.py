@@ -1,8 +1,8 @@
 """The server's evaluation of the global model on the test split.
 
 Pure: arrays in, (loss, accuracy) out; a model or loss that is no longer
-finite raises `DivergenceError` with the likely cause, before the round is
-recorded or checkpointed. What follows from the numbers (the history, the
+finite, or a round whose every client reply was, raises `DivergenceError`
+with the likely cause, before the round is recorded or checkpointed. What follows from the numbers (the history, the
 console line, the learning-rate step) is the recorder's job.
 """
 
@@ -78,6 +78,19 @@ def check_finite(
         f"likely cause: {_divergence_hint(settings)}. The last good checkpoint, "
         "if any, is kept"
     )
+
+
+def check_clients_finite(server_round: int, diverged: bool, settings: Settings) -> None:
+    """Stop a run whose clients all sent NaN or infinity this round: that is
+    their training diverging (one bad client would be one among others),
+    not a round to skip."""
+    if diverged:
+        raise DivergenceError(
+            f"round {server_round}: every client's reply carried NaN or infinity "
+            f"(history.json's failures say which entry), the clients' training "
+            f"diverged; likely cause: {_divergence_hint(settings)}. The last good "
+            "checkpoint, if any, is kept"
+        )
 
 
 def _divergence_hint(s: Settings) -> str:

@@ -326,6 +326,7 @@ class BufferedAsync:
             eval_bytes=0,
             personal={},
             staleness=staleness,
+            diverged=outcome.diverged,
         )
 
 

@@ -50,6 +50,10 @@ class ReplyError(ValueError):
     """Why a reply cannot be aggregated (one line, for the log and history)."""
 
 
+class NonFiniteReply(ReplyError):
+    """A reply carrying NaN or infinity: a diverged client, or a bad one."""
+
+
 def checked_reply(
     msg: Message, expected: Expectation, seen: set[int]
 ) -> tuple[int, MetricRecord, dict[str, np.ndarray], dict[str, dict[str, np.ndarray]]]:
@@ -174,8 +178,12 @@ def _check_metrics(metrics: MetricRecord, client: int, expected: Expectation) ->
             f"{NUM_EXAMPLES}={count:g} exceeds the client's shard ({bound})"
         )
     for name, value in metrics.items():
-        if isinstance(value, list) or not math.isfinite(value):
+        if isinstance(value, list):
             raise ReplyError(f"metric {name!r} must be a finite number, got {value!r}")
+        if not math.isfinite(value):
+            raise NonFiniteReply(
+                f"metric {name!r} must be a finite number, got {value!r}"
+            )
     for name in expected.required_metrics:
         value = metrics.get(name)
         if (
@@ -212,7 +220,7 @@ def _decoded(
                 f"expected {expected.dtype}{list(expected.shape)}"
             )
         if np.issubdtype(value.dtype, np.floating) and not np.isfinite(value).all():
-            raise ReplyError(f"{where}entry {key!r} is not finite")
+            raise NonFiniteReply(f"{where}entry {key!r} is not finite")
         decoded[key] = value
     return decoded
 

@@ -52,6 +52,7 @@ class RoundOutcome:
     unselected: list[int] = field(default_factory=list)  # accepted, not aggregated
     aggregation: dict[str, float] = field(default_factory=dict)  # its report
     sim_seconds: float | None = None  # on the simulated clock, under a profile
+    diverged: bool = False  # every reply carried NaN or infinity
 
 
 @dataclass(frozen=True)
@@ -160,6 +161,7 @@ def play_round(
         sim_seconds=sim_seconds,
         unselected=trained.unselected,
         aggregation=trained.report,
+        diverged=trained.diverged,
     )
 
 

@@ -48,6 +48,7 @@ from .. import protocol
 from .aggregation import Aggregate, Aggregator, Arrays, ClientUpdate, Mean
 from .replies import (
     Expectation,
+    NonFiniteReply,
     ReplyError,
     bound_update_norms,
     checked_reply,
@@ -92,10 +93,18 @@ class TrainOutcome:
     clipped: list[str] = field(default_factory=list)  # updates scaled back
     unselected: list[int] = field(default_factory=list)  # accepted, not aggregated
     report: dict[str, float] = field(default_factory=dict)  # the aggregation step's
+    answered: int = 0  # replies that arrived (not a Flower error)
+    non_finite: int = 0  # of those, dropped for carrying NaN or infinity
 
     @property
     def skipped(self) -> bool:
         return self.arrays is None
+
+    @property
+    def diverged(self) -> bool:
+        """Every reply that arrived carried NaN or infinity: the clients'
+        training diverged (one bad client would be one reply among others)."""
+        return self.answered > 0 and self.non_finite == self.answered
 
 
 def addressed(
@@ -244,6 +253,7 @@ class Strategy:
         outcome.failures = reply_failures(
             request.clients, request.participants.roster.owner, valid, failed
         )
+        outcome.answered = len(valid)
         updates = self._checked(request, valid, outcome)
         if bound:
             owner = request.participants.roster.owner
@@ -322,6 +332,7 @@ class Strategy:
                 client, metrics, decoded, records = checked_reply(msg, expected, seen)
             except ReplyError as problem:
                 reject(outcome.failures, msg.metadata.src_node_id, str(problem))
+                outcome.non_finite += isinstance(problem, NonFiniteReply)
                 continue
             seen.add(client)
             weight = float(metrics[protocol.NUM_EXAMPLES])
