@@ -278,6 +278,75 @@ def test_corrupted_jpeg_in_folder_names_the_file(tmp_path: Path, kind: str) -> N
     assert snapshot(tmp_path) == before
 
 
+TEN = [f"class-{c}" for c in range(10)]  # cifar10's count, any names
+
+
+def ten_classes(drop: str | None = None, only_train: str | None = None) -> dict:
+    """An image folder of 10 classes, one image per split each; `drop`'s
+    images left out (its folder stays, empty), `only_train` absent from test/."""
+    return {
+        f"{split}/{c}/0.jpg": jpeg(i)
+        for split in ("train", "test")
+        for i, c in enumerate(TEN)
+        if c != drop and not (split == "test" and c == only_train)
+    }
+
+
+def write_folder(root: Path, files: dict[str, bytes], empty: list[str]) -> None:
+    for name, data in files.items():
+        (root / name).parent.mkdir(parents=True, exist_ok=True)
+        (root / name).write_bytes(data)
+    for folder in empty:
+        (root / folder).mkdir(parents=True, exist_ok=True)
+
+
+def tar_with_folders(path: Path, files: dict[str, bytes], empty: list[str]) -> None:
+    with tarfile.open(path, "w:gz") as tar:
+        for folder in empty:
+            info = tarfile.TarInfo(f"cifar10/{folder}")
+            info.type = tarfile.DIRTYPE
+            tar.addfile(info)
+        for name, data in files.items():
+            info = tarfile.TarInfo(f"cifar10/{name}")
+            info.size = len(data)
+            tar.addfile(info, io.BytesIO(data))
+
+
+FOLDER_FAULTS = {
+    # an empty class folder in both splits: the later labels must not shift
+    "empty class": (ten_classes(drop="class-4"), ["train/class-4", "test/class-4"],
+                    r"class folder 'class-4' holds no images"),
+    "class in train only": (ten_classes(only_train="class-7"), [],
+                            r"train and test class folders differ \('class-7'"),
+    "nine classes": (ten_classes(drop="class-9"), [],
+                     r"9 class folders .*cifar10 has 10 classes"),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("kind", ["folder", "archive"])
+@pytest.mark.parametrize("fault", FOLDER_FAULTS)
+def test_class_folders_that_would_renumber_labels_are_refused(
+    tmp_path: Path, fault: str, kind: str
+) -> None:
+    files, empty, message = FOLDER_FAULTS[fault]
+    if kind == "folder":
+        write_folder(tmp_path / "cifar10", files, empty)
+    else:
+        tar_with_folders(tmp_path / "cifar10.tar.gz", files, empty)
+    before = snapshot(tmp_path)
+    with pytest.raises(DataError, match=message):
+        load_dataset("cifar10", tmp_path, download=False)
+    assert snapshot(tmp_path) == before
+    good = ten_classes()  # the same folder complete: labels 0..9 in name order
+    if kind == "folder":
+        write_folder(tmp_path / "good" / "cifar10", good, [])
+    else:
+        (tmp_path / "good").mkdir()
+        tar_with_folders(tmp_path / "good" / "cifar10.tar.gz", good, [])
+    data = load_dataset("cifar10", tmp_path / "good", download=False)
+    assert data.y_train.tolist() == data.y_test.tolist() == list(range(10))
+
+
 def _many_images() -> dict[str, bytes]:
     return {
         f"{split}/{c}/{i}.jpg": jpeg(i)

@@ -186,13 +186,17 @@ def png(colour: tuple[int, int, int]) -> bytes:
     return buffer.getvalue()
 
 
+CIFAR10_CLASSES = ["airplane", "automobile", "bird", "cat", "deer", "dog", "frog",
+                   "horse", "ship", "truck"]  # fmt: skip
 IMAGES = {
     "train/cat/0.png": (200, 0, 0),
     "train/cat/1.png": (210, 0, 0),
     "train/airplane/0.png": (0, 0, 200),
     "test/cat/0.png": (220, 0, 0),
     "test/airplane/0.png": (0, 0, 220),
-}
+    **{f"{split}/{c}/0.png": (0, 100, 0) for split in ("train", "test")
+       for c in CIFAR10_CLASSES if c not in ("cat", "airplane")},
+}  # fmt: skip
 
 
 def test_image_folder_archive_sorted_class_names(tmp_path: Path) -> None:
@@ -203,9 +207,9 @@ def test_image_folder_archive_sorted_class_names(tmp_path: Path) -> None:
             info.size = len(data)
             tar.addfile(info, io.BytesIO(data))
     ds = load_dataset("cifar10", tmp_path, download=False)
-    assert ds.x_train.shape == (3, 3, 32, 32)
-    assert ds.y_train.tolist() == [0, 1, 1]  # airplane < cat
-    assert int(ds.x_train[0, 2, 0, 0]) == 200 and int(ds.x_train[1, 0, 0, 0]) == 200
+    assert ds.x_train.shape == (11, 3, 32, 32)
+    assert ds.y_train.tolist() == [0, 1, 2, 3, 3, 4, 5, 6, 7, 8, 9]  # sorted names
+    assert int(ds.x_train[0, 2, 0, 0]) == 200 and int(ds.x_train[3, 0, 0, 0]) == 200
 
 
 def test_image_folder_directory(tmp_path: Path) -> None:
@@ -214,7 +218,7 @@ def test_image_folder_directory(tmp_path: Path) -> None:
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_bytes(png(colour))
     ds = load_dataset("cifar10", tmp_path, download=False)
-    assert ds.y_test.tolist() == [0, 1] and ds.input_shape == (3, 32, 32)
+    assert ds.y_test.tolist() == list(range(10)) and ds.input_shape == (3, 32, 32)
 
 
 def test_truncated_archive_is_refused(tmp_path: Path) -> None:

@@ -385,13 +385,25 @@ def _decode_image(data: bytes | Path, spec: DataSpec, where: str) -> np.ndarray:
 
 
 def _stack_split(
-    items: list[tuple[str, str, np.ndarray]], where: str
+    items: list[tuple[str, str, np.ndarray]], folders: set[str], where: str
 ) -> tuple[np.ndarray, np.ndarray, list[str]]:
-    """(class name, file name, image) triples -> arrays ordered by class, file."""
+    """(class name, file name, image) triples -> arrays ordered by class, file.
+
+    The classes are the class `folders` (label = position in sorted order),
+    every one of which must hold an image: an empty one left out would shift
+    every later label down by one without a word.
+    """
     if not items:
         raise DataError(f"{where} holds no images")
+    classes = sorted(folders | {c for c, _, _ in items})
+    empty = sorted(set(classes) - {c for c, _, _ in items})
+    if empty:
+        raise DataError(
+            f"{where}: class folder {empty[0]!r} holds no images; every class "
+            "needs images in train/ and test/ (labels are the sorted folder "
+            "names: leaving one out would renumber the others)"
+        )
     items.sort(key=lambda t: (t[0], t[1]))
-    classes = sorted({c for c, _, _ in items})
     index = {c: i for i, c in enumerate(classes)}
     shapes = {im.shape for _, _, im in items}
     if len(shapes) != 1:
@@ -411,8 +423,9 @@ def _read_image_folder_dir(spec: DataSpec, root: Path) -> dict[str, np.ndarray]:
             for p in folder.glob("*/*")
             if p.is_file()
         ]
-        splits[split] = _stack_split(items, str(folder))
-    return _folder_arrays(splits, str(root))
+        folders = {p.name for p in folder.glob("*") if p.is_dir()}
+        splits[split] = _stack_split(items, folders, str(folder))
+    return _folder_arrays(spec, splits, str(root))
 
 
 def _read_image_folder_archive(spec: DataSpec, path: Path) -> dict[str, np.ndarray]:
@@ -421,6 +434,11 @@ def _read_image_folder_archive(spec: DataSpec, path: Path) -> dict[str, np.ndarr
             members = [m for m in tar.getmembers() if m.isfile()]
             base = _split_parent([m.name for m in members])
             items: dict[str, list] = {"train": [], "test": []}
+            folders: dict[str, set[str]] = {"train": set(), "test": set()}
+            for m in tar.getmembers():  # a class folder may be empty
+                parts = m.name[len(base) :].strip("/").split("/")
+                if m.isdir() and len(parts) == 2 and parts[0] in folders:
+                    folders[parts[0]].add(parts[1])
             for m in members:
                 parts = m.name[len(base) :].lstrip("/").split("/")
                 if len(parts) != 3 or parts[0] not in items:
@@ -433,8 +451,10 @@ def _read_image_folder_archive(spec: DataSpec, path: Path) -> dict[str, np.ndarr
         raise DataError(
             f"cannot read {path}: truncated, corrupted or not a tar archive ({err})"
         ) from err
-    splits = {s: _stack_split(v, f"{path}:{base}{s}/") for s, v in items.items()}
-    return _folder_arrays(splits, str(path))
+    splits = {
+        s: _stack_split(v, folders[s], f"{path}:{base}{s}/") for s, v in items.items()
+    }
+    return _folder_arrays(spec, splits, str(path))
 
 
 def _check_archive_end(tar: tarfile.TarFile, path: Path, members: int) -> None:
@@ -466,10 +486,22 @@ def _split_parent(names: Iterable[str]) -> str:
     raise DataError("image folder has no train/<class>/ and test/<class>/ folders")
 
 
-def _folder_arrays(splits: dict, where: str) -> dict[str, np.ndarray]:
+def _folder_arrays(spec: DataSpec, splits: dict, where: str) -> dict[str, np.ndarray]:
+    """The two splits' arrays, once their class folders are the same names
+    and as many as the data set has classes."""
     (x_tr, y_tr, c_tr), (x_te, y_te, c_te) = splits["train"], splits["test"]
     if c_tr != c_te:
-        raise DataError(f"{where}: train and test class folders differ")
+        only = sorted(set(c_tr) ^ set(c_te))
+        raise DataError(
+            f"{where}: train and test class folders differ ({only[0]!r} is in "
+            "one only); both splits need the same class folders"
+        )
+    if len(c_tr) != spec.num_classes:
+        raise DataError(
+            f"{where}: {len(c_tr)} class folders ({', '.join(c_tr[:4])}"
+            f"{', ...' if len(c_tr) > 4 else ''}); {spec.name} has "
+            f"{spec.num_classes} classes, one folder each in train/ and test/"
+        )
     return {"x_train": x_tr, "y_train": y_tr, "x_test": x_te, "y_test": y_te}
 
 
