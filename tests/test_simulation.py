@@ -143,7 +143,8 @@ def test_default_run_trains_digits_and_writes_results(default_runs) -> None:
     rounds = ROUND_LINES.findall(run.stdout)
     assert [int(r) for r, _ in rounds] == list(range(1, 11))
     run_dir = out / "a"
-    assert f"results in {run_dir}" in run.stdout
+    assert run.stdout.count(f"results in {run_dir}") == 1  # said once, at the end
+    assert re.search(r"s in all \([0-9.]+ s of them in the ServerApp\)", run.stdout)
     for name in ("settings.json", "history.json", "history.csv", "summary.json",
                  "curves.png", "labels.png", "model.pt"):  # fmt: skip
         assert (run_dir / name).stat().st_size > 0, name

@@ -17,6 +17,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import time
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -91,6 +92,7 @@ def run(
 ) -> bool:
     """Validate, submit and follow one run of `app`; whether it completed
     (what its `summary.json` says, reported on the console)."""
+    started = time.monotonic()
     settings, run_config = prepare_run(app, overrides)
     deployment = None
     if deployment_dir is not None:
@@ -115,7 +117,7 @@ def run(
         else:
             flwr_args.insert(2, connection)
             stream_flwr(flwr_args, dict(os.environ))
-    return report_outcome(run_dir)
+    return report_outcome(run_dir, time.monotonic() - started)
 
 
 def simulation_federation(federation: list[str], num_clients: int) -> list[str]:
@@ -158,9 +160,10 @@ def running_deployment(directory: Path, connection: str | None) -> cluster.Deplo
 
 def stream_flwr(flwr_args: list[str], env: dict[str, str]) -> None:
     """`flwr run`, its output passed through line by line, until it exits or,
-    sooner, until the ServerApp says it completed: every result is written by
-    then, and Flower's own shutdown of the simulation (stopping Ray, draining
-    the log stream) would keep the command waiting about 4 s longer."""
+    sooner, until the ServerApp says it completed (that line is not passed
+    on: `report_outcome` says where the results are): every result is written
+    by then, and Flower's own shutdown of the simulation (stopping Ray,
+    draining the log stream) would keep the command waiting about 4 s longer."""
     process = subprocess.Popen(
         [processes.entry_point("flwr"), *flwr_args],
         env={**env, "PYTHONUNBUFFERED": "1"},
@@ -170,9 +173,9 @@ def stream_flwr(flwr_args: list[str], env: dict[str, str]) -> None:
     completed = RUN_COMPLETED.encode()
     try:
         for line in process.stdout:
-            _pass_on(line)
             if completed in line:
                 break
+            _pass_on(line)
     finally:
         processes.stop_child(process, FLWR_STOP_SECONDS)
 
@@ -201,9 +204,10 @@ def keep_log(log_path: Path, run_dir: Path) -> None:
         shutil.copy(log_path, target)
 
 
-def report_outcome(run_dir: Path) -> bool:
+def report_outcome(run_dir: Path, wall_seconds: float) -> bool:
     """Whether the run completed, from its own record of how it ended; said
-    on the console with where its results are."""
+    on the console with where its results are, the command's wall time and,
+    of it, the ServerApp's (start-up of Flower and Ray is the difference)."""
     summary_path = run_dir / "summary.json"
     if not summary_path.exists():
         print(
@@ -219,7 +223,8 @@ def report_outcome(run_dir: Path) -> bool:
     print(
         f"pollen: completed {summary['rounds']} rounds, final accuracy "
         f"{100 * summary['final-accuracy']:.2f}% (best {100 * summary['best-accuracy']:.2f}%"
-        f" at round {summary['best-round']}), {summary['total-seconds']:.1f} s"
+        f" at round {summary['best-round']}), {wall_seconds:.1f} s in all "
+        f"({summary['total-seconds']:.1f} s of them in the ServerApp)"
     )
     print(f"pollen: results in {run_dir}")
     return True
