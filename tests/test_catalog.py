@@ -59,12 +59,12 @@ def test_model_input_problems_name_the_model_and_the_shape() -> None:
 
 
 def test_a_diverged_run_names_the_likely_causes_of_its_parts() -> None:
-    from pollen.runs.evaluation import _divergence_hint
+    from pollen.runs.evaluation import divergence_hint
     from pollen.settings import Settings
 
     dyn = Settings.from_run_config({"strategy": "feddyn", "dyn-alpha": 0.5})
-    assert _divergence_hint(dyn) == (
+    assert divergence_hint(dyn) == (
         "dyn-alpha=0.5 with lr=0.01; or lr=0.01 too high (max-grad-norm=10)"
     )
     adam = Settings.from_run_config({"strategy": "fedadam", "server-lr": 0.3})
-    assert _divergence_hint(adam).startswith("server-lr=0.3 too high; or lr=")
+    assert divergence_hint(adam).startswith("server-lr=0.3 too high; or lr=")

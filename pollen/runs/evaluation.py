@@ -9,7 +9,9 @@ console line, the learning-rate step) is the recorder's job.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import math
+from collections.abc import Sequence
 
 import torch
 from flwr.app import ArrayRecord
@@ -19,6 +21,7 @@ from ..settings import Settings
 from ..task.data import Dataset
 from ..task.inputs import model_inputs
 from ..task.train import Preprocess, evaluate
+from .results import RoundRecord
 
 
 class DivergenceError(RuntimeError):
@@ -75,7 +78,7 @@ def check_finite(
     )
     raise DivergenceError(
         f"round {server_round}: {what} not finite, the run diverged; "
-        f"likely cause: {_divergence_hint(settings)}. The last good checkpoint, "
+        f"likely cause: {divergence_hint(settings)}. The last good checkpoint, "
         "if any, is kept"
     )
 
@@ -88,12 +91,28 @@ def check_clients_finite(server_round: int, diverged: bool, settings: Settings) 
         raise DivergenceError(
             f"round {server_round}: every client's reply carried NaN or infinity "
             f"(history.json's failures say which entry), the clients' training "
-            f"diverged; likely cause: {_divergence_hint(settings)}. The last good "
+            f"diverged; likely cause: {divergence_hint(settings)}. The last good "
             "checkpoint, if any, is kept"
         )
 
 
-def _divergence_hint(s: Settings) -> str:
+# Rounds of a rising test loss at chance accuracy before a run is warned
+STALL_ROUNDS = 3
+CHANCE_MARGIN = 1.5  # "at chance": accuracy at most this many times 1 / classes
+
+
+def stalled_at_chance(history: Sequence[RoundRecord], classes: int) -> bool:
+    """Whether the last `STALL_ROUNDS` rounds stayed at chance accuracy while
+    the test loss rose in each of them: a run on its way to diverging (or a
+    learning rate too high to learn), though nothing is non-finite yet."""
+    if len(history) <= STALL_ROUNDS:
+        return False
+    last = history[-STALL_ROUNDS - 1 :]
+    rising = all(a.loss < b.loss for a, b in itertools.pairwise(last))
+    return rising and all(r.accuracy <= CHANCE_MARGIN / classes for r in last[1:])
+
+
+def divergence_hint(s: Settings) -> str:
     """The parts' own hints (pollen.catalog), then the client learning rate."""
     values = dataclasses.asdict(s)
     parts = (SERVER_UPDATES[s.server_update], LOCAL_OBJECTIVES[s.local_objective])

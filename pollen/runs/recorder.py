@@ -6,7 +6,9 @@ dies keeps every finished round), prints the round's console lines, steps
 the plateau rule on the test loss (the next round's learning rate, which the
 server loop puts into that round's config) and sends a notification when
 one is due. Under DP-SGD it keeps each client's reported epsilon and records
-the largest: the privacy the federation has spent so far.
+the largest: the privacy the federation has spent so far. A run that stays
+at chance accuracy while its test loss rises is warned once, with the
+likely cause (before anything is non-finite, which stops the run).
 """
 
 from __future__ import annotations
@@ -14,9 +16,11 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
+from ..catalog import DATA_SETS
 from ..protocol import DP_EPSILON
 from ..settings import Settings
 from ..strategies.round import RoundOutcome
+from .evaluation import STALL_ROUNDS, divergence_hint, stalled_at_chance
 from .lr_schedule import PlateauSchedule
 from .notify import Notifier
 from .results import RoundRecord, round_lines, write_history
@@ -48,6 +52,7 @@ class RoundRecorder:
         )
         self.dp_epsilon: dict[int, float] = {}
         self._last = time.monotonic()
+        self._warned_stall = False
 
     @property
     def lr(self) -> float:
@@ -96,12 +101,26 @@ class RoundRecorder:
         mean_seconds = sum(r.seconds for r in self.history) / len(self.history)
         left = mean_seconds * (self.settings.rounds - server_round)
         print(round_lines(record, self.settings.rounds, left), flush=True)
+        self._warn_if_stalled()
         self.scheduler.step(loss)
         self.notifier.round_finished(
             self.run_name, server_round, self.settings.rounds, record.accuracy,
             record.loss, record.dp_epsilon,
         )  # fmt: skip
         return record
+
+    def _warn_if_stalled(self) -> None:
+        """Once per run: accuracy at chance while the test loss keeps rising."""
+        classes = DATA_SETS[self.settings.data_set].classes
+        if self._warned_stall or not stalled_at_chance(self.history, classes):
+            return
+        self._warned_stall = True
+        print(
+            f"pollen: warning: accuracy has stayed at chance ({100 / classes:.0f}% "
+            f"for {classes} classes) while the test loss rose for {STALL_ROUNDS} "
+            f"rounds; likely cause: {divergence_hint(self.settings)}",
+            flush=True,
+        )
 
     def _privacy_spent(self, outcome: RoundOutcome) -> float | None:
         """The largest epsilon any client has reported so far (None without DP)."""

@@ -1,0 +1,62 @@
+"""The recorder's warning for a run that stays at chance while its test
+loss rises: on the way to diverging before anything is non-finite."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from flwr.app import ArrayRecord
+
+from pollen.runs.evaluation import STALL_ROUNDS, stalled_at_chance
+from pollen.runs.notify import Notifier
+from pollen.runs.recorder import RoundRecorder
+from pollen.runs.results import RoundRecord
+from pollen.settings import Settings
+from pollen.strategies.round import RoundOutcome
+
+
+def rows(pairs: list[tuple[float, float]]) -> list[RoundRecord]:
+    """(accuracy, loss) per round."""
+    return [
+        RoundRecord(
+            round=i + 1,
+            accuracy=a,
+            loss=loss,
+            lr=0.1,
+            seconds=1.0,
+            bytes_up=0,
+            bytes_down=0,
+        )  # fmt: skip
+        for i, (a, loss) in enumerate(pairs)
+    ]
+
+
+@pytest.mark.parametrize(
+    ("pairs", "stalled"),
+    [
+        ([(0.5, 1.0), (0.1, 2.0), (0.12, 3.0), (0.09, 4.0)], True),
+        ([(0.1, 2.0), (0.1, 3.0), (0.1, 4.0)], False),  # too few rounds to tell
+        ([(0.5, 1.0), (0.1, 2.0), (0.1, 1.5), (0.1, 4.0)], False),  # loss fell once
+        ([(0.5, 1.0), (0.1, 2.0), (0.16, 3.0), (0.1, 4.0)], False),  # 16% > 1.5 x 10%
+        ([(0.9, 0.3), (0.91, 0.31), (0.92, 0.32), (0.93, 0.33)], False),  # learning
+    ],
+)
+def test_stalled_at_chance_by_hand(pairs, stalled: bool) -> None:
+    assert stalled_at_chance(rows(pairs), classes=10) is stalled
+
+
+def test_the_recorder_warns_once_with_the_likely_cause(tmp_path: Path, capsys) -> None:
+    settings = Settings.from_run_config({"lr": 5.0, "rounds": 8})
+    recorder = RoundRecorder(settings, [], tmp_path, Notifier.from_settings("", 1), "r")
+    outcome = RoundOutcome(
+        arrays=ArrayRecord(), clients=[0], updates=[], bytes_down=0, bytes_up=0,
+        skipped=False, failures=[], clipped=[], evaluating=[], eval_bytes=0,
+        personal={},
+    )  # fmt: skip
+    for server_round in range(1, 8):  # chance accuracy, the loss rising every round
+        recorder.record(server_round, outcome, float(server_round), 0.1)
+    out = capsys.readouterr().out
+    assert out.count("pollen: warning: accuracy has stayed at chance") == 1
+    warning = next(line for line in out.splitlines() if "warning" in line)
+    assert f"rose for {STALL_ROUNDS} rounds; likely cause: lr=5 too high" in warning
