@@ -18,16 +18,9 @@ from pollen.strategies.round import RoundOutcome
 
 def rows(pairs: list[tuple[float, float]]) -> list[RoundRecord]:
     """(accuracy, loss) per round."""
+    common = {"lr": 0.1, "seconds": 1.0, "bytes_up": 0, "bytes_down": 0}
     return [
-        RoundRecord(
-            round=i + 1,
-            accuracy=a,
-            loss=loss,
-            lr=0.1,
-            seconds=1.0,
-            bytes_up=0,
-            bytes_down=0,
-        )  # fmt: skip
+        RoundRecord(round=i + 1, accuracy=a, loss=loss, **common)
         for i, (a, loss) in enumerate(pairs)
     ]
 
