@@ -9,7 +9,7 @@ UV := .tools/bin/uv
 export UV_SYSTEM_CERTS := 1
 export FLWR_DISABLE_UPDATE_CHECK := 1
 
-.PHONY: run test lint format clean
+.PHONY: run test lint format docs clean
 
 run: .venv/.synced
 	.venv/bin/pollen run .
@@ -18,6 +18,9 @@ test: .venv/.synced
 	.venv/bin/ruff check pollen tests benchmarks
 	.venv/bin/ruff format --check pollen tests benchmarks
 	.venv/bin/pytest -q
+
+docs: .venv/.synced  # the documentation site, into site/ (warnings are errors)
+	NO_MKDOCS_2_WARNING=1 .venv/bin/mkdocs build --strict
 
 lint: .venv/.synced
 	.venv/bin/ruff check pollen tests benchmarks
