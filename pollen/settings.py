@@ -513,6 +513,11 @@ class Settings:
         return self.bn_policy if self.sharing == "all" else self.sharing
 
     @property
+    def keeps_own_model(self) -> bool:
+        """Clients keep entries or a model of their own (`keeps_own_model`)."""
+        return keeps_own_model(self.sharing_policy, self.ditto_lambda)
+
+    @property
     def attacking_clients(self) -> frozenset[int]:
         """The clients that attack: `attacker-clients`, or round(attackers x
         num-clients) of them drawn by a generator seeded by `seed`."""
@@ -563,6 +568,13 @@ def _allowed_text(f: dataclasses.Field) -> str:
     return text
 
 
+def keeps_own_model(sharing_policy: str, ditto_lambda: float) -> bool:
+    """Whether clients keep entries of their own (a sharing policy other
+    than shared) or a personal model (Ditto): then the global model alone is
+    not what a client uses."""
+    return sharing_policy != "shared" or ditto_lambda > 0
+
+
 def sample_size(num_clients: int, fraction: float, minimum: int) -> int:
     """max(minimum, floor(fraction x num_clients)), at most num_clients."""
     return min(max(minimum, int(fraction * num_clients + 1e-9)), num_clients)
@@ -588,8 +600,8 @@ def _resolve_preset(values: dict[str, Scalar]) -> None:
         policy = (
             values["bn-policy"] if values["sharing"] == "all" else values["sharing"]
         )
-        keeps_own = policy != "shared" or values["ditto-lambda"] != 0
-        values["personal-eval-every"] = int(keeps_own)
+        own = keeps_own_model(str(policy), float(values["ditto-lambda"]))
+        values["personal-eval-every"] = int(own)
     if values["server-lr"] == AUTO:
         values["server-lr"] = AUTO_SERVER_LR.get(str(values["server-update"]), 1.0)
 

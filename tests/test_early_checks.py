@@ -12,6 +12,7 @@ import pytest
 
 from pollen.cli import EXIT_BAD_INPUT, main
 from pollen.deployment import launch
+from pollen.runs.results import check_run_dir_is_new
 from tests.conftest import PROJECT
 
 
@@ -61,7 +62,7 @@ def test_a_device_this_machine_lacks_stops_a_simulation(
         pytest.skip("this machine has CUDA: device='cuda' is valid here")
     argv = ["run", str(PROJECT), "-c", f"output-dir='{tmp_path}' device='cuda'"]
     assert main(argv) == EXIT_BAD_INPUT
-    assert "torch finds no CUDA device on this machine" in capsys.readouterr().err
+    assert "'cuda'; no CUDA device here; allowed here: auto" in capsys.readouterr().err
 
 
 def test_an_output_dir_inside_a_run_directory_is_refused(
@@ -70,8 +71,12 @@ def test_an_output_dir_inside_a_run_directory_is_refused(
     """A new run nested inside an old run's results would pass for part of them."""
     old = tmp_path / "old-run"
     old.mkdir()
-    (old / "settings.json").write_text("{}")
+    (old / "settings.json").write_text('{"run-name": "old-run"}')
     argv = ["run", str(PROJECT), "-c", f"output-dir='{old / 'plots'}'"]
     assert main(argv) == EXIT_BAD_INPUT
     assert f"is inside the run directory {old}" in capsys.readouterr().err
     assert sorted(p.name for p in old.iterdir()) == ["settings.json"]
+    stray = tmp_path / "notes"  # a settings.json that is not a run's
+    stray.mkdir()
+    (stray / "settings.json").write_text("{}")
+    assert check_run_dir_is_new(str(stray / "out"), "r") == stray / "out" / "r"

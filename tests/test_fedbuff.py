@@ -109,9 +109,15 @@ class ScriptedGrid:
     + 1 after `train_seconds[client]` (reported, not slept); replies arrive
     in the order of `order` (client ids), one per pull."""
 
-    def __init__(self, order: list[int], train_seconds: dict[int, float]) -> None:
+    def __init__(
+        self,
+        order: list[int],
+        train_seconds: dict[int, float],
+        non_finite: frozenset[int] = frozenset(),  # these answer with NaN
+    ) -> None:
         self.order = list(order)
         self.train_seconds = train_seconds
+        self.non_finite = non_finite
         self.replies: dict[str, tuple[int, object]] = {}
         self.sent: list[tuple[int, float]] = []  # (client, w it was sent)
 
@@ -121,8 +127,9 @@ class ScriptedGrid:
             client = int(message.content[CONFIG][CLIENT])
             received = message.content[ARRAYS]["w"].numpy()
             self.sent.append((client, float(received[0])))
+            sent_back = received + (np.nan if client in self.non_finite else 1)
             content = RecordDict({
-                ARRAYS: ArrayRecord({"w": Array(received + 1)}),
+                ARRAYS: ArrayRecord({"w": Array(sent_back)}),
                 METRICS: MetricRecord(
                     {NUM_EXAMPLES: 1, TRAIN_SECONDS: self.train_seconds[client]}
                 ),
@@ -176,6 +183,28 @@ def test_the_loop_buffers_replies_and_counts_staleness_in_versions() -> None:
     assert expected[1] == pytest.approx(1 + 1 / math.sqrt(2))
     assert all(len(v.updates) == 1 for v in versions)
     assert loop.drain() and not loop.in_flight
+
+
+@pytest.mark.usefixtures("task_identity")
+@pytest.mark.parametrize(("bad", "diverged"), [({0, 1, 2}, True), ({1}, False)])
+def test_replies_all_non_finite_end_the_versions_as_diverged(
+    bad: set[int], diverged: bool
+) -> None:
+    """As many NaN replies in a row as train at once, none valid: one last
+    outcome marked diverged (the server loop stops the run on it); one NaN
+    client among honest ones is dropped and the versions go on."""
+    grid = ScriptedGrid([], dict.fromkeys(range(3), 0.0), non_finite=frozenset(bad))
+    loop = engine(grid, concurrency=2, buffer_size=1)
+    start = ArrayRecord({"w": Array(np.zeros(1, np.float32))})
+    versions = list(
+        loop.versions(start, 1, 4, ConfigRecord, lambda: Participants(ROSTER))
+    )
+    assert [v.diverged for v in versions] == [False] * (len(versions) - 1) + [diverged]
+    if diverged:
+        assert len(versions) == 1 and versions[0].skipped
+        assert len(versions[0].failures) == 2  # both replies, each named
+    else:
+        assert len(versions) == 4 and all(v.updates for v in versions)
 
 
 @pytest.mark.usefixtures("task_identity")

@@ -8,9 +8,8 @@ from pathlib import Path
 import pytest
 from flwr.app import ArrayRecord
 
-from pollen.runs.evaluation import STALL_ROUNDS, stalled_at_chance
 from pollen.runs.notify import Notifier
-from pollen.runs.recorder import RoundRecorder
+from pollen.runs.recorder import STALL_ROUNDS, RoundRecorder, stalled_at_chance
 from pollen.runs.results import RoundRecord
 from pollen.settings import Settings
 from pollen.strategies.round import RoundOutcome

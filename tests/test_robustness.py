@@ -184,7 +184,7 @@ NON_FINITE = {"nan", "inf", "nan metric"}
     ("faults", "honest_replies", "diverged"),
     [
         (["nan", "inf", "nan metric"], 0, True),  # every client: training diverged
-        (["nan"], 0, True),
+        (["nan"], 0, False),  # one reply alone: a bad client or a diverged one
         (["nan", "inf"], 1, False),  # NaN among honest replies: a bad client
         (["nan", "wrong shape"], 0, False),  # not all fail the same way
         ([], 0, False),  # nobody answered: lost nodes, not a divergence

@@ -109,15 +109,20 @@ def run(
         flwr_args.append("--stream")
         if deployment is not None:
             flwr_args.insert(2, cluster.CONNECTION)
-            stream_flwr(flwr_args, flower_env(deployment.flwr_home))
+            said_completed = stream_flwr(flwr_args, flower_env(deployment.flwr_home))
         elif connection is None:
             with LocalSuperLink() as link:
-                stream_flwr(flwr_args, link.env)
+                said_completed = stream_flwr(flwr_args, link.env)
                 keep_log(link.log_path, run_dir)
         else:
             flwr_args.insert(2, connection)
-            stream_flwr(flwr_args, dict(os.environ))
-    return report_outcome(run_dir, time.monotonic() - started)
+            said_completed = stream_flwr(flwr_args, dict(os.environ))
+    wall_seconds = time.monotonic() - started
+    if said_completed and not (run_dir / "summary.json").exists():
+        # a remote SuperLink's ServerApp wrote its results on its own machine
+        print(f"pollen: run completed; results in {run_dir} on the ServerApp's machine")
+        return True
+    return report_outcome(run_dir, wall_seconds, resumed=bool(settings.resume))
 
 
 def simulation_federation(federation: list[str], num_clients: int) -> list[str]:
@@ -158,12 +163,13 @@ def running_deployment(directory: Path, connection: str | None) -> cluster.Deplo
     return deployment
 
 
-def stream_flwr(flwr_args: list[str], env: dict[str, str]) -> None:
+def stream_flwr(flwr_args: list[str], env: dict[str, str]) -> bool:
     """`flwr run`, its output passed through line by line, until it exits or,
     sooner, until the ServerApp says it completed (that line is not passed
     on: `report_outcome` says where the results are): every result is written
     by then, and Flower's own shutdown of the simulation (stopping Ray,
-    draining the log stream) would keep the command waiting about 4 s longer."""
+    draining the log stream) would keep the command waiting about 4 s longer.
+    Whether the ServerApp said so."""
     process = subprocess.Popen(
         [processes.entry_point("flwr"), *flwr_args],
         env={**env, "PYTHONUNBUFFERED": "1"},
@@ -174,8 +180,9 @@ def stream_flwr(flwr_args: list[str], env: dict[str, str]) -> None:
     try:
         for line in process.stdout:
             if completed in line:
-                break
+                return True
             _pass_on(line)
+        return False
     finally:
         processes.stop_child(process, FLWR_STOP_SECONDS)
 
@@ -204,10 +211,11 @@ def keep_log(log_path: Path, run_dir: Path) -> None:
         shutil.copy(log_path, target)
 
 
-def report_outcome(run_dir: Path, wall_seconds: float) -> bool:
+def report_outcome(run_dir: Path, wall_seconds: float, resumed: bool = False) -> bool:
     """Whether the run completed, from its own record of how it ended; said
     on the console with where its results are, the command's wall time and,
-    of it, the ServerApp's (start-up of Flower and Ray is the difference)."""
+    of it, the ServerApp's (start-up of Flower and Ray is the difference; a
+    resumed run's ServerApp time covers every part, so it is given apart)."""
     summary_path = run_dir / "summary.json"
     if not summary_path.exists():
         print(
@@ -224,7 +232,9 @@ def report_outcome(run_dir: Path, wall_seconds: float) -> bool:
         f"pollen: completed {summary['rounds']} rounds, final accuracy "
         f"{100 * summary['final-accuracy']:.2f}% (best {100 * summary['best-accuracy']:.2f}%"
         f" at round {summary['best-round']}), {wall_seconds:.1f} s in all "
-        f"({summary['total-seconds']:.1f} s of them in the ServerApp)"
-    )
+        + (f"(the ServerApp's time over every part of the run: "
+           f"{summary['total-seconds']:.1f} s)" if resumed else
+           f"({summary['total-seconds']:.1f} s of them in the ServerApp)")
+    )  # fmt: skip
     print(f"pollen: results in {run_dir}")
     return True

@@ -40,18 +40,21 @@ def check_pairs(text: str) -> None:
     position = 0
     while (position := _skip_spaces(text, position)) < len(text):
         pair = PAIR.match(text, position)
-        if pair is None or (pair.end() < len(text) and not text[pair.end()].isspace()):
+        if pair is None:
             token = text[position:].split(maxsplit=1)[0]
+            lone = token.endswith("=") and token.count("=") == 1
+            problem = f"{token!r} {'has no value' if lone else 'is not key=value'}"
+        elif pair.end() < len(text) and not text[pair.end()].isspace():
             problem = (
-                "has no value" if token.endswith("=") and token.count("=") == 1
-                else "is not key=value"
-            )  # fmt: skip
-            raise RunConfigError(
-                f"invalid --run-config {text!r}: {token!r} {problem}; write "
-                "key=value pairs separated by spaces, strings quoted "
-                "(e.g. rounds=3 run-name='a b')"
+                f"{pair.group()!r} is followed by {text[pair.end()]!r}, not a space"
             )
-        position = pair.end()
+        else:
+            position = pair.end()
+            continue
+        raise RunConfigError(
+            f"invalid --run-config {text!r}: {problem}; write key=value pairs "
+            "separated by spaces, strings quoted (e.g. rounds=3 run-name='a b')"
+        )
 
 
 def _skip_spaces(text: str, position: int) -> int:
@@ -102,15 +105,12 @@ def check_local_device(device: str) -> None:
     started. torch is imported only when a device is named."""
     if device in ("auto", "cpu"):
         return
-    import torch
+    from ..task.train import pick_device
 
-    found = {"cuda": torch.cuda.is_available, "mps": torch.backends.mps.is_available}
-    if not found[device]():
-        raise SettingsError(
-            f"invalid value for 'device': {device!r}; torch finds no "
-            f"{device.upper()} device on this machine; allowed here: auto "
-            "(picks what there is), cpu"
-        )
+    try:
+        pick_device(device)
+    except ValueError as err:
+        raise SettingsError(f"{err}; allowed here: auto (what there is), cpu") from None
 
 
 def pin_paths(settings: Settings, strategy: str) -> Settings:

@@ -34,12 +34,10 @@ from ..files import write_atomic, write_json
 from ..runs.results import plot_accuracy_against
 from ..settings import PRESETS
 
-# Keys that name where or how a run ran, not what it computed (how often
-# clients evaluate their own models changes what is measured, not the models).
+# Keys that name where or how a run ran, not what it computed.
 NOT_COMPARED = frozenset(
     {"run-name", "output-dir", "data-root", "device", "resume", "notify-url",
-     "notify-every", "checkpoint-every", "checkpoint-keep", "print-labels",
-     "personal-eval-every"}
+     "notify-every", "checkpoint-every", "checkpoint-keep", "print-labels"}
 )  # fmt: skip
 # Keys drawn as separate lines on one figure; the other varying keys (but the
 # seed, averaged over) make separate figures.

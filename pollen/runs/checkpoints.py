@@ -166,10 +166,12 @@ def _locate(run_dir: Path, round: int | None) -> tuple[int, Path]:
 
 
 # Run-config keys that may differ between a checkpointed run and the run
-# resuming it; any other difference would make the resumed run a different one.
+# resuming it; any other difference would make the resumed run a different one
+# (how often clients evaluate their own models changes no model or state).
 RESUMABLE_CHANGES = frozenset(
     {"rounds", "resume", "notify-url", "notify-every", "checkpoint-every",
-     "checkpoint-keep", "device", "output-dir", "run-name", "data-root"}
+     "checkpoint-keep", "device", "output-dir", "run-name", "data-root",
+     "personal-eval-every"}
 )  # fmt: skip
 
 

@@ -1,17 +1,17 @@
-"""The server's evaluation of the global model on the test split.
+"""The server's evaluation of the global model on the test split, and the
+divergence checks.
 
-Pure: arrays in, (loss, accuracy) out; a model or loss that is no longer
-finite, or a round whose every client reply was, raises `DivergenceError`
-with the likely cause, before the round is recorded or checkpointed. What follows from the numbers (the history, the
+Arrays in, (loss, accuracy) out; a model or loss that is no longer finite,
+or a round whose every client reply was not, raises `DivergenceError` with
+the likely cause (`divergence_hint`), before the round is recorded or
+checkpointed. What follows from the numbers (the history, the
 console line, the learning-rate step) is the recorder's job.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import itertools
 import math
-from collections.abc import Sequence
 
 import torch
 from flwr.app import ArrayRecord
@@ -21,7 +21,6 @@ from ..settings import Settings
 from ..task.data import Dataset
 from ..task.inputs import model_inputs
 from ..task.train import Preprocess, evaluate
-from .results import RoundRecord
 
 
 class DivergenceError(RuntimeError):
@@ -90,26 +89,10 @@ def check_clients_finite(server_round: int, diverged: bool, settings: Settings) 
     if diverged:
         raise DivergenceError(
             f"round {server_round}: every client's reply carried NaN or infinity "
-            f"(history.json's failures say which entry), the clients' training "
-            f"diverged; likely cause: {divergence_hint(settings)}. The last good "
-            "checkpoint, if any, is kept"
+            f"(the log names each entry), the clients' training diverged; likely "
+            f"cause: {divergence_hint(settings)}. The last good checkpoint, if "
+            "any, is kept"
         )
-
-
-# Rounds of a rising test loss at chance accuracy before a run is warned
-STALL_ROUNDS = 3
-CHANCE_MARGIN = 1.5  # "at chance": accuracy at most this many times 1 / classes
-
-
-def stalled_at_chance(history: Sequence[RoundRecord], classes: int) -> bool:
-    """Whether the last `STALL_ROUNDS` rounds stayed at chance accuracy while
-    the test loss rose in each of them: a run on its way to diverging (or a
-    learning rate too high to learn), though nothing is non-finite yet."""
-    if len(history) <= STALL_ROUNDS:
-        return False
-    last = history[-STALL_ROUNDS - 1 :]
-    rising = all(a.loss < b.loss for a, b in itertools.pairwise(last))
-    return rising and all(r.accuracy <= CHANCE_MARGIN / classes for r in last[1:])
 
 
 def divergence_hint(s: Settings) -> str:

@@ -13,17 +13,34 @@ likely cause (before anything is non-finite, which stops the run).
 
 from __future__ import annotations
 
+import itertools
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 from ..catalog import DATA_SETS
 from ..protocol import DP_EPSILON
 from ..settings import Settings
 from ..strategies.round import RoundOutcome
-from .evaluation import STALL_ROUNDS, divergence_hint, stalled_at_chance
+from .evaluation import divergence_hint
 from .lr_schedule import PlateauSchedule
 from .notify import Notifier
 from .results import RoundRecord, round_lines, write_history
+
+# Rounds of a rising test loss at chance accuracy before a run is warned
+STALL_ROUNDS = 3
+CHANCE_MARGIN = 1.5  # "at chance": accuracy at most this many times 1 / classes
+
+
+def stalled_at_chance(history: Sequence[RoundRecord], classes: int) -> bool:
+    """Whether the last `STALL_ROUNDS` rounds stayed at chance accuracy while
+    the test loss rose in each of them: a run on its way to diverging (or a
+    learning rate too high to learn), though nothing is non-finite yet."""
+    if len(history) <= STALL_ROUNDS:
+        return False
+    last = history[-STALL_ROUNDS - 1 :]
+    rising = all(a.loss < b.loss for a, b in itertools.pairwise(last))
+    return rising and all(r.accuracy <= CHANCE_MARGIN / classes for r in last[1:])
 
 
 class RoundRecorder:
@@ -110,9 +127,16 @@ class RoundRecorder:
         return record
 
     def _warn_if_stalled(self) -> None:
-        """Once per run: accuracy at chance while the test loss keeps rising."""
+        """Once per run: accuracy at chance while the test loss keeps rising.
+        Not where clients keep entries of their own: the server then tests a
+        model whose local entries are still initial, which may sit at chance
+        in a healthy run."""
         classes = DATA_SETS[self.settings.data_set].classes
-        if self._warned_stall or not stalled_at_chance(self.history, classes):
+        if (
+            self._warned_stall
+            or self.settings.keeps_own_model  # the server's model lacks their part
+            or not stalled_at_chance(self.history, classes)
+        ):
             return
         self._warned_stall = True
         print(

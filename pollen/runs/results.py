@@ -117,8 +117,7 @@ def check_run_dir_is_new(output_dir: str, run_name: str) -> Path:
     overwritten) or if `output-dir` lies inside a run directory (a run nested
     in another's results would be taken for part of them)."""
     parent = Path(output_dir).expanduser().resolve()
-    if run := next((d for d in (parent, *parent.parents)
-                    if (d / RUN_MARKER).is_file()), None):  # fmt: skip
+    if run := next((d for d in (parent, *parent.parents) if is_run_dir(d)), None):
         raise ResultsError(
             f"invalid value for 'output-dir': {output_dir!r} is inside the run "
             f"directory {run}; choose a directory outside every run's results "
@@ -131,6 +130,14 @@ def check_run_dir_is_new(output_dir: str, run_name: str) -> Path:
             "(results are never overwritten: choose another run-name)"
         )
     return path
+
+
+def is_run_dir(path: Path) -> bool:
+    """Whether `path` holds a pollen run: a `settings.json` that names it."""
+    try:
+        return "run-name" in json.loads((path / RUN_MARKER).read_text())
+    except (OSError, ValueError, TypeError):
+        return False
 
 
 def create_run_dir(output_dir: str, run_name: str) -> Path:

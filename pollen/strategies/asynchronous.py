@@ -88,6 +88,7 @@ class _Pending:
     bytes_down: int = 0
     bytes_up: int = 0
     failures: list[str] = field(default_factory=list)
+    non_finite: int = 0  # replies in a row with NaN or infinity, none valid
 
 
 class BufferedAsync:
@@ -141,6 +142,9 @@ class BufferedAsync:
                     "async: no client can train (every node is lost or busy)"
                 )
             self._take(*self._next_reply(pending), pending)
+            if pending.non_finite >= max(2, self.concurrency):
+                yield self._diverged(arrays, pending)  # the run stops there
+                return
             if len(self.buffer) < self.buffer_size:
                 continue
             arrays, outcome = self._flush(arrays, version, pending)
@@ -285,6 +289,20 @@ class BufferedAsync:
         pending.bytes_up += checked.bytes_up
         pending.failures += checked.failures
         self.buffer += [Buffered(u, dispatch) for u in checked.updates]
+        if checked.updates:
+            pending.non_finite = 0
+        else:
+            pending.non_finite += checked.non_finite
+
+    def _diverged(self, arrays: ArrayRecord, pending: _Pending) -> RoundOutcome:
+        """No new version: as many replies in a row as train at once (two at
+        least) carried NaN or infinity and none was valid, so the clients'
+        training diverged, which the server loop stops the run for."""
+        return RoundOutcome(
+            arrays=arrays, clients=[], updates=[], bytes_down=pending.bytes_down,
+            bytes_up=pending.bytes_up, skipped=True, failures=pending.failures,
+            clipped=[], evaluating=[], eval_bytes=0, personal={}, diverged=True,
+        )  # fmt: skip
 
     def _flush(
         self, arrays: ArrayRecord, version: int, pending: _Pending
@@ -326,7 +344,6 @@ class BufferedAsync:
             eval_bytes=0,
             personal={},
             staleness=staleness,
-            diverged=outcome.diverged,
         )
 
 

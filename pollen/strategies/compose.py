@@ -40,9 +40,7 @@ def build_strategy(
         norm_action=settings.update_norm_action,
         control=_control(settings, model, sharing),
     )
-    personal = PersonalEvaluation(
-        sharing, settings.personal_eval_every, personal_models=settings.ditto_lambda > 0
-    )
+    personal = PersonalEvaluation(sharing, settings.personal_eval_every)
     return strategy, personal
 
 

@@ -52,12 +52,9 @@ class PersonalOutcome:
 class PersonalEvaluation:
     """Every `every` rounds, every client that has trained evaluates its own model."""
 
-    def __init__(
-        self, sharing: Sharing | None, every: int, personal_models: bool = False
-    ) -> None:
+    def __init__(self, sharing: Sharing | None, every: int) -> None:
         self.sharing = sharing
         self.every = every
-        self.personal_models = personal_models  # clients keep one (Ditto)
         self.trained_clients: set[int] = set()
 
     def state_arrays(self) -> dict[str, np.ndarray]:

@@ -102,9 +102,10 @@ class TrainOutcome:
 
     @property
     def diverged(self) -> bool:
-        """Every reply that arrived carried NaN or infinity: the clients'
-        training diverged (one bad client would be one reply among others)."""
-        return self.answered > 0 and self.non_finite == self.answered
+        """Two or more replies arrived and every one carried NaN or infinity:
+        the clients' training diverged (one bad client would be one reply
+        among others; one reply alone cannot tell the two apart)."""
+        return self.answered >= 2 and self.non_finite == self.answered
 
 
 def addressed(

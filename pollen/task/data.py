@@ -49,7 +49,8 @@ from ..files import NpzError, read_npz
 SPLITS = ("x_train", "y_train", "x_test", "y_test")
 CACHE_DIR = ".pollen-cache"
 CACHE_ENV = "POLLEN_CACHE_DIR"
-CACHE_VERSION = 2  # 2: per-file CRC-32 in source.json
+# 2: per-file CRC-32 in source.json; 3: image folders' class folders checked
+CACHE_VERSION = 3
 
 
 class DataError(ValueError):
