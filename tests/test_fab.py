@@ -3,9 +3,14 @@
 from __future__ import annotations
 
 import io
+import os
+import shutil
+import subprocess
+import sys
 import zipfile
 from pathlib import Path
 
+import pytest
 from flwr.cli.build import build_fab_from_disk
 
 from pollen.deployment.fab import fab_files, staged_app
@@ -73,3 +78,45 @@ def test_project_fab_is_unchanged_by_staging() -> None:
     """This project, with its .venv inside: the same FAB either way."""
     with staged_app(PROJECT) as staged:
         assert _fab_contents(staged) == _fab_contents(PROJECT)
+
+
+def _uv() -> str:
+    """The uv that `make` installs into .tools/ (or one on PATH)."""
+    local = PROJECT / ".tools" / "bin" / "uv"
+    found = str(local) if local.is_file() else shutil.which("uv")
+    if found is None:
+        pytest.skip("no uv: `make run` or `make test` installs it into .tools/")
+    return found
+
+
+def test_the_wheel_and_the_fab_build_from_a_clean_checkout(tmp_path: Path) -> None:
+    """`uv build --wheel` and `flwr build` in a fresh clone: the wheel is the
+    distribution `pollen-fl` (`pollen` on the package index is another
+    project) holding the `pollen` package and command; the FAB is the app."""
+    if not (PROJECT / ".git").exists():
+        pytest.skip("not a git checkout: nothing to clone")
+    clone = tmp_path / "clone"
+    subprocess.run(["git", "clone", "-q", str(PROJECT), str(clone)], check=True)
+    env = {**os.environ, "UV_SYSTEM_CERTS": "1"}
+    subprocess.run(
+        [_uv(), "build", "--wheel", "--out-dir", str(tmp_path / "dist"), str(clone)],
+        check=True, capture_output=True, env=env,
+    )  # fmt: skip
+    (wheel,) = (tmp_path / "dist").glob("*.whl")
+    assert wheel.name.startswith("pollen_fl-")
+    with zipfile.ZipFile(wheel) as archive:
+        names = archive.namelist()
+        info = next(n for n in names if n.endswith(".dist-info/METADATA"))
+        metadata = archive.read(info).decode()
+        scripts = next(n for n in names if n.endswith(".dist-info/entry_points.txt"))
+        entry_points = archive.read(scripts).decode()
+    assert "Name: pollen-fl" in metadata and "pollen/cli.py" in names
+    assert "pollen = pollen.cli:main" in entry_points
+    subprocess.run(
+        [str(Path(sys.executable).parent / "flwr"), "build", "--app", str(clone)],
+        check=True, capture_output=True, cwd=tmp_path,
+    )  # fmt: skip
+    (fab,) = tmp_path.glob("*.fab")
+    assert fab.name.startswith("pollen.pollen-fl.")
+    with zipfile.ZipFile(fab) as bundle:
+        assert "pollen/server_app.py" in bundle.namelist()
