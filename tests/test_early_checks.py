@@ -8,6 +8,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from pollen.cli import EXIT_BAD_INPUT, main
@@ -63,6 +64,43 @@ def test_a_device_this_machine_lacks_stops_a_simulation(
     argv = ["run", str(PROJECT), "-c", f"output-dir='{tmp_path}' device='cuda'"]
     assert main(argv) == EXIT_BAD_INPUT
     assert "'cuda'; no CUDA device here; allowed here: auto" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("damage", "message"),
+    [
+        (lambda raw: raw[: len(raw) // 2], r"cannot read .*mnist\.npz"),
+        (lambda raw: b"not a zip archive" * 10, r"cannot read .*mnist\.npz"),
+        (None, r"no data for 'mnist'.*set download=true"),
+    ],
+    ids=["truncated", "garbage", "missing"],
+)
+def test_a_damaged_data_file_stops_before_flower_starts(
+    damage, message: str, no_flower: None, tmp_path: Path, capsys
+) -> None:
+    """The data set the run names is read before Flower starts (and left
+    decoded in the cache for the run); a damaged file is one line, exit 2."""
+    rng = np.random.default_rng(0)
+    arrays = {
+        "x_train": rng.integers(0, 256, (20, 28, 28), dtype=np.uint8),
+        "y_train": np.arange(20, dtype=np.uint8) % 10,
+        "x_test": rng.integers(0, 256, (10, 28, 28), dtype=np.uint8),
+        "y_test": np.arange(10, dtype=np.uint8),
+    }
+    data = tmp_path / "data"
+    data.mkdir()
+    np.savez_compressed(data / "mnist.npz", **arrays)
+    if damage is None:
+        (data / "mnist.npz").unlink()
+    else:
+        (data / "mnist.npz").write_bytes(damage((data / "mnist.npz").read_bytes()))
+    config = (f"output-dir='{tmp_path}' data-set='mnist' data-root='{data}' "
+              "download=false num-clients=2")  # fmt: skip
+    assert main(["run", str(PROJECT), "-c", config]) == EXIT_BAD_INPUT
+    error = capsys.readouterr().err.strip()
+    assert len(error.splitlines()) == 1 and "data-set='mnist'" in error
+    assert re.search(message, error), error
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["data"]  # no run dir
 
 
 def test_an_output_dir_inside_a_run_directory_is_refused(

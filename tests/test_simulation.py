@@ -191,18 +191,21 @@ def test_real_mnist_subset_learns(shared_data: Path, tmp_path: Path) -> None:
 
 
 def test_failed_run_exits_non_zero_with_the_reason(tmp_path: Path) -> None:
+    """A run that fails inside the ServerApp (here it diverges in round 1;
+    missing data is caught before Flower starts): exit 1, the reason in
+    summary.json and in the notification, no process left behind."""
     before = running()
     with webhook() as (hook, received):
         run = pollen_run(
-            f"data-set='mnist' data-root='{tmp_path}' download=false "
-            f"notify-url='{hook}' output-dir='{tmp_path}' run-name='fails'"
+            f"strategy='fedavgm' server-lr=1e17 rounds=2 notify-url='{hook}' "
+            f"output-dir='{tmp_path}' run-name='fails'"
         )
     assert run.returncode == 1
-    assert "no data for 'mnist'" in run.stderr
+    assert "the run diverged" in run.stderr
     summary = json.loads((tmp_path / "fails" / "summary.json").read_text())
-    assert summary["status"] == "failed" and "no data for 'mnist'" in summary["error"]
+    assert summary["status"] == "failed" and "diverged" in summary["error"]
     assert not orphaned(before)
-    assert received[-1].startswith("pollen: run fails failed: DataError: no data")
+    assert received[-1].startswith("pollen: run fails failed: DivergenceError: round 1")
 
 
 def test_bad_setting_stops_before_anything_starts(tmp_path: Path) -> None:

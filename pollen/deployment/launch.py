@@ -25,7 +25,7 @@ from ..runs.results import RUN_COMPLETED
 from . import cluster, processes
 from .fab import staged_app
 from .flower import flower_env, start_superlink
-from .run_config import check_local_device, prepare_run
+from .run_config import check_local_data, check_local_device, prepare_run
 
 CLIENT_CPUS = 1  # per ClientApp actor in a simulation, unless the user says
 FLWR_STOP_SECONDS = 5.0
@@ -101,6 +101,8 @@ def run(
     if connection is None and deployment is None:  # a simulation, on this machine
         check_local_device(settings.device)
         federation = simulation_federation(federation, settings.num_clients)
+    if connection is None:  # the ServerApp reads the data on this machine
+        check_local_data(settings)
     run_dir = Path(settings.resume or Path(settings.output_dir) / settings.run_name)
     with staged_app(app) as staged:
         flwr_args = ["run", str(staged), "--run-config", run_config]

@@ -113,6 +113,21 @@ def check_local_device(device: str) -> None:
         raise SettingsError(f"{err}; allowed here: auto (what there is), cpu") from None
 
 
+def check_local_data(settings: Settings) -> None:
+    """Read the data set a run on this machine names, before Flower starts: a
+    missing, truncated or malformed file (or image folder) stops the command
+    in seconds, not after start-up. The decoded copy stays in the disk cache
+    the run then reads; digits ships with scikit-learn and needs no check."""
+    if settings.data_set == "digits":
+        return
+    from ..task.data import DataError, check_readable
+
+    try:
+        check_readable(settings.data_set, settings.data_root, settings.download)
+    except DataError as err:
+        raise SettingsError(f"data-set={settings.data_set!r}: {err}") from None
+
+
 def pin_paths(settings: Settings, strategy: str) -> Settings:
     """`data-root`, `output-dir` and `resume` made absolute against this
     shell's directory, and an empty `run-name` given a generated one (named

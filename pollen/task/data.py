@@ -146,6 +146,16 @@ def load_dataset(name: str, data_root: str | Path, download: bool) -> Dataset:
     return _load_cached(spec, root, download, source, fingerprint)
 
 
+def check_readable(name: str, data_root: str | Path, download: bool) -> None:
+    """Load `name` as a run would, leaving it decoded in the disk cache for
+    the run's processes, and keep no copy in this one: what `pollen run`
+    checks before Flower starts. `DataError` says what is wrong."""
+    try:
+        load_dataset(name, data_root, download)
+    finally:
+        _load_cached.cache_clear()
+
+
 def read_node_file(name: str, path: Path) -> Dataset:
     """A node's own examples of data set `name` (node config `data-file`).
 
