@@ -42,6 +42,7 @@ from .catalog import (
     PRESETS,
     SERVER_UPDATES,
     SHARING,
+    TRACKERS,
     Scalar,
 )
 from .network_profile import NetworkProfile, ProfileError
@@ -443,6 +444,12 @@ class Settings:
     )
     notify_every: int = key(
         10, "notify every N rounds (0: start and end only)", at_least(0)
+    )
+    tracker: str = key(
+        "none",
+        "experiment tracking besides the run's files: none, or tensorboard "
+        "(event files in <run>/tensorboard/; the tensorboard extra)",
+        one_of(*TRACKERS),
     )
     # Partitioning
     partition: str = key("iid", "how training data is split", one_of(*PARTITIONS))

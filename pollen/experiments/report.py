@@ -37,7 +37,8 @@ from ..settings import PRESETS
 # Keys that name where or how a run ran, not what it computed.
 NOT_COMPARED = frozenset(
     {"run-name", "output-dir", "data-root", "device", "resume", "notify-url",
-     "notify-every", "checkpoint-every", "checkpoint-keep", "print-labels"}
+     "notify-every", "checkpoint-every", "checkpoint-keep", "print-labels",
+     "tracker"}
 )  # fmt: skip
 # Keys drawn as separate lines on one figure; the other varying keys (but the
 # seed, averaged over) make separate figures.
