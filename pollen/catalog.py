@@ -200,4 +200,6 @@ PARTITIONS = ("iid", "niid", "niid-client", "pathological", "silos")
 CLASS_ASSIGNMENTS = ("first-deterministic", "deterministic", "random")
 CLIENT_OPTIMIZERS = ("sgd", "adam", "adamw")
 DEVICES = ("auto", "cpu", "cuda", "mps")
-TRACKERS = ("none", "tensorboard")
+TRACKERS = ("none", "tensorboard", "mlflow")
+# MLflow stores a run may name besides an http(s) tracking server
+TRACKING_STORES = ("sqlite:///", "file:///", "postgresql://", "mysql://", "mssql://")

@@ -47,6 +47,7 @@ from .runs.results import (
     read_history,
     summarize,
 )
+from .runs.tracking import NoTracker, Tracker, open_tracker
 from .settings import Settings, SettingsError
 from .strategies.asynchronous import BufferedAsync
 from .strategies.compose import build_strategy
@@ -103,20 +104,24 @@ def main(grid: Grid, context: Context) -> None:
     notifier.run_started(
         run_name, settings.strategy, settings.data_set, settings.rounds
     )
+    tracker: Tracker = NoTracker()
     try:
+        tracker = open_tracker(settings, run_dir, run_name, history)
         _train(grid, settings, run_dir, history, notifier, run_name, checkpoint,
-               elapsed)  # fmt: skip
+               elapsed, tracker)  # fmt: skip
     except BaseException as err:
         summary = summarize(history, "failed", elapsed(), _reason(err))
         # a resume that fails before its first round leaves the run as it was
         if len(history) > restored or not (run_dir / "summary.json").exists():
             write_json(run_dir / "summary.json", summary)
+        tracker.finish(run_dir, "failed")
         _tell_failure(notifier, run_name, err)
         raise
     write_json(
         run_dir / "summary.json",
         summarize(history, "completed", elapsed()),
     )
+    tracker.finish(run_dir, "completed")
     last = history[-1] if history else None
     notifier.run_finished(
         run_name, len(history), last and last.accuracy, last and last.loss,
@@ -164,6 +169,7 @@ def _train(
     run_name: str,
     checkpoint: Checkpoint | None,
     elapsed: Callable[[], float],
+    tracker: Tracker,
 ) -> None:
     dataset, shards = federated_data(settings)
     counts = label_counts(dataset.y_train.numpy(), shards, dataset.num_classes)
@@ -208,7 +214,7 @@ def _train(
     strategy, personal = build_strategy(settings, model)
     arrays = ArrayRecord({k: v.clone() for k, v in model.state_dict().items()})
     evaluation = GlobalEvaluation(settings, dataset, model.to(device), device)
-    recorder = RoundRecorder(settings, history, run_dir, notifier, run_name)
+    recorder = RoundRecorder(settings, history, run_dir, notifier, run_name, tracker)
     first_round = 1
     if checkpoint is not None:
         arrays = _resume(checkpoint, settings, model, strategy, personal, recorder)

@@ -43,6 +43,7 @@ from .catalog import (
     SERVER_UPDATES,
     SHARING,
     TRACKERS,
+    TRACKING_STORES,
     Scalar,
 )
 from .network_profile import NetworkProfile, ProfileError
@@ -95,6 +96,21 @@ def webhook_rule() -> Rule:
             return False
 
     return Rule(valid, "an http(s) URL, or empty")
+
+
+def tracking_uri_rule() -> Rule:
+    def valid(uri: str) -> bool:
+        if not uri:
+            return True
+        if uri.startswith(("http://", "https://")):
+            return webhook_rule().check(uri)
+        return uri.startswith(TRACKING_STORES) and len(uri) > uri.index(":") + 3
+
+    return Rule(
+        valid,
+        "empty, an http(s) URL of an MLflow tracking server, or a store URI "
+        "starting with " + ", ".join(TRACKING_STORES),
+    )
 
 
 def _parse_clients(text: str) -> tuple[int, ...] | None:
@@ -447,9 +463,22 @@ class Settings:
     )
     tracker: str = key(
         "none",
-        "experiment tracking besides the run's files: none, or tensorboard "
-        "(event files in <run>/tensorboard/; the tensorboard extra)",
+        "experiment tracking besides the run's files: none, tensorboard (event "
+        "files in <run>/tensorboard/; the tensorboard extra) or mlflow (an MLflow "
+        "run at tracking-uri; the mlflow extra)",
         one_of(*TRACKERS),
+    )
+    tracking_uri: str = key(
+        "",
+        "where tracker=mlflow logs: http(s)://host:port of a tracking server, "
+        "sqlite:///file.db, file:///dir (empty: env MLFLOW_TRACKING_URI, else "
+        "sqlite:///<output-dir>/mlflow.db)",
+        tracking_uri_rule(),
+    )
+    tracking_experiment: str = key(
+        "",
+        "the MLflow experiment a tracked run joins (empty: 'pollen'; under pollen "
+        "compare, the comparison directory's name)",
     )
     # Partitioning
     partition: str = key("iid", "how training data is split", one_of(*PARTITIONS))
@@ -742,6 +771,11 @@ def _check_combination(values: dict[str, Scalar]) -> None:
             NetworkProfile.load(Path(str(values["network-profile"])))
         except ProfileError as err:
             raise SettingsError(f"network-profile: {err}") from None
+    if values["tracking-uri"] and values["tracker"] != "mlflow":
+        raise SettingsError(
+            f"tracking-uri={values['tracking-uri']!r} with tracker="
+            f"{values['tracker']!r}: only tracker='mlflow' logs to a tracking URI"
+        )
     if values["dp"] and values["resume"]:
         raise SettingsError(
             "dp=true with resume is not supported: the noise is calibrated for "

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -58,3 +60,32 @@ def reply_from(node: int, content, message_type: str = "train"):
         return Message(content, dst_node_id=server, message_type=message_type)
     finally:
         TaskIdentity.node_id = server
+
+
+@pytest.fixture(scope="session")
+def mlflow_server(tmp_path_factory) -> Iterator[str]:
+    """A real MLflow tracking server (SQLite backend, artefacts served from a
+    temporary directory) on a free loopback port; its URI."""
+    from pollen.deployment import processes
+
+    home = tmp_path_factory.mktemp("mlflow")
+    port = processes.free_port()
+    log = home / "server.log"
+    server = processes.start(
+        [processes.entry_point("mlflow"), "server", "--host", "127.0.0.1",
+         "--port", str(port), "--workers", "1",
+         "--backend-store-uri", f"sqlite:///{home / 'mlflow.db'}",
+         "--artifacts-destination", str(home / "artifacts")],
+        log=log, cwd=home, env={**os.environ, "MLFLOW_DISABLE_TELEMETRY": "true",
+             # its job runner (not used here) adds half a minute to start-up
+             "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"},
+    )  # fmt: skip
+    uri = f"http://127.0.0.1:{port}"
+    try:
+        processes.wait_ready(
+            server.pid, lambda: processes.answers_ok(f"{uri}/health"),
+            name="mlflow server", log=log, timeout=120,
+        )  # fmt: skip
+        yield uri
+    finally:
+        processes.stop(server.pid)

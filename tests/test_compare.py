@@ -378,10 +378,26 @@ def test_report_regenerates_tables_and_plots_without_training(tmp_path: Path) ->
     assert main(["report", str(tmp_path / "nothing")]) == 2
 
 
+def mlflow_accuracy(uri: str, experiment: str) -> dict[str, list[tuple[int, float]]]:
+    """Each finished MLflow run of `experiment` at `uri`: its accuracy by round."""
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(uri)
+    runs = client.search_runs([client.get_experiment_by_name(experiment).experiment_id])
+    return {
+        run.info.run_name: sorted(
+            (m.step, m.value)
+            for m in client.get_metric_history(run.info.run_id, "accuracy")
+        )
+        for run in runs
+        if run.info.status == "FINISHED"
+    }
+
+
 def test_a_real_comparison_of_two_tiny_runs_resumes_and_reports(
-    tmp_path: Path, capsys
+    tmp_path: Path, capsys, mlflow_server: str
 ) -> None:
-    grid = grid_file(tmp_path, """
+    grid = grid_file(tmp_path, f"""
 target = 0.3
 [base]
 data-set = "digits"
@@ -389,6 +405,8 @@ rounds = 2
 num-clients = 2
 client-frac = 1.0
 checkpoint-every = 1
+tracker = "mlflow"
+tracking-uri = "{mlflow_server}"
 [grid]
 strategy = ["fedavg", "fedprox"]
 """)  # fmt: skip
@@ -399,6 +417,11 @@ strategy = ["fedavg", "fedprox"]
     for name in ("strategy-fedavg", "strategy-fedprox"):
         settings = json.loads((out / "runs" / name / "settings.json").read_text())
         assert settings["strategy"] == name.split("-")[1] and settings["rounds"] == 2
+    # the cells side by side in one MLflow experiment named after the comparison
+    tracked = mlflow_accuracy(mlflow_server, "cmp")
+    for name in ("strategy-fedavg", "strategy-fedprox"):
+        history = json.loads((out / "runs" / name / "history.json").read_text())
+        assert tracked[name] == [(row["round"], row["accuracy"]) for row in history]
     assert (out / "plots" / "labels-all.png").exists()
     assert main(["compare", str(grid), str(PROJECT), "--out", str(out)]) == 0
     assert capsys.readouterr().out.count("done before, kept") == 2
@@ -422,6 +445,10 @@ strategy = ["fedavg", "fedprox"]
     assert "[2/2] strategy-fedprox: interrupted, resumes after round 1" in printed
     history = json.loads((fedprox / "history.json").read_text())
     assert [row["round"] for row in history] == [1, 2]
+    # the resumed cell continued its MLflow run: still two runs, no round twice
+    tracked = mlflow_accuracy(mlflow_server, "cmp")
+    assert sorted(tracked) == ["strategy-fedavg", "strategy-fedprox"]
+    assert [step for step, _ in tracked["strategy-fedprox"]] == [1, 2]
     assert not (out / "incomplete").exists()
     # one comparison per directory at a time
     with compare.exclusive(out):

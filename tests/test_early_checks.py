@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from pollen.cli import EXIT_BAD_INPUT, main
-from pollen.deployment import launch
+from pollen.deployment import launch, processes
 from pollen.runs.results import check_run_dir_is_new
 from tests.conftest import PROJECT
 
@@ -39,6 +39,11 @@ CASES = [
     ("dp=true model='mlp-bn'", r"dp=true with model='mlp-bn': its BatchNorm"),
     ("num-clients=100000", r"training split has 1,437 examples.*1 to 1437"),
     ("bn-policy='fedbn'", r"bn-policy='fedbn' with model='mlp', which has no"),
+    ("tracking-uri='http://127.0.0.1:5000'", r"only tracker='mlflow' logs to a"),
+    (
+        "tracker='mlflow' tracking-uri='mlruns'",
+        r"'tracking-uri': 'mlruns'; allowed: empty, an http\(s\) URL",
+    ),
 ]
 
 
@@ -118,3 +123,13 @@ def test_an_output_dir_inside_a_run_directory_is_refused(
     stray.mkdir()
     (stray / "settings.json").write_text("{}")
     assert check_run_dir_is_new(str(stray / "out"), "r") == stray / "out" / "r"
+
+
+def test_a_tracking_server_that_does_not_answer_stops_the_run(
+    no_flower: None, tmp_path: Path, capsys
+) -> None:
+    uri = f"http://127.0.0.1:{processes.free_port()}"
+    config = f"output-dir='{tmp_path}' tracker='mlflow' tracking-uri='{uri}'"
+    assert main(["run", str(PROJECT), "-c", config]) == EXIT_BAD_INPUT
+    assert f"no MLflow tracking server answers at {uri}" in capsys.readouterr().err
+    assert not any(tmp_path.iterdir())

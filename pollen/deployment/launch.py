@@ -25,7 +25,12 @@ from ..runs.results import RUN_COMPLETED
 from . import cluster, processes
 from .fab import staged_app
 from .flower import flower_env, start_superlink
-from .run_config import check_local_data, check_local_device, prepare_run
+from .run_config import (
+    check_local_data,
+    check_local_device,
+    check_local_tracker,
+    prepare_run,
+)
 
 CLIENT_CPUS = 1  # per ClientApp actor in a simulation, unless the user says
 FLWR_STOP_SECONDS = 5.0
@@ -103,6 +108,7 @@ def run(
         federation = simulation_federation(federation, settings.num_clients)
     if connection is None:  # the ServerApp reads the data on this machine
         check_local_data(settings)
+        check_local_tracker(settings)
     run_dir = Path(settings.resume or Path(settings.output_dir) / settings.run_name)
     with staged_app(app) as staged:
         flwr_args = ["run", str(staged), "--run-config", run_config]

@@ -8,6 +8,7 @@ its results land (the SuperLink's processes run elsewhere).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
@@ -19,6 +20,13 @@ from typing import Any
 from ..runs.checkpoints import check_resumable
 from ..runs.notify import URL_ENV, check_url
 from ..runs.results import check_run_dir_is_new, default_run_name
+from ..runs.tracking_mlflow import (
+    RUN_FILE,
+    URI_ENV,
+    check_server,
+    pin_uri,
+    tracking_uri,
+)
 from ..settings import Settings, SettingsError
 
 
@@ -128,6 +136,41 @@ def check_local_data(settings: Settings) -> None:
         raise SettingsError(f"data-set={settings.data_set!r}: {err}") from None
 
 
+def check_local_tracker(settings: Settings) -> None:
+    """Refuse a tracker whose package is missing, or whose tracking server does
+    not answer, for a ServerApp that runs on this machine: now, not after
+    Flower's start-up (MLflow's client would retry for minutes)."""
+    if settings.tracker == "none":
+        return
+    from importlib.util import find_spec
+
+    if find_spec(settings.tracker) is None:
+        raise SettingsError(
+            f"tracker={settings.tracker!r} needs the {settings.tracker} package, "
+            f"which is not installed: pip install 'pollen-fl[{settings.tracker}]'"
+        )
+    if settings.tracker == "mlflow":
+        try:
+            check_server(settings.tracking_uri)
+        except ValueError as err:
+            raise SettingsError(f"tracking-uri: {err}") from None
+
+
+def pin_tracking_uri(settings: Settings) -> Settings:
+    """With tracker=mlflow, `tracking-uri` made explicit: as set, else
+    `$MLFLOW_TRACKING_URI`, else the store a resumed run logged to, else an
+    SQLite store beside the runs; a relative SQLite path made absolute."""
+    if settings.tracker != "mlflow":
+        return settings
+    uri = settings.tracking_uri or os.environ.get(URI_ENV, "")
+    recorded = Path(settings.resume) / RUN_FILE
+    if not uri and settings.resume and recorded.is_file():
+        with contextlib.suppress(OSError, ValueError, KeyError):
+            uri = json.loads(recorded.read_text())["tracking-uri"]
+    uri = uri or tracking_uri(settings)
+    return dataclasses.replace(settings, tracking_uri=pin_uri(uri))
+
+
 def pin_paths(settings: Settings, strategy: str) -> Settings:
     """`data-root`, `output-dir` and `resume` made absolute against this
     shell's directory, and an empty `run-name` given a generated one (named
@@ -150,7 +193,7 @@ def prepare_run(app: Path, overrides: Sequence[str]) -> tuple[Settings, str]:
     config as one "key=value" string.
     """
     settings = resolve_settings(app, overrides)
-    settings = pin_paths(settings, settings.strategy)
+    settings = pin_tracking_uri(pin_paths(settings, settings.strategy))
     if not settings.notify_url and os.environ.get(URL_ENV):
         try:
             check_url(os.environ[URL_ENV], from_env=True)

@@ -387,7 +387,9 @@ def cell_command(
         argv = [str(Path(sys.executable).parent / "pollen"), "run", str(app)]
         if deployment is not None:
             argv += ["--deployment", str(deployment)]
-        for value in [*overrides, config, config_text(
+        # the comparison's runs share one MLflow experiment, unless a value names one
+        experiment = config_text({"tracking-experiment": out.resolve().name})
+        for value in [experiment, *overrides, config, config_text(
             {"output-dir": str((out / "runs").resolve()), "run-name": name}
         )]:  # fmt: skip
             argv += ["-c", value]

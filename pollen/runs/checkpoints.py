@@ -171,7 +171,7 @@ def _locate(run_dir: Path, round: int | None) -> tuple[int, Path]:
 RESUMABLE_CHANGES = frozenset(
     {"rounds", "resume", "notify-url", "notify-every", "checkpoint-every",
      "checkpoint-keep", "device", "output-dir", "run-name", "data-root",
-     "personal-eval-every", "tracker"}
+     "personal-eval-every", "tracker", "tracking-uri", "tracking-experiment"}
 )  # fmt: skip
 
 

@@ -6,7 +6,7 @@ dies keeps every finished round), prints the round's console lines, steps
 the plateau rule on the test loss (the next round's learning rate, which the
 server loop puts into that round's config) and sends a notification when
 one is due, and hands the row to the run's tracker (`pollen.runs.tracking`:
-TensorBoard, when asked for). Under DP-SGD it keeps each client's reported
+TensorBoard or MLflow, when asked for). Under DP-SGD it keeps each client's reported
 epsilon and records
 the largest: the privacy the federation has spent so far. A run that stays
 at chance accuracy while its test loss rises is warned once, with the
@@ -28,7 +28,7 @@ from .evaluation import divergence_hint
 from .lr_schedule import PlateauSchedule
 from .notify import Notifier
 from .results import RoundRecord, round_lines, write_history
-from .tracking import open_tracker
+from .tracking import NoTracker, Tracker
 
 # Rounds of a rising test loss at chance accuracy before a run is warned
 STALL_ROUNDS = 3
@@ -56,6 +56,7 @@ class RoundRecorder:
         run_dir: Path,
         notifier: Notifier,
         run_name: str,
+        tracker: Tracker | None = None,
     ) -> None:
         self.settings = settings
         self.history = history
@@ -73,9 +74,7 @@ class RoundRecorder:
         self.dp_epsilon: dict[int, float] = {}
         self._last = time.monotonic()
         self._warned_stall = False
-        # a resumed run's history holds the rounds up to its checkpoint
-        first_round = history[-1].round + 1 if history else 1
-        self.tracker = open_tracker(settings, run_dir, first_round)
+        self.tracker = tracker or NoTracker()
 
     @property
     def lr(self) -> float:
@@ -124,9 +123,7 @@ class RoundRecorder:
         mean_seconds = sum(r.seconds for r in self.history) / len(self.history)
         left = mean_seconds * (self.settings.rounds - server_round)
         print(round_lines(record, self.settings.rounds, left), flush=True)
-        self.tracker.round(record)  # flushed: a run that fails keeps its rounds
-        if server_round == self.settings.rounds:
-            self.tracker.close()
+        self.tracker.round(record)
         self._warn_if_stalled()
         self.scheduler.step(loss)
         self.notifier.round_finished(
