@@ -24,7 +24,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from . import listing
-from .deployment import cluster, deploy_actions, launch
+from .deployment import cluster, deploy_actions, launch, processes
 from .deployment.network import NetworkError
 from .deployment.processes import ProcessError
 from .deployment.run_config import RunConfigError
@@ -66,11 +66,15 @@ def run_command(args: argparse.Namespace) -> int:
     profile = network_profile(args.network, app)
     if profile is not None:
         overrides.append(compare.config_text({"network-profile": str(profile)}))
-    completed = launch.run(
-        app, overrides,
-        connection=args.connection, federation=args.federation_config,
-        deployment_dir=Path(args.deployment) if args.deployment else None,
-    )  # fmt: skip
+    try:
+        with processes.sigterm_interrupts():  # SIGTERM stops a run as Ctrl-C does
+            completed = launch.run(
+                app, overrides,
+                connection=args.connection, federation=args.federation_config,
+                deployment_dir=Path(args.deployment) if args.deployment else None,
+            )  # fmt: skip
+    except KeyboardInterrupt:  # said by `launch.run`: where it stopped, how to resume
+        return EXIT_INTERRUPTED
     return 0 if completed else EXIT_FAILED
 
 

@@ -33,6 +33,7 @@ from .protocol import LR
 from .runs.checkpoints import Checkpoint, load_resumable, save_checkpoint
 from .runs.clock import SimulatedClock
 from .runs.evaluation import GlobalEvaluation, check_clients_finite
+from .runs.interruption import InterruptibleGrid, RunInterrupted, StopSignal
 from .runs.notify import Notifier
 from .runs.recorder import RoundRecorder
 from .runs.results import (
@@ -79,6 +80,15 @@ ELAPSED = "elapsed-seconds"
 def main(grid: Grid, context: Context) -> None:
     """Run one federated training job and write its results directory."""
     started = time.monotonic()
+    stop = StopSignal()
+    stop.install()
+    try:
+        _run(grid, context, started, stop)
+    finally:
+        stop.settle()
+
+
+def _run(grid: Grid, context: Context, started: float, stop: StopSignal) -> None:
     settings = Settings.from_run_config(context.run_config)
     notifier = Notifier.from_settings(settings.notify_url, settings.notify_every)
     try:
@@ -108,14 +118,18 @@ def main(grid: Grid, context: Context) -> None:
     try:
         tracker = open_tracker(settings, run_dir, run_name, history)
         _train(grid, settings, run_dir, history, notifier, run_name, checkpoint,
-               elapsed, tracker)  # fmt: skip
+               elapsed, tracker, stop)  # fmt: skip
     except BaseException as err:
-        summary = summarize(history, "failed", elapsed(), _reason(err))
+        status = "interrupted" if stop.asked else "failed"
+        summary = summarize(history, status, elapsed(), _reason(err))
         # a resume that fails before its first round leaves the run as it was
         if len(history) > restored or not (run_dir / "summary.json").exists():
             write_json(run_dir / "summary.json", summary)
-        tracker.finish(run_dir, "failed")
+        tracker.finish(run_dir, status)
         _tell_failure(notifier, run_name, err)
+        if stop.asked:  # not a failure of the app: Flower is exiting already
+            print(f"pollen: run interrupted after {len(history)} rounds", flush=True)
+            return
         raise
     write_json(
         run_dir / "summary.json",
@@ -170,7 +184,10 @@ def _train(
     checkpoint: Checkpoint | None,
     elapsed: Callable[[], float],
     tracker: Tracker,
+    stop: StopSignal,
 ) -> None:
+    simulation = isinstance(grid, InMemoryGrid)
+    grid = InterruptibleGrid(grid, stop)  # Ctrl-C stops the next exchange
     dataset, shards = federated_data(settings)
     counts = label_counts(dataset.y_train.numpy(), shards, dataset.num_classes)
     print(
@@ -219,15 +236,17 @@ def _train(
     if checkpoint is not None:
         arrays = _resume(checkpoint, settings, model, strategy, personal, recorder)
         first_round = checkpoint.round + 1
-    simulation = isinstance(grid, InMemoryGrid)
     clock = _clock(settings)
     grid = OneMessagePerNode(grid, REPLY_POLL_SECONDS)
 
     def train_config() -> ConfigRecord:
         return ConfigRecord({LR: recorder.lr, **state_config})
 
+    checkpointed = first_round - 1  # the newest round a checkpoint holds
+
     def finish(server_round: int, outcome: RoundOutcome) -> ArrayRecord:
         """Evaluate, record and (when due) checkpoint one round or version."""
+        nonlocal checkpointed
         check_clients_finite(server_round, outcome.diverged, settings)
         loss, accuracy = evaluation(server_round, outcome.arrays)
         recorder.record(server_round, outcome, loss, accuracy)
@@ -237,44 +256,56 @@ def _train(
         ):
             _save_checkpoint(settings, run_dir, server_round, outcome.arrays,
                              strategy, personal, recorder, elapsed())  # fmt: skip
+            checkpointed = server_round
             # clients may now forget their state from before this round
             state_config[client_state.KEEP_FROM] = server_round
         return outcome.arrays
 
     recorder.start_clock()
-    if settings.mode == "async":
-        concurrency = _concurrency(settings)
-        engine = BufferedAsync(
-            grid, strategy, concurrency=concurrency,
-            buffer_size=settings.buffer_size or max(1, concurrency // 2),
-            seed=settings.seed, timeout=settings.round_timeout,
-            clock=clock if simulation else None,
-        )  # fmt: skip
-        versions = engine.versions(
-            arrays, first_round, settings.rounds, train_config, membership.participants
-        )
-        for version, outcome in enumerate(versions, first_round):
-            personal.record_trained(update.client for update in outcome.updates)
-            if version == settings.rounds:  # the last: nothing left in flight
-                drain_started = time.monotonic()
-                unused = engine.drain()
-                recorder.exclude(time.monotonic() - drain_started)
-                outcome = _personal_at_end(
-                    grid, personal, version, outcome, unused,
-                    ConfigRecord(state_config), membership, settings.round_timeout,
-                )  # fmt: skip
-            arrays = finish(version, outcome)
-    else:
-        timing = RoundTiming(
-            settings.round_deadline, clock, simulation and clock is not None
-        )
-        for server_round in range(first_round, settings.rounds + 1):
-            configs = (train_config(), ConfigRecord(state_config))
-            outcome = play_round(
-                grid, strategy, personal, server_round, arrays, configs,
-                membership.participants(), settings.round_timeout, timing,
+    try:
+        if settings.mode == "async":
+            concurrency = _concurrency(settings)
+            engine = BufferedAsync(
+                grid, strategy, concurrency=concurrency,
+                buffer_size=settings.buffer_size or max(1, concurrency // 2),
+                seed=settings.seed, timeout=settings.round_timeout,
+                clock=clock if simulation else None,
             )  # fmt: skip
-            arrays = finish(server_round, outcome)
+            versions = engine.versions(
+                arrays,
+                first_round,
+                settings.rounds,
+                train_config,
+                membership.participants,
+            )
+            for version, outcome in enumerate(versions, first_round):
+                personal.record_trained(update.client for update in outcome.updates)
+                if version == settings.rounds:  # the last: nothing left in flight
+                    drain_started = time.monotonic()
+                    unused = engine.drain()
+                    recorder.exclude(time.monotonic() - drain_started)
+                    outcome = _personal_at_end(
+                        grid, personal, version, outcome, unused,
+                        ConfigRecord(state_config), membership, settings.round_timeout,
+                    )  # fmt: skip
+                arrays = finish(version, outcome)
+        else:
+            timing = RoundTiming(
+                settings.round_deadline, clock, simulation and clock is not None
+            )
+            for server_round in range(first_round, settings.rounds + 1):
+                configs = (train_config(), ConfigRecord(state_config))
+                outcome = play_round(
+                    grid, strategy, personal, server_round, arrays, configs,
+                    membership.participants(), settings.round_timeout, timing,
+                )  # fmt: skip
+                arrays = finish(server_round, outcome)
+    except RunInterrupted:  # the server's state is that of the last round
+        last = history[-1].round if history else 0
+        if last > checkpointed:
+            _save_checkpoint(settings, run_dir, last, arrays, strategy, personal,
+                             recorder, elapsed())  # fmt: skip
+        raise
     buffer = io.BytesIO()
     torch.save(arrays.to_torch_state_dict(), buffer)
     write_atomic(run_dir / "model.pt", buffer.getvalue())

@@ -554,6 +554,15 @@ class Settings:
         return keeps_own_model(self.sharing_policy, self.ditto_lambda)
 
     @property
+    def clients_keep_state(self) -> bool:
+        """Clients carry state from round to round (entries or a model of
+        their own, FedDyn's h_k, SCAFFOLD's c_k), which only a run that
+        checkpoints saves for a resume."""
+        return self.keeps_own_model or self.local_objective.startswith(
+            ("feddyn", "scaffold")
+        )
+
+    @property
     def attacking_clients(self) -> frozenset[int]:
         """The clients that attack: `attacker-clients`, or round(attackers x
         num-clients) of them drawn by a generator seeded by `seed`."""

@@ -35,7 +35,7 @@ def test_simulation_defaults_fill_only_the_keys_not_given() -> None:
 
 @pytest.mark.parametrize("user_value", [None, "1"])
 def test_ray_prestarts_no_idle_workers_unless_the_user_says(
-    user_value: str | None, monkeypatch: pytest.MonkeyPatch
+    user_value: str | None, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
     """The simulation's environment (the SuperLink's, inherited by Ray) turns
     off Ray's idle workers for a first driver; a value the user set wins."""
@@ -43,7 +43,7 @@ def test_ray_prestarts_no_idle_workers_unless_the_user_says(
         monkeypatch.delenv("RAY_prestart_worker_first_driver", raising=False)
     else:
         monkeypatch.setenv("RAY_prestart_worker_first_driver", user_value)
-    link = LocalSuperLink()
+    link = LocalSuperLink(tmp_path)
     try:
         env = link.env
     finally:

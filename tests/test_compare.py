@@ -530,8 +530,17 @@ def test_sigterm_stops_a_simulated_comparison_and_everything_its_cell_started(
         assert time.monotonic() < deadline, "no round finished"
         time.sleep(0.2)
     comparison.send_signal(signal.SIGTERM)
-    output, _ = comparison.communicate(timeout=120)
+    output, _ = comparison.communicate(timeout=180)
     assert comparison.returncode == 130, output[-3000:]
     time.sleep(1)  # what was stopped has exited
     for marker in markers:
         assert not orphaned(before[marker], marker), f"{marker!r} left running"
+    # the cell recorded its interruption, and a checkpoint to resume from
+    summary = json.loads((history.parent / "summary.json").read_text())
+    assert summary["status"] == "interrupted"
+    last = summary["rounds"]
+    assert (history.parent / "checkpoints" / f"round-{last:05d}").is_dir()
+    dry = [str(BIN / "pollen"), "compare", str(grid), str(PROJECT), "--out", str(out),
+           "--dry-run"]  # fmt: skip
+    plan = subprocess.run(dry, capture_output=True, text=True, timeout=60).stdout
+    assert f"seed-1: interrupted, resumes after round {last}" in plan

@@ -208,6 +208,54 @@ def test_failed_run_exits_non_zero_with_the_reason(tmp_path: Path) -> None:
     assert received[-1].startswith("pollen: run fails failed: DivergenceError: round 1")
 
 
+def test_ctrl_c_ends_the_run_interrupted_checkpointed_and_resumable(
+    tmp_path: Path,
+) -> None:
+    """Ctrl-C during a run without `checkpoint-every`: one line saying where it
+    stopped and the command that resumes it, status 130, `summary.json`
+    `interrupted`, a checkpoint of the last completed round, nothing left
+    running; the printed command then finishes the run."""
+    markers = (b"flower-superlink", b"flwr-simulation", b"raylet")
+    before = {marker: running(marker) for marker in markers}
+    config = f"rounds=300 output-dir='{tmp_path}' run-name='stopped'"
+    run = subprocess.Popen(
+        [str(BIN / "pollen"), "run", str(PROJECT), "-c", config],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    assert run.stdout is not None
+    for line in run.stdout:
+        if "round 2/300" in line:
+            break
+    run.send_signal(signal.SIGINT)  # what Ctrl-C sends the foreground command
+    output, errors = run.communicate(timeout=120)
+    assert run.returncode == 130, errors[-3000:]
+    assert "Traceback" not in output + errors
+    run_dir = tmp_path / "stopped"
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["status"] == "interrupted" and summary["rounds"] >= 2
+    last = summary["rounds"]
+    assert (run_dir / "checkpoints" / f"round-{last:05d}").is_dir()
+    said = errors.strip().splitlines()[-2:]  # after Flower's lines on stderr
+    assert said[0] == (
+        f"pollen: interrupted after round {last} (checkpointed); resume with:"
+    )
+    command = said[1].strip()
+    time.sleep(1)  # what was stopped has exited
+    for marker in markers:
+        assert not orphaned(before[marker], marker), f"{marker!r} left running"
+    # the printed command, with fewer rounds, finishes the run from round last + 1
+    resume = subprocess.run(
+        command.replace("rounds=300", f"rounds={last + 1}").replace(
+            "pollen run", f"{BIN / 'pollen'} run", 1
+        ),
+        shell=True, capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert resume.returncode == 0, resume.stderr[-3000:]
+    assert f"pollen: resuming after round {last}" in resume.stdout
+    history = json.loads((run_dir / "history.json").read_text())
+    assert [row["round"] for row in history] == list(range(1, last + 2))
+
+
 def test_bad_setting_stops_before_anything_starts(tmp_path: Path) -> None:
     started = time.monotonic()
     run = pollen_run(f"client-frac=1.5 output-dir='{tmp_path}'")

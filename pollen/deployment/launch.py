@@ -13,7 +13,9 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -21,7 +23,10 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
+from ..runs.checkpoints import CheckpointError, check_resumable
+from ..runs.interruption import SETTLE_SECONDS
 from ..runs.results import RUN_COMPLETED
+from ..settings import Settings
 from . import cluster, processes
 from .fab import staged_app
 from .flower import flower_env, start_superlink
@@ -34,6 +39,10 @@ from .run_config import (
 
 CLIENT_CPUS = 1  # per ClientApp actor in a simulation, unless the user says
 FLWR_STOP_SECONDS = 5.0
+# The process that runs a simulation's ServerApp, and how long it may take to
+# record an interruption (its own wait, and Flower's exit after it)
+SERVERAPP_PROCESSES = ("flwr-simulation",)
+SERVERAPP_GRACE = SETTLE_SECONDS + 15.0
 # Ray starts one idle Python worker per CPU for a simulation's first driver;
 # Flower's ClientApp actors never run in them, so they only cost start-up CPU
 # (1.2 s of 28 on 2 cores, docs/performance.md). A value the user sets wins.
@@ -55,7 +64,8 @@ class LocalSuperLink:
     own. Paths in the run config are made absolute before the run starts.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, run_dir: Path) -> None:
+        self.run_dir = run_dir  # where its log is kept when it stops
         self.home = Path(tempfile.mkdtemp(prefix="pollen-flwr-home-"))
         self.port = processes.free_port()
         self.log_path = self.home / "superlink.log"
@@ -82,8 +92,14 @@ class LocalSuperLink:
         return self
 
     def __exit__(self, *exc: object) -> None:
+        """Stop the ServerApp's process first, with time to record how the run
+        ended (on Ctrl-C: an interrupted run, checkpointed), then the rest."""
         if self.process is not None:
+            processes.end_named(
+                self.process.pid, SERVERAPP_PROCESSES, SERVERAPP_GRACE, signal.SIGINT
+            )  # Flower's handler for SIGINT runs pollen's; Ray's for SIGTERM exits
             processes.stop(self.process.pid)
+            keep_log(self.log_path, self.run_dir)
         shutil.rmtree(self.home, ignore_errors=True)
 
 
@@ -110,6 +126,29 @@ def run(
         check_local_data(settings)
         check_local_tracker(settings)
     run_dir = Path(settings.resume or Path(settings.output_dir) / settings.run_name)
+    try:
+        said_completed = _submit(app, run_config, run_dir, federation, connection,
+                                 deployment)  # fmt: skip
+    except KeyboardInterrupt:  # Ctrl-C, or SIGTERM: the run has recorded it
+        report_interrupted(run_dir, settings, resume_command(app, overrides, run_dir))
+        raise
+    wall_seconds = time.monotonic() - started
+    if said_completed and not (run_dir / "summary.json").exists():
+        # a remote SuperLink's ServerApp wrote its results on its own machine
+        print(f"pollen: run completed; results in {run_dir} on the ServerApp's machine")
+        return True
+    return report_outcome(run_dir, wall_seconds, resumed=bool(settings.resume))
+
+
+def _submit(
+    app: Path,
+    run_config: str,
+    run_dir: Path,
+    federation: Sequence[str],
+    connection: str | None,
+    deployment: cluster.Deployment | None,
+) -> bool:
+    """Stage the app, submit it, stream its log; whether it said it completed."""
     with staged_app(app) as staged:
         flwr_args = ["run", str(staged), "--run-config", run_config]
         for value in federation:
@@ -119,18 +158,54 @@ def run(
             flwr_args.insert(2, cluster.CONNECTION)
             said_completed = stream_flwr(flwr_args, flower_env(deployment.flwr_home))
         elif connection is None:
-            with LocalSuperLink() as link:
+            with LocalSuperLink(run_dir) as link:
                 said_completed = stream_flwr(flwr_args, link.env)
-                keep_log(link.log_path, run_dir)
         else:
             flwr_args.insert(2, connection)
             said_completed = stream_flwr(flwr_args, dict(os.environ))
-    wall_seconds = time.monotonic() - started
-    if said_completed and not (run_dir / "summary.json").exists():
-        # a remote SuperLink's ServerApp wrote its results on its own machine
-        print(f"pollen: run completed; results in {run_dir} on the ServerApp's machine")
-        return True
-    return report_outcome(run_dir, wall_seconds, resumed=bool(settings.resume))
+    return said_completed
+
+
+def resume_command(app: Path, overrides: Sequence[str], run_dir: Path) -> str:
+    """The `pollen run` that continues the run in `run_dir`: the same settings
+    (a resume must keep them) and `resume`."""
+    words = ["pollen", "run", shlex.quote(str(app))]
+    for value in [*overrides, f"resume='{run_dir}'"]:
+        words += ["-c", _shell_word(value)]
+    return " ".join(words)
+
+
+def _shell_word(text: str) -> str:
+    """`text` as one shell word: in double quotes where that keeps it as it is
+    (a run config's quoted strings read best so), else as `shlex` quotes it."""
+    if shlex.quote(text) == text or any(c in text for c in '"$`\\!'):
+        return shlex.quote(text)
+    return f'"{text}"'
+
+
+def report_interrupted(run_dir: Path, settings: Settings, command: str) -> None:
+    """Say where an interrupted run stopped and how to continue it."""
+    try:
+        round = check_resumable(run_dir, settings.to_run_config())
+    except (CheckpointError, OSError, ValueError):
+        print(
+            f"pollen: interrupted before a round was completed; nothing to resume "
+            f"(what was written is in {run_dir})" if run_dir.exists() else
+            "pollen: interrupted before the run started",
+            file=sys.stderr,
+        )  # fmt: skip
+        return
+    print(
+        f"pollen: interrupted after round {round} (checkpointed); resume with:\n"
+        f"  {command}",
+        file=sys.stderr,
+    )
+    if settings.clients_keep_state and not settings.checkpoint_every:
+        print(
+            "pollen: the clients' own state (local entries, h_k, c_k) is saved "
+            "only with checkpoint-every; the resumed run starts it afresh",
+            file=sys.stderr,
+        )
 
 
 def simulation_federation(federation: list[str], num_clients: int) -> list[str]:

@@ -18,9 +18,10 @@ import socket
 import ssl
 import subprocess
 import sys
+import threading
 import time
 import urllib.request
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
 KILL_WAIT_SECONDS = 5.0  # after SIGKILL: only the kernel is left to act
@@ -157,13 +158,19 @@ def reaped(pid: int, wait: float) -> bool:
         time.sleep(POLL_SECONDS)
 
 
-def end(pids: Sequence[int], grace: float, *, group: bool = False) -> None:
-    """SIGTERM every process in `pids` (each one's process group when
-    `group`), give them `grace` s together to end, then SIGKILL those left
-    and wait for them. Our children among them are reaped."""
+def end(
+    pids: Sequence[int],
+    grace: float,
+    *,
+    group: bool = False,
+    first: signal.Signals = signal.SIGTERM,
+) -> None:
+    """Send `first` (SIGTERM) to every process in `pids` (each one's process
+    group when `group`), give them `grace` s together to end, then SIGKILL
+    those left and wait for them. Our children among them are reaped."""
     send = os.killpg if group else os.kill
     left = list(pids)
-    for sig, wait in ((signal.SIGTERM, grace), (signal.SIGKILL, KILL_WAIT_SECONDS)):
+    for sig, wait in ((first, grace), (signal.SIGKILL, KILL_WAIT_SECONDS)):
         for pid in left:
             with contextlib.suppress(ProcessLookupError):
                 send(pid, sig)
@@ -171,6 +178,45 @@ def end(pids: Sequence[int], grace: float, *, group: bool = False) -> None:
         left = [p for p in left if not reaped(p, deadline - time.monotonic())]
         if not left:
             return
+
+
+def command_line(pid: int) -> str:
+    """The command line of process `pid`, its arguments joined by spaces
+    (empty if it has ended)."""
+    try:
+        raw = (Path("/proc") / str(pid) / "cmdline").read_bytes()
+    except OSError:
+        return ""
+    return raw.replace(b"\0", b" ").decode(errors="replace").strip()
+
+
+def end_named(
+    pid: int, names: Sequence[str], grace: float, first: signal.Signals
+) -> None:
+    """`end` the processes below `pid` whose command line contains one of
+    `names`, before anything else is stopped: they get `first` and `grace`
+    s to finish what they were doing."""
+    named = [p for p in descendants(pid) if any(n in command_line(p) for n in names)]
+    end(named, grace, first=first)
+
+
+@contextlib.contextmanager
+def sigterm_interrupts() -> Iterator[None]:
+    """While inside, SIGTERM raises KeyboardInterrupt (as Ctrl-C does), so a
+    terminated command runs its `finally` blocks and stops what it started.
+    Only the main thread can install a handler; elsewhere this does nothing."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def interrupt(signum: int, frame: object) -> None:
+        raise KeyboardInterrupt(f"signal {signum}")
+
+    previous = signal.signal(signal.SIGTERM, interrupt)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 def stop(pid: int, grace: float = 10.0) -> None:

@@ -40,8 +40,13 @@ from ..deployment import processes
 from ..deployment.run_config import RunConfigError, resolve_settings
 from ..files import write_atomic
 from ..runs.checkpoints import CheckpointError, check_resumable
+from ..runs.interruption import SETTLE_SECONDS
 from ..settings import SettingsError, first_difference
 from .report import NOT_COMPARED, CompareError, cell_name, report, value_label
+
+# How long an interrupted cell's `pollen run` gets to stop its run (and record
+# it as interrupted, checkpointed) before it is killed
+CELL_STOP_SECONDS = SETTLE_SECONDS + 30.0
 
 
 @dataclass(frozen=True)
@@ -409,8 +414,8 @@ def pollen_run_cell(app: Path, out: Path, overrides: Sequence[str]) -> Callable:
         try:
             return run.wait()
         finally:
-            if run.poll() is None:
-                processes.stop(run.pid)
+            if run.poll() is None:  # time for the run to record its interruption
+                processes.stop(run.pid, grace=CELL_STOP_SECONDS)
 
     return run_cell
 
@@ -464,7 +469,7 @@ def run_comparison(
             cell_command(app, out, overrides), out, network, run_configs
         )
     # SIGTERM stops a comparison as Ctrl-C does: the cell's processes go too
-    with exclusive(out) as running, network_cells.sigterm_interrupts():
+    with exclusive(out) as running, processes.sigterm_interrupts():
         cells = with_states(cells, out)
         write_atomic(out / "grid.toml", grid_path.read_text())
         run_grid(cells, out, run_cell, running=running)

@@ -29,10 +29,8 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import signal
-import threading
 import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -77,25 +75,6 @@ def own_names(pid: int) -> tuple[str, str]:
     do not share names or addresses: 10.160.0.0-10.223.255.0/24."""
     slot = pid % (64 * 256)
     return f"pc{pid}", f"10.{160 + slot // 256}.{slot % 256}.0/24"
-
-
-@contextlib.contextmanager
-def sigterm_interrupts() -> Iterator[None]:
-    """While inside, SIGTERM raises KeyboardInterrupt (as Ctrl-C does), so a
-    terminated comparison runs its `finally` blocks and tears down the cell.
-    Only the main thread can install a handler; elsewhere this does nothing."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-
-    def interrupt(signum: int, frame: object) -> None:
-        raise KeyboardInterrupt(f"signal {signum}")
-
-    previous = signal.signal(signal.SIGTERM, interrupt)
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGTERM, previous)
 
 
 def network_run_cell(

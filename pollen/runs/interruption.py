@@ -1,0 +1,98 @@
+"""Ctrl-C and SIGTERM: a stopped run ends `interrupted`, and can be resumed.
+
+`pollen run` answers Ctrl-C or SIGTERM by sending SIGINT to the process
+that runs the ServerApp (`flwr-simulation`; `deployment.launch`: Ray's
+driver there answers SIGTERM by exiting at once). Flower's SIGINT handler
+runs its exit handlers before the process exits;
+pollen's (`StopSignal.install`) asks the server loop to stop and waits until
+the run has recorded how it ended. The loop stops at its next exchange with
+the clients (`InterruptibleGrid`), which is never between a round's replies
+and the end of that round's bookkeeping, so the server's state is that of
+the last completed round: that round is checkpointed (unless a checkpoint of
+it exists), `summary.json` says `interrupted`, and `resume=<run dir>`
+continues the run.
+
+Where the ServerApp runs in the process's main thread (a deployment's
+`flwr-serverapp`), the signal arrives inside the server loop itself: the
+run is still recorded as interrupted, but without a checkpoint of a state
+that may be half-updated.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterable
+from typing import Any
+
+# How long Flower's exit waits for the ServerApp to record the interruption
+SETTLE_SECONDS = 60.0
+
+
+class RunInterrupted(Exception):
+    """The run was asked to stop (Ctrl-C or SIGTERM of its command)."""
+
+    def __init__(self) -> None:
+        super().__init__("interrupted by Ctrl-C or SIGTERM")
+
+
+class StopSignal:
+    """A request to stop the server loop, and the loop's word that the run's
+    files say so."""
+
+    def __init__(self) -> None:
+        self._asked = threading.Event()
+        self._settled = threading.Event()
+        self._loop_thread = threading.get_ident()
+
+    def install(self) -> None:
+        """Be asked to stop when Flower's process exits on a signal (its exit
+        handlers also run at a normal exit: by then the run has settled)."""
+        from flwr.supercore.exit import add_exit_handler
+
+        add_exit_handler(self.ask, run_before_force_exit=True)
+
+    def ask(self) -> None:
+        """Ask the loop to stop; from another thread, wait until it has."""
+        self._asked.set()
+        if threading.get_ident() != self._loop_thread:
+            self._settled.wait(SETTLE_SECONDS)
+
+    @property
+    def asked(self) -> bool:
+        return self._asked.is_set()
+
+    def check(self) -> None:
+        """Raise `RunInterrupted` if the loop was asked to stop."""
+        if self._asked.is_set():
+            raise RunInterrupted
+
+    def settle(self) -> None:
+        """The run's files are final: let the process exit."""
+        self._settled.set()
+
+
+class InterruptibleGrid:
+    """A Grid whose every exchange with the clients first checks `stop`."""
+
+    def __init__(self, grid: Any, stop: StopSignal) -> None:
+        self._grid = grid
+        self._stop = stop
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._grid, name)
+
+    def push_messages(self, messages: Iterable[Any]) -> Iterable[str]:
+        self._stop.check()
+        return self._grid.push_messages(messages)
+
+    def pull_messages(self, message_ids: Iterable[str]) -> Iterable[Any]:
+        self._stop.check()
+        return self._grid.pull_messages(message_ids)
+
+    def get_node_ids(self) -> Iterable[int]:
+        self._stop.check()
+        return self._grid.get_node_ids()
+
+    def send_and_receive(self, messages: Iterable[Any], **kwargs: Any) -> Any:
+        self._stop.check()
+        return self._grid.send_and_receive(messages, **kwargs)
