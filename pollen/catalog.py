@@ -202,4 +202,5 @@ CLIENT_OPTIMIZERS = ("sgd", "adam", "adamw")
 DEVICES = ("auto", "cpu", "cuda", "mps")
 TRACKERS = ("none", "tensorboard", "mlflow")
 # MLflow stores a run may name besides an http(s) tracking server
-TRACKING_STORES = ("sqlite:///", "file:///", "postgresql://", "mysql://", "mssql://")
+# (a database URI may name its driver: postgresql+psycopg2://)
+TRACKING_STORES = ("sqlite:///", "file:///", "postgresql", "mysql", "mssql")

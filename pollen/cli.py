@@ -72,6 +72,7 @@ def run_command(args: argparse.Namespace) -> int:
                 app, overrides,
                 connection=args.connection, federation=args.federation_config,
                 deployment_dir=Path(args.deployment) if args.deployment else None,
+                verbose=args.verbose,
             )  # fmt: skip
     except KeyboardInterrupt:  # said by `launch.run`: where it stopped, how to resume
         return EXIT_INTERRUPTED
@@ -160,6 +161,10 @@ def build_parser() -> argparse.ArgumentParser:
         "datacenter, home-broadband, mobile-4g, mixed) for the simulated clock, "
         "recorded as sim-seconds; with --deployment the clock only predicts: a "
         "deployment's links are its own (`pollen compare --network` shapes them)",
+    )  # fmt: skip
+    run_parser.add_argument(
+        "-v", "--verbose", action="store_true",
+        help="show Flower's and Ray's lines too (always in the run's flower.log)",
     )  # fmt: skip
     run_parser.set_defaults(handler=run_command)
     _add_deploy_parser(commands)

@@ -13,6 +13,7 @@ checkpoint, in its own directory.
 
 from __future__ import annotations
 
+import copy
 import io
 import time
 from collections.abc import Callable
@@ -126,10 +127,12 @@ def _run(grid: Grid, context: Context, started: float, stop: StopSignal) -> None
         if len(history) > restored or not (run_dir / "summary.json").exists():
             write_json(run_dir / "summary.json", summary)
         tracker.finish(run_dir, status)
-        _tell_failure(notifier, run_name, err)
-        if stop.asked:  # not a failure of the app: Flower is exiting already
+        if isinstance(err, RunInterrupted):  # Flower is exiting already
+            notifier.run_interrupted(run_name, len(history))
+            notifier.close()
             print(f"pollen: run interrupted after {len(history)} rounds", flush=True)
             return
+        _tell_failure(notifier, run_name, err)
         raise
     write_json(
         run_dir / "summary.json",
@@ -243,19 +246,23 @@ def _train(
         return ConfigRecord({LR: recorder.lr, **state_config})
 
     checkpointed = first_round - 1  # the newest round a checkpoint holds
+    # the server's state after the last finished round, for a checkpoint on
+    # Ctrl-C: the next round may have changed it before it was interrupted
+    last_state = _server_state(strategy, personal, recorder)
 
     def finish(server_round: int, outcome: RoundOutcome) -> ArrayRecord:
         """Evaluate, record and (when due) checkpoint one round or version."""
-        nonlocal checkpointed
+        nonlocal checkpointed, last_state
         check_clients_finite(server_round, outcome.diverged, settings)
         loss, accuracy = evaluation(server_round, outcome.arrays)
         recorder.record(server_round, outcome, loss, accuracy)
+        last_state = _server_state(strategy, personal, recorder)
         if settings.checkpoint_every and (
             server_round % settings.checkpoint_every == 0
             or server_round == settings.rounds
         ):
             _save_checkpoint(settings, run_dir, server_round, outcome.arrays,
-                             strategy, personal, recorder, elapsed())  # fmt: skip
+                             last_state, elapsed())  # fmt: skip
             checkpointed = server_round
             # clients may now forget their state from before this round
             state_config[client_state.KEEP_FROM] = server_round
@@ -300,11 +307,10 @@ def _train(
                     membership.participants(), settings.round_timeout, timing,
                 )  # fmt: skip
                 arrays = finish(server_round, outcome)
-    except RunInterrupted:  # the server's state is that of the last round
+    except RunInterrupted:  # checkpoint the last finished round, if it can resume
         last = history[-1].round if history else 0
-        if last > checkpointed:
-            _save_checkpoint(settings, run_dir, last, arrays, strategy, personal,
-                             recorder, elapsed())  # fmt: skip
+        if last > checkpointed and not settings.dp:  # dp runs cannot resume
+            _save_checkpoint(settings, run_dir, last, arrays, last_state, elapsed())
         raise
     buffer = io.BytesIO()
     torch.save(arrays.to_torch_state_dict(), buffer)
@@ -373,23 +379,34 @@ def _model_line(settings: Settings, model: torch.nn.Module) -> str:
     return line
 
 
+def _server_state(
+    strategy: Strategy, personal: PersonalEvaluation, recorder: RoundRecorder
+) -> tuple[dict[str, np.ndarray], dict]:
+    """A copy of the server's state beyond the model (strategy, which clients
+    trained, the lr scheduler), as a checkpoint of this moment holds it."""
+    arrays = {**strategy.state_arrays(), **personal.state_arrays()}
+    return (
+        {name: np.array(value, copy=True) for name, value in arrays.items()},
+        copy.deepcopy(recorder.scheduler.state_dict()),
+    )
+
+
 def _save_checkpoint(
     settings: Settings,
     run_dir: Path,
     server_round: int,
     arrays: ArrayRecord,
-    strategy: Strategy,
-    personal: PersonalEvaluation,
-    recorder: RoundRecorder,
+    state: tuple[dict[str, np.ndarray], dict],
     elapsed: float,
 ) -> None:
+    strategy_state, scheduler_state = state
     checkpoint = Checkpoint(
         round=server_round,
         model=to_numpy(arrays),
-        strategy_state={**strategy.state_arrays(), **personal.state_arrays()},
+        strategy_state=strategy_state,
         extra={
             "settings": settings.to_run_config(),
-            "lr-scheduler": recorder.scheduler.state_dict(),
+            "lr-scheduler": scheduler_state,
             ELAPSED: elapsed,
         },
     )

@@ -98,13 +98,23 @@ def webhook_rule() -> Rule:
     return Rule(valid, "an http(s) URL, or empty")
 
 
+def folder_name_rule() -> Rule:
+    def valid(name: str) -> bool:
+        return not name or (
+            not any(c in name for c in "/\\") and name.strip(". ") != ""
+        )
+
+    return Rule(valid, "a name without / or \\ (it names a folder), or empty")
+
+
 def tracking_uri_rule() -> Rule:
     def valid(uri: str) -> bool:
         if not uri:
             return True
         if uri.startswith(("http://", "https://")):
             return webhook_rule().check(uri)
-        return uri.startswith(TRACKING_STORES) and len(uri) > uri.index(":") + 3
+        scheme, _, rest = uri.partition("://")
+        return uri.startswith(TRACKING_STORES) and bool(rest) and "/" not in scheme
 
     return Rule(
         valid,
@@ -479,6 +489,7 @@ class Settings:
         "",
         "the MLflow experiment a tracked run joins (empty: 'pollen'; under pollen "
         "compare, the comparison directory's name)",
+        folder_name_rule(),
     )
     # Partitioning
     partition: str = key("iid", "how training data is split", one_of(*PARTITIONS))

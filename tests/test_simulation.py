@@ -145,6 +145,11 @@ def test_default_run_trains_digits_and_writes_results(default_runs) -> None:
     run_dir = out / "a"
     assert run.stdout.count(f"results in {run_dir}") == 1  # said once, at the end
     assert re.search(r"s in all \([0-9.]+ s of them in the ServerApp\)", run.stdout)
+    # Flower's and Ray's lines are in the run's flower.log, not on the console
+    assert "INFO" not in run.stdout + run.stderr
+    assert "Since flwr 1.32" not in run.stdout + run.stderr
+    flower_log = (run_dir / "flower.log").read_text()
+    assert "Starting Flower Simulation" in flower_log and "[01] acc=" in flower_log
     for name in ("settings.json", "history.json", "history.csv", "summary.json",
                  "curves.png", "labels.png", "model.pt"):  # fmt: skip
         assert (run_dir / name).stat().st_size > 0, name

@@ -208,12 +208,12 @@ def test_the_cli_pins_where_mlflow_logs(
     assert pinned(**{"tracking-uri": "https://mlflow.lab:443"}) == (
         "https://mlflow.lab:443"
     )
-    monkeypatch.delenv(URI_ENV)
     run = tmp_path / "run"
     run.mkdir()
     (run / RUN_FILE).write_text(
         json.dumps({"tracking-uri": "http://h:1", "run-id": "x"})
     )
     assert pinned(resume=str(run)) == "http://h:1"  # a resume logs where it did
+    monkeypatch.delenv(URI_ENV)
     plain = Settings.from_run_config({"tracker": "tensorboard"})
     assert pin_tracking_uri(plain) == plain

@@ -28,6 +28,7 @@ from ..runs.interruption import SETTLE_SECONDS
 from ..runs.results import RUN_COMPLETED
 from ..settings import Settings
 from . import cluster, processes
+from .console import Console
 from .fab import staged_app
 from .flower import flower_env, start_superlink
 from .run_config import (
@@ -39,10 +40,17 @@ from .run_config import (
 
 CLIENT_CPUS = 1  # per ClientApp actor in a simulation, unless the user says
 FLWR_STOP_SECONDS = 5.0
+FLOWER_LOG = "flower.log"  # in the run directory: the whole stream of `flwr run`
 # The process that runs a simulation's ServerApp, and how long it may take to
 # record an interruption (its own wait, and Flower's exit after it)
 SERVERAPP_PROCESSES = ("flwr-simulation",)
 SERVERAPP_GRACE = SETTLE_SECONDS + 15.0
+# The longest a `pollen run` simulation takes to stop on SIGTERM: `flwr run`,
+# the ServerApp, then the SuperLink with what is left (SIGTERM grace, SIGKILL)
+RUN_STOP_SECONDS = (
+    FLWR_STOP_SECONDS + SERVERAPP_GRACE + processes.STOP_GRACE_SECONDS
+    + processes.KILL_WAIT_SECONDS
+)  # fmt: skip
 # Ray starts one idle Python worker per CPU for a simulation's first driver;
 # Flower's ClientApp actors never run in them, so they only cost start-up CPU
 # (1.2 s of 28 on 2 cores, docs/performance.md). A value the user sets wins.
@@ -91,16 +99,22 @@ class LocalSuperLink:
             raise
         return self
 
-    def __exit__(self, *exc: object) -> None:
-        """Stop the ServerApp's process first, with time to record how the run
-        ended (on Ctrl-C: an interrupted run, checkpointed), then the rest."""
-        if self.process is not None:
-            processes.end_named(
-                self.process.pid, SERVERAPP_PROCESSES, SERVERAPP_GRACE, signal.SIGINT
-            )  # Flower's handler for SIGINT runs pollen's; Ray's for SIGTERM exits
+    def __exit__(self, exc_type: type[BaseException] | None, *exc: object) -> None:
+        """Stop everything the SuperLink started. On Ctrl-C or SIGTERM the
+        ServerApp's process goes first, with time to record the interruption
+        (a second Ctrl-C cuts that short; the rest is stopped all the same)."""
+        if self.process is None:
+            return
+        try:
+            if exc_type is not None and issubclass(exc_type, KeyboardInterrupt):
+                processes.end_named(
+                    self.process.pid, SERVERAPP_PROCESSES, SERVERAPP_GRACE,
+                    signal.SIGINT,  # Flower's handler runs pollen's; Ray's SIGTERM exits
+                )  # fmt: skip
+        finally:
             processes.stop(self.process.pid)
-            keep_log(self.log_path, self.run_dir)
-        shutil.rmtree(self.home, ignore_errors=True)
+            keep_log(self.log_path, self.run_dir, "superlink.log")
+            shutil.rmtree(self.home, ignore_errors=True)
 
 
 def run(
@@ -110,6 +124,7 @@ def run(
     connection: str | None = None,
     federation: Sequence[str] = (),
     deployment_dir: Path | None = None,
+    verbose: bool = False,
 ) -> bool:
     """Validate, submit and follow one run of `app`; whether it completed
     (what its `summary.json` says, reported on the console)."""
@@ -118,7 +133,7 @@ def run(
     deployment = None
     if deployment_dir is not None:
         deployment = running_deployment(deployment_dir, connection)
-    federation = list(federation)
+    federation = given_federation = list(federation)
     if connection is None and deployment is None:  # a simulation, on this machine
         check_local_device(settings.device)
         federation = simulation_federation(federation, settings.num_clients)
@@ -126,12 +141,39 @@ def run(
         check_local_data(settings)
         check_local_tracker(settings)
     run_dir = Path(settings.resume or Path(settings.output_dir) / settings.run_name)
+    log_path = Path(tempfile.mkstemp(prefix="pollen-flower-", suffix=".log")[1])
+    if not verbose:
+        print(
+            f"pollen: Flower's and Ray's lines go to {FLOWER_LOG} in the run's "
+            "directory (--verbose: here too)",
+            flush=True,
+        )
     try:
-        said_completed = _submit(app, run_config, run_dir, federation, connection,
-                                 deployment)  # fmt: skip
-    except KeyboardInterrupt:  # Ctrl-C, or SIGTERM: the run has recorded it
-        report_interrupted(run_dir, settings, resume_command(app, overrides, run_dir))
+        with log_path.open("w") as log:
+            console = Console(log, verbose=verbose)
+            try:
+                said_completed = _submit(app, run_config, run_dir, federation,
+                                         connection, deployment, console)  # fmt: skip
+            finally:
+                console.close()
+    except KeyboardInterrupt:  # Ctrl-C, or SIGTERM
+        if connection is None and deployment is None:  # the run has recorded it
+            command = resume_command(app, overrides, given_federation, run_dir)
+            report_interrupted(run_dir, settings, command)
+        else:
+            print(
+                "pollen: stopped following the run; it goes on at the SuperLink "
+                "(`flwr stop RUN_ID` ends it; the run id is in Flower's lines)",
+                file=sys.stderr,
+            )
         raise
+    finally:
+        if keep_log(log_path, run_dir, FLOWER_LOG) is not None:
+            log_path.unlink()
+        else:  # the run wrote no directory here (it failed early, or is remote)
+            print(
+                f"pollen: Flower's and Ray's lines are in {log_path}", file=sys.stderr
+            )
     wall_seconds = time.monotonic() - started
     if said_completed and not (run_dir / "summary.json").exists():
         # a remote SuperLink's ServerApp wrote its results on its own machine
@@ -147,6 +189,7 @@ def _submit(
     federation: Sequence[str],
     connection: str | None,
     deployment: cluster.Deployment | None,
+    console: Console,
 ) -> bool:
     """Stage the app, submit it, stream its log; whether it said it completed."""
     with staged_app(app) as staged:
@@ -156,22 +199,28 @@ def _submit(
         flwr_args.append("--stream")
         if deployment is not None:
             flwr_args.insert(2, cluster.CONNECTION)
-            said_completed = stream_flwr(flwr_args, flower_env(deployment.flwr_home))
+            said_completed = stream_flwr(
+                flwr_args, flower_env(deployment.flwr_home), console
+            )
         elif connection is None:
             with LocalSuperLink(run_dir) as link:
-                said_completed = stream_flwr(flwr_args, link.env)
+                said_completed = stream_flwr(flwr_args, link.env, console)
         else:
             flwr_args.insert(2, connection)
-            said_completed = stream_flwr(flwr_args, dict(os.environ))
+            said_completed = stream_flwr(flwr_args, dict(os.environ), console)
     return said_completed
 
 
-def resume_command(app: Path, overrides: Sequence[str], run_dir: Path) -> str:
-    """The `pollen run` that continues the run in `run_dir`: the same settings
-    (a resume must keep them) and `resume`."""
+def resume_command(
+    app: Path, overrides: Sequence[str], federation: Sequence[str], run_dir: Path
+) -> str:
+    """The `pollen run` that continues the simulation in `run_dir`: the same
+    settings (a resume must keep them) and federation, and `resume`."""
     words = ["pollen", "run", shlex.quote(str(app))]
     for value in [*overrides, f"resume='{run_dir}'"]:
         words += ["-c", _shell_word(value)]
+    for value in federation:
+        words += ["--federation-config", _shell_word(value)]
     return " ".join(words)
 
 
@@ -185,6 +234,13 @@ def _shell_word(text: str) -> str:
 
 def report_interrupted(run_dir: Path, settings: Settings, command: str) -> None:
     """Say where an interrupted run stopped and how to continue it."""
+    if settings.dp:
+        print(
+            "pollen: interrupted; a dp=true run cannot be resumed (its privacy "
+            f"accounting covers the run as planned); what it wrote is in {run_dir}",
+            file=sys.stderr,
+        )
+        return
     try:
         round = check_resumable(run_dir, settings.to_run_config())
     except (CheckpointError, OSError, ValueError):
@@ -246,17 +302,18 @@ def running_deployment(directory: Path, connection: str | None) -> cluster.Deplo
     return deployment
 
 
-def stream_flwr(flwr_args: list[str], env: dict[str, str]) -> bool:
-    """`flwr run`, its output passed through line by line, until it exits or,
-    sooner, until the ServerApp says it completed (that line is not passed
-    on: `report_outcome` says where the results are): every result is written
-    by then, and Flower's own shutdown of the simulation (stopping Ray,
-    draining the log stream) would keep the command waiting about 4 s longer.
-    Whether the ServerApp said so."""
+def stream_flwr(flwr_args: list[str], env: dict[str, str], console: Console) -> bool:
+    """`flwr run`, its output (both streams) handed to `console` line by line,
+    until it exits or, sooner, until the ServerApp says it completed (that
+    line is not passed on: `report_outcome` says where the results are):
+    every result is written by then, and Flower's own shutdown of the
+    simulation (stopping Ray, draining the log stream) would keep the command
+    waiting about 4 s longer. Whether the ServerApp said so."""
     process = subprocess.Popen(
         [processes.entry_point("flwr"), *flwr_args],
         env={**env, "PYTHONUNBUFFERED": "1"},
         stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
     )
     assert process.stdout is not None
     completed = RUN_COMPLETED.encode()
@@ -264,34 +321,24 @@ def stream_flwr(flwr_args: list[str], env: dict[str, str]) -> bool:
         for line in process.stdout:
             if completed in line:
                 return True
-            _pass_on(line)
+            console.line(line.decode(errors="replace").rstrip("\n"))
         return False
     finally:
         processes.stop_child(process, FLWR_STOP_SECONDS)
 
 
-def _pass_on(line: bytes) -> None:
-    """Write `line` to stdout as it came (as text where stdout takes no bytes),
-    after anything printed before it."""
-    sys.stdout.flush()
-    buffer = getattr(sys.stdout, "buffer", None)
-    if buffer is None:
-        sys.stdout.write(line.decode(errors="replace"))
-        sys.stdout.flush()
-    else:
-        buffer.write(line)
-        buffer.flush()
-
-
-def keep_log(log_path: Path, run_dir: Path) -> None:
-    """Copy the private SuperLink's log into the run directory (a resumed run
-    keeps the earlier ones: `superlink-2.log`, ...)."""
-    if log_path.exists() and run_dir.is_dir():
-        target, n = run_dir / "superlink.log", 1
-        while target.exists():
-            n += 1
-            target = run_dir / f"superlink-{n}.log"
-        shutil.copy(log_path, target)
+def keep_log(log_path: Path, run_dir: Path, name: str) -> Path | None:
+    """Copy a log into the run directory as `name` (a resumed run keeps the
+    earlier ones: `superlink.log`, `superlink-2.log`, ...); where it went."""
+    if not (log_path.exists() and run_dir.is_dir()):
+        return None
+    stem, suffix = name.rsplit(".", 1)
+    target, n = run_dir / name, 1
+    while target.exists():
+        n += 1
+        target = run_dir / f"{stem}-{n}.{suffix}"
+    shutil.copy(log_path, target)
+    return target
 
 
 def report_outcome(run_dir: Path, wall_seconds: float, resumed: bool = False) -> bool:

@@ -24,6 +24,7 @@ import urllib.request
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
+STOP_GRACE_SECONDS = 10.0  # from SIGTERM to SIGKILL, unless a caller says
 KILL_WAIT_SECONDS = 5.0  # after SIGKILL: only the kernel is left to act
 POLL_SECONDS = 0.1
 
@@ -219,7 +220,7 @@ def sigterm_interrupts() -> Iterator[None]:
         signal.signal(signal.SIGTERM, previous)
 
 
-def stop(pid: int, grace: float = 10.0) -> None:
+def stop(pid: int, grace: float = STOP_GRACE_SECONDS) -> None:
     """Stop the process group `pid` leads (see `end`), then SIGKILL whatever
     it had started in other sessions (Flower's SuperExec starts ServerApps
     and ClientApps in sessions of their own)."""

@@ -157,17 +157,17 @@ def check_local_tracker(settings: Settings) -> None:
 
 
 def pin_tracking_uri(settings: Settings) -> Settings:
-    """With tracker=mlflow, `tracking-uri` made explicit: as set, else
-    `$MLFLOW_TRACKING_URI`, else the store a resumed run logged to, else an
+    """With tracker=mlflow, `tracking-uri` made explicit: as set, else the
+    store a resumed run logged to, else `$MLFLOW_TRACKING_URI`, else an
     SQLite store beside the runs; a relative SQLite path made absolute."""
     if settings.tracker != "mlflow":
         return settings
-    uri = settings.tracking_uri or os.environ.get(URI_ENV, "")
+    uri = settings.tracking_uri
     recorded = Path(settings.resume) / RUN_FILE
     if not uri and settings.resume and recorded.is_file():
         with contextlib.suppress(OSError, ValueError, KeyError):
             uri = json.loads(recorded.read_text())["tracking-uri"]
-    uri = uri or tracking_uri(settings)
+    uri = uri or os.environ.get(URI_ENV, "") or tracking_uri(settings)
     return dataclasses.replace(settings, tracking_uri=pin_uri(uri))
 
 

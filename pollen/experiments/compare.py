@@ -37,16 +37,16 @@ from pathlib import Path
 from typing import IO, Any, NamedTuple
 
 from ..deployment import processes
+from ..deployment.launch import RUN_STOP_SECONDS
 from ..deployment.run_config import RunConfigError, resolve_settings
 from ..files import write_atomic
 from ..runs.checkpoints import CheckpointError, check_resumable
-from ..runs.interruption import SETTLE_SECONDS
 from ..settings import SettingsError, first_difference
 from .report import NOT_COMPARED, CompareError, cell_name, report, value_label
 
 # How long an interrupted cell's `pollen run` gets to stop its run (and record
 # it as interrupted, checkpointed) before it is killed
-CELL_STOP_SECONDS = SETTLE_SECONDS + 30.0
+CELL_STOP_SECONDS = RUN_STOP_SECONDS + 10.0
 
 
 @dataclass(frozen=True)

@@ -6,11 +6,11 @@ driver there answers SIGTERM by exiting at once). Flower's SIGINT handler
 runs its exit handlers before the process exits;
 pollen's (`StopSignal.install`) asks the server loop to stop and waits until
 the run has recorded how it ended. The loop stops at its next exchange with
-the clients (`InterruptibleGrid`), which is never between a round's replies
-and the end of that round's bookkeeping, so the server's state is that of
-the last completed round: that round is checkpointed (unless a checkpoint of
-it exists), `summary.json` says `interrupted`, and `resume=<run dir>`
-continues the run.
+the clients (`InterruptibleGrid`); the last completed round is checkpointed
+(unless a checkpoint of it exists) from a copy of the server's state taken
+when that round ended (the interrupted round may have changed it already:
+FedOpt's moments before its personal evaluation, say), `summary.json` says
+`interrupted`, and `resume=<run dir>` continues the run.
 
 Where the ServerApp runs in the process's main thread (a deployment's
 `flwr-serverapp`), the signal arrives inside the server loop itself: the

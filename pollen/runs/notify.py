@@ -200,6 +200,12 @@ class Notifier:
             + _results(accuracy, loss, epsilon)
         )
 
+    def run_interrupted(self, run_name: str, rounds_done: int) -> None:
+        self._enqueue(
+            f"pollen: run {run_name} interrupted after {rounds_done} rounds "
+            "(Ctrl-C or SIGTERM)"
+        )
+
     def run_failed(self, run_name: str, reason: str) -> None:
         reason = " ".join(str(reason).split())  # one line
         if len(reason) > MAX_REASON:

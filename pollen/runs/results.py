@@ -12,6 +12,7 @@ import csv
 import io
 import json
 import math
+import re
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from datetime import datetime
@@ -210,6 +211,15 @@ def summarize(
         if history and history[-1].personal
         else None,
     }
+
+
+# Two lines of `round_lines`, as a console reads progress back from them
+ACCURACY_LINE = re.compile(
+    r"^\[(?P<round>\d{2,})\] acc=(?P<accuracy>[\d.]+|nan)%, loss=(?P<loss>\S+)$"
+)
+ROUND_LINE = re.compile(
+    r"^ {5}round (?P<round>\d+)/(?P<rounds>\d+): .*~(?P<left>\d+) s left"
+)
 
 
 def round_lines(record: RoundRecord, total_rounds: int, seconds_left: float) -> str:

@@ -17,9 +17,12 @@ change. Where the resume logs elsewhere (another URI), it starts a new
 MLflow run holding the restored rounds too.
 
 MLflow's usage telemetry is off unless `MLFLOW_DISABLE_TELEMETRY` says
-otherwise (without network access it stalls every client for 40 s).
-Logging is a side channel: if the tracking server stops answering mid-run,
-pollen says so once and trains on; the run's own files stay complete.
+otherwise (without network access it stalls every client for 40 s), and
+its client gives up on a request after 2 retries of 10 s at most
+(`MLFLOW_HTTP_REQUEST_MAX_RETRIES`, `..._TIMEOUT`; MLflow's own defaults
+retry for minutes). Logging is a side channel: if the tracking server
+cannot be reached when the run starts or stops answering mid-run, pollen
+says so once and trains on; the run's own files stay complete.
 """
 
 from __future__ import annotations
@@ -43,7 +46,11 @@ from .tracking import round_scalars
 
 RUN_FILE = "mlflow.json"
 URI_ENV = "MLFLOW_TRACKING_URI"
-TELEMETRY_ENV = "MLFLOW_DISABLE_TELEMETRY"
+CLIENT_ENV = {  # unless the environment says otherwise
+    "MLFLOW_DISABLE_TELEMETRY": "true",
+    "MLFLOW_HTTP_REQUEST_MAX_RETRIES": "2",
+    "MLFLOW_HTTP_REQUEST_TIMEOUT": "10",
+}
 DEFAULT_EXPERIMENT = "pollen"
 STATUS = {"completed": "FINISHED", "failed": "FAILED", "interrupted": "KILLED"}
 PARAMS_PER_BATCH = 100  # MLflow's limit for one log_batch
@@ -78,7 +85,9 @@ def check_server(uri: str) -> None:
     try:
         with urllib.request.urlopen(url, timeout=HEALTH_TIMEOUT) as reply:
             reply.read()
-    except (OSError, urllib.error.URLError) as err:
+    except urllib.error.HTTPError:  # a server answers (behind a proxy, say)
+        return
+    except OSError as err:  # URLError included: nothing answers
         reason = getattr(err, "reason", err)
         raise ValueError(
             f"no MLflow tracking server answers at {uri} ({reason}); start one "
@@ -98,8 +107,10 @@ class MlflowTracker:
         run_name: str,
         restored: Sequence[RoundRecord],
     ) -> None:
-        # MLflow's usage telemetry would wait on the network where there is none
-        os.environ.setdefault(TELEMETRY_ENV, "true")
+        # MLflow's usage telemetry would wait on the network where there is none;
+        # its client would retry a dead server for minutes while a round waits
+        for name, value in CLIENT_ENV.items():
+            os.environ.setdefault(name, value)
         try:
             from mlflow.tracking import MlflowClient
         except ImportError as err:
@@ -116,17 +127,26 @@ class MlflowTracker:
         )
         self.uri = tracking_uri(settings)
         self.client: Any = MlflowClient(tracking_uri=self.uri)
-        config = {k: str(v) for k, v in settings.to_run_config().items()}
-        self.run_id = self._continued(run_dir, config) if restored else None
-        if self.run_id is None:
-            self.run_id = self._create(settings, run_dir, run_name, config)
-            write_json(
-                run_dir / RUN_FILE, {"tracking-uri": self.uri, "run-id": self.run_id}
-            )
-        self.logged_to = self._last_step()
+        self.run_id = ""
+        self.logged_to = 0
+        self._call(self._open, settings, run_dir, run_name, bool(restored))
+        if self.client is None:
+            return
         print(f"pollen: MLflow run {self.run_id} at {self.uri}", flush=True)
         for record in restored:
             self.round(record)
+
+    def _open(
+        self, settings: Settings, run_dir: Path, run_name: str, resumed: bool
+    ) -> None:
+        """Continue the MLflow run a resumed run logged to, or start one."""
+        config = {k: str(v) for k, v in settings.to_run_config().items()}
+        self.run_id = (self._continued(run_dir, config) if resumed else None) or ""
+        if not self.run_id:
+            self.run_id = self._create(settings, run_dir, run_name, config)
+            record = {"tracking-uri": self.uri, "run-id": self.run_id}
+            write_json(run_dir / RUN_FILE, record)
+        self.logged_to = self._last_step()
 
     def _continued(self, run_dir: Path, config: dict[str, str]) -> str | None:
         """The MLflow run a resumed run continues (None: start another), marked
@@ -156,15 +176,19 @@ class MlflowTracker:
         self, settings: Settings, run_dir: Path, run_name: str, config: dict[str, str]
     ) -> str:
         from mlflow.entities import Param
+        from mlflow.exceptions import MlflowException
 
         name = settings.tracking_experiment or DEFAULT_EXPERIMENT
         experiment = self.client.get_experiment_by_name(name)
         if experiment is not None:
             experiment_id = experiment.experiment_id
         else:
-            experiment_id = self.client.create_experiment(
-                name, artifact_location=self._artifact_location(name)
-            )
+            try:
+                experiment_id = self.client.create_experiment(
+                    name, artifact_location=self._artifact_location(name)
+                )
+            except MlflowException:  # another run created it a moment ago
+                experiment_id = self.client.get_experiment_by_name(name).experiment_id
         run = self.client.create_run(
             experiment_id, run_name=run_name,
             tags={"pollen.run-dir": str(run_dir), "pollen.strategy": settings.strategy,

@@ -1,0 +1,165 @@
+"""What `pollen run` shows of a run's stream, and where the rest goes.
+
+`flwr run --stream` interleaves the ServerApp's own lines with Flower's log
+(every round's `INFO`, start-up notices, warnings that do not apply to a
+pollen run) and Python warnings from Ray. Every line goes to the run's
+`flower.log`; the console gets pollen's lines only: its `pollen: ...`
+messages (also those it logs through Flower's logger, shown without the
+level prefix), the per-round block in the seeds' format
+(`results.round_lines`, unchanged) and the label table on stdout, and every
+error in full on stderr (Flower's `ERROR` lines and any traceback).
+`--verbose` shows the rest of the stream too, on stdout.
+
+On a terminal a status line under the output says the round, accuracy,
+loss, time since the command started and the time left, redrawn every
+second; elsewhere (a file, a pipe, a comparison's cell log) there is no
+status line and no control character (Flower's colours are dropped), only
+the lines.
+"""
+
+from __future__ import annotations
+
+import re
+import sys
+import threading
+import time
+from typing import TextIO
+
+from ..runs.results import ACCURACY_LINE, ROUND_LINE
+
+# A line of Flower's logger: colour, level, colour reset, colon, padding
+FLOWER_LOG = re.compile(
+    r"^(?:\x1b\[\d+m)?(DEBUG|INFO|WARNING|ERROR|CRITICAL)\s*(?:\x1b\[0m)?:\s+(.*)$"
+)
+ERROR_LEVELS = ("ERROR", "CRITICAL")
+# What the ServerApp prints itself: pollen's messages, the round block
+# (`results.round_lines`: its header, the accuracy line, indented details)
+# and `print-labels`' table (`partition.format_label_counts`)
+POLLEN_LINE = re.compile(
+    r"^(?:pollen: |=== Evaluate global model |\[\d{2,}\] acc=| {5}\S"
+    r"|client  total |\s*\d+ +\d+(?: +\d+)+$)"
+)
+COLOUR = re.compile(r"\x1b\[\d+(?:;\d+)*m")
+TRACEBACK_START = "Traceback (most recent call last):"
+REDRAW_SECONDS = 1.0
+
+
+class Console:
+    """Routes a run's stream: everything to the log, pollen's lines to `out`."""
+
+    def __init__(
+        self,
+        log: TextIO,
+        out: TextIO | None = None,
+        err: TextIO | None = None,
+        verbose: bool = False,
+    ) -> None:
+        self.log = log
+        self.out = out or sys.stdout
+        self.err = err or sys.stderr
+        self.verbose = verbose
+        self.live = self.out.isatty()
+        self.started = time.monotonic()
+        self._in_traceback = False
+        self._status = ""
+        self._progress: dict[str, float] = {}
+        self._lock = threading.Lock()
+        self._stopped = threading.Event()
+        if self.live:
+            threading.Thread(target=self._redraw_every_second, daemon=True).start()
+
+    def line(self, raw: str) -> None:
+        """One line of the stream (without its newline)."""
+        self.log.write(raw + "\n")
+        self.log.flush()
+        error = self._is_error(raw)
+        shown = raw if error or self.verbose else self._pollen_text(raw)
+        self._note_progress(raw)
+        if shown is None:
+            return
+        stream = self.err if error else self.out
+        if not stream.isatty():  # a file or pipe gets plain text
+            shown = COLOUR.sub("", shown)
+        with self._lock:
+            self._clear_status()
+            stream.write(shown + "\n")
+            stream.flush()
+            self._draw_status()
+            self.out.flush()
+
+    def close(self) -> None:
+        """Stop the status line and leave the terminal as it was."""
+        self._stopped.set()
+        with self._lock:
+            self._clear_status()
+            self.out.flush()
+        self.log.flush()
+
+    def _pollen_text(self, raw: str) -> str | None:
+        """`raw` if it is one of pollen's lines (without Flower's level prefix
+        where pollen logged it through Flower's logger), else None."""
+        logged = FLOWER_LOG.match(raw)
+        if logged:
+            message = logged.group(2)
+            return message if message.startswith("pollen: ") else None
+        return raw if POLLEN_LINE.match(raw) else None
+
+    def _is_error(self, raw: str) -> bool:
+        """Whether `raw` reports an error: Flower's ERROR lines, and every line
+        of a traceback (its indented frames and the exception's line)."""
+        if raw.startswith(TRACEBACK_START):
+            self._in_traceback = True
+            return True
+        if self._in_traceback:
+            self._in_traceback = raw[:1].isspace() or not raw
+            return True
+        logged = FLOWER_LOG.match(raw)
+        return bool(logged) and logged.group(1) in ERROR_LEVELS
+
+    def _note_progress(self, raw: str) -> None:
+        if match := ACCURACY_LINE.match(raw):
+            self._progress["round"] = int(match["round"])
+            self._progress["accuracy"] = float(match["accuracy"])
+            self._progress["loss"] = float(match["loss"])
+        elif match := ROUND_LINE.match(raw):
+            self._progress["round"] = int(match["round"])
+            self._progress["rounds"] = int(match["rounds"])
+            self._progress["left"] = float(match["left"])
+            self._progress["at"] = time.monotonic()
+
+    def status(self) -> str:
+        """The status line: round, accuracy, loss, elapsed, time left."""
+        elapsed = time.monotonic() - self.started
+        progress = self._progress
+        if "rounds" not in progress:
+            return f"pollen: starting up ... {_clock(elapsed)}"
+        left = max(0.0, progress["left"] - (time.monotonic() - progress["at"]))
+        return (
+            f"pollen: round {progress['round']:.0f}/{progress['rounds']:.0f}"
+            f" | acc {progress.get('accuracy', float('nan')):.2f}%"
+            f" | loss {progress.get('loss', float('nan')):.4f}"
+            f" | {_clock(elapsed)} elapsed | ~{_clock(left)} left"
+        )
+
+    def _draw_status(self) -> None:
+        if self.live and not self._stopped.is_set():
+            self._status = self.status()
+            self.out.write(self._status)
+
+    def _clear_status(self) -> None:
+        if self.live and self._status:
+            self.out.write("\r\x1b[K")
+            self._status = ""
+
+    def _redraw_every_second(self) -> None:
+        while not self._stopped.wait(REDRAW_SECONDS):
+            with self._lock:
+                self._clear_status()
+                self._draw_status()
+                self.out.flush()
+
+
+def _clock(seconds: float) -> str:
+    minutes, secs = divmod(int(seconds), 60)
+    hours, minutes = divmod(minutes, 60)
+    return f"{hours}:{minutes:02d}:{secs:02d}" if hours else f"{minutes}:{secs:02d}"

@@ -1,0 +1,88 @@
+"""What `pollen run` shows of a run's stream (`deployment.console`): pollen's
+lines and every error on the console, everything in the log, a status line
+on a terminal only."""
+
+from __future__ import annotations
+
+import io
+import re
+
+from pollen.deployment.console import Console
+
+STREAM = [
+    "Using SuperLink: pollen (127.0.0.1:40771)",
+    "\x1b[92mINFO \x1b[0m:      Starting Flower Simulation",
+    "\x1b[93mWARNING \x1b[0m:   Since flwr 1.32, default simulated SuperNodes changed from 10 to 2.",
+    "/venv/lib/python3.11/site-packages/ray/_private/worker.py:2051: FutureWarning: Tip: ...",
+    "  warnings.warn(",
+    "pollen: results go to /tmp/r",
+    "\x1b[92mINFO \x1b[0m:      pollen: 10 clients on 10 nodes",
+    "\x1b[92mINFO \x1b[0m:      [ROUND 1]",
+    "client  total    0   1",
+    "     0    120   60  60",
+    "=== Evaluate global model 1 Round ===",
+    "[01] acc=74.72%, loss=1.482462",
+    "     round 1/3: 3.21 s, up 0.35 MB, down 0.35 MB, lr 0.05, clients 5, ~7 s left",
+    "     1 reply failed or rejected (history.json says why)",
+    "\x1b[91mERROR \x1b[0m:     ServerApp raised an exception",
+    "Traceback (most recent call last):",
+    '  File "/app/pollen/server_app.py", line 90, in main',
+    "    _train(grid)",
+    "ValueError: the model broke",
+    "\x1b[92mINFO \x1b[0m:      Exiting",
+]
+SHOWN = [
+    "pollen: results go to /tmp/r",
+    "pollen: 10 clients on 10 nodes",
+    *STREAM[8:14],
+]
+ERRORS = STREAM[14:19]  # Flower's ERROR line and the traceback, on stderr
+
+
+def uncoloured(line: str) -> str:
+    return re.sub(r"\x1b\[\d+m", "", line)
+
+
+class Terminal(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+def play(
+    out: io.StringIO, err: io.StringIO | None = None, verbose: bool = False
+) -> io.StringIO:
+    log = io.StringIO()
+    console = Console(log, out, err or io.StringIO(), verbose=verbose)
+    for line in STREAM:
+        console.line(line)
+    console.close()
+    return log
+
+
+def test_the_console_shows_pollens_lines_and_errors_the_log_everything() -> None:
+    out, err = io.StringIO(), io.StringIO()
+    log = play(out, err)
+    assert out.getvalue().splitlines() == [uncoloured(line) for line in SHOWN]
+    assert err.getvalue().splitlines() == [uncoloured(line) for line in ERRORS]
+    assert log.getvalue().splitlines() == STREAM
+    assert not re.search(r"[\r\x1b]", out.getvalue())  # no control characters
+
+
+def test_verbose_shows_the_whole_stream() -> None:
+    out, err = io.StringIO(), io.StringIO()
+    play(out, err, verbose=True)
+    shown = out.getvalue().splitlines() + err.getvalue().splitlines()
+    assert sorted(shown) == sorted(uncoloured(line) for line in STREAM)
+    assert err.getvalue().splitlines() == [uncoloured(line) for line in ERRORS]
+
+
+def test_a_terminal_gets_a_status_line_that_leaves_the_lines_as_they_are() -> None:
+    out = Terminal()
+    play(out, Terminal())
+    # every status line is erased before a line is written, and at the end
+    plain = re.sub(r"pollen: (starting up|round \d).*?\r\x1b\[K", "", out.getvalue())
+    assert plain.splitlines() == SHOWN
+    status = re.findall(r"(pollen: round [^\r]*)\r\x1b\[K", out.getvalue())
+    assert status[-1].startswith("pollen: round 1/3 | acc 74.72% | loss 1.4825 | ")
+    assert status[-1].endswith(" left")
+    assert "pollen: starting up ... 0:00" in out.getvalue()
