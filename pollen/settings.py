@@ -481,8 +481,8 @@ class Settings:
     tracking_uri: str = key(
         "",
         "where tracker=mlflow logs: http(s)://host:port of a tracking server, "
-        "sqlite:///file.db, file:///dir (empty: env MLFLOW_TRACKING_URI, else "
-        "sqlite:///<output-dir>/mlflow.db)",
+        "sqlite:///file.db, file:///dir (empty: where a resumed run logged, else "
+        "env MLFLOW_TRACKING_URI, else sqlite:///<output-dir>/mlflow.db)",
         tracking_uri_rule(),
     )
     tracking_experiment: str = key(
