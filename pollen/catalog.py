@@ -19,8 +19,27 @@ Scalar = bool | int | float | str
 
 
 @dataclass(frozen=True)
+class TrainingDefaults:
+    """The client's hyper-parameters where the run config leaves them "auto":
+    what a data set trains well with under the default model (mlp) and the
+    run's other defaults, chosen by measurement (docs/usage.md, "Defaults per
+    data set"); any explicit value wins."""
+
+    lr: float
+    momentum: float = 0.9
+    batch_size: int = 16
+    local_epochs: int = 2
+
+
+# The run-config keys "auto" takes from `TrainingDefaults` (attribute: key
+# with "_" for "-")
+TRAINING_KEYS = ("lr", "momentum", "batch-size", "local-epochs")
+
+
+@dataclass(frozen=True)
 class DataSetInfo:
-    """A data set's images (channels x side x side) and its classes."""
+    """A data set's images (channels x side x side), its classes and the
+    client hyper-parameters it trains well with."""
 
     name: str
     channels: int
@@ -28,6 +47,7 @@ class DataSetInfo:
     classes: int
     train_examples: int  # in its training split (the most clients it can feed)
     summary: str
+    training: TrainingDefaults
 
 
 @dataclass(frozen=True)
@@ -78,13 +98,21 @@ def _by_name(*items: Any) -> dict[str, Any]:
     return {item.name: item for item in items}
 
 
+# The learning rates are the best of 0.005, 0.01, 0.02 and 0.05 after 2 rounds
+# of the mlp (results/defaults-lr, docs/usage.md); cifar100's is cifar10's
+# (not measured). digits keeps the quick run's tuned 0.05.
 DATA_SETS: dict[str, DataSetInfo] = _by_name(
-    DataSetInfo("digits", 1, 8, 10, 1437, "scikit-learn's 8x8 digits (1,797 images)"),
-    DataSetInfo("mnist", 1, 28, 10, 60000, "handwritten digits"),
-    DataSetInfo("fashion-mnist", 1, 28, 10, 60000, "Zalando's clothing images"),
-    DataSetInfo("cifar10", 3, 32, 10, 50000, "32x32 colour images, 10 classes"),
-    DataSetInfo("cifar100", 3, 32, 100, 50000, "32x32 colour images, 100 classes"),
-)
+    DataSetInfo("digits", 1, 8, 10, 1437, "scikit-learn's 8x8 digits (1,797 images)",
+                TrainingDefaults(lr=0.05)),
+    DataSetInfo("mnist", 1, 28, 10, 60000, "handwritten digits",
+                TrainingDefaults(lr=0.01)),
+    DataSetInfo("fashion-mnist", 1, 28, 10, 60000, "Zalando's clothing images",
+                TrainingDefaults(lr=0.01)),
+    DataSetInfo("cifar10", 3, 32, 10, 50000, "32x32 colour images, 10 classes",
+                TrainingDefaults(lr=0.005)),
+    DataSetInfo("cifar100", 3, 32, 100, 50000, "32x32 colour images, 100 classes",
+                TrainingDefaults(lr=0.005)),
+)  # fmt: skip
 
 MODELS: dict[str, ModelInfo] = _by_name(
     ModelInfo("mlp", "two hidden layers"),

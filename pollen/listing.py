@@ -25,6 +25,7 @@ from .catalog import (
     PRESETS,
     SERVER_UPDATES,
     SHARING_POLICIES,
+    TRAINING_KEYS,
     ModelInfo,
 )
 from .settings import Settings, SettingsError
@@ -128,11 +129,19 @@ def describe_key(name: str) -> str:
     field = next(
         f for f in dataclasses.fields(Settings) if f.name == name.replace("-", "_")
     )
-    return "\n".join(
-        [
-            f"{name}: {text}",
-            f"  type: {field.metadata['kind'].__name__}",
-            f"  default: {default!r}",
-            f"  allowed: {allowed or 'any'}",
-        ]
-    )
+    lines = [
+        f"{name}: {text}",
+        f"  type: {field.metadata['kind'].__name__}",
+        f"  default: {default!r}",
+        f"  allowed: {allowed or 'any'}",
+    ]
+    if name in TRAINING_KEYS:  # "auto" means the data set's measured value
+        attribute = name.replace("-", "_")
+        lines.append(
+            "  auto, by data set: "
+            + ", ".join(
+                f"{data_set} {getattr(info.training, attribute):g}"
+                for data_set, info in DATA_SETS.items()
+            )
+        )
+    return "\n".join(lines)

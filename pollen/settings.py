@@ -44,6 +44,7 @@ from .catalog import (
     SHARING,
     TRACKERS,
     TRACKING_STORES,
+    TRAINING_KEYS,
     Scalar,
 )
 from .network_profile import NetworkProfile, ProfileError
@@ -149,7 +150,7 @@ def key(
 
     `kind` is the value type when the default is the string "auto" (the key
     then takes "auto" or a value of that kind, and "auto" is resolved from the
-    strategy preset).
+    strategy preset, or for the client's hyper-parameters from the data set).
     """
     metadata = {"help": help, "rule": rule, "kind": kind or type(default)}
     return field(default=default, metadata=metadata)
@@ -180,11 +181,21 @@ class Settings:
     client_frac: float = key(
         0.25, "fraction of clients sampled per round", in_range(0, 1)
     )
-    local_epochs: int = key(1, "local epochs per round", at_least(1))
-    batch_size: int = key(100, "local batch size", at_least(1))
-    lr: float = key(1e-2, "initial client learning rate", above(0))
+    # auto: the data set's measured default (catalog.TrainingDefaults)
+    local_epochs: int = key(
+        AUTO, "local epochs per round (auto: the data set's)", at_least(1), int
+    )
+    batch_size: int = key(
+        AUTO, "local batch size (auto: the data set's)", at_least(1), int
+    )
+    lr: float = key(
+        AUTO, "initial client learning rate (auto: the data set's)", above(0), float
+    )
     momentum: float = key(
-        0.9, "client SGD momentum", Rule(lambda v: 0 <= v < 1, "in [0, 1)")
+        AUTO,
+        "client SGD momentum (auto: the data set's)",
+        Rule(lambda v: 0 <= v < 1, "in [0, 1)"),
+        float,
     )
     weight_decay: float = key(5e-4, "client weight decay", at_least(0))
     rounds: int = key(10, "communication rounds", at_least(1))
@@ -637,7 +648,12 @@ def sample_size(num_clients: int, fraction: float, minimum: int) -> int:
 
 
 def _resolve_preset(values: dict[str, Scalar]) -> None:
-    """Replace every "auto" with the value the strategy preset gives it."""
+    """Replace every "auto" with the value the strategy preset gives it, or
+    for the client's hyper-parameters the data set's defaults."""
+    training = DATA_SETS[str(values["data-set"])].training
+    for name in TRAINING_KEYS:
+        if values[name] == AUTO:
+            values[name] = getattr(training, name.replace("-", "_"))
     preset = PRESETS[str(values["strategy"])]
     for name in ("server-update", "local-objective"):
         if values[name] == AUTO:

@@ -29,7 +29,7 @@ def submit(
         str(BIN / "pollen"), "run", str(app), "--deployment", deployment.directory,
         "-c", f"data-set='mnist' data-root='{deployment.root.parent / 'data'}' "
         f"download=false num-clients={nodes} client-frac=1.0 local-epochs=1 "
-        f"batch-size=32 output-dir='{out}'", "-c", config,
+        f"batch-size=32 lr=0.05 output-dir='{out}'", "-c", config,
     ]  # fmt: skip
     return subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True)  # fmt: skip

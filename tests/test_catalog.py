@@ -62,7 +62,7 @@ def test_a_diverged_run_names_the_likely_causes_of_its_parts() -> None:
     from pollen.runs.evaluation import divergence_hint
     from pollen.settings import Settings
 
-    dyn = Settings.from_run_config({"strategy": "feddyn", "dyn-alpha": 0.5})
+    dyn = Settings.from_run_config({"strategy": "feddyn", "dyn-alpha": 0.5, "lr": 0.01})
     assert divergence_hint(dyn) == (
         "dyn-alpha=0.5 with lr=0.01; or lr=0.01 too high (max-grad-norm=10)"
     )

@@ -43,7 +43,7 @@ BASE_PACKAGES = "python3,python3-venv,ca-certificates"
 EXTRA_CAS = Path("/usr/local/share/ca-certificates")  # where Debian keeps added CAs
 RUN_CONFIG = (
     'data-set="mnist" download=false num-clients=2 rounds=2 client-frac=1.0 '
-    'local-epochs=1 batch-size=32 run-name="compose" min-available-nodes=2'
+    'local-epochs=1 batch-size=32 lr=0.05 run-name="compose" min-available-nodes=2'
 )
 
 

@@ -13,11 +13,32 @@ from tests.conftest import PROJECT
 
 def test_defaults_are_valid_and_follow_the_seeds() -> None:
     s = Settings.from_run_config({})
-    assert (s.seed, s.num_clients, s.client_frac, s.batch_size, s.lr) == (
-        845, 10, 0.25, 100, 1e-2,
-    )  # fmt: skip
+    assert (s.seed, s.num_clients, s.client_frac) == (845, 10, 0.25)
+    # the client's hyper-parameters: the data set's (digits) measured defaults
+    assert (s.lr, s.momentum, s.batch_size, s.local_epochs) == (0.05, 0.9, 16, 2)
     assert (s.test_batch_size, s.alpha, s.min_size, s.rounds) == (128, 0.5, 10, 10)
     assert (s.lr_factor, s.lr_patience, s.min_lr) == (0.5, 5, 1e-6)
+
+
+@pytest.mark.parametrize(
+    ("data_set", "lr"),
+    [("digits", 0.05), ("mnist", 0.01), ("fashion-mnist", 0.01), ("cifar10", 0.005)],
+)
+def test_auto_client_hyper_parameters_are_the_data_sets_and_a_value_wins(
+    data_set: str, lr: float
+) -> None:
+    auto = Settings.from_run_config({"data-set": data_set})
+    assert (auto.lr, auto.momentum, auto.batch_size, auto.local_epochs) == (
+        lr, 0.9, 16, 2,
+    )  # fmt: skip
+    given = Settings.from_run_config(
+        {"data-set": data_set, "lr": 0.2, "momentum": 0.0, "batch-size": 64,
+         "local-epochs": 5}
+    )  # fmt: skip
+    assert (given.lr, given.momentum, given.batch_size, given.local_epochs) == (
+        0.2, 0.0, 64, 5,
+    )  # fmt: skip
+    assert given.to_run_config()["lr"] == 0.2 and auto.to_run_config()["lr"] == lr
 
 
 def test_pyproject_declares_every_key_with_the_same_type() -> None:
