@@ -335,7 +335,10 @@ def test_a_killed_child_fails_its_reply_and_the_next_round_trains(
         "rounds=3 local-epochs=8 round-timeout=60 run-name='kill'", NODES,
     )  # fmt: skip
     wait_for_rounds(tmp_path / "kill", 1, run)
-    child = _wait_for_child(executor, set(processes.descendants(executor)))
+    # round 2's task: started after round 1 was recorded (it may have started
+    # before this test looked: the history is polled every 0.5 s)
+    recorded = (tmp_path / "kill" / "history.json").stat().st_mtime
+    child = _wait_for_child(executor, set(), started_after=recorded - 0.05)
     time.sleep(0.5)
     os.kill(child, signal.SIGKILL)
     output = finish(run)
@@ -346,20 +349,37 @@ def test_a_killed_child_fails_its_reply_and_the_next_round_trains(
     assert f"task {child} exited -9" in Path(warm.node(1).executor_log).read_text()
 
 
-def _wait_for_child(executor: int, earlier: set[int]) -> int:
-    """The warm executor's first task child not in `earlier` (a task of an
-    earlier round may still be exiting)."""
+def _wait_for_child(
+    executor: int, earlier: set[int], started_after: float = 0.0
+) -> int:
+    """The warm executor's first task child not in `earlier` and started after
+    the wall-clock time `started_after` (a task of an earlier round may still
+    be exiting)."""
+    # process start times count from boot, as /proc/uptime does (to 10 ms)
+    since_boot = _uptime() - (time.time() - started_after) if started_after else 0
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline:
         for pid in set(processes.descendants(executor)) - earlier:
             try:
                 command = Path(f"/proc/{pid}/cmdline").read_bytes()
+                started = _started_since_boot(pid)
             except OSError:
                 continue
-            if b"flower-superexec" not in command and b"launcher.py" not in command:
+            task = b"flower-superexec" not in command and b"launcher.py" not in command
+            if task and started >= since_boot:
                 return pid
         time.sleep(0.05)
     raise AssertionError("no task started")
+
+
+def _started_since_boot(pid: int) -> float:
+    """When process `pid` started, in seconds since boot."""
+    ticks = int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19])
+    return ticks / os.sysconf("SC_CLK_TCK")
+
+
+def _uptime() -> float:
+    return float(Path("/proc/uptime").read_text().split()[0])
 
 
 def test_a_killed_warm_parent_takes_its_processes_and_restarts(
