@@ -8,7 +8,6 @@ its results land (the SuperLink's processes run elsewhere).
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import json
 import os
@@ -21,8 +20,6 @@ from ..runs.checkpoints import check_resumable
 from ..runs.notify import URL_ENV, check_url
 from ..runs.results import check_run_dir_is_new, default_run_name
 from ..runs.tracking_mlflow import (
-    RUN_FILE,
-    URI_ENV,
     check_server,
     pin_uri,
     tracking_uri,
@@ -162,13 +159,7 @@ def pin_tracking_uri(settings: Settings) -> Settings:
     SQLite store beside the runs; a relative SQLite path made absolute."""
     if settings.tracker != "mlflow":
         return settings
-    uri = settings.tracking_uri
-    recorded = Path(settings.resume) / RUN_FILE
-    if not uri and settings.resume and recorded.is_file():
-        with contextlib.suppress(OSError, ValueError, KeyError):
-            uri = json.loads(recorded.read_text())["tracking-uri"]
-    uri = uri or os.environ.get(URI_ENV, "") or tracking_uri(settings)
-    return dataclasses.replace(settings, tracking_uri=pin_uri(uri))
+    return dataclasses.replace(settings, tracking_uri=pin_uri(tracking_uri(settings)))
 
 
 def pin_paths(settings: Settings, strategy: str) -> Settings:

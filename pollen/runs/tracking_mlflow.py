@@ -27,6 +27,7 @@ says so once and trains on; the run's own files stay complete.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -58,10 +59,16 @@ HEALTH_TIMEOUT = 3.0
 
 
 def tracking_uri(settings: Settings) -> str:
-    """Where the run logs: `tracking-uri`, else `$MLFLOW_TRACKING_URI`, else an
-    SQLite store beside the runs (`<output-dir>/mlflow.db`, absolute)."""
+    """Where the run logs: `tracking-uri`, else (a resumed run) the store it
+    logged to before, else `$MLFLOW_TRACKING_URI`, else an SQLite store
+    beside the runs (`<output-dir>/mlflow.db`, absolute)."""
     if settings.tracking_uri:
         return settings.tracking_uri
+    if settings.resume:
+        with contextlib.suppress(OSError, ValueError, KeyError, TypeError):
+            return json.loads((Path(settings.resume) / RUN_FILE).read_text())[
+                "tracking-uri"
+            ]
     if os.environ.get(URI_ENV):
         return os.environ[URI_ENV]
     return "sqlite:///" + str(Path(settings.output_dir).resolve() / "mlflow.db")
