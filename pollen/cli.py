@@ -72,6 +72,7 @@ def run_command(args: argparse.Namespace) -> int:
                 app, overrides,
                 connection=args.connection, federation=args.federation_config,
                 deployment_dir=Path(args.deployment) if args.deployment else None,
+                warm_dir=Path(args.warm_simulation) if args.warm_simulation else None,
                 verbose=args.verbose,
             )  # fmt: skip
     except KeyboardInterrupt:  # said by `launch.run`: where it stopped, how to resume
@@ -154,6 +155,11 @@ def build_parser() -> argparse.ArgumentParser:
     run_parser.add_argument(
         "--deployment", metavar="DIR", default=None,
         help="submit to the deployment `pollen deploy up` started in DIR",
+    )  # fmt: skip
+    run_parser.add_argument(
+        "--warm-simulation", metavar="DIR", default=None,
+        help="simulate on the warm SuperLink and Ray head recorded in DIR (as "
+        "`pollen compare` does for its cells) instead of starting both for this run",
     )  # fmt: skip
     run_parser.add_argument(
         "--network", metavar="PROFILE", default=None,

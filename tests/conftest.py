@@ -63,6 +63,18 @@ def reply_from(node: int, content, message_type: str = "train"):
 
 
 @pytest.fixture(scope="session")
+def warm_federation(tmp_path_factory) -> Iterator[Path]:
+    """One warm simulation SuperLink and Ray head for the session's
+    simulations that need no federation of their own (`pollen run
+    --warm-simulation DIR`): each such run skips about 13 s of start-up.
+    Tests that interrupt, kill or count a run's own processes start their own."""
+    from pollen.deployment.warm_simulation import warm_simulation
+
+    with warm_simulation(tmp_path_factory.mktemp("warm-simulation")) as federation:
+        yield federation.root
+
+
+@pytest.fixture(scope="session")
 def mlflow_server(tmp_path_factory) -> Iterator[str]:
     """A real MLflow tracking server (SQLite backend, artefacts served from a
     temporary directory) on a free loopback port; its URI."""

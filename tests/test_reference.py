@@ -30,10 +30,12 @@ pytestmark = pytest.mark.integration
 CONFIG = "num-clients=10 client-frac=1.0 rounds=3 local-epochs=1 batch-size=16 lr=0.05"
 
 
-def test_simulation_ends_at_the_in_process_reference(tmp_path: Path) -> None:
+def test_simulation_ends_at_the_in_process_reference(
+    tmp_path: Path, warm_federation: Path
+) -> None:
     run = subprocess.run(
         [str(Path(sys.executable).parent / "pollen"), "run", str(PROJECT),
-         "-c", CONFIG, "-c", f"output-dir='{tmp_path}' run-name='run'"],
+         "--warm-simulation", str(warm_federation), "-c", CONFIG, "-c", f"output-dir='{tmp_path}' run-name='run'"],
         capture_output=True, text=True, timeout=600,
     )  # fmt: skip
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]

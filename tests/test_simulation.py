@@ -1,7 +1,9 @@
 """End to end through the real Flower simulation (`pollen run`, `flwr run`).
 
-Each run starts a SuperLink, the Ray simulation engine and ClientApp actors,
-so these tests take about a minute each on 2 cores.
+A run on a federation of its own starts a SuperLink, the Ray simulation
+engine and ClientApp actors: about 35 s for two rounds on 2 cores. Runs
+that need no federation of their own use the session's warm one
+(`warm_federation`), about 13 s less each.
 """
 
 from __future__ import annotations
@@ -96,9 +98,16 @@ def orphaned(before: set[int], marker: bytes = b"flower-superlink") -> set[int]:
 
 
 def pollen_run(
-    *config: str, timeout: float = 600, cwd: Path | None = None
+    *config: str,
+    timeout: float = 600,
+    cwd: Path | None = None,
+    warm: Path | None = None,
 ) -> subprocess.CompletedProcess[str]:
+    """`pollen run` of the project with `config`, on the warm federation in
+    `warm` when given, else on a SuperLink and Ray of its own."""
     args = [str(BIN / "pollen"), "run", str(PROJECT)]
+    if warm is not None:
+        args += ["--warm-simulation", str(warm)]
     for value in config:
         args += ["-c", value]
     return subprocess.run(
@@ -112,12 +121,13 @@ def history(run_dir: Path) -> list[dict]:
 
 @pytest.fixture(scope="module")
 def default_runs(
-    tmp_path_factory,
+    tmp_path_factory, warm_federation: Path
 ) -> tuple[Path, list[subprocess.CompletedProcess[str]]]:
-    """The embedded default run, twice with the same seed, from a shell
-    directory that holds another `pollen` package: Ray puts its driver's
-    directory on the ClientApp actors' module path, so a simulation started
-    there would import that package instead of the app's own."""
+    """The embedded default run, twice with the same seed (a on a federation
+    of its own, b on the warm one), from a shell directory that holds another
+    `pollen` package: Ray puts its driver's directory on the ClientApp
+    actors' module path, so a simulation started there would import that
+    package instead of the app's own."""
     out = tmp_path_factory.mktemp("default")
     shell = tmp_path_factory.mktemp("shell")
     (shell / "pollen").mkdir()
@@ -127,8 +137,8 @@ def default_runs(
     markers = (b"flower-superlink", b"flwr-simulation", b"raylet", b"gcs_server")
     before = {marker: running(marker) for marker in markers}
     runs = [
-        pollen_run(f"output-dir='{out}' run-name='{name}'", cwd=shell)
-        for name in ("a", "b")
+        pollen_run(f"output-dir='{out}' run-name='{name}'", cwd=shell, warm=warm)
+        for name, warm in (("a", None), ("b", warm_federation))
     ]
     # pollen run stops waiting once the ServerApp has written its results, and
     # stops the simulation (Ray included) itself
@@ -177,21 +187,24 @@ def test_same_seed_gives_the_same_history(default_runs) -> None:
 
 
 def test_mnist_one_setting_away_learns_with_its_defaults(
-    shared_data: Path, tmp_path: Path
+    shared_data: Path, tmp_path: Path, warm_federation: Path
 ) -> None:
     """`-c "data-set='mnist'"` and nothing else (2 rounds): the data set's
     own defaults (lr 0.01) reach what a practitioner expects; the digits run's
     lr 0.05 gave 25% and 71% (docs/usage.md, "Defaults per data set")."""
     run = pollen_run(
         f"data-set='mnist' data-root='{shared_data}' download=false rounds=2 "
-        f"output-dir='{tmp_path}' run-name='mnist'"
+        f"output-dir='{tmp_path}' run-name='mnist'",
+        warm=warm_federation,
     )
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     rows = history(tmp_path / "mnist")
     assert rows[0]["lr"] == 0.01 and rows[-1]["accuracy"] > 0.9
 
 
-def test_real_mnist_subset_learns(shared_data: Path, tmp_path: Path) -> None:
+def test_real_mnist_subset_learns(
+    shared_data: Path, tmp_path: Path, warm_federation: Path
+) -> None:
     with np.load(shared_data / "mnist.npz") as full:
         subset = {
             "x_train": full["x_train"][:6000], "y_train": full["y_train"][:6000],
@@ -202,7 +215,8 @@ def test_real_mnist_subset_learns(shared_data: Path, tmp_path: Path) -> None:
     run = pollen_run(
         f"data-set='mnist' data-root='{tmp_path / 'data'}' model='cnn' rounds=3 "
         "num-clients=4 client-frac=1.0 batch-size=32 lr=0.05 download=false "
-        f"output-dir='{tmp_path}' run-name='mnist'"
+        f"output-dir='{tmp_path}' run-name='mnist'",
+        warm=warm_federation,
     )
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     rows = history(tmp_path / "mnist")
@@ -210,7 +224,9 @@ def test_real_mnist_subset_learns(shared_data: Path, tmp_path: Path) -> None:
     assert rows[-1]["loss"] < rows[0]["loss"]
 
 
-def test_failed_run_exits_non_zero_with_the_reason(tmp_path: Path) -> None:
+def test_failed_run_exits_non_zero_with_the_reason(
+    tmp_path: Path, warm_federation: Path
+) -> None:
     """A run that fails inside the ServerApp (here it diverges in round 1;
     missing data is caught before Flower starts): exit 1, the reason in
     summary.json and in the notification, no process left behind."""
@@ -218,7 +234,8 @@ def test_failed_run_exits_non_zero_with_the_reason(tmp_path: Path) -> None:
     with webhook() as (hook, received):
         run = pollen_run(
             f"strategy='fedavgm' server-lr=1e17 rounds=2 notify-url='{hook}' "
-            f"output-dir='{tmp_path}' run-name='fails'"
+            f"output-dir='{tmp_path}' run-name='fails'",
+            warm=warm_federation,
         )
     assert run.returncode == 1
     assert "the run diverged" in run.stderr
@@ -357,13 +374,14 @@ SUITE = [
 
 @pytest.mark.parametrize(("strategy", "policy", "model", "extra"), SUITE)
 def test_every_strategy_runs_end_to_end(
-    strategy, policy, model, extra, tmp_path: Path
+    strategy, policy, model, extra, tmp_path: Path, warm_federation: Path
 ) -> None:
     sharing = "bn-policy" if policy in ("shared", "fedbn", "silobn") else "sharing"
     run = pollen_run(
         f"strategy='{strategy}' {sharing}='{policy}' model='{model}' rounds=2 "
         f"num-clients=4 client-frac=0.5 partition='silos' {extra} "
-        f"output-dir='{tmp_path}' run-name='run'"
+        f"output-dir='{tmp_path}' run-name='run'",
+        warm=warm_federation,
     )
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     assert len(ROUND_LINES.findall(run.stdout)) == 2
@@ -410,7 +428,7 @@ def test_every_strategy_runs_end_to_end(
 
 
 def test_resume_from_checkpoint_repeats_the_run_and_notifications_arrive(
-    tmp_path: Path,
+    tmp_path: Path, warm_federation: Path
 ) -> None:
     """Round 3 played again from round 2's checkpoint (model, FedAdam's moments,
     scheduler) gives exactly the uninterrupted run's round 3."""
@@ -418,7 +436,8 @@ def test_resume_from_checkpoint_repeats_the_run_and_notifications_arrive(
     with webhook() as (hook, texts):
         first = pollen_run(
             f"{common} rounds=3 checkpoint-every=2 checkpoint-keep=2 notify-url='{hook}' "
-            f"notify-every=1 output-dir='{tmp_path}' run-name='a'"
+            f"notify-every=1 output-dir='{tmp_path}' run-name='a'",
+            warm=warm_federation,
         )
     assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
     run_dir = tmp_path / "a"
@@ -431,7 +450,7 @@ def test_resume_from_checkpoint_repeats_the_run_and_notifications_arrive(
     assert texts[4].startswith("pollen: run a finished after 3 rounds")
     assert hook not in first.stdout + first.stderr  # the URL is a secret
     uninterrupted = history(run_dir)
-    done = pollen_run(f"{common} rounds=3 resume='{run_dir}'")
+    done = pollen_run(f"{common} rounds=3 resume='{run_dir}'", warm=warm_federation)
     assert done.returncode == 2 and "raise rounds" in done.stderr
     shutil.rmtree(run_dir / "checkpoints" / "round-00003")  # "crash" after round 2
     meta = json.loads(
@@ -444,7 +463,7 @@ def test_resume_from_checkpoint_repeats_the_run_and_notifications_arrive(
         < json.loads((run_dir / "summary.json").read_text())["total-seconds"]
     )
     started = time.monotonic()
-    resumed = pollen_run(f"{common} rounds=3 resume='{run_dir}'")
+    resumed = pollen_run(f"{common} rounds=3 resume='{run_dir}'", warm=warm_federation)
     this_process = time.monotonic() - started
     assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
     assert "resuming after round 2" in resumed.stdout
@@ -459,7 +478,9 @@ def test_resume_from_checkpoint_repeats_the_run_and_notifications_arrive(
         [r[k] for k in keys] for r in uninterrupted
     ]
     summary = (run_dir / "summary.json").read_text()
-    changed = pollen_run(f"{common} rounds=4 lr=0.5 resume='{run_dir}'")
+    changed = pollen_run(
+        f"{common} rounds=4 lr=0.5 resume='{run_dir}'", warm=warm_federation
+    )
     assert changed.returncode == 2 and "lr=0.05, this run has lr=0.5" in changed.stderr
     assert history(run_dir) == again  # a refused resume changes nothing
     assert (run_dir / "summary.json").read_text() == summary
@@ -490,7 +511,7 @@ def kill_after_checkpoint(config: str, checkpoint: Path) -> None:
 
 @pytest.mark.parametrize("strategy", ["fedavg", "feddyn", "fedadam"])
 def test_killed_run_resumes_to_the_uninterrupted_history(
-    strategy: str, tmp_path: Path
+    strategy: str, tmp_path: Path, warm_federation: Path
 ) -> None:
     """Killed after round 2's checkpoint, resumed: the same rounds, the same
     numbers as the run that was never interrupted. FedDyn's clients read
@@ -499,7 +520,7 @@ def test_killed_run_resumes_to_the_uninterrupted_history(
         f"strategy='{strategy}' rounds=6 num-clients=6 client-frac=0.5 "
         f"local-epochs=4 checkpoint-every=2 output-dir='{tmp_path}'"
     )
-    whole = pollen_run(f"{common} run-name='whole'")
+    whole = pollen_run(f"{common} run-name='whole'", warm=warm_federation)
     assert whole.returncode == 0, whole.stdout[-3000:] + whole.stderr[-3000:]
     before = running()
     crashed = tmp_path / "crashed"
@@ -511,7 +532,7 @@ def test_killed_run_resumes_to_the_uninterrupted_history(
     if strategy == "feddyn":
         states = list((crashed / "client-state").rglob("*.npz"))
         assert states, "FedDyn clients kept no state on disk"
-    resumed = pollen_run(f"{common} resume='{crashed}'")
+    resumed = pollen_run(f"{common} resume='{crashed}'", warm=warm_federation)
     assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
     assert re.search(r"resuming after round [24]\n", resumed.stdout)
     keys = ("round", "accuracy", "loss", "lr", "clients", "bytes-up", "bytes-down")
@@ -535,13 +556,14 @@ def test_killed_run_resumes_to_the_uninterrupted_history(
     ids=["server", "clients"],
 )  # fmt: skip
 def test_diverged_run_stops_with_a_clear_message(
-    settings: str, what: str, cause: str, tmp_path: Path
+    settings: str, what: str, cause: str, tmp_path: Path, warm_federation: Path
 ) -> None:
     """A diverged run stops in round 1, names the round and the likely
     cause, and records nothing of it."""
     run = pollen_run(
         f"{settings} rounds=3 checkpoint-every=1 "
-        f"output-dir='{tmp_path}' run-name='diverged'"
+        f"output-dir='{tmp_path}' run-name='diverged'",
+        warm=warm_federation,
     )
     assert run.returncode == 1
     assert re.search(f"DivergenceError: {what}", run.stderr), run.stderr[-2000:]
@@ -553,7 +575,9 @@ def test_diverged_run_stops_with_a_clear_message(
     assert not (run_dir / "model.pt").exists()
 
 
-def test_fedbuff_under_a_profile_resumes_from_its_last_version(tmp_path: Path) -> None:
+def test_fedbuff_under_a_profile_resumes_from_its_last_version(
+    tmp_path: Path, warm_federation: Path
+) -> None:
     """FedBuff with FedBN on the simulated clock of the `mixed` preset (the
     last of 4 clients 10x slower; IID shards, so the others are about as fast
     as each other): every version records its simulated time
@@ -573,7 +597,7 @@ def test_fedbuff_under_a_profile_resumes_from_its_last_version(tmp_path: Path) -
         f"{common} run-name='async'", run_dir / "checkpoints" / "round-00002"
     )
     kept = history(run_dir)[:2]
-    resumed = pollen_run(f"{common} resume='{run_dir}'")
+    resumed = pollen_run(f"{common} resume='{run_dir}'", warm=warm_federation)
     assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
     rows = history(run_dir)
     assert [r["round"] for r in rows] == [1, 2, 3, 4] and rows[:2] == kept
@@ -587,7 +611,9 @@ def test_fedbuff_under_a_profile_resumes_from_its_last_version(tmp_path: Path) -
     assert summary["status"] == "completed" and summary["rounds"] == 4
 
 
-def test_sign_flip_attack_breaks_the_mean_not_multi_krum(tmp_path: Path) -> None:
+def test_sign_flip_attack_breaks_the_mean_not_multi_krum(
+    tmp_path: Path, warm_federation: Path
+) -> None:
     """3 of 10 digits clients send their update reversed and 10x larger
     (sum: 7 - 30 = -23 honest updates' worth). The mean does not survive it
     (the run diverges or stays near chance); multi-Krum with f = 3 leaves
@@ -596,7 +622,10 @@ def test_sign_flip_attack_breaks_the_mean_not_multi_krum(tmp_path: Path) -> None
     attack = "num-clients=10 client-frac=1.0 rounds=3 attack='sign-flip' "
     attack += "attacker-clients='0,1,2'"
     runs = {
-        name: pollen_run(f"{attack} {extra} output-dir='{tmp_path}' run-name='{name}'")
+        name: pollen_run(
+            f"{attack} {extra} output-dir='{tmp_path}' run-name='{name}'",
+            warm=warm_federation,
+        )
         for name, extra in (
             ("mean", ""),
             ("krum", "aggregator='multi-krum' byzantine-clients=3"),

@@ -14,6 +14,10 @@ from pathlib import Path
 from . import processes
 
 SUPERLINK_START_SECONDS = 60.0
+# Ray starts one idle Python worker per CPU for a simulation's first driver;
+# Flower's ClientApp actors never run in them, so they only cost start-up CPU
+# (1.2 s of 28 on 2 cores, docs/performance.md). A value the user sets wins.
+RAY_SIMULATION_ENV = {"RAY_prestart_worker_first_driver": "0"}
 TASK_POLL_ENV = "FLWR_SUPEREXEC_TASK_POLL_INTERVAL"
 TASK_POLL_SECONDS = "0.1"  # Flower's default, 1 s, is added to every message
 
@@ -75,3 +79,33 @@ def start_superlink(
         processes.stop(process.pid)
         raise
     return process
+
+
+def simulation_env(home: Path) -> dict[str, str]:
+    """The environment of a local simulation SuperLink with its own `home`
+    (and so of its ServerApp and Ray): `flower_env` and Ray's settings."""
+    return {**RAY_SIMULATION_ENV, **flower_env(home)}
+
+
+def start_simulation_superlink(
+    home: Path, env: dict[str, str], log: Path
+) -> tuple[subprocess.Popen[bytes], int]:
+    """A simulation SuperLink on a free loopback port, insecure, named the
+    default connection ("pollen") in `home`'s Flower config, so `flwr run`
+    with that home submits there; the process and its port.
+
+    It runs in `home`, not in the shell's directory: Ray puts its driver's
+    directory (the simulation process, started by the SuperLink) first on
+    every ClientApp actor's module path, so a `pollen` package in the shell's
+    directory (another checkout) would be imported there instead of the
+    app's own."""
+    port = processes.free_port()
+    (home / "config.toml").write_text(
+        '[superlink]\ndefault = "pollen"\n\n'
+        f'[superlink.pollen]\naddress = "127.0.0.1:{port}"\ninsecure = true\n'
+    )
+    process = start_superlink(
+        ["--insecure", "--simulation"], host="127.0.0.1", port=port,
+        address=f"127.0.0.1:{port}", env=env, log=log, own_log=True, cwd=home,
+    )  # fmt: skip
+    return process, port

@@ -30,13 +30,14 @@ from ..settings import Settings
 from . import cluster, processes
 from .console import Console
 from .fab import staged_app
-from .flower import flower_env, start_superlink
+from .flower import flower_env, simulation_env, start_simulation_superlink
 from .run_config import (
     check_local_data,
     check_local_device,
     check_local_tracker,
     prepare_run,
 )
+from .warm_simulation import WarmSimulation, WarmSimulationError
 
 CLIENT_CPUS = 1  # per ClientApp actor in a simulation, unless the user says
 FLWR_STOP_SECONDS = 5.0
@@ -51,10 +52,6 @@ RUN_STOP_SECONDS = (
     FLWR_STOP_SECONDS + SERVERAPP_GRACE + processes.STOP_GRACE_SECONDS
     + processes.KILL_WAIT_SECONDS
 )  # fmt: skip
-# Ray starts one idle Python worker per CPU for a simulation's first driver;
-# Flower's ClientApp actors never run in them, so they only cost start-up CPU
-# (1.2 s of 28 on 2 cores, docs/performance.md). A value the user sets wins.
-RAY_SIMULATION_ENV = {"RAY_prestart_worker_first_driver": "0"}
 
 
 class LaunchError(ValueError):
@@ -63,37 +60,25 @@ class LaunchError(ValueError):
 
 
 class LocalSuperLink:
-    """A simulation SuperLink owned by this command, in its own Flower home.
-
-    It runs in that home, not in the shell's directory: Ray puts its driver's
-    directory (the simulation process, started by the SuperLink) first on
-    every ClientApp actor's module path, so a `pollen` package in the shell's
-    directory (another checkout) would be imported there instead of the app's
-    own. Paths in the run config are made absolute before the run starts.
-    """
+    """A simulation SuperLink owned by this command, in its own Flower home
+    (`flower.start_simulation_superlink`); paths in the run config are made
+    absolute before the run starts."""
 
     def __init__(self, run_dir: Path) -> None:
         self.run_dir = run_dir  # where its log is kept when it stops
         self.home = Path(tempfile.mkdtemp(prefix="pollen-flwr-home-"))
-        self.port = processes.free_port()
         self.log_path = self.home / "superlink.log"
         self.process: subprocess.Popen[bytes] | None = None
 
     @property
     def env(self) -> dict[str, str]:
-        return {**RAY_SIMULATION_ENV, **flower_env(self.home)}
+        return simulation_env(self.home)
 
     def __enter__(self) -> LocalSuperLink:
-        (self.home / "config.toml").write_text(
-            '[superlink]\ndefault = "pollen"\n\n'
-            f'[superlink.pollen]\naddress = "127.0.0.1:{self.port}"\ninsecure = true\n'
-        )
         try:
-            self.process = start_superlink(
-                ["--insecure", "--simulation"], host="127.0.0.1", port=self.port,
-                address=f"127.0.0.1:{self.port}", env=self.env, log=self.log_path,
-                own_log=True, cwd=self.home,
-            )  # fmt: skip
+            self.process, _ = start_simulation_superlink(
+                self.home, self.env, self.log_path
+            )
         except BaseException:
             shutil.rmtree(self.home, ignore_errors=True)
             raise
@@ -107,14 +92,20 @@ class LocalSuperLink:
             return
         try:
             if exc_type is not None and issubclass(exc_type, KeyboardInterrupt):
-                processes.end_named(
-                    self.process.pid, SERVERAPP_PROCESSES, SERVERAPP_GRACE,
-                    signal.SIGINT,  # Flower's handler runs pollen's; Ray's SIGTERM exits
-                )  # fmt: skip
+                interrupt_serverapp(self.process.pid)
         finally:
             processes.stop(self.process.pid)
             keep_log(self.log_path, self.run_dir, "superlink.log")
             shutil.rmtree(self.home, ignore_errors=True)
+
+
+def interrupt_serverapp(superlink_pid: int) -> None:
+    """Ask the simulation ServerApp below the SuperLink `superlink_pid` to
+    stop, and give it time to record the interruption: SIGINT, as Flower's
+    handler runs pollen's (Ray's SIGTERM handler exits at once)."""
+    processes.end_named(
+        superlink_pid, SERVERAPP_PROCESSES, SERVERAPP_GRACE, signal.SIGINT
+    )
 
 
 def run(
@@ -124,15 +115,19 @@ def run(
     connection: str | None = None,
     federation: Sequence[str] = (),
     deployment_dir: Path | None = None,
+    warm_dir: Path | None = None,
     verbose: bool = False,
 ) -> bool:
     """Validate, submit and follow one run of `app`; whether it completed
-    (what its `summary.json` says, reported on the console)."""
+    (what its `summary.json` says, reported on the console). A simulation
+    runs on a SuperLink of its own, or on the warm federation in `warm_dir`."""
     started = time.monotonic()
     settings, run_config = prepare_run(app, overrides)
-    deployment = None
+    deployment = warm = None
     if deployment_dir is not None:
         deployment = running_deployment(deployment_dir, connection)
+    if warm_dir is not None:
+        warm = running_warm_simulation(warm_dir, connection, deployment)
     federation = given_federation = list(federation)
     if connection is None and deployment is None:  # a simulation, on this machine
         check_local_device(settings.device)
@@ -153,7 +148,7 @@ def run(
             console = Console(log, verbose=verbose)
             try:
                 said_completed = _submit(app, run_config, run_dir, federation,
-                                         connection, deployment, console)  # fmt: skip
+                                         connection, deployment, warm, console)  # fmt: skip
             finally:
                 console.close()
     except KeyboardInterrupt:  # Ctrl-C, or SIGTERM
@@ -189,6 +184,7 @@ def _submit(
     federation: Sequence[str],
     connection: str | None,
     deployment: cluster.Deployment | None,
+    warm: WarmSimulation | None,
     console: Console,
 ) -> bool:
     """Stage the app, submit it, stream its log; whether it said it completed."""
@@ -202,6 +198,12 @@ def _submit(
             said_completed = stream_flwr(
                 flwr_args, flower_env(deployment.flwr_home), console
             )
+        elif warm is not None:
+            try:
+                said_completed = stream_flwr(flwr_args, warm.env, console)
+            except KeyboardInterrupt:  # the run stops; the federation stays
+                interrupt_serverapp(warm.superlink_pid)
+                raise
         elif connection is None:
             with LocalSuperLink(run_dir) as link:
                 said_completed = stream_flwr(flwr_args, link.env, console)
@@ -284,6 +286,19 @@ def simulation_federation(federation: list[str], num_clients: int) -> list[str]:
         "client-resources-num-cpus": CLIENT_CPUS,
     }
     return federation + [f"{k}={v}" for k, v in defaults.items() if k not in given]
+
+
+def running_warm_simulation(
+    directory: Path, connection: str | None, deployment: cluster.Deployment | None
+) -> WarmSimulation:
+    """The warm simulation federation recorded in `directory`, if it runs."""
+    if connection is not None or deployment is not None:
+        raise LaunchError("--warm-simulation runs a simulation: give no CONNECTION "
+                          "or --deployment with it")  # fmt: skip
+    try:
+        return WarmSimulation.load(directory.expanduser().resolve())
+    except WarmSimulationError as err:
+        raise LaunchError(str(err)) from None
 
 
 def running_deployment(directory: Path, connection: str | None) -> cluster.Deployment:

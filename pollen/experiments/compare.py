@@ -39,6 +39,7 @@ from typing import IO, Any, NamedTuple
 from ..deployment import processes
 from ..deployment.launch import RUN_STOP_SECONDS
 from ..deployment.run_config import RunConfigError, resolve_settings
+from ..deployment.warm_simulation import warm_simulation
 from ..files import write_atomic
 from ..runs.checkpoints import CheckpointError, check_resumable
 from ..settings import SettingsError, first_difference
@@ -47,6 +48,8 @@ from .report import NOT_COMPARED, CompareError, cell_name, report, value_label
 # How long an interrupted cell's `pollen run` gets to stop its run (and record
 # it as interrupted, checkpointed) before it is killed
 CELL_STOP_SECONDS = RUN_STOP_SECONDS + 10.0
+# the simulated cells' warm SuperLink and Ray head (their logs stay there)
+WARM_DIR = "warm-simulation"
 
 
 @dataclass(frozen=True)
@@ -384,14 +387,19 @@ def _duration(seconds: float) -> str:
 
 def cell_command(
     app: Path, out: Path, overrides: Sequence[str]
-) -> Callable[[str, str, Path | None], list[str]]:
-    """`command(config, name, deployment)`: the argv of one cell's `pollen
-    run` (submitted to the deployment in that directory, when given)."""
+) -> Callable[..., list[str]]:
+    """`command(config, name, deployment=None, warm=None)`: the argv of one
+    cell's `pollen run` (submitted to the deployment in that directory, or
+    simulated on the warm federation in that one, when given)."""
 
-    def command(config: str, name: str, deployment: Path | None = None) -> list[str]:
+    def command(
+        config: str, name: str, deployment: Path | None = None, warm: Path | None = None
+    ) -> list[str]:
         argv = [str(Path(sys.executable).parent / "pollen"), "run", str(app)]
         if deployment is not None:
             argv += ["--deployment", str(deployment)]
+        if warm is not None:
+            argv += ["--warm-simulation", str(warm)]
         # the comparison's runs share one MLflow experiment, unless a value names one
         experiment = config_text({"tracking-experiment": out.resolve().name})
         for value in [experiment, *overrides, config, config_text(
@@ -403,14 +411,17 @@ def cell_command(
     return command
 
 
-def pollen_run_cell(app: Path, out: Path, overrides: Sequence[str]) -> Callable:
-    """`run_cell` for `run_grid`: a `pollen run` simulation per cell."""
+def pollen_run_cell(
+    app: Path, out: Path, overrides: Sequence[str], warm: Path
+) -> Callable:
+    """`run_cell` for `run_grid`: a `pollen run` simulation per cell, on the
+    warm federation in `warm`."""
     command = cell_command(app, out, overrides)
 
     def run_cell(config: str, name: str, log: Path) -> int:
         # output appended: a resumed or repeated cell keeps its log; the run
         # is stopped with all it started if the comparison is interrupted
-        run = processes.start(command(config, name), log=log)
+        run = processes.start(command(config, name, warm=warm), log=log)
         try:
             return run.wait()
         finally:
@@ -461,18 +472,24 @@ def run_comparison(
             print(f"pollen: each cell runs as a deployment over {network}")
         print_plan(cells, out)
         return
-    run_cell = pollen_run_cell(app, out, overrides)
     if deployed:
         assert network is not None
         network_cells.check_host()
-        run_cell = network_cells.network_run_cell(
-            cell_command(app, out, overrides), out, network, run_configs
-        )
     # SIGTERM stops a comparison as Ctrl-C does: the cell's processes go too
     with exclusive(out) as running, processes.sigterm_interrupts():
         cells = with_states(cells, out)
         write_atomic(out / "grid.toml", grid_path.read_text())
-        run_grid(cells, out, run_cell, running=running)
+        with contextlib.ExitStack() as federation:
+            if deployed:
+                assert network is not None
+                run_cell = network_cells.network_run_cell(
+                    cell_command(app, out, overrides), out, network, run_configs
+                )
+            else:  # one SuperLink and Ray head for every cell that runs
+                if any(cell.state != DONE for cell in cells):
+                    federation.enter_context(warm_simulation(out / WARM_DIR))
+                run_cell = pollen_run_cell(app, out, overrides, out / WARM_DIR)
+            run_grid(cells, out, run_cell, running=running)
         table = report(out, grid.target)
     print(table.read_text(), end="")
     print(f"pollen: comparison in {out}")

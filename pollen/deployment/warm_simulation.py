@@ -1,0 +1,152 @@
+"""A local simulation federation kept warm across runs: one simulation
+SuperLink and one Ray head that several `pollen run`s submit to in turn.
+
+A `pollen run` simulation otherwise starts its own SuperLink and, through
+Flower's Ray backend, its own Ray cluster (GCS, raylet, dashboard agent,
+log monitor, ...): about 13 s of a 35-s two-round digits run on 2 cores
+(docs/performance.md, "A warm simulation federation"). A run submitted to a
+warm federation starts only its ServerApp process and its ClientApp
+actors: Flower's backend calls `ray.init()` without an address, so the
+`RAY_ADDRESS` in the SuperLink's environment makes every simulation join
+the head started here. `pollen compare` runs its simulated cells on one;
+`pollen run --warm-simulation DIR` submits to one started elsewhere (the
+test suite's, or a script's through `warm_simulation`).
+
+Runs are meant to follow one another: two at once would share the head's
+CPUs. The federation's state file says where it is, so a `pollen run` in
+another process can find and check it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import shutil
+import subprocess
+import tempfile
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from ..files import write_json
+from . import processes
+from .flower import simulation_env, start_simulation_superlink
+
+STATE_FILE = "simulation.json"
+RAY_START_SECONDS = 90.0
+RAY_READY_LINE = "Ray runtime started"
+
+
+class WarmSimulationError(ValueError):
+    """No usable warm simulation federation where one was named."""
+
+
+@dataclass(frozen=True)
+class WarmSimulation:
+    """A running warm federation, as recorded in `DIR/simulation.json`."""
+
+    directory: str
+    ray_address: str
+    ray_temp_dir: str
+    ray_pid: int
+    superlink_pid: int
+
+    @property
+    def root(self) -> Path:
+        return Path(self.directory)
+
+    @property
+    def flwr_home(self) -> Path:
+        """The Flower home whose default connection is this SuperLink."""
+        return self.root / "flwr-home"
+
+    @property
+    def env(self) -> dict[str, str]:
+        """The environment of `flwr run` (and of the SuperLink, and so of
+        every simulation it starts): Ray joins the head."""
+        return {
+            **simulation_env(self.flwr_home),
+            "RAY_ADDRESS": self.ray_address,
+            "RAY_TMPDIR": self.ray_temp_dir,
+            "RAY_USAGE_STATS_ENABLED": "0",
+        }
+
+    def running(self) -> bool:
+        return processes.alive(self.ray_pid) and processes.alive(self.superlink_pid)
+
+    @classmethod
+    def load(cls, directory: Path) -> WarmSimulation:
+        """The running federation recorded in `directory`."""
+        path = directory / STATE_FILE
+        try:
+            federation = cls(**json.loads(path.read_text()))
+        except FileNotFoundError:
+            raise WarmSimulationError(
+                f"no warm simulation in {directory} ({STATE_FILE} missing)"
+            ) from None
+        except (ValueError, TypeError) as err:
+            raise WarmSimulationError(f"{path} is unreadable: {err}") from None
+        if not federation.running():
+            raise WarmSimulationError(
+                f"the warm simulation in {directory} is not running any more"
+            )
+        return federation
+
+
+@contextlib.contextmanager
+def warm_simulation(directory: Path) -> Iterator[WarmSimulation]:
+    """Start a Ray head and a simulation SuperLink that joins it, record them
+    in `directory`, and stop both (with every run still in them) when the
+    block ends. Their logs stay in `directory`."""
+    directory = directory.resolve()
+    home = directory / "flwr-home"
+    home.mkdir(parents=True, exist_ok=True)
+    # Ray's socket paths must stay under ~107 characters: a short temp dir
+    ray_temp_dir = tempfile.mkdtemp(prefix="pollen-ray-", dir="/tmp")
+    started: list[int] = []
+    try:
+        port = processes.free_port()
+        pending = WarmSimulation(
+            str(directory), f"127.0.0.1:{port}", ray_temp_dir, 0, 0
+        )
+        head = start_ray_head(port, pending.env, directory / "ray-head.log")
+        started.append(head.pid)
+        link, _ = start_simulation_superlink(
+            home, pending.env, directory / "superlink.log"
+        )
+        started.append(link.pid)
+        federation = WarmSimulation(
+            str(directory), pending.ray_address, ray_temp_dir, head.pid, link.pid
+        )
+        write_json(directory / STATE_FILE, asdict(federation))
+        yield federation
+    finally:
+        (directory / STATE_FILE).unlink(missing_ok=True)
+        for pid in reversed(started):  # the SuperLink (and its runs), then Ray
+            processes.stop(pid)
+        shutil.rmtree(ray_temp_dir, ignore_errors=True)
+
+
+def start_ray_head(
+    port: int, env: dict[str, str], log: Path
+) -> subprocess.Popen[bytes]:
+    """`ray start --head --block` on loopback `port` (its GCS), dashboard
+    off, the CPUs and GPUs Ray finds; returns once Ray says it started."""
+    command = [
+        processes.entry_point("ray"), "start", "--head", "--block",
+        f"--port={port}", "--node-ip-address=127.0.0.1",
+        f"--ray-client-server-port={processes.free_port()}",
+        f"--dashboard-agent-listen-port={processes.free_port()}",
+        "--include-dashboard=false", "--disable-usage-stats",
+    ]  # fmt: skip
+    own_env = {k: v for k, v in env.items() if k != "RAY_ADDRESS"}  # it is the head
+    head = processes.start(command, env=own_env, log=log)
+    try:
+        processes.wait_ready(
+            head.pid, lambda: RAY_READY_LINE in processes.log_tail(log, 100_000),
+            name="ray head", log=log, timeout=RAY_START_SECONDS,
+        )  # fmt: skip
+    except processes.ProcessError:
+        processes.stop(head.pid)
+        raise
+    return head

@@ -1,0 +1,83 @@
+"""A warm simulation federation: runs submitted to one SuperLink and Ray
+head in turn (`pollen run --warm-simulation`, `pollen compare`'s cells).
+
+That a run on it gives the same history as a run on a federation of its
+own is checked by tests/test_simulation.py (the default runs, the killed and
+resumed runs, which cross the two).
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from pollen.cli import EXIT_BAD_INPUT, main
+from pollen.deployment.warm_simulation import STATE_FILE, warm_simulation
+from tests.conftest import PROJECT
+from tests.test_ray_cluster import marked
+
+BIN = Path(sys.executable).parent
+
+
+def test_a_missing_warm_federation_stops_before_anything_starts(
+    tmp_path: Path, capsys
+) -> None:
+    argv = ["run", str(PROJECT), "--warm-simulation", str(tmp_path),
+            "-c", f"output-dir='{tmp_path}'"]  # fmt: skip
+    assert main(argv) == EXIT_BAD_INPUT
+    assert f"no warm simulation in {tmp_path.resolve()} ({STATE_FILE} missing)" in (
+        capsys.readouterr().err
+    )
+    (tmp_path / STATE_FILE).write_text(json.dumps({
+        "directory": str(tmp_path), "ray_address": "127.0.0.1:1",
+        "ray_temp_dir": "/tmp/none", "ray_pid": 999_999_999, "superlink_pid": 1,
+    }))  # fmt: skip
+    assert main(argv) == EXIT_BAD_INPUT
+    assert "is not running any more" in capsys.readouterr().err
+    argv += ["--deployment", str(tmp_path)]
+    assert main(argv) == EXIT_BAD_INPUT
+    assert list(tmp_path.iterdir()) == [tmp_path / STATE_FILE]
+
+
+@pytest.mark.integration
+def test_an_interrupted_run_leaves_the_federation_serving_and_the_end_leaves_nothing(
+    tmp_path: Path,
+) -> None:
+    """Ctrl-C stops a run on the warm federation as on its own (interrupted,
+    checkpointed), the federation then runs the next one, and when its block
+    ends none of its processes (SuperLink, ServerApp, Ray) is left."""
+    with warm_simulation(tmp_path / "federation") as federation:
+        marks = (federation.ray_temp_dir, str(federation.flwr_home))
+        command = [str(BIN / "pollen"), "run", str(PROJECT),
+                   "--warm-simulation", str(federation.root)]  # fmt: skip
+        run = subprocess.Popen(
+            [*command, "-c", f"rounds=300 output-dir='{tmp_path}' run-name='stopped'"],
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        )  # fmt: skip
+        assert run.stdout is not None
+        for line in run.stdout:
+            if "round 2/300" in line:
+                break
+        run.send_signal(signal.SIGINT)
+        _, errors = run.communicate(timeout=120)
+        assert run.returncode == 130, errors[-3000:]
+        summary = json.loads((tmp_path / "stopped" / "summary.json").read_text())
+        assert summary["status"] == "interrupted" and summary["rounds"] >= 2
+        assert "resume with:" in errors and "--warm-simulation" not in errors
+        assert federation.running()
+        after = subprocess.run(
+            [*command, "-c", f"rounds=1 output-dir='{tmp_path}' run-name='after'"],
+            capture_output=True, text=True, timeout=300, check=False,
+        )  # fmt: skip
+        assert after.returncode == 0, after.stdout[-2000:] + after.stderr[-2000:]
+        assert marked(marks[0]) and marked(marks[1])
+    time.sleep(1)
+    assert not marked(marks[0]) and not marked(marks[1])
+    assert not (tmp_path / "federation" / STATE_FILE).exists()
+    assert (tmp_path / "federation" / "superlink.log").stat().st_size > 0
