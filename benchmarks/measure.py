@@ -86,14 +86,16 @@ def pollen_command(
     name: str,
     tree: Path = PROJECT,
     federation: tuple[str, ...] = (),
+    options: tuple[str, ...] = (),
 ) -> tuple[list[str], dict]:
     """The `pollen run` of this project, or of the checkout `tree` (its app
     and, through PYTHONPATH, its `pollen` package), writing run `name` under
     `out`: the command and its Popen keywords. It starts in `tree`: a
     `pollen run` before 832c5e8 ran its simulation in the shell's directory,
     which Ray puts first on the actors' module path. `federation` values go
-    to `--federation-config`."""
-    args = [POLLEN, "run", str(tree)]
+    to `--federation-config`; `options` are `pollen run`'s own (e.g.
+    `--warm-simulation DIR`)."""
+    args = [POLLEN, "run", str(tree), *options]
     for value in [*config, f"output-dir='{out}' run-name='{name}'"]:
         args += ["-c", value]
     for value in federation:
@@ -110,12 +112,13 @@ def run_pollen(
     name: str,
     tree: Path = PROJECT,
     federation: tuple[str, ...] = (),
+    options: tuple[str, ...] = (),
 ) -> dict[str, float]:
     """One complete `pollen run` (see `pollen_command`), timed from the
     command's start to its exit: wall, start-up (wall less the rounds' own
     seconds, as the ServerApp times them), every round's seconds, accuracy
     and peak RSS."""
-    args, popen = pollen_command(config, out, name, tree, federation)
+    args, popen = pollen_command(config, out, name, tree, federation, options)
     wall, peak, _ = measure(args, **popen)
     history = json.loads((out / name / "history.json").read_text())
     rounds = [r["seconds"] for r in history]
@@ -128,6 +131,9 @@ def run_pollen(
     }
 
 
+WARM = "warm"  # the label of runs on a warm federation (`side_by_side`'s --warm)
+
+
 def side_by_side(description: str) -> tuple[argparse.Namespace, dict[str, Path]]:
     """The command line of a script that measures `pollen run`s of this
     checkout, or of this one and another alternately: `-c` (repeatable),
@@ -137,8 +143,15 @@ def side_by_side(description: str) -> tuple[argparse.Namespace, dict[str, Path]]
     parser.add_argument("-c", "--run-config", action="append", default=[])
     parser.add_argument("--repeat", type=int, default=1)
     parser.add_argument("--against", type=Path, help="another checkout, alternated")
+    parser.add_argument(
+        "--warm", action="store_true",
+        help="this checkout on a federation of its own per run, alternated with "
+        "runs on one warm simulation federation (`pollen run --warm-simulation`)",
+    )  # fmt: skip
     args = parser.parse_args()
-    trees = {"this": PROJECT}
+    if args.warm and args.against:
+        parser.error("--warm compares this checkout with itself: no --against")
+    trees = {"own": PROJECT, WARM: PROJECT} if args.warm else {"this": PROJECT}
     if args.against:
         if not (args.against / "pollen" / "server_app.py").is_file():
             parser.error(f"--against {args.against}: not a checkout of this project")

@@ -1,7 +1,7 @@
 """Wall time of complete `pollen run` simulations, split into start-up and rounds.
 
     .venv/bin/python benchmarks/run_time.py [-c "key=value ..."]... [--repeat N]
-        [--against DIR]
+        [--against DIR | --warm]
 
 Prints one row per run: total wall time of the command (SuperLink start to
 exit), time before the first round finished, the mean of the later rounds,
@@ -12,23 +12,39 @@ checkout and DIR, another checkout of the project (`git worktree add DIR
 <commit>`) using this one's environment, N runs each, and the table ends
 with each tree's means. Every run starts in its own checkout, so relative
 paths in `-c` (`data-root='../shared/data'`) resolve against it.
+
+`--warm` alternates runs on a federation of their own ("own", as `pollen
+run` does) with runs on one warm simulation federation ("warm", as `pollen
+compare`'s cells do; started once before the first run, its start time
+printed apart).
 """
 
 from __future__ import annotations
 
+import contextlib
 import tempfile
+import time
 from pathlib import Path
 
-from measure import alternated, run_pollen, side_by_side
+from measure import WARM, alternated, run_pollen, side_by_side
+
+from pollen.deployment.warm_simulation import warm_simulation
 
 
 def main() -> None:
     args, trees = side_by_side(__doc__.split("\n")[0])
-    with tempfile.TemporaryDirectory() as tmp:
-        rows = [
-            (label, i, run_pollen(args.run_config, Path(tmp), f"{label}-{i}", tree))
-            for label, i, tree in alternated(trees, args.repeat)
-        ]
+    with tempfile.TemporaryDirectory() as tmp, contextlib.ExitStack() as stack:
+        options: dict[str, tuple[str, ...]] = {}
+        if WARM in trees:
+            started = time.monotonic()
+            federation = stack.enter_context(warm_simulation(Path(tmp) / "warm"))
+            print(f"warm federation up in {time.monotonic() - started:.1f} s")
+            options[WARM] = ("--warm-simulation", str(federation.root))
+        rows = []
+        for label, i, tree in alternated(trees, args.repeat):
+            run = run_pollen(args.run_config, Path(tmp), f"{label}-{i}", tree,
+                             options=options.get(label, ()))  # fmt: skip
+            rows.append((label, i, run))
     print("| tree | run | wall s | start-up s | round 1 s | later rounds s | rounds "
           "| accuracy |")  # fmt: skip
     print("|---|---|---|---|---|---|---|---|")

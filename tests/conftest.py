@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import signal
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -10,6 +11,13 @@ import numpy as np
 import pytest
 
 PROJECT = Path(__file__).resolve().parents[1]
+
+# A command started as a background job inherits SIGINT ignored, and so would
+# the `pollen` processes tests start: Python installs no KeyboardInterrupt
+# handler where SIGINT is ignored, and the tests that send Ctrl-C would see it
+# ignored. A handler (unlike "ignore") is reset to the default at exec.
+if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 SHARED_DATA = PROJECT.parent / "shared" / "data"
 
 

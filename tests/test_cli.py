@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import shutil
 import subprocess
 import sys
@@ -85,6 +86,8 @@ def _capture_runs(monkeypatch: pytest.MonkeyPatch) -> list[list[str]]:
         return Finished()
 
     monkeypatch.setattr(compare.processes, "start", fake_start)
+    # no warm federation for runs that are not run
+    monkeypatch.setattr(compare, "warm_simulation", lambda _: contextlib.nullcontext())
     return commands
 
 
@@ -126,6 +129,7 @@ def test_compare_simulate_passes_the_profile_to_every_cell(
     argv = ["compare", str(grid), str(PROJECT), "--out", str(tmp_path / "cmp")]
     main([*argv, "--network", str(profile), "--simulate"])  # the fake run fails
     assert len(commands) == 1 and "--deployment" not in commands[0]
+    assert "--warm-simulation" in commands[0]  # simulated cells share a federation
     assert f'network-profile="{profile.resolve()}"' in commands[0]
     assert main([*argv, "--simulate"]) == EXIT_BAD_INPUT
     assert "--simulate needs --network" in capsys.readouterr().err
