@@ -245,6 +245,24 @@ def test_failed_run_exits_non_zero_with_the_reason(
     assert received[-1].startswith("pollen: run fails failed: DivergenceError: round 1")
 
 
+def ctrl_c_after_round_2(argv: list[str]) -> tuple[str, str]:
+    """Start the `pollen run` in `argv` (300 rounds), send it SIGINT (what
+    Ctrl-C sends the foreground command) once round 2 is reported, and
+    return its stdout and stderr after it exited 130, saying no traceback."""
+    run = subprocess.Popen(
+        argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+    assert run.stdout is not None
+    for line in run.stdout:
+        if "round 2/300" in line:
+            break
+    run.send_signal(signal.SIGINT)
+    output, errors = run.communicate(timeout=120)
+    assert run.returncode == 130, errors[-3000:]
+    assert "Traceback" not in output + errors
+    return output, errors
+
+
 def test_ctrl_c_ends_the_run_interrupted_checkpointed_and_resumable(
     tmp_path: Path,
 ) -> None:
@@ -255,18 +273,9 @@ def test_ctrl_c_ends_the_run_interrupted_checkpointed_and_resumable(
     markers = (b"flower-superlink", b"flwr-simulation", b"raylet")
     before = {marker: running(marker) for marker in markers}
     config = f"rounds=300 output-dir='{tmp_path}' run-name='stopped'"
-    run = subprocess.Popen(
-        [str(BIN / "pollen"), "run", str(PROJECT), "-c", config],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-    )  # fmt: skip
-    assert run.stdout is not None
-    for line in run.stdout:
-        if "round 2/300" in line:
-            break
-    run.send_signal(signal.SIGINT)  # what Ctrl-C sends the foreground command
-    output, errors = run.communicate(timeout=120)
-    assert run.returncode == 130, errors[-3000:]
-    assert "Traceback" not in output + errors
+    _, errors = ctrl_c_after_round_2(
+        [str(BIN / "pollen"), "run", str(PROJECT), "-c", config]
+    )
     run_dir = tmp_path / "stopped"
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["status"] == "interrupted" and summary["rounds"] >= 2

@@ -9,7 +9,6 @@ resumed runs, which cross the two).
 from __future__ import annotations
 
 import json
-import signal
 import subprocess
 import sys
 import time
@@ -21,6 +20,7 @@ from pollen.cli import EXIT_BAD_INPUT, main
 from pollen.deployment.warm_simulation import STATE_FILE, warm_simulation
 from tests.conftest import PROJECT
 from tests.test_ray_cluster import marked
+from tests.test_simulation import ctrl_c_after_round_2
 
 BIN = Path(sys.executable).parent
 
@@ -56,17 +56,9 @@ def test_an_interrupted_run_leaves_the_federation_serving_and_the_end_leaves_not
         marks = (federation.ray_temp_dir, str(federation.flwr_home))
         command = [str(BIN / "pollen"), "run", str(PROJECT),
                    "--warm-simulation", str(federation.root)]  # fmt: skip
-        run = subprocess.Popen(
-            [*command, "-c", f"rounds=300 output-dir='{tmp_path}' run-name='stopped'"],
-            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-        )  # fmt: skip
-        assert run.stdout is not None
-        for line in run.stdout:
-            if "round 2/300" in line:
-                break
-        run.send_signal(signal.SIGINT)
-        _, errors = run.communicate(timeout=120)
-        assert run.returncode == 130, errors[-3000:]
+        _, errors = ctrl_c_after_round_2(
+            [*command, "-c", f"rounds=300 output-dir='{tmp_path}' run-name='stopped'"]
+        )
         summary = json.loads((tmp_path / "stopped" / "summary.json").read_text())
         assert summary["status"] == "interrupted" and summary["rounds"] >= 2
         assert "resume with:" in errors and "--warm-simulation" not in errors
