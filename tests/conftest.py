@@ -74,7 +74,7 @@ def reply_from(node: int, content, message_type: str = "train"):
 def warm_federation(tmp_path_factory) -> Iterator[Path]:
     """One warm simulation SuperLink and Ray head for the session's
     simulations that need no federation of their own (`pollen run
-    --warm-simulation DIR`): each such run skips about 13 s of start-up.
+    --warm-simulation DIR`): each such run skips about 9 s of start-up.
     Tests that interrupt, kill or count a run's own processes start their own."""
     from pollen.deployment.warm_simulation import warm_simulation
 

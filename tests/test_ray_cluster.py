@@ -28,7 +28,7 @@ from pathlib import Path
 
 import pytest
 
-from pollen.deployment.processes import free_port, start, stop
+from pollen.deployment.processes import distinct_free_ports, start, stop
 from tests.conftest import PROJECT
 
 pytestmark = pytest.mark.integration
@@ -66,15 +66,6 @@ class Cluster:
     address: str
     env: dict[str, str]
     strays: list[int] = field(default_factory=list)
-
-
-def distinct_free_ports(n: int) -> list[int]:
-    ports: list[int] = []
-    while len(ports) < n:
-        port = free_port()
-        if port not in ports:
-            ports.append(port)
-    return ports
 
 
 def marked(temp_dir: str) -> list[int]:

@@ -1,9 +1,9 @@
 """End to end through the real Flower simulation (`pollen run`, `flwr run`).
 
 A run on a federation of its own starts a SuperLink, the Ray simulation
-engine and ClientApp actors: about 35 s for two rounds on 2 cores. Runs
+engine and ClientApp actors: about 31 s for two rounds on 2 cores. Runs
 that need no federation of their own use the session's warm one
-(`warm_federation`), about 13 s less each.
+(`warm_federation`), about 9 s less each.
 """
 
 from __future__ import annotations
@@ -224,9 +224,7 @@ def test_real_mnist_subset_learns(
     assert rows[-1]["loss"] < rows[0]["loss"]
 
 
-def test_failed_run_exits_non_zero_with_the_reason(
-    tmp_path: Path, warm_federation: Path
-) -> None:
+def test_failed_run_exits_non_zero_with_the_reason(tmp_path: Path) -> None:
     """A run that fails inside the ServerApp (here it diverges in round 1;
     missing data is caught before Flower starts): exit 1, the reason in
     summary.json and in the notification, no process left behind."""
@@ -234,8 +232,7 @@ def test_failed_run_exits_non_zero_with_the_reason(
     with webhook() as (hook, received):
         run = pollen_run(
             f"strategy='fedavgm' server-lr=1e17 rounds=2 notify-url='{hook}' "
-            f"output-dir='{tmp_path}' run-name='fails'",
-            warm=warm_federation,
+            f"output-dir='{tmp_path}' run-name='fails'"
         )
     assert run.returncode == 1
     assert "the run diverged" in run.stderr

@@ -75,7 +75,7 @@ def start_superlink(
             process.pid, lambda: processes.answers_ok(url, context),
             name="flower-superlink", log=log, timeout=SUPERLINK_START_SECONDS,
         )  # fmt: skip
-    except processes.ProcessError:
+    except BaseException:  # not up, or Ctrl-C while waiting: nothing left running
         processes.stop(process.pid)
         raise
     return process

@@ -2,7 +2,8 @@
 
 Without a CONNECTION the run is a simulation on a SuperLink of its own:
 private Flower home, free port, no runtime dependency installation, stopped
-(by PID) when the run ends. With a CONNECTION (from your Flower config, e.g.
+(by PID) when the run ends; or, with `--warm-simulation DIR`, on a warm
+federation that outlives it (`warm_simulation`). With a CONNECTION (from your Flower config, e.g.
 a deployment) or `--deployment DIR` it is submitted there. Either way the
 log is streamed until the ServerApp reports its results written (not
 through Flower's shutdown), and the run's own `summary.json` says whether it
@@ -46,6 +47,9 @@ FLOWER_LOG = "flower.log"  # in the run directory: the whole stream of `flwr run
 # record an interruption (its own wait, and Flower's exit after it)
 SERVERAPP_PROCESSES = ("flwr-simulation",)
 SERVERAPP_GRACE = SETTLE_SECONDS + 15.0
+# How long a run on a warm federation waits for its simulation process to
+# shut down after its results are written (about 4 s: Flower stops Ray's job)
+WARM_EXIT_SECONDS = 30.0
 # The longest a `pollen run` simulation takes to stop on SIGTERM: `flwr run`,
 # the ServerApp, then the SuperLink with what is left (SIGTERM grace, SIGKILL)
 RUN_STOP_SECONDS = (
@@ -97,6 +101,28 @@ class LocalSuperLink:
             processes.stop(self.process.pid)
             keep_log(self.log_path, self.run_dir, "superlink.log")
             shutil.rmtree(self.home, ignore_errors=True)
+
+
+def run_on_warm(flwr_args: list[str], warm: WarmSimulation, console: Console) -> bool:
+    """`stream_flwr` on the warm federation, returning once this run's
+    ServerApp process has ended too (within `WARM_EXIT_SECONDS`), so that
+    runs on one federation do not overlap; on Ctrl-C that process, and only
+    that one, is interrupted (the federation stays)."""
+    earlier = set(processes.named_descendants(warm.superlink_pid, SERVERAPP_PROCESSES))
+
+    def ours() -> list[int]:
+        found = processes.named_descendants(warm.superlink_pid, SERVERAPP_PROCESSES)
+        return [pid for pid in found if pid not in earlier]
+
+    try:
+        said_completed = stream_flwr(flwr_args, warm.env, console)
+    except KeyboardInterrupt:
+        processes.end(ours(), SERVERAPP_GRACE, first=signal.SIGINT)
+        raise
+    deadline = time.monotonic() + WARM_EXIT_SECONDS
+    for pid in ours():  # Flower's shutdown of the simulation (Ray's job)
+        processes.reaped(pid, max(0.0, deadline - time.monotonic()))
+    return said_completed
 
 
 def interrupt_serverapp(superlink_pid: int) -> None:
@@ -199,11 +225,7 @@ def _submit(
                 flwr_args, flower_env(deployment.flwr_home), console
             )
         elif warm is not None:
-            try:
-                said_completed = stream_flwr(flwr_args, warm.env, console)
-            except KeyboardInterrupt:  # the run stops; the federation stays
-                interrupt_serverapp(warm.superlink_pid)
-                raise
+            said_completed = run_on_warm(flwr_args, warm, console)
         elif connection is None:
             with LocalSuperLink(run_dir) as link:
                 said_completed = stream_flwr(flwr_args, link.env, console)

@@ -46,6 +46,16 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def distinct_free_ports(n: int) -> list[int]:
+    """`n` different free ports (`free_port` may give one port twice)."""
+    ports: list[int] = []
+    while len(ports) < n:
+        port = free_port()
+        if port not in ports:
+            ports.append(port)
+    return ports
+
+
 def start(
     command: Sequence[str],
     *,
@@ -197,8 +207,12 @@ def end_named(
     """`end` the processes below `pid` whose command line contains one of
     `names`, before anything else is stopped: they get `first` and `grace`
     s to finish what they were doing."""
-    named = [p for p in descendants(pid) if any(n in command_line(p) for n in names)]
-    end(named, grace, first=first)
+    end(named_descendants(pid, names), grace, first=first)
+
+
+def named_descendants(pid: int, names: Sequence[str]) -> list[int]:
+    """The processes below `pid` whose command line contains one of `names`."""
+    return [p for p in descendants(pid) if any(n in command_line(p) for n in names)]
 
 
 @contextlib.contextmanager

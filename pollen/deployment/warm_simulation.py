@@ -3,7 +3,7 @@ SuperLink and one Ray head that several `pollen run`s submit to in turn.
 
 A `pollen run` simulation otherwise starts its own SuperLink and, through
 Flower's Ray backend, its own Ray cluster (GCS, raylet, dashboard agent,
-log monitor, ...): about 13 s of a 35-s two-round digits run on 2 cores
+log monitor, ...): about 9 s of a 31-s two-round digits run on 2 cores
 (docs/performance.md, "A warm simulation federation"). A run submitted to a
 warm federation starts only its ServerApp process and its ClientApp
 actors: Flower's backend calls `ray.init()` without an address, so the
@@ -64,15 +64,18 @@ class WarmSimulation:
     def env(self) -> dict[str, str]:
         """The environment of `flwr run` (and of the SuperLink, and so of
         every simulation it starts): Ray joins the head."""
-        return {
-            **simulation_env(self.flwr_home),
-            "RAY_ADDRESS": self.ray_address,
-            "RAY_TMPDIR": self.ray_temp_dir,
-            "RAY_USAGE_STATS_ENABLED": "0",
-        }
+        return federation_env(self.flwr_home, self.ray_address, self.ray_temp_dir)
 
     def running(self) -> bool:
-        return processes.alive(self.ray_pid) and processes.alive(self.superlink_pid)
+        """Whether its Ray head and SuperLink both still run (their PIDs
+        alive and still theirs, not reused by other processes)."""
+        return all(
+            processes.alive(pid) and name in processes.command_line(pid)
+            for pid, name in (
+                (self.ray_pid, "ray"),
+                (self.superlink_pid, "flower-superlink"),
+            )
+        )
 
     @classmethod
     def load(cls, directory: Path) -> WarmSimulation:
@@ -93,60 +96,72 @@ class WarmSimulation:
         return federation
 
 
+def federation_env(home: Path, ray_address: str, ray_temp_dir: str) -> dict[str, str]:
+    """A simulation SuperLink's environment (`simulation_env`) with Ray
+    joining the head at `ray_address` (its files in `ray_temp_dir`)."""
+    return {
+        **simulation_env(home),
+        "RAY_ADDRESS": ray_address,
+        "RAY_TMPDIR": ray_temp_dir,
+        "RAY_USAGE_STATS_ENABLED": "0",
+    }
+
+
 @contextlib.contextmanager
 def warm_simulation(directory: Path) -> Iterator[WarmSimulation]:
     """Start a Ray head and a simulation SuperLink that joins it, record them
     in `directory`, and stop both (with every run still in them) when the
-    block ends. Their logs stay in `directory`."""
+    block ends, however it ends. Their logs stay in `directory`."""
     directory = directory.resolve()
     home = directory / "flwr-home"
     home.mkdir(parents=True, exist_ok=True)
     # Ray's socket paths must stay under ~107 characters: a short temp dir
     ray_temp_dir = tempfile.mkdtemp(prefix="pollen-ray-", dir="/tmp")
-    started: list[int] = []
+    head = link = None
     try:
-        port = processes.free_port()
-        pending = WarmSimulation(
-            str(directory), f"127.0.0.1:{port}", ray_temp_dir, 0, 0
-        )
-        head = start_ray_head(port, pending.env, directory / "ray-head.log")
-        started.append(head.pid)
-        link, _ = start_simulation_superlink(
-            home, pending.env, directory / "superlink.log"
-        )
-        started.append(link.pid)
+        gcs, client, agent = processes.distinct_free_ports(3)
+        env = federation_env(home, f"127.0.0.1:{gcs}", ray_temp_dir)
+        head = start_ray_head((gcs, client, agent), env, directory / "ray-head.log")
+        link, _ = start_simulation_superlink(home, env, directory / "superlink.log")
         federation = WarmSimulation(
-            str(directory), pending.ray_address, ray_temp_dir, head.pid, link.pid
+            str(directory), env["RAY_ADDRESS"], ray_temp_dir, head.pid, link.pid
         )
         write_json(directory / STATE_FILE, asdict(federation))
         yield federation
     finally:
         (directory / STATE_FILE).unlink(missing_ok=True)
-        for pid in reversed(started):  # the SuperLink (and its runs), then Ray
-            processes.stop(pid)
-        shutil.rmtree(ray_temp_dir, ignore_errors=True)
+        try:
+            if link is not None:  # the SuperLink with the runs in it, then Ray
+                processes.stop(link.pid)
+        finally:
+            if head is not None:
+                processes.stop(head.pid)
+            shutil.rmtree(ray_temp_dir, ignore_errors=True)
 
 
 def start_ray_head(
-    port: int, env: dict[str, str], log: Path
+    ports: tuple[int, int, int], env: dict[str, str], log: Path
 ) -> subprocess.Popen[bytes]:
-    """`ray start --head --block` on loopback `port` (its GCS), dashboard
-    off, the CPUs and GPUs Ray finds; returns once Ray says it started."""
+    """`ray start --head --block` on loopback (its GCS, client server and
+    dashboard agent on `ports`), dashboard off, the CPUs and GPUs Ray finds;
+    returns once Ray says, in what it adds to `log`, that it started. Stopped
+    again if it does not, or on Ctrl-C meanwhile."""
+    gcs, client, agent = ports
     command = [
         processes.entry_point("ray"), "start", "--head", "--block",
-        f"--port={port}", "--node-ip-address=127.0.0.1",
-        f"--ray-client-server-port={processes.free_port()}",
-        f"--dashboard-agent-listen-port={processes.free_port()}",
+        f"--port={gcs}", "--node-ip-address=127.0.0.1",
+        f"--ray-client-server-port={client}", f"--dashboard-agent-listen-port={agent}",
         "--include-dashboard=false", "--disable-usage-stats",
     ]  # fmt: skip
     own_env = {k: v for k, v in env.items() if k != "RAY_ADDRESS"}  # it is the head
+    earlier = log.stat().st_size if log.exists() else 0  # an earlier head's lines
     head = processes.start(command, env=own_env, log=log)
     try:
         processes.wait_ready(
-            head.pid, lambda: RAY_READY_LINE in processes.log_tail(log, 100_000),
+            head.pid, lambda: RAY_READY_LINE.encode() in log.read_bytes()[earlier:],
             name="ray head", log=log, timeout=RAY_START_SECONDS,
         )  # fmt: skip
-    except processes.ProcessError:
+    except BaseException:
         processes.stop(head.pid)
         raise
     return head
