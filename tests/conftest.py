@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import signal
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -19,6 +20,25 @@ PROJECT = Path(__file__).resolve().parents[1]
 if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
     signal.signal(signal.SIGINT, signal.default_int_handler)
 SHARED_DATA = PROJECT.parent / "shared" / "data"
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """Start building the Docker image as soon as a selected test needs it:
+    minutes of downloads, hidden behind the tests that run before it
+    (tests/docker_image.py)."""
+    if session.config.option.collectonly or os.environ.get("POLLEN_TEST_IMAGE"):
+        return
+    if any("docker_image" in getattr(i, "fixturenames", ()) for i in session.items):
+        from tests.docker_image import BUILD
+
+        BUILD.start()
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    """Remove what the image build made, where the tests that use it did not
+    (an interrupted session)."""
+    if build := sys.modules.get("tests.docker_image"):
+        build.BUILD.close()
 
 
 def write_mnist_slices(data_dir: Path, own_file: Path) -> None:

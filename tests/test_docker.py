@@ -1,27 +1,21 @@
 """The docker-compose deployment, for real.
 
-No image registry is reachable from these machines, so the test builds a base
-image itself (a Debian root file system from `debootstrap`, imported with
-`docker import`) and the project image FROM it through docker/Dockerfile, its
-build reaching PyPI through this machine's proxy with the proxy's CA passed in
-the documented way (docker/ca-certificates/). docker-compose.yml then runs a
-SuperLink and two SuperNodes with TLS, one training on a shard of real MNIST,
-one on a file of its own, and `docker compose run submit` runs 2 rounds of
-FedAvg whose results are read on the host.
+The project image is built FROM a base made here (tests/docker_image.py says
+how, and why in the background). docker-compose.yml then runs a SuperLink
+and two SuperNodes with TLS, one training on a shard of real MNIST, one on a
+file of its own, and `docker compose run submit` runs 2 rounds of FedAvg
+whose results are read on the host.
 
 Everything it builds or starts is removed afterwards (containers, network,
 volumes, images, and the Docker daemon when it started one), except the base
-root file system, which is cached in ~/.cache/pollen/docker. A Docker engine
-is installed (Debian's docker.io) when missing.
+root file system, which is cached in ~/.cache/pollen/docker.
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import secrets
-import shutil
 import ssl
 import subprocess
 import sys
@@ -33,14 +27,12 @@ from pathlib import Path
 
 import pytest
 
-from pollen.deployment import processes
 from pollen.deployment.certificates import make_node_key
 from pollen.deployment.processes import free_port
-from tests.conftest import PROJECT, SHARED_DATA, write_mnist_slices
+from tests.conftest import PROJECT, write_mnist_slices
+from tests.docker_image import BUILD, run
 
 COMPOSE = str(Path(sys.executable).parent / "docker-compose")
-BASE_PACKAGES = "python3,python3-venv,ca-certificates"
-EXTRA_CAS = Path("/usr/local/share/ca-certificates")  # where Debian keeps added CAs
 RUN_CONFIG = (
     'data-set="mnist" download=false num-clients=2 rounds=2 client-frac=1.0 '
     'local-epochs=1 batch-size=32 lr=0.05 run-name="compose" min-available-nodes=2'
@@ -133,111 +125,19 @@ def test_multi_machine_files_take_the_other_side_from_the_environment() -> None:
 # --- the real thing ---------------------------------------------------------
 
 
-def run(*command: str, timeout: float = 900, **kwargs) -> subprocess.CompletedProcess:
-    """Run `command`; fail with the end of its output when it fails."""
-    result = subprocess.run(
-        command, capture_output=True, text=True, timeout=timeout, check=False, **kwargs
-    )
-    assert result.returncode == 0, (
-        f"{' '.join(command)} exited {result.returncode}:\n"
-        f"{result.stdout[-3000:]}\n{result.stderr[-3000:]}"
-    )
-    return result
-
-
-def docker_answers() -> bool:
-    if shutil.which("docker") is None:
-        return False
-    info = subprocess.run(["docker", "info"], capture_output=True, timeout=60)
-    return info.returncode == 0
-
-
-def install_engine() -> None:
-    """Debian's docker.io (with its client and containerd) and debootstrap."""
-    packages = ["docker.io", "debootstrap"]
-    install = ["apt-get", "install", "-y", "-q", "--no-install-recommends", *packages]
-    env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
-    if subprocess.run(install, capture_output=True, env=env).returncode != 0:
-        run("apt-get", "update", "-q", env=env)
-        run(*install, env=env)
-
-
 @pytest.fixture(scope="module")
-def engine(tmp_path_factory) -> Iterator[None]:
-    """A Docker engine: the running one, or a `dockerd` started (and stopped
-    by its PID) here."""
-    if not (SHARED_DATA / "mnist.npz").exists():
-        pytest.skip(f"real MNIST not at {SHARED_DATA}")
-    if docker_answers():
-        if shutil.which("debootstrap") is None:
-            install_engine()
-        yield
-        return
-    if os.geteuid() != 0 or shutil.which("apt-get") is None:
-        pytest.skip("no Docker engine, and installing one needs root and apt-get")
-    if shutil.which("dockerd") is None or shutil.which("debootstrap") is None:
-        install_engine()
-    log = tmp_path_factory.mktemp("dockerd") / "dockerd.log"
-    daemon = processes.start(["dockerd"], log=log)
-    try:
-        processes.wait_ready(
-            daemon.pid, docker_answers, name="dockerd", log=log, timeout=60
-        )
-        yield
-    finally:
-        processes.stop_child(daemon, 60)
-
-
-def base_root_fs() -> Path:
-    """A minimal Debian with Python as a tar archive, made once per machine."""
-    cache = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache"))
-    packages = hashlib.sha256(BASE_PACKAGES.encode()).hexdigest()[:12]
-    archive = cache / "pollen" / "docker" / f"debian-bookworm-{packages}.tar"
-    if archive.exists():
-        return archive
-    archive.parent.mkdir(parents=True, exist_ok=True)
-    root = archive.parent / f"rootfs-{secrets.token_hex(4)}"
-    partial = archive.with_suffix(".partial")
-    try:
-        run(
-            "debootstrap", "--variant=minbase", f"--include={BASE_PACKAGES}",
-            "bookworm", str(root), "http://deb.debian.org/debian",
-        )  # fmt: skip
-        run("tar", "--create", "--file", str(partial), "--directory", str(root), ".")
-        partial.rename(archive)
-    finally:
-        shutil.rmtree(root, ignore_errors=True)
-        partial.unlink(missing_ok=True)
-    return archive
-
-
-@pytest.fixture(scope="module")
-def image(engine) -> Iterator[str]:
+def docker_image() -> Iterator[str]:
     """The project image, built through docker/Dockerfile FROM a local base
-    (or, for quick iterations on the compose files, POLLEN_TEST_IMAGE: an
-    image already built, used as it is and kept)."""
+    (tests/docker_image.py; conftest starts the build when the session
+    begins), or POLLEN_TEST_IMAGE for quick iterations on the compose files:
+    an image already built, used as it is and kept."""
     if os.environ.get("POLLEN_TEST_IMAGE"):
         yield os.environ["POLLEN_TEST_IMAGE"]
         return
-    token = secrets.token_hex(4)
-    base, project = f"pollen-test-base:{token}", f"pollen-test:{token}"
-    run("docker", "import", str(base_root_fs()), base)
-    copied = []
-    for ca in sorted(EXTRA_CAS.glob("*.crt")):  # a proxy's CA, as users pass theirs
-        copied.append(PROJECT / "docker" / "ca-certificates" / f"test-{ca.name}")
-        shutil.copyfile(ca, copied[-1])
     try:
-        run(
-            "docker", "build", "--file", str(PROJECT / "docker" / "Dockerfile"),
-            "--build-arg", f"BASE_IMAGE={base}", "--build-arg", "TORCH_INDEX_URL=",
-            "--tag", project, str(PROJECT),
-            env={**os.environ, "DOCKER_BUILDKIT": "0"}, timeout=1500,
-        )  # fmt: skip
-        yield project
+        yield BUILD.tag()
     finally:
-        for path in copied:
-            path.unlink(missing_ok=True)
-        subprocess.run(["docker", "rmi", "--force", project, base], capture_output=True)
+        BUILD.close()
 
 
 @dataclass
@@ -249,7 +149,7 @@ class Federation:
 
 
 @pytest.fixture(scope="module")
-def federation(image, tmp_path_factory) -> Iterator[Federation]:
+def federation(docker_image, tmp_path_factory) -> Iterator[Federation]:
     """docker-compose.yml up: node 0 on a shard of real MNIST, node 1 on a
     file of its own, each from its own host directory, read-only."""
     root = tmp_path_factory.mktemp("compose")
@@ -258,7 +158,7 @@ def federation(image, tmp_path_factory) -> Iterator[Federation]:
     port = free_port()
     env = {
         **os.environ,
-        "POLLEN_IMAGE": image,
+        "POLLEN_IMAGE": docker_image,
         "POLLEN_PORT": f"127.0.0.1:{port}",  # published on loopback only
         "POLLEN_CERTS": str(root / "certs"),
         "POLLEN_KEYS": str(root / "keys"),
