@@ -394,6 +394,7 @@ def mlflow_accuracy(uri: str, experiment: str) -> dict[str, list[tuple[int, floa
     }
 
 
+@pytest.mark.integration
 def test_a_real_comparison_of_two_tiny_runs_resumes_and_reports(
     tmp_path: Path, capsys, mlflow_server: str
 ) -> None:
@@ -505,6 +506,7 @@ def test_each_line_says_over_how_many_seeds_it_is_a_mean(
     assert drawn[0] == ("digits (mean of 3 seeds)", ["fedavg", "fedprox"])
 
 
+@pytest.mark.integration
 def test_sigterm_stops_a_simulated_comparison_and_everything_its_cell_started(
     tmp_path: Path,
 ) -> None:

@@ -24,9 +24,13 @@ from tests.deployed import submit as submit_to
 
 NODES = 3
 OWN = 2  # node 2 trains on a data file of its own, not on a shard
-pytestmark = pytest.mark.skipif(
-    not (SHARED_DATA / "mnist.npz").exists(), reason=f"real MNIST not at {SHARED_DATA}"
-)
+pytestmark = [
+    pytest.mark.integration,
+    pytest.mark.skipif(
+        not (SHARED_DATA / "mnist.npz").exists(),
+        reason=f"real MNIST not at {SHARED_DATA}",
+    ),
+]
 
 
 @pytest.fixture(scope="module")

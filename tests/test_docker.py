@@ -189,6 +189,7 @@ def federation(docker_image, tmp_path_factory) -> Iterator[Federation]:
                        env=env, capture_output=True, timeout=300)  # fmt: skip
 
 
+@pytest.mark.integration
 def test_superlink_speaks_only_tls_with_the_generated_certificate(
     federation: Federation,
 ) -> None:
@@ -202,6 +203,7 @@ def test_superlink_speaks_only_tls_with_the_generated_certificate(
     assert (certs / "server.key").stat().st_mode & 0o077 == 0
 
 
+@pytest.mark.integration
 def test_two_rounds_of_fedavg_land_on_the_host(federation: Federation) -> None:
     started = time.monotonic()
     submitted = run(*federation.compose, "run", "--rm", "submit",
@@ -217,6 +219,7 @@ def test_two_rounds_of_fedavg_land_on_the_host(federation: Federation) -> None:
     print(f"compose run: {time.monotonic() - started:.0f} s for 2 rounds")
 
 
+@pytest.mark.integration
 def test_a_supernode_with_an_unregistered_key_is_refused(
     federation: Federation, tmp_path: Path
 ) -> None:

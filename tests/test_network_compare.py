@@ -87,6 +87,7 @@ def deployment_processes(pid: int) -> list[int]:
 
 
 @needs_netns
+@pytest.mark.integration
 def test_cells_run_as_deployments_record_the_wire_and_leave_nothing(
     tmp_path: Path, capsys
 ) -> None:
@@ -121,6 +122,7 @@ def test_cells_run_as_deployments_record_the_wire_and_leave_nothing(
 
 
 @needs_netns
+@pytest.mark.integration
 def test_ctrl_c_in_a_deployed_cell_leaves_nothing_behind(tmp_path: Path) -> None:
     """Ctrl-C while a cell's run is under way: the comparison stops, and its
     processes, relays and namespaces are gone. The cell runs 50 rounds, so
@@ -251,6 +253,7 @@ slowdown = 6
 
 
 @needs_netns
+@pytest.mark.integration
 def test_fedbuff_deployed_over_shaped_links_survives_a_killed_node(
     tmp_path: Path,
 ) -> None:

@@ -33,6 +33,7 @@ from . import processes
 from .flower import simulation_env, start_simulation_superlink
 
 STATE_FILE = "simulation.json"
+FLWR_HOME = "flwr-home"  # the Flower home whose default connection is the SuperLink
 RAY_START_SECONDS = 90.0
 RAY_READY_LINE = "Ray runtime started"
 
@@ -58,7 +59,7 @@ class WarmSimulation:
     @property
     def flwr_home(self) -> Path:
         """The Flower home whose default connection is this SuperLink."""
-        return self.root / "flwr-home"
+        return self.root / FLWR_HOME
 
     @property
     def env(self) -> dict[str, str]:
@@ -113,7 +114,7 @@ def warm_simulation(directory: Path) -> Iterator[WarmSimulation]:
     in `directory`, and stop both (with every run still in them) when the
     block ends, however it ends. Their logs stay in `directory`."""
     directory = directory.resolve()
-    home = directory / "flwr-home"
+    home = directory / FLWR_HOME
     home.mkdir(parents=True, exist_ok=True)
     # Ray's socket paths must stay under ~107 characters: a short temp dir
     ray_temp_dir = tempfile.mkdtemp(prefix="pollen-ray-", dir="/tmp")
