@@ -334,8 +334,9 @@ def test_a_killed_child_fails_its_reply_and_the_next_round_trains(
 ) -> None:
     executor = warm.node(1).executor_pid
     # The killed task's reply never comes: round 2 ends at round-timeout. Its
-    # SuperNode takes no other message until Flower gives the task up, about
-    # 60 s after the kill (2 missed app heartbeats of 30 s): with
+    # SuperNode takes no other message until its task token expires, about
+    # 60 s after the kill (no task heartbeat for 2 x 30 s), when Flower
+    # stores a CLIENT_APP_CRASHED_ERROR reply for the message: with
     # round-timeout=30, round 3 timed out on node 1 too (CI, 2026-11-25).
     run = submit(
         warm, tmp_path,
