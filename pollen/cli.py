@@ -149,8 +149,8 @@ def build_parser() -> argparse.ArgumentParser:
     )  # fmt: skip
     run_parser.add_argument(
         "--federation-config", action="append", default=[],
-        help='e.g. "num-supernodes=10" (simulation defaults: num-supernodes=num-clients, '
-        "client-resources-num-cpus=1)",
+        help='e.g. "num-supernodes=10" (simulation defaults: num-supernodes=num-clients '
+        "up to 100, client-resources-num-cpus=1)",
     )  # fmt: skip
     run_parser.add_argument(
         "--deployment", metavar="DIR", default=None,

@@ -354,6 +354,7 @@ def train(msg: Message, context: Context) -> Message:
     if cm.sharing.local:
         context.state[local_entries_key(cm.client)] = cm.entries(cm.sharing.local)
     client_state.persist(context, cm.client, cm.server_round, config)
+    client_state.spill(context, config, _state_limit(s), cm.client)
     metrics = MetricRecord(
         {
             NUM_EXAMPLES: result.num_examples,
@@ -527,4 +528,12 @@ def evaluate_personal(msg: Message, context: Context) -> Message:
     l_loss, l_acc = cm.loss_and_accuracy(cm.data.split_key("test", cm.client), own)
     personal = dict(zip(PERSONAL_METRICS, (g_acc, g_loss, l_acc, l_loss), strict=True))
     metrics = MetricRecord({**personal, NUM_EXAMPLES: len(own[1])})
+    client_state.spill(
+        context, msg.content[CONFIG], _state_limit(cm.settings), cm.client
+    )
     return cm.reply(msg, metrics)
+
+
+def _state_limit(settings: Settings) -> int:
+    """`state-memory-mib` in bytes."""
+    return int(settings.state_memory_mib * 2**20)

@@ -222,12 +222,18 @@ def _train(
     state_config = client_state.server_config(
         run_dir, run_name, resume_round, settings.checkpoint_every > 0
     )
-    shard_sizes = [len(shard) for shard in shards]
-    fingerprints = shard_fingerprints(settings, list(range(settings.num_clients)))
+    if simulation and resume_round:  # what nodes do when queried (deployment)
+        client_state.ClientStateStore(state_config[client_state.STATE_DIR]) \
+            .forget_abandoned(grid.run.run_id, resume_round)  # fmt: skip
+    # a simulation's nodes are not queried: no fingerprint to check theirs by
+    fingerprints = (
+        {} if simulation else shard_fingerprints(settings, range(settings.num_clients))
+    )
     membership = Membership(
         grid, settings.num_clients, ConfigRecord(state_config),
         min_available=settings.min_available_nodes, wait=settings.node_wait,
-        shards={c: (shard_sizes[c], fingerprints[c]) for c in fingerprints},
+        shards={c: (len(shard), fingerprints.get(c, "")) for c, shard in enumerate(shards)},
+        simulated=simulation,
     )  # fmt: skip
     roster = membership.refresh()
     log(INFO, "pollen: %d clients on %d nodes", settings.num_clients, roster.num_nodes)

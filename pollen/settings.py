@@ -466,6 +466,13 @@ class Settings:
         "is recorded as a failure",
         above(0),
     )
+    state_memory_mib: float = key(
+        16.0,
+        "MiB of client state (h_k, c_k, local entries) a node keeps in memory; "
+        "beyond it the least recently trained clients' state goes to disk until "
+        "they are sampled again (0: no bound)",
+        at_least(0),
+    )
     # Checkpoints and notifications
     checkpoint_every: int = key(
         0, "save global model + server state every N rounds (0: never)", at_least(0)

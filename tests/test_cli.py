@@ -12,6 +12,7 @@ import pytest
 
 from pollen.deployment.launch import (
     CLIENT_CPUS,
+    SIMULATED_NODES,
     LaunchError,
     LocalSuperLink,
     simulation_federation,
@@ -30,6 +31,8 @@ def test_simulation_defaults_fill_only_the_keys_not_given() -> None:
     ]
     given = ["client-resources-num-cpus=2", "num-supernodes=10"]
     assert simulation_federation(given, 7) == given
+    # more clients than SIMULATED_NODES share the nodes
+    assert simulation_federation([], 100_000)[0] == f"num-supernodes={SIMULATED_NODES}"
     with pytest.raises(LaunchError, match="invalid --federation-config"):
         simulation_federation(["num-supernodes=three"], 7)
 

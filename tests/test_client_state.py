@@ -23,6 +23,7 @@ from pollen.task.client_state import (
     ClientStateError,
     ClientStateStore,
     export_state,
+    held_bytes,
     import_state,
 )
 from pollen.task.models import build_model
@@ -195,10 +196,48 @@ def test_a_state_dir_that_cannot_be_written_does_not_fail_training(
     context = Context(1, 1, {}, RecordDict(), settings)
     reply = client_app.train(
         message(
-            "train", ArrayRecord(model.state_dict()), 0, 1, {STATE_DIR: str(blocked)}
+            "train",
+            ArrayRecord(model.state_dict()),
+            0,
+            1,
+            {STATE_DIR: str(blocked), KEEP_FROM: 0},  # a checkpointing run
         ),
         context,
     )
     assert "arrays" in reply.content and "feddyn-h-0" in context.state
     assert "cannot write its state" in caplog.text
     assert blocked.read_text() == "not a directory"
+
+
+def test_state_spilled_beyond_the_bound_trains_as_if_kept_in_memory(
+    tmp_path: Path,
+) -> None:
+    """One node serving three FedDyn clients twice: with a bound below one
+    client's h_k, every other client's h_k goes to disk after each message
+    and comes back when it is next sampled; the replies are the same, bit for
+    bit, as with everything in memory."""
+    settings = run_config(strategy="feddyn", **{"num-clients": 3})
+    model = build_model("mlp-bn", (1, 8, 8), 10, settings["seed"])
+    sent = ArrayRecord(model.state_dict())
+    extra = {STATE_DIR: str(tmp_path / "client-state")}  # no checkpoints
+    kept = Context(1, 1, {}, RecordDict(), settings)
+    bounded = Context(1, 1, {}, RecordDict(), {**settings, "state-memory-mib": 0.01})
+    for r in (1, 2):
+        for client in (0, 1, 2):
+            msg = message("train", sent, client, r, extra)
+            reference = client_app.train(msg, kept)
+            reply = client_app.train(msg, bounded)
+            for name in reference.content["arrays"]:
+                np.testing.assert_array_equal(
+                    reply.content["arrays"][name].numpy(),
+                    reference.content["arrays"][name].numpy(),
+                    err_msg=f"round {r} client {client} {name}",
+                )
+            assert list(held_bytes(bounded)) == [client]  # the others spilled
+    assert sorted(held_bytes(kept)) == [0, 1, 2]
+    files = sorted(p.relative_to(tmp_path / "client-state").as_posix()
+                   for p in (tmp_path / "client-state").rglob("*.npz"))  # fmt: skip
+    assert files == [  # client 2 is in memory, its file from round 1 the past's
+        "client-0/round-00002.run-1.npz", "client-1/round-00002.run-1.npz",
+        "client-2/round-00001.run-1.npz",
+    ]  # fmt: skip

@@ -90,6 +90,16 @@ def test_membership_follows_nodes_leaving_and_rejoining() -> None:
     assert grid.asked == [11, 22, 22]  # asked again: its state may be gone
 
 
+def test_a_simulations_nodes_are_placed_without_a_query() -> None:
+    """Sorted node IDs serve clients k, k + n, ...; nothing is sent, so
+    start-up does not grow with the nodes, and the placement never changes."""
+    grid = NodeGrid({33: {}, 11: {}, 22: {}})
+    members = Membership(grid, 7, ConfigRecord(), wait=0.0, simulated=True)
+    expected = {0: 11, 1: 22, 2: 33, 3: 11, 4: 22, 5: 33, 6: 11}
+    assert members.refresh().owner == expected
+    assert members.refresh().owner == expected and grid.asked == []
+
+
 def test_a_node_whose_shard_differs_from_the_servers_is_warned_about(caplog) -> None:
     """Other size, or the same size with other examples (its fingerprint); a
     node that sends no fingerprint (an older pollen) is taken at its size."""

@@ -182,7 +182,9 @@ def to_nodes(*nodes: int) -> list[Message]:
     return [Message(RecordDict(), dst_node_id=n, message_type="train") for n in nodes]
 
 
-def test_one_message_per_node_sends_in_waves(fake_clock) -> None:
+def test_one_message_per_node_sends_a_nodes_next_message_on_its_reply(
+    fake_clock,
+) -> None:
     grid = FakeGrid()
     fake_clock(grid)
     replies = OneMessagePerNode(grid).send_and_receive(to_nodes(1, 2, 1, 1), timeout=5)
@@ -190,8 +192,8 @@ def test_one_message_per_node_sends_in_waves(fake_clock) -> None:
     assert len(replies) == 4
 
 
-def test_the_waves_share_one_timeout(fake_clock) -> None:
-    """round-timeout bounds the round, not each wave: 4.5 s a wave, 10 s in all."""
+def test_the_pushes_share_one_timeout(fake_clock) -> None:
+    """round-timeout bounds the round, not each message: 4.5 s a message, 10 s in all."""
     grid = FakeGrid(seconds=4.0)
     fake_clock(grid)
     replies = OneMessagePerNode(grid).send_and_receive(to_nodes(1, 1, 1, 1), timeout=10)
@@ -199,11 +201,13 @@ def test_the_waves_share_one_timeout(fake_clock) -> None:
     assert len(replies) == 3
 
 
-def test_a_node_that_did_not_answer_is_sent_nothing_more(fake_clock) -> None:
-    """It may still be working on its first message; the wave waits for it
-    until the timeout, and its next message is never sent."""
+def test_a_silent_node_holds_back_only_its_own_clients(fake_clock) -> None:
+    """Node 1 may still be working on its first message: its next one is
+    never sent. Node 2 goes on with its queue meanwhile, not waiting for it."""
     grid = FakeGrid(silent={1})
     fake_clock(grid)
-    replies = OneMessagePerNode(grid).send_and_receive(to_nodes(1, 2, 1, 2), timeout=5)
-    assert grid.waves == [[1, 2]]
-    assert [r.metadata.src_node_id for r in replies] == [2]
+    replies = OneMessagePerNode(grid).send_and_receive(
+        to_nodes(1, 2, 1, 2, 2), timeout=5
+    )
+    assert grid.waves == [[1, 2], [2], [2]]
+    assert [r.metadata.src_node_id for r in replies] == [2, 2, 2]

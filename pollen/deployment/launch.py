@@ -41,6 +41,12 @@ from .run_config import (
 from .warm_simulation import WarmSimulation, WarmSimulationError
 
 CLIENT_CPUS = 1  # per ClientApp actor in a simulation, unless the user says
+# The most SuperNodes a simulation starts unless the user says: more clients
+# share them (node k serves clients k, k + n, ...). Flower's simulation polls
+# every node for messages ten times a second and keeps a context per node, so
+# nodes cost time and memory whether sampled or not; clients beyond this cost
+# nothing until they train (docs/performance.md, "Cross-device scale").
+SIMULATED_NODES = 100
 FLWR_STOP_SECONDS = 5.0
 FLOWER_LOG = "flower.log"  # in the run directory: the whole stream of `flwr run`
 # The process that runs a simulation's ServerApp, and how long it may take to
@@ -290,8 +296,8 @@ def report_interrupted(run_dir: Path, settings: Settings, command: str) -> None:
 
 def simulation_federation(federation: list[str], num_clients: int) -> list[str]:
     """The `--federation-config` values of a simulation, with pollen's defaults
-    for the keys the user did not set: one SuperNode per client, and one CPU
-    per ClientApp actor. Flower's default of 2 CPUs runs one client at a time
+    for the keys the user did not set: one SuperNode per client up to
+    `SIMULATED_NODES`, and one CPU per ClientApp actor. Flower's default of 2 CPUs runs one client at a time
     with two torch threads; with one CPU each, Ray runs as many actors as
     there are cores, each with one thread (Ray sets `OMP_NUM_THREADS` from
     the actor's CPUs), which on 2 cores trains the `mlp` workload's rounds
@@ -304,7 +310,7 @@ def simulation_federation(federation: list[str], num_clients: int) -> list[str]:
     except (ValueError, ClickException) as err:
         raise LaunchError(f"invalid --federation-config {federation}: {err}") from err
     defaults = {
-        "num-supernodes": num_clients,
+        "num-supernodes": min(num_clients, SIMULATED_NODES),
         "client-resources-num-cpus": CLIENT_CPUS,
     }
     return federation + [f"{k}={v}" for k, v in defaults.items() if k not in given]

@@ -38,6 +38,7 @@ from ..settings import PRESETS
 NOT_COMPARED = frozenset(
     {"run-name", "output-dir", "data-root", "device", "resume", "notify-url",
      "notify-every", "checkpoint-every", "checkpoint-keep", "print-labels",
+     "state-memory-mib",
      "tracker", "tracking-uri", "tracking-experiment"}
 )  # fmt: skip
 # Keys drawn as separate lines on one figure; the other varying keys (but the

@@ -171,7 +171,8 @@ def _locate(run_dir: Path, round: int | None) -> tuple[int, Path]:
 RESUMABLE_CHANGES = frozenset(
     {"rounds", "resume", "notify-url", "notify-every", "checkpoint-every",
      "checkpoint-keep", "device", "output-dir", "run-name", "data-root",
-     "personal-eval-every", "tracker", "tracking-uri", "tracking-experiment"}
+     "personal-eval-every", "tracker", "tracking-uri", "tracking-experiment",
+     "state-memory-mib"}
 )  # fmt: skip
 
 

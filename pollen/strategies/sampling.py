@@ -16,6 +16,7 @@ the same settings samples the same clients whatever the node IDs are.
 from __future__ import annotations
 
 import time
+from collections import deque
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -146,12 +147,12 @@ def sample_clients(
 class OneMessagePerNode:
     """A Grid wrapper that never has two messages in flight for the same node.
 
-    When one node serves several clients, their messages go out in successive
-    waves, so a node's state is never touched by two trainings at once. The
-    timeout bounds the whole call, as it does for Flower's grid: the waves
-    share it. A node that did not answer its message of one wave may still be
-    busy with it, so it is sent nothing more; its clients count as not
-    answered.
+    When one node serves several clients, its messages wait in a queue of
+    its own: the next goes out as soon as the node answers the one before,
+    so a node's state is never touched by two trainings at once and no node
+    waits for another's stragglers. The timeout bounds the whole call, as it
+    does for Flower's grid. A node that did not answer may still be busy, so
+    it is sent nothing more; its clients count as not answered.
     """
 
     def __init__(self, grid: Any, poll_seconds: float = 0.05) -> None:
@@ -164,38 +165,38 @@ class OneMessagePerNode:
     def send_and_receive(
         self, messages: Iterable[Message], *, timeout: float | None = None
     ) -> list[Message]:
+        """Push every node's first message, then each node's next one as its
+        reply comes in; pull replies every `poll_seconds` (Flower's own
+        `send_and_receive` sleeps 3 s between pulls in a deployment, which
+        would round every round's time up to a multiple of 3 s)."""
         deadline = None if timeout is None else time.monotonic() + timeout
-        pending, replies = list(messages), []
-        while pending:
-            wave, later, busy = [], [], set()
-            for message in pending:
-                node = message.metadata.dst_node_id
-                (later if node in busy else wave).append(message)
-                busy.add(node)
-            left = None if deadline is None else deadline - time.monotonic()
-            if left is not None and left <= 0:
+        queues: dict[int, deque[Message]] = {}
+        for message in messages:
+            queues.setdefault(message.metadata.dst_node_id, deque()).append(message)
+        in_flight: dict[str, int] = {}  # message id -> its node
+        replies: list[Message] = []
+        ready = list(queues)
+        while True:
+            self._push([queues[n].popleft() for n in ready if queues[n]], in_flight)
+            if not in_flight:
                 break
-            answers = self._exchange(wave, left)
-            replies.extend(answers)
-            answered = {reply.metadata.src_node_id for reply in answers}
-            pending = [m for m in later if m.metadata.dst_node_id in answered]
+            got = list(self._grid.pull_messages(list(in_flight)))
+            ready = []
+            for reply in got:
+                node = in_flight.pop(reply.metadata.reply_to_message_id, None)
+                if node is not None:
+                    replies.append(reply)
+                    ready.append(node)
+            if deadline is not None and time.monotonic() >= deadline:
+                break
+            if not got:
+                time.sleep(self.poll_seconds)
         return replies
 
-    def _exchange(
-        self, messages: list[Message], timeout: float | None
-    ) -> list[Message]:
-        """Push `messages` and pull their replies every `poll_seconds` until
-        all are in or `timeout` passes. Flower's own `send_and_receive`
-        sleeps 3 s between pulls in a deployment, which would round every
-        round's time up to a multiple of 3 s."""
-        deadline = None if timeout is None else time.monotonic() + timeout
-        waiting = {i for i in self._grid.push_messages(messages) if i}
-        replies: list[Message] = []
-        while waiting:
-            got = list(self._grid.pull_messages(list(waiting)))
-            replies += got
-            waiting -= {reply.metadata.reply_to_message_id for reply in got}
-            if not waiting or (deadline is not None and time.monotonic() >= deadline):
-                break
-            time.sleep(self.poll_seconds)
-        return replies
+    def _push(self, messages: list[Message], in_flight: dict[str, int]) -> None:
+        if not messages:
+            return
+        ids = self._grid.push_messages(messages)
+        for message_id, message in zip(ids, messages, strict=True):
+            if message_id:
+                in_flight[message_id] = message.metadata.dst_node_id

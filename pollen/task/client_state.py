@@ -17,6 +17,14 @@ client's machine through Flower.
 A SuperNode restarted during a run has lost `context.state`; with its own
 `state-dir` it reads its newest file back and goes on where it was.
 
+A node that serves many clients (a simulation of more clients than nodes)
+keeps at most `state-memory-mib` of their state in memory: after each
+message, the state of the clients it trained least recently is written to
+the store (the node's `state-dir`, else the run's `client-state` folder) and
+dropped from `context.state`, to be read back when such a client is next
+sampled. Flower ships a node's whole context to the training process with
+every message, so the bound also bounds what each message carries.
+
 A resumed run continues from the server's checkpoint of round R. Files of
 rounds after R written by an earlier run belong to a future that was
 abandoned: they are never read and are deleted at the run's start. A client
@@ -214,7 +222,11 @@ def restore(context: Context, client: int, config: Mapping[str, object]) -> None
 def persist(
     context: Context, client: int, server_round: int, config: Mapping[str, object]
 ) -> None:
-    """Write the client's state after a round it trained (when a store is set)."""
+    """Note the round the client trained in; write its state after it when
+    the run checkpoints or the node keeps a `state-dir` of its own."""
+    context.state[f"{_MARKER}{client}"] = ConfigRecord({"round": server_round})
+    if KEEP_FROM not in config and not context.node_config.get(STATE_DIR):
+        return
     store = store_for(context, config)
     if store is None:
         return
@@ -230,16 +242,74 @@ def persist(
     store.prune(client, int(config.get(KEEP_FROM, server_round)))
 
 
+def held_bytes(context: Context) -> dict[int, int]:
+    """The bytes of arrays each client keeps in `context.state`."""
+    held: dict[int, int] = {}
+    for key, record in context.state.items():
+        name, _, client = key.rpartition("-")
+        if not (name and client.isdigit()) or key.startswith(_MARKER):
+            continue
+        size = (
+            sum(len(record[entry].data) for entry in record)
+            if isinstance(record, ArrayRecord)
+            else 0
+        )
+        held[int(client)] = held.get(int(client), 0) + size
+    return held
+
+
+def spill(
+    context: Context, config: Mapping[str, object], limit: int, current: int
+) -> list[int]:
+    """Write the state of the least recently trained clients but `current` to
+    the store and drop it from memory, until the node holds at most `limit`
+    bytes (see module docstring). Returns the clients spilled."""
+    held = held_bytes(context)
+    total = sum(held.values())
+    if limit <= 0 or total <= limit:
+        return []
+    store = store_for(context, config)
+    if store is None:  # nowhere to put it: keep it, as before the bound
+        return []
+
+    def last_trained(client: int) -> int:
+        marker = context.state.get(f"{_MARKER}{client}")
+        return int(marker["round"]) if isinstance(marker, ConfigRecord) else 0
+
+    spilled = []
+    for client in sorted(set(held) - {current}, key=last_trained):
+        if total <= limit:
+            break
+        server_round = last_trained(client)
+        state = export_state(dict(context.state.items()), client)
+        try:
+            store.save(client, server_round, context.run_id, state)
+        except ClientStateError as err:  # keep it in memory: nothing is lost
+            log(WARNING, "pollen: %s; client state stays in memory", err)
+            break
+        store.prune(client, int(config.get(KEEP_FROM, server_round)))
+        for key in [k for k in context.state if k.endswith(f"-{client}")]:
+            del context.state[key]  # its records and its marker
+        total -= held[client]
+        spilled.append(client)
+    return spilled
+
+
 def server_config(
     run_dir: Path, run_name: str, resume_round: int, checkpoints: bool
 ) -> dict[str, str | int]:
     """What the server tells clients about their state, in every message.
 
-    Without checkpoints no run can resume from an earlier round, so
-    `KEEP_FROM` is left out: a node with its own `state-dir` keeps only its
-    newest file (what it reads back after a SuperNode restart)."""
-    config: dict[str, str | int] = {RUN_NAME: run_name, RESUME_ROUND: resume_round}
+    `STATE_DIR` is where a node without a `state-dir` of its own writes
+    (when the run checkpoints, and what it spills). Without checkpoints no
+    run can resume from an earlier round, so `KEEP_FROM` is left out and
+    nothing is written each round: a node with its own `state-dir` keeps
+    only its newest file (what it reads back after a SuperNode restart)."""
+    config: dict[str, str | int] = {
+        RUN_NAME: run_name,
+        RESUME_ROUND: resume_round,
+        STATE_DIR: str(run_dir / "client-state"),
+    }
     if checkpoints:
-        config[STATE_DIR] = str(run_dir / "client-state")
         config[KEEP_FROM] = resume_round
     return config

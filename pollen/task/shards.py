@@ -9,6 +9,7 @@ settings that decides them (and caches them).
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Iterable
 from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
@@ -57,7 +58,7 @@ def federated_data(settings: Settings) -> tuple[Dataset, list[np.ndarray]]:
     return _federated_data(DataKey.of(settings))
 
 
-def shard_fingerprints(settings: Settings, clients: list[int]) -> dict[int, str]:
+def shard_fingerprints(settings: Settings, clients: Iterable[int]) -> dict[int, str]:
     """A short hash of each client's shard labels, in order: two processes
     agree on it only if their copies of the data set give that client the
     same examples (a copy ordered otherwise, say by class, gives other ones)."""
