@@ -1,29 +1,23 @@
-"""Whether 1,000 simulated clients fit in this machine's memory, under FedAvg and FedDyn.
+"""Cross-device scale: start-up, round time and memory as the clients grow.
 
-    .venv/bin/python benchmarks/scale.py [--rounds 5] [--clients 1000]
-        [--data-set mnist] [--data-root ../shared/data] [--alpha 0.1]
+    .venv/bin/python benchmarks/scale.py [--clients 1000,10000,60000]
+        [--sampled 100] [--rounds 10] [--data-set mnist]
+        [--data-root ../shared/data] [--state-memory-mib 16]
 
-`pollen run` simulates one SuperNode per client, so 1,000 clients are 1,000
-nodes whose contexts the simulation process keeps for the whole run; FedDyn
-adds one model-sized h_k per client that has trained, held in its node's
-`context.state`. This runs both strategies on `--clients` clients with 10
-sampled per round, and, as the baseline, on 10 clients all sampled every
-round: the same rounds, model, data set and number of trainings per round,
-so the difference in peak memory and start-up is the cost of the extra nodes
-(the baseline's shards are 100x larger, so its rounds are slower and its
-accuracy is not comparable). Peak RSS is `measure.run_pollen`'s: the whole
-process tree, shared library pages counted once per process.
+Each size runs FedAvg and FedDyn with `--sampled` clients per round. A
+simulation starts at most 100 SuperNodes (`launch.SIMULATED_NODES`) that
+serve every client between them and are asked nothing at start-up, so the
+clients that are not sampled should cost nothing but a few bytes each: the
+round time and peak memory at the largest size should be those of the
+smallest. FedDyn's per-client h_k stays in its node's context up to
+`state-memory-mib` per node, beyond that on disk (`client-state/` of the
+run, counted below the table).
 
-Below the table: the bytes of one client's h_k (the ArrayRecord the
-ClientApp stores, built with pollen's own model and sharing code), how many
-clients hold one after the run (from its history) and what all `--clients`
-would hold once each has trained.
-
-Partitions are niid-client (each client's label mix drawn from Dirichlet
-`--alpha`, default 0.1; equal shards, so min-size 10 always holds). The
-per-class `niid` cannot serve 1,000 clients on MNIST at alpha 0.1: every
-draw leaves ~30 clients empty. Decoded data and shards are computed once,
-before the runs, into a temporary POLLEN_CACHE_DIR.
+Partitions are iid, so MNIST's 60,000 training images give up to 60,000
+clients (one image each at that size; accuracy is not comparable across
+sizes). Peak RSS is `measure.run_pollen`'s: the whole process tree, shared
+library pages counted once per process. Decoded data and shards are computed
+once, before the runs, into a temporary POLLEN_CACHE_DIR.
 """
 
 from __future__ import annotations
@@ -46,7 +40,6 @@ from pollen.task.data import CACHE_ENV
 from pollen.task.inputs import settings_model
 from pollen.task.shards import federated_data
 
-SAMPLED = 10  # clients trained per round, in every run
 STRATEGIES = ("fedavg", "feddyn")
 GIB, MIB = 2**30, 2**20
 
@@ -64,41 +57,45 @@ class Row:
     peak_rss: int
     accuracy: float
     trained: int  # distinct clients that trained, i.e. hold client state
+    spilled: int  # clients whose state went to disk at least once
 
 
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--rounds", type=int, default=5)
-    parser.add_argument("--clients", type=int, default=1000)
+    parser.add_argument(
+        "--clients", default="1000,10000,60000",
+        type=lambda text: [int(n) for n in text.split(",")],
+    )  # fmt: skip
+    parser.add_argument("--sampled", type=int, default=100)
+    parser.add_argument("--rounds", type=int, default=10)
     parser.add_argument("--data-set", default="mnist")
     parser.add_argument(
         "--data-root", type=Path, default=PROJECT.parent / "shared" / "data"
     )
-    parser.add_argument("--alpha", type=float, default=0.1)
+    parser.add_argument("--state-memory-mib", type=float, default=16.0)
     args = parser.parse_args()
-    if args.clients <= SAMPLED:
-        parser.error(f"--clients must exceed the baseline's {SAMPLED}")
+    if min(args.clients) < args.sampled:
+        parser.error(f"every --clients must be at least --sampled {args.sampled}")
     return args
 
 
 def run_config(
     args: argparse.Namespace, strategy: str, clients: int
 ) -> dict[str, Scalar]:
-    """One run's overrides: `clients` clients, SAMPLED of them per round."""
+    """One run's overrides: `clients` clients, `--sampled` of them per round."""
     return {
         "strategy": strategy,
         "data-set": args.data_set,
         "data-root": str(args.data_root.resolve()),
         "num-clients": clients,
-        "client-frac": SAMPLED / clients,
-        "min-train-nodes": SAMPLED,
-        "partition": "niid-client",
-        "alpha": args.alpha,
-        "min-size": 10,
+        "client-frac": args.sampled / clients,
+        "min-train-nodes": args.sampled,
+        "partition": "iid",
         "local-epochs": 1,
         "batch-size": 32,
         "rounds": args.rounds,
         "model": "mlp",
+        "state-memory-mib": args.state_memory_mib,
     }
 
 
@@ -126,59 +123,58 @@ def clients_trained(run_dir: Path) -> int:
     return len({c for record in history for c in record["clients"]})
 
 
+def clients_spilled(run_dir: Path) -> int:
+    """Clients with a state file in the run's `client-state/` (no checkpoints
+    here, so every file is a spill)."""
+    return sum(1 for _ in (run_dir / "client-state").glob("client-*"))
+
+
 def measure_run(config: dict[str, Scalar], out: Path) -> Row:
     name = f"{config['strategy']}-{config['num-clients']}"
     result = run_pollen([as_text(config)], out, name)
     rounds = result["rounds"]
+    later = rounds[1:] or rounds  # round 1 also waits for the actors to start
     return Row(
         strategy=str(config["strategy"]),
         clients=int(config["num-clients"]),
         rounds=len(rounds),
         wall=result["wall"],
         start_up=result["start-up"],
-        mean_round=sum(rounds) / len(rounds),
+        mean_round=sum(later) / len(later),
         peak_rss=int(result["peak-rss"]),
         accuracy=result["accuracy"],
         trained=clients_trained(out / name),
+        spilled=clients_spilled(out / name),
     )
 
 
-def print_table(rows: list[Row]) -> None:
+def print_table(rows: list[Row], sampled: int) -> None:
     print(
         "| strategy | num-clients | sampled/round | rounds | wall s | start-up s "
-        "| mean round s | peak RSS GiB | final accuracy |"
+        "| mean round s (2..) | peak RSS GiB | final accuracy | clients trained "
+        "| state spilled |"
     )
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         print(
-            f"| {r.strategy} | {r.clients} | {SAMPLED} | {r.rounds} | {r.wall:.1f} "
+            f"| {r.strategy} | {r.clients} | {sampled} | {r.rounds} | {r.wall:.1f} "
             f"| {r.start_up:.1f} | {r.mean_round:.2f} | {r.peak_rss / GIB:.2f} "
-            f"| {100 * r.accuracy:.2f}% |"
+            f"| {100 * r.accuracy:.2f}% | {r.trained} | {r.spilled} |"
         )
 
 
-def print_state_cost(rows: list[Row], params: int, h_bytes: int) -> None:
-    """FedDyn's per-client state, and the peak-RSS growth from SAMPLED nodes."""
-    many = max(r.clients for r in rows)
-    dyn = next(r for r in rows if r.strategy == "feddyn" and r.clients == many)
-    print(
-        f"\nFedDyn h_k per client: {params:,} float32 parameters, "
-        f"{h_bytes:,} bytes ({h_bytes / MIB:.2f} MiB) in its node's context.state"
-    )
-    print(
-        f"clients holding h_k after {dyn.rounds} rounds: {dyn.trained} (at most "
-        f"{SAMPLED} x {dyn.rounds}): {dyn.trained * h_bytes / MIB:.1f} MiB"
-    )
-    print(
-        f"all {many:,} clients, once each has trained: "
-        f"{many * h_bytes / GIB:.2f} GiB in the simulation process"
-    )
-    print(f"server h (float64): {params * 8 / MIB:.2f} MiB, one for the run")
+def print_ratios(rows: list[Row]) -> None:
+    """Each strategy's largest size against its smallest."""
     for strategy in STRATEGIES:
-        peak = {r.clients: r.peak_rss for r in rows if r.strategy == strategy}
+        mine = sorted(
+            (r for r in rows if r.strategy == strategy), key=lambda r: r.clients
+        )
+        small, large = mine[0], mine[-1]
         print(
-            f"{strategy} peak RSS, {many:,} vs {SAMPLED} clients: "
-            f"{(peak[many] - peak[SAMPLED]) / GIB:+.2f} GiB"
+            f"{strategy}, {large.clients:,} vs {small.clients:,} clients: round "
+            f"{large.mean_round / small.mean_round:.2f}x, start-up "
+            f"{large.start_up - small.start_up:+.1f} s, peak RSS "
+            f"{(large.peak_rss - small.peak_rss) / GIB:+.2f} GiB"
         )
 
 
@@ -187,18 +183,27 @@ def main() -> None:
     args = parse_args()
     configs = [
         run_config(args, strategy, clients)
-        for clients in (args.clients, SAMPLED)
+        for clients in args.clients
         for strategy in STRATEGIES
     ]
     with tempfile.TemporaryDirectory(prefix="pollen-scale-") as tmp:
         os.environ[CACHE_ENV] = str(Path(tmp) / "cache")  # inherited by the runs
         params, h_bytes = h_k_size(settings_of(as_text(configs[1])))
-        federated_data(
-            settings_of(as_text(configs[-1]))
-        )  # the baseline's shards, cached
-        rows = [measure_run(config, Path(tmp)) for config in configs]
-    print_table(rows)
-    print_state_cost(rows, params, h_bytes)
+        for config in configs[::2]:  # every size's shards, cached
+            federated_data(settings_of(as_text(config)))
+        rows = []
+        for config in configs:
+            rows.append(measure_run(config, Path(tmp)))
+            print(f"measured {config['strategy']} with {config['num-clients']} "
+                  "clients", flush=True)  # fmt: skip
+    print()
+    print_table(rows, args.sampled)
+    print()
+    print_ratios(rows)
+    print(
+        f"FedDyn h_k per client: {params:,} float32 parameters, {h_bytes / MIB:.2f} "
+        f"MiB; up to {args.state_memory_mib:g} MiB of them in each node's context"
+    )
     print(f"\nbenchmark total: {time.monotonic() - started:.0f} s")
 
 

@@ -224,6 +224,31 @@ def test_real_mnist_subset_learns(
     assert rows[-1]["loss"] < rows[0]["loss"]
 
 
+def test_ten_thousand_clients_share_a_hundred_nodes(
+    shared_data: Path, tmp_path: Path, warm_federation: Path
+) -> None:
+    """10,000 MNIST clients (6 images each), 100 sampled per round, FedDyn:
+    the simulation starts 100 nodes and asks them nothing; a bound below two
+    clients' h_k (0.42 MiB each) sends older clients' h_k to the run's
+    client-state folder (tests/test_client_state.py shows it trains the same)."""
+    run = pollen_run(
+        f"data-set='mnist' data-root='{shared_data}' download=false "
+        "strategy='feddyn' num-clients=10000 client-frac=0.01 rounds=3 "
+        f"state-memory-mib=0.5 output-dir='{tmp_path}' run-name='many'",
+        warm=warm_federation,
+    )
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    assert "pollen: 10000 clients on 100 nodes" in (
+        tmp_path / "many" / "flower.log"
+    ).read_text()
+    rows = history(tmp_path / "many")
+    assert [len(r["clients"]) for r in rows] == [100, 100, 100]
+    # 600 images a round at MNIST's lr: learning, slowly (18% after 3 rounds)
+    assert rows[-1]["loss"] < rows[0]["loss"] and rows[-1]["accuracy"] > 0.15
+    spilled = list((tmp_path / "many" / "client-state").glob("client-*"))
+    assert 100 <= len(spilled) < 300  # the latest round's stay in memory
+
+
 def test_failed_run_exits_non_zero_with_the_reason(tmp_path: Path) -> None:
     """A run that fails inside the ServerApp (here it diverges in round 1;
     missing data is caught before Flower starts): exit 1, the reason in
