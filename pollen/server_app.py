@@ -62,9 +62,9 @@ from .strategies.strategy import Strategy, to_numpy
 from .task import client_state
 from .task.inputs import settings_model
 from .task.lora import FrozenBackboneClassifier
-from .task.partition import format_label_counts, label_counts
+from .task.partition import format_label_counts
 from .task.privacy import check_private_model
-from .task.shards import federated_data, shard_fingerprints
+from .task.shards import ServerData, server_data, shard_fingerprints
 from .task.train import pick_device
 
 app = ServerApp()
@@ -191,21 +191,9 @@ def _train(
 ) -> None:
     simulation = isinstance(grid, InMemoryGrid)
     grid = InterruptibleGrid(grid, stop)  # Ctrl-C stops the next exchange
-    dataset, shards = federated_data(settings)
-    counts = label_counts(dataset.y_train.numpy(), shards, dataset.num_classes)
-    print(
-        f"pollen: {dataset.name} from {dataset.source}: {len(dataset.y_train)} train / "
-        f"{len(dataset.y_test)} test, {settings.num_clients} clients "
-        f"({settings.partition}), {int(counts.sum())} training samples used",
-        flush=True,
-    )
-    if settings.print_labels:
-        print(format_label_counts(counts), flush=True)
-    plot_label_heatmap(
-        counts,
-        run_dir / "labels.png",
-        f"{dataset.name}: {settings.partition} partition",
-    )
+    data = server_data(settings)
+    dataset = data.dataset
+    _describe_data(settings, data, run_dir)
     device = pick_device(settings.device)
     model = settings_model(settings, dataset)
     print(_model_line(settings, model), flush=True)
@@ -232,7 +220,7 @@ def _train(
     membership = Membership(
         grid, settings.num_clients, ConfigRecord(state_config),
         min_available=settings.min_available_nodes, wait=settings.node_wait,
-        shards={c: (len(shard), fingerprints.get(c, "")) for c, shard in enumerate(shards)},
+        shards={c: (size, fingerprints.get(c, "")) for c, size in enumerate(data.sizes)},
         simulated=simulation,
     )  # fmt: skip
     roster = membership.refresh()
@@ -323,6 +311,33 @@ def _train(
     write_atomic(run_dir / "model.pt", buffer.getvalue())
     plot_curves(
         history, run_dir / "curves.png", f"{settings.strategy} on {dataset.name}"
+    )
+
+
+def _describe_data(settings: Settings, data: ServerData, run_dir: Path) -> None:
+    """The console's data line and, for an image data set, the clients'
+    label counts (labels.png; printed with print-labels)."""
+    dataset, counts = data.dataset, data.label_counts
+    if counts is None:  # generated: the examples exist only where clients train
+        print(
+            f"pollen: {dataset.name}: {dataset.source}, {settings.num_clients} "
+            f"clients ({settings.partition}), {sum(data.sizes)} training samples, "
+            f"{len(dataset.y_test)} test samples of the first clients",
+            flush=True,
+        )
+        return
+    print(
+        f"pollen: {dataset.name} from {dataset.source}: {len(dataset.y_train)} train / "
+        f"{len(dataset.y_test)} test, {settings.num_clients} clients "
+        f"({settings.partition}), {int(counts.sum())} training samples used",
+        flush=True,
+    )
+    if settings.print_labels:
+        print(format_label_counts(counts), flush=True)
+    plot_label_heatmap(
+        counts,
+        run_dir / "labels.png",
+        f"{dataset.name}: {settings.partition} partition",
     )
 
 

@@ -510,7 +510,22 @@ class Settings:
         folder_name_rule(),
     )
     # Partitioning
-    partition: str = key("iid", "how training data is split", one_of(*PARTITIONS))
+    partition: str = key(
+        AUTO,
+        "how training data is split (auto: iid, natural for synthetic: each "
+        "client its own generated task)",
+        one_of(AUTO, *PARTITIONS),
+    )
+    synthetic_alpha: float = key(
+        1.0,
+        "data-set synthetic: alpha, how much the clients' models differ",
+        at_least(0),
+    )
+    synthetic_beta: float = key(
+        1.0,
+        "data-set synthetic: beta, how much the clients' inputs differ",
+        at_least(0),
+    )
     alpha: float = key(
         0.5, "Dirichlet concentration for partition=niid and niid-client", above(0)
     )
@@ -657,10 +672,12 @@ def sample_size(num_clients: int, fraction: float, minimum: int) -> int:
 def _resolve_preset(values: dict[str, Scalar]) -> None:
     """Replace every "auto" with the value the strategy preset gives it, or
     for the client's hyper-parameters the data set's defaults."""
-    training = DATA_SETS[str(values["data-set"])].training
+    data_set = DATA_SETS[str(values["data-set"])]
     for name in TRAINING_KEYS:
         if values[name] == AUTO:
-            values[name] = getattr(training, name.replace("-", "_"))
+            values[name] = getattr(data_set.training, name.replace("-", "_"))
+    if values["partition"] == AUTO:
+        values["partition"] = data_set.partition
     preset = PRESETS[str(values["strategy"])]
     for name in ("server-update", "local-objective"):
         if values[name] == AUTO:
@@ -752,6 +769,18 @@ def _check_combination(values: dict[str, Scalar]) -> None:
         raise SettingsError(
             "cache-features=true with augment=true: features are computed once, "
             "from un-augmented images; set augment=false or cache-features=false"
+        )
+    if data_set.generated != (values["partition"] == "natural"):
+        raise SettingsError(
+            f"partition={values['partition']!r} with data-set={values['data-set']!r}: "
+            "a generated data set (synthetic) is split by its generator, each "
+            "client its own task, and only it; allowed: partition='natural' (or "
+            "'auto') with synthetic, any other with an image data set"
+        )
+    if data_set.generated and values["num-clients"] > data_set.train_examples:
+        raise SettingsError(
+            f"num-clients={values['num-clients']} with data-set="
+            f"{values['data-set']!r}; allowed: 1 to {data_set.train_examples:,}"
         )
     if values["num-clients"] > data_set.train_examples:
         raise SettingsError(

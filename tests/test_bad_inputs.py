@@ -430,7 +430,7 @@ def test_silos_over_missing_classes() -> None:
 
 @pytest.mark.parametrize("client", [-1, 10])
 def test_client_without_a_shard(client: int) -> None:
-    settings = Settings()  # digits, 10 clients
+    settings = Settings.from_run_config({})  # digits, 10 clients
     for shard in (client_shard, client_test_shard):
         with pytest.raises(
             PartitionError, match=r"num-clients=10 gives clients 0\.\.9"

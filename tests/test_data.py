@@ -78,7 +78,7 @@ def test_digits_shards_need_neither_scikit_learn_nor_datasets(tmp_path: Path) ->
     script = (
         "import sys; from pollen.settings import Settings; "
         "from pollen.task.shards import federated_data; "
-        f"federated_data(Settings(data_root={str(tmp_path)!r})); "
+        f"federated_data(Settings.from_run_config({{'data-root': {str(tmp_path)!r}}})); "
         "print(sorted({m.split('.')[0] for m in sys.modules} & {'sklearn', 'datasets'}))"
     )
     run = [sys.executable, "-c", script]

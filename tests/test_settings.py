@@ -63,9 +63,14 @@ def test_pyproject_declares_every_key_with_the_same_type() -> None:
         (
             "model",
             "resnet",
-            "one of mlp, mlp-bn, cnn, cnn-gn, simple-cnn, cnn-lora, mobilenet, vgg16-lora",
+            "one of mlp, logreg, mlp-bn, cnn, cnn-gn, simple-cnn, cnn-lora, mobilenet, "
+            "vgg16-lora",
         ),
-        ("partition", "random", "one of iid, niid, niid-client, pathological, silos"),
+        (
+            "partition",
+            "random",
+            "one of auto, iid, niid, niid-client, pathological, silos, natural",
+        ),
         (
             "class-assignment",
             "balanced",

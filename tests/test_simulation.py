@@ -225,16 +225,17 @@ def test_real_mnist_subset_learns(
 
 
 def test_ten_thousand_clients_share_a_hundred_nodes(
-    shared_data: Path, tmp_path: Path, warm_federation: Path
+    tmp_path: Path, warm_federation: Path
 ) -> None:
-    """10,000 MNIST clients (6 images each), 100 sampled per round, FedDyn:
-    the simulation starts 100 nodes and asks them nothing; a bound below two
-    clients' h_k (0.42 MiB each) sends older clients' h_k to the run's
-    client-state folder (tests/test_client_state.py shows it trains the same)."""
+    """10,000 Synthetic(1, 1) clients, 100 sampled per round, FedDyn: the
+    simulation starts 100 nodes and asks them nothing, and clients' examples
+    are generated only where they train; a bound below one client's h_k
+    (2.4 kB) sends every h_k but the node's latest to the run's client-state
+    folder (tests/test_client_state.py shows it trains the same)."""
     run = pollen_run(
-        f"data-set='mnist' data-root='{shared_data}' download=false "
-        "strategy='feddyn' num-clients=10000 client-frac=0.01 rounds=3 "
-        f"state-memory-mib=0.5 output-dir='{tmp_path}' run-name='many'",
+        "data-set='synthetic' model='logreg' strategy='feddyn' num-clients=10000 "
+        "client-frac=0.01 rounds=3 state-memory-mib=0.001 "
+        f"output-dir='{tmp_path}' run-name='many'",
         warm=warm_federation,
     )
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
@@ -243,10 +244,9 @@ def test_ten_thousand_clients_share_a_hundred_nodes(
     ).read_text()
     rows = history(tmp_path / "many")
     assert [len(r["clients"]) for r in rows] == [100, 100, 100]
-    # 600 images a round at MNIST's lr: learning, slowly (18% after 3 rounds)
-    assert rows[-1]["loss"] < rows[0]["loss"] and rows[-1]["accuracy"] > 0.15
+    assert rows[-1]["loss"] < rows[0]["loss"]
     spilled = list((tmp_path / "many" / "client-state").glob("client-*"))
-    assert 100 <= len(spilled) < 300  # the latest round's stay in memory
+    assert 150 <= len(spilled) < 300  # of 300 trainings; each node keeps its last
 
 
 def test_failed_run_exits_non_zero_with_the_reason(tmp_path: Path) -> None:

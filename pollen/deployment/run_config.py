@@ -16,6 +16,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from ..catalog import DATA_SETS
 from ..runs.checkpoints import check_resumable
 from ..runs.notify import URL_ENV, check_url
 from ..runs.results import check_run_dir_is_new, default_run_name
@@ -122,8 +123,9 @@ def check_local_data(settings: Settings) -> None:
     """Read the data set a run on this machine names, before Flower starts: a
     missing, truncated or malformed file (or image folder) stops the command
     in seconds, not after start-up. The decoded copy stays in the disk cache
-    the run then reads; digits ships with scikit-learn and needs no check."""
-    if settings.data_set == "digits":
+    the run then reads; digits ships with scikit-learn and synthetic is
+    generated, so neither needs a check."""
+    if settings.data_set == "digits" or DATA_SETS[settings.data_set].generated:
         return
     from ..task.data import DataError, check_readable
 

@@ -21,6 +21,7 @@ from pathlib import Path
 
 import torch
 
+from ..catalog import DATA_SETS
 from ..deployment.run_config import (
     RunConfigError,
     check_local_device,
@@ -68,6 +69,12 @@ def train_centrally(
     settings: Settings, epochs: int, echo=print
 ) -> tuple[Path, dict[str, object]]:
     """Train and write the run directory; its path and summary."""
+    if DATA_SETS[settings.data_set].generated:
+        raise RunConfigError(
+            f"data-set={settings.data_set!r} has no centralised baseline: its "
+            "examples are generated per client where the client trains, never "
+            "pooled; use an image data set"
+        )
     started = time.monotonic()
     dataset = load_dataset(settings.data_set, settings.data_root, settings.download)
     device = pick_device(settings.device)

@@ -38,6 +38,13 @@ def mlp(input_shape: Shape, num_classes: int) -> nn.Module:
     )
 
 
+def logreg(input_shape: Shape, num_classes: int) -> nn.Module:
+    """Multinomial logistic regression: one linear layer to the logits, the
+    model the FedProx paper trains on its Synthetic data."""
+    c, h, w = input_shape
+    return nn.Sequential(nn.Flatten(), nn.Linear(c * h * w, num_classes))
+
+
 def mlp_bn(input_shape: Shape, num_classes: int) -> nn.Module:
     """784-128, BatchNorm1d, ReLU, 128-10 (seed 004); logits, no softmax."""
     c, h, w = input_shape
@@ -208,6 +215,7 @@ def mobilenet(input_shape: Shape, num_classes: int) -> nn.Module:
 
 MODELS = {
     "mlp": mlp,
+    "logreg": logreg,
     "mlp-bn": mlp_bn,
     "cnn": cnn,
     "cnn-gn": cnn_gn,

@@ -26,6 +26,13 @@ from .shards import (
     federated_data,
     held_out_split,
     shard_fingerprints,
+    synthetic_key,
+)
+from .synthetic import (
+    client_split,
+    client_train_size,
+    global_test,
+    synthetic_dataset,
 )
 
 
@@ -69,6 +76,8 @@ class NodeData:
         normalise its inputs."""
         if self.own is not None:
             return _own_dataset(self.own)
+        if key := synthetic_key(self.settings):
+            return synthetic_dataset(key, None)  # for the model: no test split
         return federated_data(self.settings)[0]
 
     def check_client(self, client: int) -> None:
@@ -85,6 +94,8 @@ class NodeData:
         self.check_client(client)
         if self.own is not None:
             return len(_own_dataset(self.own).y_train)
+        if key := synthetic_key(self.settings):
+            return client_train_size(key, self.settings.num_clients, client)
         return len(federated_data(self.settings)[1][client])
 
     def shard_fingerprint(self, client: int) -> str:
@@ -103,6 +114,10 @@ class NodeData:
         self.check_client(client)
         if self.own is not None:
             return _own_split(self.own, "train", str(device))
+        if key := synthetic_key(self.settings):
+            return client_split(
+                key, self.settings.num_clients, client, "train", str(device)
+            )
         return client_shard(self.settings, client, device)
 
     def test_shard(
@@ -112,6 +127,10 @@ class NodeData:
         self.check_client(client)
         if self.own is not None:
             return _own_split(self.own, "test", str(device))
+        if key := synthetic_key(self.settings):
+            return client_split(
+                key, self.settings.num_clients, client, "test", str(device)
+            )
         return client_test_shard(self.settings, client, device)
 
     def global_test(
@@ -123,6 +142,9 @@ class NodeData:
         the one in its data-root if there is one (never downloading it), and
         gets None (no global metrics) if not.
         """
+        if key := synthetic_key(self.settings):
+            x, y = global_test(key, self.settings.num_clients)
+            return x.to(device), y.to(device)
         if self.own is None:
             return held_out_split(self.settings, device)
         return _local_test_split(DataKey.of(self.settings), str(device))

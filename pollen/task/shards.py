@@ -1,5 +1,8 @@
 """The run's data set and every client's shard, computed once per process.
 
+(A generated data set has no shards: `pollen.task.synthetic` makes each
+client's examples where it trains; `server_data` covers both kinds.)
+
 Clients and server derive the same shards from the same settings and seed,
 so no indices ever travel; a shard is an index set into the training split,
 gathered onto the training device once. `DataKey` is the part of the
@@ -17,6 +20,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from ..catalog import DATA_SETS
 from ..settings import Settings
 from .data import Dataset, cache_root, load_dataset
 from .partition import (
@@ -24,6 +28,12 @@ from .partition import (
     client_test_indices,
     label_counts,
     partition_indices,
+)
+from .synthetic import (
+    SyntheticKey,
+    client_sizes,
+    synthetic_dataset,
+    train_size,
 )
 
 
@@ -40,6 +50,8 @@ class DataKey:
     min_size: int
     classes_per_client: int
     class_assignment: str
+    synthetic_alpha: float
+    synthetic_beta: float
     seed: int
 
     @classmethod
@@ -58,10 +70,50 @@ def federated_data(settings: Settings) -> tuple[Dataset, list[np.ndarray]]:
     return _federated_data(DataKey.of(settings))
 
 
+@dataclass(frozen=True)
+class ServerData:
+    """What the server knows of the run's data before round 1: the data set
+    (model shape, normalisation, global test split), each client's number of
+    training examples and, for an image data set, each client's label
+    counts (None for a generated one: counting would generate every
+    client's examples)."""
+
+    dataset: Dataset
+    sizes: list[int]
+    label_counts: np.ndarray | None
+
+
+def synthetic_key(settings: Settings) -> SyntheticKey | None:
+    """The generator's settings when the run's data set is generated."""
+    if not DATA_SETS[settings.data_set].generated:
+        return None
+    return SyntheticKey(
+        settings.synthetic_alpha, settings.synthetic_beta, settings.seed
+    )
+
+
+def server_data(settings: Settings) -> ServerData:
+    """The data as the server sees it (see `ServerData`)."""
+    key = synthetic_key(settings)
+    if key is not None:
+        sizes = client_sizes(settings.num_clients, key.seed)
+        return ServerData(
+            synthetic_dataset(key, settings.num_clients),
+            [train_size(int(size)) for size in sizes],
+            None,
+        )
+    dataset, shards = federated_data(settings)
+    counts = label_counts(dataset.y_train.numpy(), shards, dataset.num_classes)
+    return ServerData(dataset, [len(shard) for shard in shards], counts)
+
+
 def shard_fingerprints(settings: Settings, clients: Iterable[int]) -> dict[int, str]:
     """A short hash of each client's shard labels, in order: two processes
     agree on it only if their copies of the data set give that client the
-    same examples (a copy ordered otherwise, say by class, gives other ones)."""
+    same examples (a copy ordered otherwise, say by class, gives other ones).
+    Empty for generated data: every node generates the same examples."""
+    if synthetic_key(settings) is not None:
+        return {}
     dataset, shards = federated_data(settings)
     labels = dataset.y_train.numpy().astype(np.int64)
     return {

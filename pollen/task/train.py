@@ -43,7 +43,7 @@ def pick_device(name: str) -> torch.device:
 
 
 class Preprocess:
-    """uint8 `[B, C, H, W]` -> float inputs: scale, normalise, augment.
+    """uint8 (or float32) `[B, C, H, W]` -> float inputs: scale, normalise, augment.
 
     The mean/std tensors are built once, on the device the batches live on,
     not per batch (a per-batch host-to-device copy would stall a GPU).
@@ -67,7 +67,8 @@ class Preprocess:
     def __call__(
         self, x: torch.Tensor, generator: torch.Generator | None
     ) -> torch.Tensor:
-        out = x.float().div_(255.0)
+        # images are uint8 (0..255); generated features come as float32
+        out = x.float().div_(255.0) if x.dtype == torch.uint8 else x.clone()
         if self.augment and generator is not None:
             out = random_crop_flip(out, self.pad, generator)
         if self.normalize:
