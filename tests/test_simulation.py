@@ -239,9 +239,10 @@ def test_ten_thousand_clients_share_a_hundred_nodes(
         warm=warm_federation,
     )
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
-    assert "pollen: 10000 clients on 100 nodes" in (
-        tmp_path / "many" / "flower.log"
-    ).read_text()
+    assert (
+        "pollen: 10000 clients on 100 nodes"
+        in (tmp_path / "many" / "flower.log").read_text()
+    )
     rows = history(tmp_path / "many")
     assert [len(r["clients"]) for r in rows] == [100, 100, 100]
     assert rows[-1]["loss"] < rows[0]["loss"]
