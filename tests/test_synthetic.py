@@ -64,24 +64,26 @@ def test_examples_follow_the_clients_own_task() -> None:
     """x ~ N(v_k, diag(j^-1.2)) and y = argmax(x W_k + b_k)."""
     key = SyntheticKey(1.0, 1.0, seed=5)
     weights, bias, centre = client_task(key, 7)
-    x, y = client_examples(key, 7, 40_000)
+    x, y = client_examples(key, 7, "train", 40_000)
     assert x.shape == (40_000, FEATURES) and x.dtype == np.float32
     assert y.dtype == np.int64 and y.min() >= 0 and y.max() < CLASSES
     np.testing.assert_allclose(x.mean(axis=0), centre, atol=0.02)
     expected = np.arange(1, FEATURES + 1) ** -1.2
     np.testing.assert_allclose(x.var(axis=0), expected, rtol=0.05)
     np.testing.assert_array_equal(y, np.argmax(x @ weights + bias, axis=1))
-    again_x, again_y = client_examples(key, 7, 40_000)
+    again_x, again_y = client_examples(key, 7, "train", 40_000)
     np.testing.assert_array_equal(again_x, x)
     np.testing.assert_array_equal(again_y, y)
-    other_x, _ = client_examples(SyntheticKey(1.0, 1.0, seed=6), 7, 100)
-    assert not np.array_equal(other_x, x[:100])
+    assert np.array_equal(client_examples(key, 7, "train", 100)[0], x[:100])
+    for other in (SyntheticKey(1.0, 1.0, seed=6), key):  # another seed, split
+        split = "test" if other == key else "train"
+        assert not np.array_equal(client_examples(other, 7, split, 100)[0], x[:100])
 
 
 def test_a_node_and_the_server_see_the_same_client() -> None:
-    """A node's training and test splits are its examples cut at 90%; the
-    server's sizes are the training splits'; the global test set is the test
-    splits of the first clients."""
+    """A node's training and test splits hold 90% and 10% of the client's
+    examples; the server's sizes are the training splits'; the global test
+    set is the test splits of the first clients."""
     settings = Settings.from_run_config(
         {"data-set": "synthetic", "num-clients": 30, "seed": 2, "device": "cpu"}
     )
@@ -89,12 +91,13 @@ def test_a_node_and_the_server_see_the_same_client() -> None:
     node = NodeData(settings)
     key = SyntheticKey(1.0, 1.0, seed=2)
     size = int(client_sizes(30, seed=2)[4])
-    x, y = client_examples(key, 4, size)
     x_train, y_train = node.train_shard(4, torch.device("cpu"))
     x_test, y_test = node.test_shard(4, torch.device("cpu"))
     assert x_train.shape == (train_size(size), FEATURES, 1, 1)
-    np.testing.assert_array_equal(x_train.view(-1, FEATURES).numpy(), x[: len(x_train)])
-    np.testing.assert_array_equal(y_test.numpy(), y[len(x_train) :])
+    x, _ = client_examples(key, 4, "train", train_size(size))
+    np.testing.assert_array_equal(x_train.view(-1, FEATURES).numpy(), x)
+    _, y = client_examples(key, 4, "test", size - train_size(size))
+    np.testing.assert_array_equal(y_test.numpy(), y)
     assert len(x_train) + len(x_test) == size
     assert node.num_examples(4) == len(y_train)
     data = server_data(settings)

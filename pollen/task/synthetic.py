@@ -12,16 +12,17 @@ task over 60 features and 10 classes,
 
 alpha sets how much the clients' models differ, beta how much their inputs
 do; Synthetic(1, 1) is the paper's most heterogeneous case. Client k holds
-floor(lognormal(4, 2)) + 50 examples (power-law sizes), the first 90% for
+floor(lognormal(4, 2)) + 50 examples (power-law sizes), 90% of them for
 training and the rest as its own test split, as FedProx's generator splits
 them.
 
 Everything is drawn from the run's seed: the sizes from one stream (client
 k's size is the k-th draw, whatever the number of clients), each client's
-task and examples from a stream of its own, so a client's data is made only
-where it trains, in O(its size), and never for the clients not sampled. The
-global test set is the test splits of the first `EVAL_CLIENTS` clients: the
-same examples for every number of clients from that many on.
+task, training and test examples from streams of their own, so a client's
+data is made only where it trains, in O(its size), and never for the
+clients not sampled. The global test set is the test splits of the first
+`EVAL_CLIENTS` clients (made without their training splits): the same
+examples for every number of clients from that many on.
 """
 
 from __future__ import annotations
@@ -39,7 +40,8 @@ CLASSES = 10
 TRAIN_SHARE = 0.9
 EVAL_CLIENTS = 1000  # whose test splits make the global test set
 CACHED_CLIENTS = 256  # clients' examples a process keeps (it trains few at once)
-_SIZES, _TASK, _EXAMPLES = 0, 1, 2  # the generator streams, per seed
+_SIZES, _TASK = 0, 1  # generator streams per seed; a client's splits: 2, 3
+_SPLITS = {"train": 2, "test": 3}
 _CHUNK = 65_536  # examples whose logits are computed at once
 _COVARIANCE = np.arange(1, FEATURES + 1, dtype=np.float64) ** -1.2
 
@@ -87,16 +89,16 @@ def client_task(
 
 
 def client_examples(
-    key: SyntheticKey, client: int, size: int
+    key: SyntheticKey, client: int, split: str, count: int
 ) -> tuple[np.ndarray, np.ndarray]:
-    """Client `client`'s `size` examples: float32 features [size, 60] and
-    int64 labels [size]."""
+    """`count` examples of client `client`'s "train" or "test" split: float32
+    features [count, 60] and int64 labels [count]."""
     weights, bias, centre = client_task(key, client)
-    rng = np.random.default_rng([key.seed, _EXAMPLES, client])
-    noise = rng.standard_normal((size, FEATURES), dtype=np.float32)
+    rng = np.random.default_rng([key.seed, _SPLITS[split], client])
+    noise = rng.standard_normal((count, FEATURES), dtype=np.float32)
     x = centre.astype(np.float32) + noise * np.sqrt(_COVARIANCE).astype(np.float32)
-    y = np.empty(size, dtype=np.int64)
-    for start in range(0, size, _CHUNK):  # float64 logits, a chunk at a time
+    y = np.empty(count, dtype=np.int64)
+    for start in range(0, count, _CHUNK):  # float64 logits, a chunk at a time
         rows = x[start : start + _CHUNK].astype(np.float64)
         # einsum, not BLAS: OpenBLAS's gemm was seen to spin forever in the
         # ServerApp's thread of Flower's simulation process
@@ -111,19 +113,23 @@ def client_split(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One client's "train" or "test" split as model inputs `[n, 60, 1, 1]`
     and labels on `device` (the newest `CACHED_CLIENTS` kept per process)."""
-    return _client_split(key, int(_sizes(key.seed, num_clients)[client]), client,
-                         split, device)  # fmt: skip
+    size = int(_sizes(key.seed, num_clients)[client])
+    return _client_tensors(key, client, split, split_size(size, split), device)
+
+
+def split_size(size: int, split: str) -> int:
+    """How many of a client's `size` examples are in its "train" or "test"
+    split."""
+    return train_size(size) if split == "train" else size - train_size(size)
 
 
 @lru_cache(maxsize=CACHED_CLIENTS)
-def _client_split(
-    key: SyntheticKey, size: int, client: int, split: str, device: str
+def _client_tensors(
+    key: SyntheticKey, client: int, split: str, count: int, device: str
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    x, y = client_examples(key, client, size)
-    cut = train_size(size)
-    part = slice(None, cut) if split == "train" else slice(cut, None)
-    features = torch.from_numpy(x[part]).view(-1, FEATURES, 1, 1)
-    return features.to(device), torch.from_numpy(y[part]).to(device)
+    x, y = client_examples(key, client, split, count)
+    features = torch.from_numpy(x).view(-1, FEATURES, 1, 1)
+    return features.to(device), torch.from_numpy(y).to(device)
 
 
 @cache
@@ -132,11 +138,13 @@ def global_test(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The test splits of the first `EVAL_CLIENTS` clients (all of them when
     there are fewer), on the CPU."""
+    sizes = _sizes(key.seed, min(num_clients, EVAL_CLIENTS)).tolist()
     parts = [
-        _client_split(key, int(size), client, "test", "cpu")
-        for client, size in enumerate(_sizes(key.seed, min(num_clients, EVAL_CLIENTS)))
+        client_examples(key, client, "test", split_size(size, "test"))
+        for client, size in enumerate(sizes)
     ]
-    return torch.cat([x for x, _ in parts]), torch.cat([y for _, y in parts])
+    x = np.concatenate([x for x, _ in parts]).reshape(-1, FEATURES, 1, 1)
+    return torch.from_numpy(x), torch.from_numpy(np.concatenate([y for _, y in parts]))
 
 
 def synthetic_dataset(key: SyntheticKey, num_clients: int | None) -> Dataset:
