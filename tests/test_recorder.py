@@ -5,12 +5,14 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import numpy as np
 import pytest
 from flwr.app import ArrayRecord
+from PIL import Image
 
 from pollen.runs.notify import Notifier
 from pollen.runs.recorder import STALL_ROUNDS, RoundRecorder, stalled_at_chance
-from pollen.runs.results import RoundRecord
+from pollen.runs.results import HEATMAP_MAX_INCHES, RoundRecord, plot_label_heatmap
 from pollen.settings import Settings
 from pollen.strategies.round import RoundOutcome
 
@@ -52,3 +54,12 @@ def test_the_recorder_warns_once_with_the_likely_cause(tmp_path: Path, capsys) -
     assert out.count("pollen: warning: accuracy has stayed at chance") == 1
     warning = next(line for line in out.splitlines() if "warning" in line)
     assert f"rose for {STALL_ROUNDS} rounds; likely cause: lr=5 too high" in warning
+
+
+def test_the_label_heatmap_of_ten_thousand_clients_stays_small(tmp_path: Path) -> None:
+    """One row per client up to 30; 10,000 clients share a bounded figure
+    (at 0.35 inch a row it was 385,000 pixels tall and took 9 GiB)."""
+    counts = np.random.default_rng(0).integers(0, 10, (10_000, 10))
+    plot_label_heatmap(counts, tmp_path / "labels.png", "many")
+    with Image.open(tmp_path / "labels.png") as image:
+        assert image.height <= HEATMAP_MAX_INCHES * 110

@@ -343,13 +343,18 @@ def plot_accuracy_against(
     _save(fig, path)
 
 
+HEATMAP_MAX_INCHES = 12.0
+
+
 def plot_label_heatmap(counts: np.ndarray, path: Path, title: str) -> None:
-    """Samples per (client, class), annotated when the grid is small."""
+    """Samples per (client, class), annotated when the grid is small. A row
+    per client up to 30 clients; beyond, the rows share a figure of at most
+    `HEATMAP_MAX_INCHES` (10,000 clients at 0.35 inch a row made a 385,000-
+    pixel-tall image and 9 GiB of memory)."""
     plt = _pyplot()
     clients, classes = counts.shape
-    fig, ax = plt.subplots(
-        figsize=(max(5, 0.5 * classes + 2), max(3, 0.35 * clients + 1.5)), dpi=110
-    )
+    height = min(HEATMAP_MAX_INCHES, max(3, 0.35 * clients + 1.5))
+    fig, ax = plt.subplots(figsize=(max(5, 0.5 * classes + 2), height), dpi=110)
     image = ax.imshow(counts, aspect="auto", cmap="viridis")
     ax.grid(False)
     ax.set(xlabel="class", ylabel="client", title=title)
