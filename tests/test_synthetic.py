@@ -9,7 +9,9 @@ import math
 import numpy as np
 import pytest
 import torch
+from flwr.app import ConfigRecord, Context, Message, RecordDict
 
+from pollen import client_app
 from pollen.settings import Settings, SettingsError
 from pollen.task.node_data import NodeData
 from pollen.task.shards import server_data
@@ -121,3 +123,19 @@ def test_a_node_and_the_server_see_the_same_client() -> None:
 def test_synthetic_settings_are_checked(config: dict, message: str) -> None:
     with pytest.raises(SettingsError, match=message):
         Settings.from_run_config(config)
+
+
+@pytest.mark.usefixtures("task_identity")  # Flower's Message needs a run
+def test_a_deployed_node_answers_the_query_for_a_synthetic_client() -> None:
+    """A deployment still asks its nodes: a synthetic client's answer is its
+    training size and no fingerprint (every node generates the same)."""
+    settings = Settings.from_run_config({"data-set": "synthetic", "num-clients": 30})
+    context = Context(
+        1, 1, {"partition-id": 3, "num-partitions": 30}, RecordDict(),
+        settings.to_run_config(),
+    )  # fmt: skip
+    query = Message(RecordDict({"config": ConfigRecord({})}), dst_node_id=1,
+                    message_type="query")  # fmt: skip
+    answer = client_app.query(query, context).content["node"]
+    assert answer["num-examples"] == train_size(int(client_sizes(30, seed=845)[3]))
+    assert answer["shard-fingerprint"] == "" and answer["own-data"] is False

@@ -101,11 +101,12 @@ class NodeData:
     def shard_fingerprint(self, client: int) -> str:
         """`client`'s shard of the run's data set as `shard_fingerprints` gives
         it, so the server can tell a node whose copy of the data set differs;
-        "" for a node's own examples, which the server does not know."""
+        "" for a node's own examples, which the server does not know, and
+        for generated ones, the same on every node."""
         self.check_client(client)
         if self.own is not None:
             return ""
-        return shard_fingerprints(self.settings, [client])[client]
+        return shard_fingerprints(self.settings, [client]).get(client, "")
 
     def train_shard(
         self, client: int, device: torch.device
