@@ -18,7 +18,7 @@ A simulation's nodes are asked nothing: they share the server's data set
 and machine, hold no data of their own, and never come or go, so node i of
 their sorted IDs serves clients i, i + n, i + 2n, ... for the whole run.
 Start-up then costs one lookup of the node IDs, whatever the number of
-clients (the query cost about 12 ms a node, docs/performance.md).
+clients (the query took 12-20 s for 1,000 nodes, docs/performance.md).
 """
 
 from __future__ import annotations

@@ -23,7 +23,10 @@ message, the state of the clients it trained least recently is written to
 the store (the node's `state-dir`, else the run's `client-state` folder) and
 dropped from `context.state`, to be read back when such a client is next
 sampled. Flower ships a node's whole context to the training process with
-every message, so the bound also bounds what each message carries.
+every message, so the bound also bounds what each message carries. (The
+run's folder is the server's path: right in a simulation or a deployment on
+one machine; a remote node that spills without a `state-dir` of its own
+writes under that path on its own disk.)
 
 A resumed run continues from the server's checkpoint of round R. Files of
 rounds after R written by an earlier run belong to a future that was
