@@ -220,7 +220,7 @@ def test_state_spilled_beyond_the_bound_trains_as_if_kept_in_memory(
     model = build_model("mlp-bn", (1, 8, 8), 10, settings["seed"])
     sent = ArrayRecord(model.state_dict())
     extra = {STATE_DIR: str(tmp_path / "client-state")}  # no checkpoints
-    kept = Context(1, 1, {}, RecordDict(), settings)
+    kept = Context(2, 1, {}, RecordDict(), settings)  # another run: its own files
     bounded = Context(1, 1, {}, RecordDict(), {**settings, "state-memory-mib": 0.01})
     for r in (1, 2):
         for client in (0, 1, 2):
@@ -237,7 +237,22 @@ def test_state_spilled_beyond_the_bound_trains_as_if_kept_in_memory(
     assert sorted(held_bytes(kept)) == [0, 1, 2]
     files = sorted(p.relative_to(tmp_path / "client-state").as_posix()
                    for p in (tmp_path / "client-state").rglob("*.npz"))  # fmt: skip
-    assert files == [  # client 2 is in memory, its file from round 1 the past's
-        "client-0/round-00002.run-1.npz", "client-1/round-00002.run-1.npz",
-        "client-2/round-00001.run-1.npz",
+    # spill files, this run's alone; client 2's from round 1 went when it
+    # trained again (its state moved on in memory)
+    assert files == [
+        "client-0/round-00002.run-1.spill.npz", "client-1/round-00002.run-1.spill.npz",
     ]  # fmt: skip
+
+
+def test_a_resumed_run_never_reads_another_runs_spill_files(tmp_path: Path) -> None:
+    """A spill file holds state that may have moved on in the memory of the
+    run that wrote it: a run resumed from a checkpoint at or after its round
+    must not read it, and deletes it; a durable file of that round it reads."""
+    store = ClientStateStore(tmp_path)
+    store.save(1, 3, run_id=7, state=state(1.0), spill=True)
+    store.save(2, 3, run_id=7, state=state(2.0))
+    assert store.load(1, run_id=7, resume_round=0)[0] == 3  # the run's own
+    assert store.load(1, run_id=8, resume_round=5) is None
+    assert store.load(2, run_id=8, resume_round=5)[0] == 3
+    assert store.forget_abandoned(run_id=8, resume_round=5) == 1
+    assert rounds(store, 1) == [] and rounds(store, 2) == [(3, 7)]

@@ -138,22 +138,30 @@ def test_roster_refuses_duplicate_and_mismatched_partitions() -> None:
 
 
 class FakeGrid:
-    """Answers every message from its node at once, but those to `silent`;
-    pushing a wave takes `seconds` and a pull half a second on the clock `now`."""
+    """Answers every message from its node at once, but those to `silent`,
+    and cannot store those to `refused` (left out of the IDs it returns, as
+    Flower's grids do); pushing takes `seconds` and a pull half a second on
+    the clock `now`."""
 
-    def __init__(self, silent=(), seconds: float = 0.0) -> None:
+    def __init__(self, silent=(), seconds: float = 0.0, refused=()) -> None:
         self.waves: list[list[int]] = []
         self.silent, self.seconds, self.now = set(silent), seconds, 0.0
+        self.refused = set(refused)
         self.replies: dict[str, Message] = {}
+        self.pushed = 0
 
     def push_messages(self, messages):
         self.waves.append([m.metadata.dst_node_id for m in messages])
         self.now += self.seconds
         ids = []
         for message in messages:
-            message_id = f"m{len(self.replies) + len(ids)}-{len(self.waves)}"
-            ids.append(message_id)
+            self.pushed += 1
+            message_id = f"m{self.pushed}"
+            message.metadata.__dict__["_message_id"] = message_id
             node = message.metadata.dst_node_id
+            if node in self.refused:
+                continue
+            ids.append(message_id)
             if node not in self.silent:
                 reply = reply_from(node, RecordDict())
                 reply.metadata.__dict__["_reply_to_message_id"] = message_id
@@ -211,3 +219,13 @@ def test_a_silent_node_holds_back_only_its_own_clients(fake_clock) -> None:
     )
     assert grid.waves == [[1, 2], [2], [2]]
     assert [r.metadata.src_node_id for r in replies] == [2, 2, 2]
+
+
+def test_a_message_the_grid_could_not_store_counts_as_not_answered(
+    fake_clock,
+) -> None:
+    grid = FakeGrid(refused={1})
+    fake_clock(grid)
+    replies = OneMessagePerNode(grid).send_and_receive(to_nodes(1, 2, 1, 2), timeout=5)
+    assert grid.waves == [[1, 2], [2]]
+    assert [r.metadata.src_node_id for r in replies] == [2, 2]

@@ -194,9 +194,13 @@ class OneMessagePerNode:
         return replies
 
     def _push(self, messages: list[Message], in_flight: dict[str, int]) -> None:
+        """Push `messages`; note those the grid took. Flower's grids set each
+        message's ID as they push it and leave a message they could not
+        store out of the IDs they return (or return none): its client counts
+        as not answered, as a node's silence does."""
         if not messages:
             return
-        ids = self._grid.push_messages(messages)
-        for message_id, message in zip(ids, messages, strict=True):
-            if message_id:
-                in_flight[message_id] = message.metadata.dst_node_id
+        pushed = {i for i in self._grid.push_messages(messages) if i}
+        for message in messages:
+            if message.metadata.message_id in pushed:
+                in_flight[message.metadata.message_id] = message.metadata.dst_node_id

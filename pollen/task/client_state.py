@@ -61,7 +61,7 @@ RESUME_ROUND = "resume-round"  # server config: the checkpoint this run started 
 KEEP_FROM = "keep-from"  # server config: the newest round a resume may start from
 
 _MARKER = "state-round-"  # context.state: this client's state is in memory
-_FILE = re.compile(r"round-(\d{5,})\.run-(\d+)\.npz")
+_FILE = re.compile(r"round-(\d{5,})\.run-(\d+)(\.spill)?\.npz")
 
 
 class ClientStateError(RuntimeError):
@@ -73,6 +73,7 @@ class StateFile:
     path: Path
     round: int
     run_id: int
+    spill: bool = False  # written only to free memory: this run's alone
 
 
 class ClientStateStore:
@@ -88,15 +89,24 @@ class ClientStateStore:
         files = []
         for path in folder.iterdir():
             if match := _FILE.fullmatch(path.name):
-                files.append(StateFile(path, int(match[1]), int(match[2])))
+                files.append(
+                    StateFile(path, int(match[1]), int(match[2]), bool(match[3]))
+                )
         return sorted(files, key=lambda f: f.round)
 
     def save(
-        self, client: int, server_round: int, run_id: int, state: dict[str, np.ndarray]
+        self,
+        client: int,
+        server_round: int,
+        run_id: int,
+        state: dict[str, np.ndarray],
+        spill: bool = False,
     ) -> Path:
-        """Write the client's state after `server_round`, atomically."""
+        """Write the client's state after `server_round`, atomically; as a
+        spill file (`.spill.npz`) when it is written only to free memory."""
         folder = self.root / f"client-{client}"
-        path = folder / f"round-{server_round:05d}.run-{run_id}.npz"
+        suffix = ".spill.npz" if spill else ".npz"
+        path = folder / f"round-{server_round:05d}.run-{run_id}{suffix}"
         buffer = io.BytesIO()
         write_npz(buffer, state)
         try:
@@ -113,13 +123,14 @@ class ClientStateStore:
     ) -> tuple[int, dict[str, np.ndarray]] | None:
         """(round, state) of the client's newest valid file, or None.
 
-        Valid: written by this run, or by an earlier one at or before the
-        checkpoint this run resumed from.
+        Valid: written by this run, or (not a spill file: an earlier run's
+        state after a round may have lived on in its memory) by an earlier
+        one at or before the checkpoint this run resumed from.
         """
         valid = [
             f
             for f in self._files(client)
-            if f.run_id == run_id or f.round <= resume_round
+            if f.run_id == run_id or (not f.spill and f.round <= resume_round)
         ]
         if not valid:
             return None
@@ -131,6 +142,13 @@ class ClientStateStore:
                 f"client {client}: its state file {newest.path} is unreadable "
                 f"({err}); delete it to start this client's state from scratch"
             ) from err
+
+    def discard_spills(self, client: int, run_id: int) -> None:
+        """Delete the client's spill files of run `run_id`: its state has
+        moved on in memory since."""
+        for f in self._files(client):
+            if f.spill and f.run_id == run_id:
+                f.path.unlink(missing_ok=True)
 
     def prune(self, client: int, keep_from: int) -> None:
         """Delete files older than the newest one at or before `keep_from`."""
@@ -145,7 +163,8 @@ class ClientStateStore:
 
     def forget_abandoned(self, run_id: int, resume_round: int) -> int:
         """Delete every client's files from earlier runs after `resume_round`
-        (a resumed run replays those rounds). Returns how many went."""
+        (a resumed run replays those rounds), and their spill files. Returns
+        how many went."""
         if not self.root.is_dir():
             return 0
         removed = 0
@@ -154,7 +173,7 @@ class ClientStateStore:
             if not client.isdigit():
                 continue
             for f in self._files(int(client)):
-                if f.run_id != run_id and f.round > resume_round:
+                if f.run_id != run_id and (f.spill or f.round > resume_round):
                     f.path.unlink(missing_ok=True)
                     removed += 1
         return removed
@@ -226,12 +245,14 @@ def persist(
     context: Context, client: int, server_round: int, config: Mapping[str, object]
 ) -> None:
     """Note the round the client trained in; write its state after it when
-    the run checkpoints or the node keeps a `state-dir` of its own."""
+    the run checkpoints or the node keeps a `state-dir` of its own (else drop
+    a spill file it was read back from: it is out of date now)."""
     context.state[f"{_MARKER}{client}"] = ConfigRecord({"round": server_round})
-    if KEEP_FROM not in config and not context.node_config.get(STATE_DIR):
-        return
     store = store_for(context, config)
     if store is None:
+        return
+    if not _durable(context, config):
+        store.discard_spills(client, context.run_id)
         return
     state = export_state(dict(context.state.items()), client)
     if not state:  # plain local training keeps nothing between rounds
@@ -243,6 +264,12 @@ def persist(
             "from scratch (set state-dir in the node config)", err)  # fmt: skip
         return
     store.prune(client, int(config.get(KEEP_FROM, server_round)))
+
+
+def _durable(context: Context, config: Mapping[str, object]) -> bool:
+    """Whether a client's state is written after every round it trains: the
+    run checkpoints, or the node keeps a `state-dir` of its own."""
+    return KEEP_FROM in config or bool(context.node_config.get(STATE_DIR))
 
 
 def held_bytes(context: Context) -> dict[int, int]:
@@ -286,7 +313,8 @@ def spill(
         server_round = last_trained(client)
         state = export_state(dict(context.state.items()), client)
         try:
-            store.save(client, server_round, context.run_id, state)
+            store.save(client, server_round, context.run_id, state,
+                       spill=not _durable(context, config))  # fmt: skip
         except ClientStateError as err:  # keep it in memory: nothing is lost
             log(WARNING, "pollen: %s; client state stays in memory", err)
             break
