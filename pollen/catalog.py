@@ -128,10 +128,12 @@ MODELS: dict[str, ModelInfo] = _by_name(
     ModelInfo("mlp", "two hidden layers"),
     ModelInfo("logreg", "softmax regression, one linear layer (FedProx's synthetic)"),
     ModelInfo("mlp-bn", "the mlp with BatchNorm", batchnorm=True),
-    ModelInfo("cnn", "small CNN with BatchNorm", batchnorm=True),
-    ModelInfo("cnn-gn", "the cnn with GroupNorm (DP-SGD's choice)"),
+    ModelInfo("cnn", "small CNN with BatchNorm", batchnorm=True, min_side=4),
+    ModelInfo("cnn-gn", "the cnn with GroupNorm (DP-SGD's choice)", min_side=4),
     ModelInfo("simple-cnn", "LeNet-style CNN of NIID-Bench", min_side=16),
-    ModelInfo("cnn-lora", "the cnn with a LoRA head", batchnorm=True, lora=True),
+    ModelInfo(
+        "cnn-lora", "the cnn with a LoRA head", batchnorm=True, lora=True, min_side=4
+    ),
     ModelInfo("mobilenet", "MobileNetV2 for small images", batchnorm=True),
     ModelInfo(
         "vgg16-lora",

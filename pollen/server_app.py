@@ -210,9 +210,10 @@ def _train(
     state_config = client_state.server_config(
         run_dir, run_name, resume_round, settings.checkpoint_every > 0
     )
+    state_store = client_state.ClientStateStore(state_config[client_state.STATE_DIR])
+    run_id = grid.run.run_id
     if simulation and resume_round:  # what nodes do when queried (deployment)
-        client_state.ClientStateStore(state_config[client_state.STATE_DIR]) \
-            .forget_abandoned(grid.run.run_id, resume_round)  # fmt: skip
+        state_store.forget_abandoned(run_id, resume_round)
     # a simulation's nodes are not queried: no fingerprint to check theirs by
     fingerprints = (
         {} if simulation else shard_fingerprints(settings, range(settings.num_clients))
@@ -306,6 +307,8 @@ def _train(
         if last > checkpointed and not settings.dp:  # dp runs cannot resume
             _save_checkpoint(settings, run_dir, last, arrays, last_state, elapsed())
         raise
+    finally:  # what clients spilled to free memory no other run reads
+        state_store.remove_spills(run_id)
     buffer = io.BytesIO()
     torch.save(arrays.to_torch_state_dict(), buffer)
     write_atomic(run_dir / "model.pt", buffer.getvalue())

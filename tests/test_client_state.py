@@ -237,11 +237,16 @@ def test_state_spilled_beyond_the_bound_trains_as_if_kept_in_memory(
     assert sorted(held_bytes(kept)) == [0, 1, 2]
     files = sorted(p.relative_to(tmp_path / "client-state").as_posix()
                    for p in (tmp_path / "client-state").rglob("*.npz"))  # fmt: skip
-    # spill files, this run's alone; client 2's from round 1 went when it
-    # trained again (its state moved on in memory)
+    # spill files, this run's alone; client 2's from round 1 stays while its
+    # state is in memory (should round 2's reply fail, that file is its state)
     assert files == [
         "client-0/round-00002.run-1.spill.npz", "client-1/round-00002.run-1.spill.npz",
+        "client-2/round-00001.run-1.spill.npz",
     ]  # fmt: skip
+    store = ClientStateStore(tmp_path / "client-state")
+    assert store.remove_spills(run_id=2) == 0  # another run's: none
+    assert store.remove_spills(run_id=1) == 3  # at the run's end
+    assert not list((tmp_path / "client-state").rglob("*.npz"))
 
 
 def test_a_resumed_run_never_reads_another_runs_spill_files(tmp_path: Path) -> None:

@@ -114,8 +114,10 @@ class ScriptedGrid:
         order: list[int],
         train_seconds: dict[int, float],
         non_finite: frozenset[int] = frozenset(),  # these answer with NaN
+        refused: frozenset[int] = frozenset(),  # the grid cannot store theirs
     ) -> None:
         self.order = list(order)
+        self.refused = refused
         self.train_seconds = train_seconds
         self.non_finite = non_finite
         self.replies: dict[str, tuple[int, object]] = {}
@@ -135,11 +137,13 @@ class ScriptedGrid:
                 ),
                 CLIENT_RECORD: ConfigRecord({CLIENT: client}),
             })  # fmt: skip
-            message_id = f"m{len(self.sent)}"
+            message_id = f"m{len(self.sent)}"  # set on the message, as Flower does
+            message.metadata.__dict__["_message_id"] = message_id
             reply = reply_from(message.metadata.dst_node_id, content)
             reply.metadata.__dict__["_reply_to_message_id"] = message_id
-            self.replies[message_id] = (client, reply)
-            ids.append(message_id)
+            if client not in self.refused:  # left out of the IDs, as Flower does
+                self.replies[message_id] = (client, reply)
+                ids.append(message_id)
         return ids
 
     def pull_messages(self, message_ids):
@@ -205,6 +209,21 @@ def test_replies_all_non_finite_end_the_versions_as_diverged(
         assert len(versions[0].failures) == 2  # both replies, each named
     else:
         assert len(versions) == 4 and all(v.updates for v in versions)
+
+
+@pytest.mark.usefixtures("task_identity")
+def test_a_message_the_grid_could_not_store_leaves_its_client_idle() -> None:
+    """Flower's grids leave a message they could not store out of the IDs
+    they return: its client is not in flight, and the others go on."""
+    grid = ScriptedGrid([], dict.fromkeys(range(3), 0.0), refused=frozenset({0}))
+    loop = engine(grid, concurrency=2, buffer_size=1)
+    start = ArrayRecord({"w": Array(np.zeros(1, np.float32))})
+    versions = list(
+        loop.versions(start, 1, 4, ConfigRecord, lambda: Participants(ROSTER))
+    )
+    assert len(versions) == 4
+    assert {u.client for v in versions for u in v.updates} <= {1, 2}
+    assert 0 in {client for client, _ in grid.sent}  # it was asked, and refused
 
 
 @pytest.mark.usefixtures("task_identity")

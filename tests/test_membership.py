@@ -100,6 +100,13 @@ def test_a_simulations_nodes_are_placed_without_a_query() -> None:
     assert members.refresh().owner == expected and grid.asked == []
 
 
+def test_simulated_nodes_beyond_the_clients_serve_none() -> None:
+    """`--federation-config num-supernodes=3` with num-clients=2."""
+    grid = NodeGrid({33: {}, 11: {}, 22: {}})
+    members = Membership(grid, 2, ConfigRecord(), wait=0.0, simulated=True)
+    assert members.refresh().owner == {0: 11, 1: 22}
+
+
 def test_a_node_whose_shard_differs_from_the_servers_is_warned_about(caplog) -> None:
     """Other size, or the same size with other examples (its fingerprint); a
     node that sends no fingerprint (an older pollen) is taken at its size."""

@@ -110,6 +110,9 @@ def test_a_model_the_data_sets_images_cannot_feed_is_refused() -> None:
     with pytest.raises(SettingsError, match="'vgg16-lora' needs colour images"):
         Settings.from_run_config({"model": "vgg16-lora", "data-set": "mnist"})
     assert Settings.from_run_config({"model": "simple-cnn", "data-set": "mnist"})
+    with pytest.raises(SettingsError, match=r"'cnn' needs images of at least 4x4, "
+                       r"not 1x1; data-set='synthetic'"):  # fmt: skip
+        Settings.from_run_config({"model": "cnn", "data-set": "synthetic"})
 
 
 def test_batch_size_one_is_refused_for_exactly_the_batchnorm_models() -> None:

@@ -246,8 +246,10 @@ def test_ten_thousand_clients_share_a_hundred_nodes(
     rows = history(tmp_path / "many")
     assert [len(r["clients"]) for r in rows] == [100, 100, 100]
     assert rows[-1]["loss"] < rows[0]["loss"]
-    spilled = list((tmp_path / "many" / "client-state").glob("client-*"))
+    state = tmp_path / "many" / "client-state"
+    spilled = list(state.glob("client-*"))  # a folder for each client spilled
     assert 150 <= len(spilled) < 300  # of 300 trainings; each node keeps its last
+    assert not list(state.rglob("*.npz"))  # the run's spill files go at its end
 
 
 def test_failed_run_exits_non_zero_with_the_reason(tmp_path: Path) -> None:

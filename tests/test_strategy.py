@@ -148,6 +148,7 @@ class FakeGrid:
         self.silent, self.seconds, self.now = set(silent), seconds, 0.0
         self.refused = set(refused)
         self.replies: dict[str, Message] = {}
+        self.held: dict[str, int] = {}  # messages to silent nodes: id -> node
         self.pushed = 0
 
     def push_messages(self, messages):
@@ -162,11 +163,22 @@ class FakeGrid:
             if node in self.refused:
                 continue
             ids.append(message_id)
-            if node not in self.silent:
-                reply = reply_from(node, RecordDict())
-                reply.metadata.__dict__["_reply_to_message_id"] = message_id
-                self.replies[message_id] = reply
+            if node in self.silent:
+                self.held[message_id] = node
+            else:
+                self._answer(message_id, node)
         return ids
+
+    def _answer(self, message_id: str, node: int) -> None:
+        reply = reply_from(node, RecordDict())
+        reply.metadata.__dict__["_reply_to_message_id"] = message_id
+        self.replies[message_id] = reply
+
+    def wake(self, node: int) -> None:
+        """Node `node` answers what it held, and from now on at once."""
+        self.silent.discard(node)
+        for message_id in [i for i, n in self.held.items() if n == node]:
+            self._answer(message_id, self.held.pop(message_id))
 
     def pull_messages(self, message_ids):
         self.now += 0.5
@@ -229,3 +241,20 @@ def test_a_message_the_grid_could_not_store_counts_as_not_answered(
     replies = OneMessagePerNode(grid).send_and_receive(to_nodes(1, 2, 1, 2), timeout=5)
     assert grid.waves == [[1, 2], [2]]
     assert [r.metadata.src_node_id for r in replies] == [2, 2]
+
+
+def test_a_node_late_in_one_call_is_sent_nothing_until_it_answers(fake_clock) -> None:
+    """A simulation runs a message whose reply came too late all the same: the
+    node's next message waits for that reply, in a later call too (two
+    trainings at once would race on the node's state); the late reply is
+    dropped."""
+    grid = FakeGrid(silent={1})
+    fake_clock(grid)
+    sender = OneMessagePerNode(grid)
+    assert len(sender.send_and_receive(to_nodes(1, 2), timeout=5)) == 1
+    assert len(sender.send_and_receive(to_nodes(1, 2), timeout=5)) == 1
+    grid.wake(1)
+    replies = sender.send_and_receive(to_nodes(1, 2), timeout=5)
+    assert grid.waves == [[1, 2], [2], [2], [1]]
+    assert [r.metadata.src_node_id for r in replies] == [2, 1]
+    assert all(r.metadata.reply_to_message_id in ("m4", "m5") for r in replies)

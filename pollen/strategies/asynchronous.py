@@ -206,10 +206,15 @@ class BufferedAsync:
         messages = addressed(
             MessageType.TRAIN, chosen, payload, config, version + 1, owner
         )
-        ids = list(self.grid.push_messages(messages))
+        # a message the grid could not store is left out of its IDs: its
+        # client stays idle (Flower's grids set each message's ID on it)
+        pushed = {i for i in self.grid.push_messages(messages) if i}
         now = time.monotonic()
         bytes_down = payload.count_bytes()  # the same payload to every client
-        for client, message, message_id in zip(chosen, messages, ids, strict=True):
+        for client, message in zip(chosen, messages, strict=True):
+            message_id = message.metadata.message_id
+            if message_id not in pushed:
+                continue
             pending.bytes_down += bytes_down
             request = TrainRequest(
                 server_round=version + 1, messages=[message], clients=[client],

@@ -151,9 +151,10 @@ class Membership:
 
     def _simulated_roster(self) -> Roster:
         """A simulation's fixed placement: the k-th of the sorted node IDs
-        serves clients k, k + n, ... (see module docstring)."""
+        serves clients k, k + n, ... (see module docstring); nodes beyond
+        `num-clients` serve none."""
         if self.roster is None:
-            nodes = sorted(self.connected())
+            nodes = sorted(self.connected())[: self.num_clients]
             self.roster = Roster.from_nodes(
                 {node: (k, len(nodes)) for k, node in enumerate(nodes)},
                 self.num_clients,

@@ -151,13 +151,16 @@ class OneMessagePerNode:
     its own: the next goes out as soon as the node answers the one before,
     so a node's state is never touched by two trainings at once and no node
     waits for another's stragglers. The timeout bounds the whole call, as it
-    does for Flower's grid. A node that did not answer may still be busy, so
-    it is sent nothing more; its clients count as not answered.
+    does for Flower's grid. A node that did not answer within it may still
+    be busy (a simulation runs the message all the same), so it is sent
+    nothing more until it answers, in this call or a later one; meanwhile
+    its clients count as not answered, and that late reply is dropped.
     """
 
     def __init__(self, grid: Any, poll_seconds: float = 0.05) -> None:
         self._grid = grid
         self.poll_seconds = poll_seconds
+        self._unanswered: dict[str, int] = {}  # earlier calls' messages: id -> node
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._grid, name)
@@ -165,32 +168,38 @@ class OneMessagePerNode:
     def send_and_receive(
         self, messages: Iterable[Message], *, timeout: float | None = None
     ) -> list[Message]:
-        """Push every node's first message, then each node's next one as its
-        reply comes in; pull replies every `poll_seconds` (Flower's own
+        """Push every free node's first message, then each node's next one as
+        its reply comes in; pull replies every `poll_seconds` (Flower's own
         `send_and_receive` sleeps 3 s between pulls in a deployment, which
         would round every round's time up to a multiple of 3 s)."""
         deadline = None if timeout is None else time.monotonic() + timeout
         queues: dict[int, deque[Message]] = {}
         for message in messages:
             queues.setdefault(message.metadata.dst_node_id, deque()).append(message)
-        in_flight: dict[str, int] = {}  # message id -> its node
+        earlier = self._unanswered
+        in_flight: dict[str, int] = {}  # this call's messages: id -> node
         replies: list[Message] = []
-        ready = list(queues)
+        busy = set(earlier.values())
+        ready = [n for n in queues if n not in busy]
         while True:
-            self._push([queues[n].popleft() for n in ready if queues[n]], in_flight)
-            if not in_flight:
+            self._push([queues[n].popleft() for n in ready if queues.get(n)], in_flight)
+            holding = [i for i, n in earlier.items() if queues.get(n)]
+            if not in_flight and not holding:
                 break
-            got = list(self._grid.pull_messages(list(in_flight)))
+            got = list(self._grid.pull_messages([*in_flight, *earlier]))
             ready = []
             for reply in got:
-                node = in_flight.pop(reply.metadata.reply_to_message_id, None)
-                if node is not None:
+                message_id = reply.metadata.reply_to_message_id
+                if (node := in_flight.pop(message_id, None)) is not None:
                     replies.append(reply)
                     ready.append(node)
+                elif (node := earlier.pop(message_id, None)) is not None:
+                    ready.append(node)  # free again; its reply is too late
             if deadline is not None and time.monotonic() >= deadline:
                 break
             if not got:
                 time.sleep(self.poll_seconds)
+        earlier.update(in_flight)
         return replies
 
     def _push(self, messages: list[Message], in_flight: dict[str, int]) -> None:

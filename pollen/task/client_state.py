@@ -23,7 +23,9 @@ message, the state of the clients it trained least recently is written to
 the store (the node's `state-dir`, else the run's `client-state` folder) and
 dropped from `context.state`, to be read back when such a client is next
 sampled. Flower ships a node's whole context to the training process with
-every message, so the bound also bounds what each message carries. (The
+every message, so the bound also bounds what each message carries. Spill
+files are the run's alone (no other run reads them); the server removes
+them when the run ends. (The
 run's folder is the server's path: right in a simulation or a deployment on
 one machine; a remote node that spills without a `state-dir` of its own
 writes under that path on its own disk.)
@@ -43,7 +45,7 @@ from __future__ import annotations
 
 import io
 import re
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from logging import WARNING
 from pathlib import Path
@@ -143,12 +145,15 @@ class ClientStateStore:
                 f"({err}); delete it to start this client's state from scratch"
             ) from err
 
-    def discard_spills(self, client: int, run_id: int) -> None:
-        """Delete the client's spill files of run `run_id`: its state has
-        moved on in memory since."""
-        for f in self._files(client):
+    def remove_spills(self, run_id: int) -> int:
+        """Delete every client's spill files of run `run_id`, which no other
+        run reads (at the run's end). Returns how many went."""
+        removed = 0
+        for f in self._all_files():
             if f.spill and f.run_id == run_id:
                 f.path.unlink(missing_ok=True)
+                removed += 1
+        return removed
 
     def prune(self, client: int, keep_from: int) -> None:
         """Delete files older than the newest one at or before `keep_from`."""
@@ -165,18 +170,21 @@ class ClientStateStore:
         """Delete every client's files from earlier runs after `resume_round`
         (a resumed run replays those rounds), and their spill files. Returns
         how many went."""
-        if not self.root.is_dir():
-            return 0
         removed = 0
+        for f in self._all_files():
+            if f.run_id != run_id and (f.spill or f.round > resume_round):
+                f.path.unlink(missing_ok=True)
+                removed += 1
+        return removed
+
+    def _all_files(self) -> Iterator[StateFile]:
+        """Every client's files."""
+        if not self.root.is_dir():
+            return
         for folder in self.root.glob("client-*"):
             client = folder.name.removeprefix("client-")
-            if not client.isdigit():
-                continue
-            for f in self._files(int(client)):
-                if f.run_id != run_id and (f.spill or f.round > resume_round):
-                    f.path.unlink(missing_ok=True)
-                    removed += 1
-        return removed
+            if client.isdigit():
+                yield from self._files(int(client))
 
 
 def export_state(records: dict[str, object], client: int) -> dict[str, np.ndarray]:
@@ -245,14 +253,17 @@ def persist(
     context: Context, client: int, server_round: int, config: Mapping[str, object]
 ) -> None:
     """Note the round the client trained in; write its state after it when
-    the run checkpoints or the node keeps a `state-dir` of its own (else drop
-    a spill file it was read back from: it is out of date now)."""
+    the run checkpoints or the node keeps a `state-dir` of its own.
+
+    A spill file the state was read back from stays: should this message
+    fail, Flower keeps the node's context from before it, which lacks the
+    client, and that file is then its state. A later spill writes a newer
+    one; the server removes the run's spill files when the run ends."""
     context.state[f"{_MARKER}{client}"] = ConfigRecord({"round": server_round})
+    if not _durable(context, config):
+        return
     store = store_for(context, config)
     if store is None:
-        return
-    if not _durable(context, config):
-        store.discard_spills(client, context.run_id)
         return
     state = export_state(dict(context.state.items()), client)
     if not state:  # plain local training keeps nothing between rounds

@@ -40,8 +40,13 @@ CLASSES = 10
 TRAIN_SHARE = 0.9
 EVAL_CLIENTS = 1000  # whose test splits make the global test set
 CACHED_CLIENTS = 256  # clients' examples a process keeps (it trains few at once)
-_SIZES, _TASK = 0, 1  # generator streams per seed; a client's splits: 2, 3
-_SPLITS = {"train": 2, "test": 3}
+# Generator streams per seed: [seed, _TAG, stream(, client)]. The tag keeps
+# them apart from pollen's other streams of the seed ([seed, round] samples
+# a round's clients), and numpy's seeding ignores trailing zeros, so no
+# stream is 0.
+_TAG = 0x53594E  # "SYN"
+_SIZES, _TASK = 1, 2  # a client's splits: 3, 4
+_SPLITS = {"train": 3, "test": 4}
 _CHUNK = 65_536  # examples whose logits are computed at once
 _COVARIANCE = np.arange(1, FEATURES + 1, dtype=np.float64) ** -1.2
 
@@ -62,7 +67,7 @@ def client_sizes(num_clients: int, seed: int) -> np.ndarray:
 
 @cache
 def _sizes(seed: int, num_clients: int) -> np.ndarray:
-    rng = np.random.default_rng([seed, _SIZES])
+    rng = np.random.default_rng([seed, _TAG, _SIZES])
     return rng.lognormal(4.0, 2.0, num_clients).astype(np.int64) + 50
 
 
@@ -80,7 +85,7 @@ def client_task(
     key: SyntheticKey, client: int
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Client `client`'s (W_k, b_k, v_k)."""
-    rng = np.random.default_rng([key.seed, _TASK, client])
+    rng = np.random.default_rng([key.seed, _TAG, _TASK, client])
     u, b_mean = rng.normal(0.0, key.alpha), rng.normal(0.0, key.beta)
     weights = rng.normal(u, 1.0, (FEATURES, CLASSES))
     bias = rng.normal(u, 1.0, CLASSES)
@@ -94,7 +99,7 @@ def client_examples(
     """`count` examples of client `client`'s "train" or "test" split: float32
     features [count, 60] and int64 labels [count]."""
     weights, bias, centre = client_task(key, client)
-    rng = np.random.default_rng([key.seed, _SPLITS[split], client])
+    rng = np.random.default_rng([key.seed, _TAG, _SPLITS[split], client])
     noise = rng.standard_normal((count, FEATURES), dtype=np.float32)
     x = centre.astype(np.float32) + noise * np.sqrt(_COVARIANCE).astype(np.float32)
     y = np.empty(count, dtype=np.int64)
