@@ -4,8 +4,11 @@
         [--against DIR | --warm]
 
 Prints one row per run: total wall time of the command (SuperLink start to
-exit), time before the first round finished, the mean of the later rounds,
-and the final accuracy. Start-up = total - sum of per-round seconds.
+exit), start-up = total - sum of per-round seconds, round 1, the mean of
+the later rounds, fixed = total - rounds x that mean (what the run costs
+beyond its rounds at their steady pace: since a simulation no longer asks
+its nodes anything before round 1, the ClientApp actors start inside round
+1, so start-up alone no longer holds all of it), and the final accuracy.
 
 `--against DIR` measures a change side by side: runs alternate between this
 checkout and DIR, another checkout of the project (`git worktree add DIR
@@ -45,14 +48,14 @@ def main() -> None:
             run = run_pollen(args.run_config, Path(tmp), f"{label}-{i}", tree,
                              options=options.get(label, ()))  # fmt: skip
             rows.append((label, i, run))
-    print("| tree | run | wall s | start-up s | round 1 s | later rounds s | rounds "
-          "| accuracy |")  # fmt: skip
-    print("|---|---|---|---|---|---|---|---|")
+    print("| tree | run | wall s | start-up s | round 1 s | later rounds s | fixed s "
+          "| rounds | accuracy |")  # fmt: skip
+    print("|---|---|---|---|---|---|---|---|---|")
     for label, i, r in rows:
         print(
             f"| {label} | {i} | {r['wall']:.1f} | {r['start-up']:.1f} | "
-            f"{r['rounds'][0]:.2f} | {_later(r):.3f} | {len(r['rounds'])} | "
-            f"{100 * r['accuracy']:.2f}% |"
+            f"{r['rounds'][0]:.2f} | {_later(r):.3f} | {_fixed(r):.1f} | "
+            f"{len(r['rounds'])} | {100 * r['accuracy']:.2f}% |"
         )
     for label in trees:
         runs = [r for tree, _, r in rows if tree == label]
@@ -61,7 +64,8 @@ def main() -> None:
             f"| {label} | mean of {n} | {sum(r['wall'] for r in runs) / n:.1f} | "
             f"{sum(r['start-up'] for r in runs) / n:.1f} | "
             f"{sum(r['rounds'][0] for r in runs) / n:.2f} | "
-            f"{sum(_later(r) for r in runs) / n:.3f} | | |"
+            f"{sum(_later(r) for r in runs) / n:.3f} | "
+            f"{sum(_fixed(r) for r in runs) / n:.1f} | | |"
         )
 
 
@@ -69,6 +73,11 @@ def _later(run: dict) -> float:
     """Mean seconds of the rounds after the first (0 for a 1-round run)."""
     later = run["rounds"][1:]
     return sum(later) / len(later) if later else 0.0
+
+
+def _fixed(run: dict) -> float:
+    """Wall seconds beyond the rounds at the later rounds' pace."""
+    return run["wall"] - len(run["rounds"]) * _later(run)
 
 
 if __name__ == "__main__":

@@ -14,7 +14,8 @@ client's examples are made only where it trains, so the clients that are
 not sampled should cost nothing but a few bytes each: the round time and
 peak memory at the largest size should be those of the smallest. FedDyn's
 per-client h_k stays in its node's context up to `state-memory-mib` per
-node, beyond that on disk (`client-state/` of the run: "state spilled").
+node, beyond that on disk ("state spilled": the clients whose state went
+there, as the server says at the run's end).
 
 Synthetic's client sizes are power-law (lognormal), so a round's time
 depends on which clients it samples; the table also gives the examples
@@ -30,6 +31,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import tempfile
 import time
 from dataclasses import dataclass
@@ -42,6 +44,7 @@ from measure import PROJECT, run_pollen, settings_of
 from pollen.catalog import DATA_SETS
 from pollen.settings import Scalar, Settings
 from pollen.strategies.sharing import Sharing
+from pollen.task.client_state import SPILLED_LINE
 from pollen.task.data import CACHE_ENV
 from pollen.task.inputs import settings_model
 from pollen.task.shards import server_data
@@ -132,9 +135,12 @@ def clients_trained(run_dir: Path) -> int:
 
 
 def clients_spilled(run_dir: Path) -> int:
-    """Clients with a state file in the run's `client-state/` (no checkpoints
-    here, so every file is a spill)."""
-    return sum(1 for _ in (run_dir / "client-state").glob("client-*"))
+    """Clients whose state went to disk, as the server says at the run's end
+    (when it removes their spill files)."""
+    said = re.search(
+        SPILLED_LINE.replace("%d", r"(\d+)"), (run_dir / "flower.log").read_text()
+    )
+    return int(said[1]) if said else 0
 
 
 def examples_per_round(run_dir: Path, sizes: list[int]) -> list[int]:

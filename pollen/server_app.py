@@ -308,7 +308,8 @@ def _train(
             _save_checkpoint(settings, run_dir, last, arrays, last_state, elapsed())
         raise
     finally:  # what clients spilled to free memory no other run reads
-        state_store.remove_spills(run_id)
+        if spilled := state_store.remove_spills(run_id):
+            log(INFO, client_state.SPILLED_LINE, spilled)
     buffer = io.BytesIO()
     torch.save(arrays.to_torch_state_dict(), buffer)
     write_atomic(run_dir / "model.pt", buffer.getvalue())

@@ -29,6 +29,7 @@ from flwr.app import ArrayRecord
 
 from pollen.deployment.processes import descendants, free_port
 from pollen.strategies.sharing import Sharing
+from pollen.task.client_state import SPILLED_LINE
 from pollen.task.models import build_model
 from tests.conftest import PROJECT
 
@@ -239,17 +240,15 @@ def test_ten_thousand_clients_share_a_hundred_nodes(
         warm=warm_federation,
     )
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
-    assert (
-        "pollen: 10000 clients on 100 nodes"
-        in (tmp_path / "many" / "flower.log").read_text()
-    )
+    log = (tmp_path / "many" / "flower.log").read_text()
+    assert "pollen: 10000 clients on 100 nodes" in log
     rows = history(tmp_path / "many")
     assert [len(r["clients"]) for r in rows] == [100, 100, 100]
     assert rows[-1]["loss"] < rows[0]["loss"]
-    state = tmp_path / "many" / "client-state"
-    spilled = list(state.glob("client-*"))  # a folder for each client spilled
-    assert 150 <= len(spilled) < 300  # of 300 trainings; each node keeps its last
-    assert not list(state.rglob("*.npz"))  # the run's spill files go at its end
+    spilled = re.search(SPILLED_LINE.replace("%d", r"(\d+)"), log)
+    assert spilled, log[-3000:]
+    assert 150 <= int(spilled[1]) < 300  # of 300 trainings; each node keeps its last
+    assert not list((tmp_path / "many").rglob("*.npz"))  # spills go at the end
 
 
 def test_failed_run_exits_non_zero_with_the_reason(tmp_path: Path) -> None:

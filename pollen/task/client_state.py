@@ -43,6 +43,7 @@ renamed.
 
 from __future__ import annotations
 
+import contextlib
 import io
 import re
 from collections.abc import Iterator, Mapping
@@ -62,6 +63,9 @@ RUN_NAME = "run-name"  # server config: the run's name, a folder under a node's 
 RESUME_ROUND = "resume-round"  # server config: the checkpoint this run started from
 KEEP_FROM = "keep-from"  # server config: the newest round a resume may start from
 
+# Said by the server at the end of a run whose nodes wrote client state to
+# disk to stay within state-memory-mib (benchmarks/scale.py reads it)
+SPILLED_LINE = "pollen: %d clients' state went to disk beyond state-memory-mib"
 _MARKER = "state-round-"  # context.state: this client's state is in memory
 _FILE = re.compile(r"round-(\d{5,})\.run-(\d+)(\.spill)?\.npz")
 
@@ -147,13 +151,17 @@ class ClientStateStore:
 
     def remove_spills(self, run_id: int) -> int:
         """Delete every client's spill files of run `run_id`, which no other
-        run reads (at the run's end). Returns how many went."""
-        removed = 0
+        run reads (at the run's end), and the folders that leaves empty.
+        Returns how many clients had spilled."""
+        clients = set()
         for f in self._all_files():
             if f.spill and f.run_id == run_id:
                 f.path.unlink(missing_ok=True)
-                removed += 1
-        return removed
+                clients.add(f.path.parent)
+        for folder in clients:
+            with contextlib.suppress(OSError):  # not empty: durable files
+                folder.rmdir()
+        return len(clients)
 
     def prune(self, client: int, keep_from: int) -> None:
         """Delete files older than the newest one at or before `keep_from`."""
