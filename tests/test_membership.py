@@ -100,6 +100,24 @@ def test_a_simulations_nodes_are_placed_without_a_query() -> None:
     assert members.refresh().owner == expected and grid.asked == []
 
 
+def test_a_simulations_placement_waits_for_its_nodes_to_be_registered() -> None:
+    """Flower registers a simulation's nodes after the ServerApp's thread has
+    started: a placement made from the first of them would hold for the
+    whole run, so the IDs are read until two reads agree."""
+
+    class Registering(NodeGrid):
+        def __init__(self, reads: list[list[int]]) -> None:
+            super().__init__({})
+            self.reads = reads
+
+        def get_node_ids(self) -> list[int]:
+            return self.reads.pop(0) if len(self.reads) > 1 else self.reads[0]
+
+    grid = Registering([[11], [11, 22], [11, 22, 33]])
+    members = Membership(grid, 6, ConfigRecord(), wait=0.0, simulated=True)
+    assert members.refresh().owner == {0: 11, 1: 22, 2: 33, 3: 11, 4: 22, 5: 33}
+
+
 def test_simulated_nodes_beyond_the_clients_serve_none() -> None:
     """`--federation-config num-supernodes=3` with num-clients=2."""
     grid = NodeGrid({33: {}, 11: {}, 22: {}})

@@ -17,7 +17,8 @@ replies may claim (the server cannot compute its shard).
 A simulation's nodes are asked nothing: they share the server's data set
 and machine, hold no data of their own, and never come or go, so node i of
 their sorted IDs serves clients i, i + n, i + 2n, ... for the whole run.
-Start-up then costs one lookup of the node IDs, whatever the number of
+Start-up then costs two lookups of the node IDs 0.05 s apart (until they
+agree: Flower may still be registering the nodes), whatever the number of
 clients (the query took 12-20 s for 1,000 nodes, docs/performance.md).
 """
 
@@ -44,6 +45,7 @@ from .sampling import Participants, Roster, RosterError
 
 QUERY_TIMEOUT_SECONDS = 300.0  # a first query may decode a data set
 POLL_SECONDS = 1.0
+SETTLE_SECONDS = 0.05  # a simulation's nodes are registered in one burst
 
 
 @dataclass(frozen=True)
@@ -154,12 +156,24 @@ class Membership:
         serves clients k, k + n, ... (see module docstring); nodes beyond
         `num-clients` serve none."""
         if self.roster is None:
-            nodes = sorted(self.connected())[: self.num_clients]
+            nodes = sorted(self._settled())[: self.num_clients]
             self.roster = Roster.from_nodes(
                 {node: (k, len(nodes)) for k, node in enumerate(nodes)},
                 self.num_clients,
             )
         return self.roster
+
+    def _settled(self) -> set[int]:
+        """The connected nodes, read until two reads `SETTLE_SECONDS` apart
+        agree: Flower's simulation starts the ServerApp's thread before it
+        registers the nodes, and the placement, fixed for the run, must not
+        be made from some of them."""
+        nodes = self.connected()
+        while True:
+            time.sleep(SETTLE_SECONDS)
+            if (again := set(self.grid.get_node_ids())) == nodes:
+                return nodes
+            nodes = again
 
     def _query(self, node_ids: list[int]) -> dict[int, NodeReport]:
         if not node_ids:
