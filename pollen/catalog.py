@@ -21,19 +21,50 @@ Scalar = bool | int | float | str
 @dataclass(frozen=True)
 class TrainingDefaults:
     """The client's hyper-parameters where the run config leaves them "auto":
-    what a data set trains well with under the default model (mlp) and the
-    run's other defaults, chosen by measurement (docs/usage.md, "Defaults per
-    data set"); any explicit value wins."""
+    what a data set trains well with, chosen by measurement (docs/usage.md,
+    "Defaults per data set and model"); any explicit value wins.
+
+    `lr` is the rate of SGD with momentum for the default mlp, `model_lr`
+    the rates measured for other models (a model not named takes `lr`), and
+    `adaptive_lr` the rate of the adaptive client optimisers (adam, adamw):
+    their step is the gradient over its running RMS, so its size does not
+    scale with the gradient's and their rate sits far below SGD's.
+    """
 
     lr: float
     momentum: float = 0.9
     batch_size: int = 16
     local_epochs: int = 2
+    model_lr: tuple[tuple[str, float], ...] = ()
+    adaptive_lr: float = 0.001
+
+    def values(self, model: str, client_optimizer: str) -> dict[str, Scalar]:
+        """Each of TRAINING_KEYS for `model` trained with `client_optimizer`."""
+        if client_optimizer in ADAPTIVE_OPTIMIZERS:
+            lr = self.adaptive_lr
+        else:
+            lr = dict(self.model_lr).get(model, self.lr)
+        return {
+            "lr": lr,
+            "momentum": self.momentum,
+            "batch-size": self.batch_size,
+            "local-epochs": self.local_epochs,
+        }
+
+    def describe(self, key: str) -> str:
+        """`key`'s default with its exceptions: "0.01 (cnn 0.05; adam/adamw 0.001)"."""
+        plain = self.values("mlp", "sgd")[key]
+        if key != "lr":
+            return f"{plain:g}"
+        exceptions = [f"{model} {lr:g}" for model, lr in self.model_lr]
+        exceptions.append(f"{'/'.join(ADAPTIVE_OPTIMIZERS)} {self.adaptive_lr:g}")
+        return f"{plain:g} ({'; '.join(exceptions)})"
 
 
-# The run-config keys "auto" takes from `TrainingDefaults` (attribute: key
-# with "_" for "-")
+# The run-config keys "auto" takes from `TrainingDefaults`
 TRAINING_KEYS = ("lr", "momentum", "batch-size", "local-epochs")
+# the client optimisers whose rate is `TrainingDefaults.adaptive_lr`
+ADAPTIVE_OPTIMIZERS = ("adam", "adamw")
 
 
 @dataclass(frozen=True)
@@ -102,21 +133,24 @@ def _by_name(*items: Any) -> dict[str, Any]:
     return {item.name: item for item in items}
 
 
-# The learning rates are the best of 0.005, 0.01, 0.02 and 0.05 after 2 rounds
-# of the mlp (results/defaults-lr, docs/usage.md); cifar100's is cifar10's
-# (not measured). digits keeps the quick run's tuned 0.05. synthetic takes the
-# FedProx paper's plain SGD at 0.01 with batch 10 (one epoch, not its 20).
+# The learning rates are the best of four after 2 rounds (docs/usage.md,
+# "Defaults per data set and model"): SGD's of 0.005, 0.01, 0.02 and 0.05 for
+# the mlp (configs/grids/defaults-lr.toml) and the cnn (defaults-lr-cnn.toml),
+# AdamW's of 0.0003, 0.001, 0.003 and 0.01 for the mlp (defaults-lr-adam.toml).
+# cifar100's are cifar10's (not measured). digits keeps the quick run's tuned
+# 0.05. synthetic takes the FedProx paper's plain SGD at 0.01 with batch 10
+# (one epoch, not its 20).
 DATA_SETS: dict[str, DataSetInfo] = _by_name(
     DataSetInfo("digits", 1, 8, 10, 1437, "scikit-learn's 8x8 digits (1,797 images)",
-                TrainingDefaults(lr=0.05)),
+                TrainingDefaults(lr=0.05, adaptive_lr=0.01)),
     DataSetInfo("mnist", 1, 28, 10, 60000, "handwritten digits",
                 TrainingDefaults(lr=0.01)),
     DataSetInfo("fashion-mnist", 1, 28, 10, 60000, "Zalando's clothing images",
                 TrainingDefaults(lr=0.01)),
     DataSetInfo("cifar10", 3, 32, 10, 50000, "32x32 colour images, 10 classes",
-                TrainingDefaults(lr=0.005)),
+                TrainingDefaults(lr=0.005, adaptive_lr=0.0003)),
     DataSetInfo("cifar100", 3, 32, 100, 50000, "32x32 colour images, 100 classes",
-                TrainingDefaults(lr=0.005)),
+                TrainingDefaults(lr=0.005, adaptive_lr=0.0003)),
     DataSetInfo("synthetic", 60, 1, 10, 1_000_000,
                 "FedProx's Synthetic(alpha, beta): a softmax-regression task per "
                 "client, power-law sizes, generated from the seed",
@@ -240,7 +274,7 @@ FEDDYN_H_SCALES = ("num-clients", "participants")
 # natural: each client is its own task (a generated data set's own split)
 PARTITIONS = ("iid", "niid", "niid-client", "pathological", "silos", "natural")
 CLASS_ASSIGNMENTS = ("first-deterministic", "deterministic", "random")
-CLIENT_OPTIMIZERS = ("sgd", "adam", "adamw")
+CLIENT_OPTIMIZERS = ("sgd", *ADAPTIVE_OPTIMIZERS)
 DEVICES = ("auto", "cpu", "cuda", "mps")
 TRACKERS = ("none", "tensorboard", "mlflow")
 # MLflow stores a run may name besides an http(s) tracking server

@@ -136,11 +136,10 @@ def describe_key(name: str) -> str:
         f"  allowed: {allowed or 'any'}",
     ]
     if name in TRAINING_KEYS:  # "auto" means the data set's measured value
-        attribute = name.replace("-", "_")
         lines.append(
             "  auto, by data set: "
             + ", ".join(
-                f"{data_set} {getattr(info.training, attribute):g}"
+                f"{data_set} {info.training.describe(name)}"
                 for data_set, info in DATA_SETS.items()
             )
         )

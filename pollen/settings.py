@@ -189,7 +189,11 @@ class Settings:
         AUTO, "local batch size (auto: the data set's)", at_least(1), int
     )
     lr: float = key(
-        AUTO, "initial client learning rate (auto: the data set's)", above(0), float
+        AUTO,
+        "initial client learning rate (auto: the data set's for the model and "
+        "client optimiser)",
+        above(0),
+        float,
     )
     momentum: float = key(
         AUTO,
@@ -671,11 +675,15 @@ def sample_size(num_clients: int, fraction: float, minimum: int) -> int:
 
 def _resolve_preset(values: dict[str, Scalar]) -> None:
     """Replace every "auto" with the value the strategy preset gives it, or
-    for the client's hyper-parameters the data set's defaults."""
+    for the client's hyper-parameters the data set's defaults for the model
+    and client optimiser."""
     data_set = DATA_SETS[str(values["data-set"])]
+    training = data_set.training.values(
+        str(values["model"]), str(values["client-optimizer"])
+    )
     for name in TRAINING_KEYS:
         if values[name] == AUTO:
-            values[name] = getattr(data_set.training, name.replace("-", "_"))
+            values[name] = training[name]
     if values["partition"] == AUTO:
         values["partition"] = data_set.partition
     preset = PRESETS[str(values["strategy"])]

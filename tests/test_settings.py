@@ -41,6 +41,24 @@ def test_auto_client_hyper_parameters_are_the_data_sets_and_a_value_wins(
     assert given.to_run_config()["lr"] == 0.2 and auto.to_run_config()["lr"] == lr
 
 
+@pytest.mark.parametrize(
+    ("data_set", "model", "optimizer", "lr"),
+    [
+        ("mnist", "mobilenet", "sgd", 0.01),  # not measured: the mlp's
+        ("mnist", "mlp", "adamw", 0.001),
+        ("mnist", "cnn", "adam", 0.001),  # adaptive rates hold for any model
+        ("digits", "mlp", "adamw", 0.01),
+        ("cifar10", "mlp", "adam", 0.0003),
+    ],
+)
+def test_auto_lr_follows_the_model_and_the_client_optimizer(
+    data_set: str, model: str, optimizer: str, lr: float
+) -> None:
+    config = {"data-set": data_set, "model": model, "client-optimizer": optimizer}
+    assert Settings.from_run_config(config).lr == lr
+    assert Settings.from_run_config({**config, "lr": 0.2}).lr == 0.2
+
+
 def test_pyproject_declares_every_key_with_the_same_type() -> None:
     pyproject = tomllib.loads((PROJECT / "pyproject.toml").read_text())
     config = pyproject["tool"]["flwr"]["app"]["config"]
