@@ -190,8 +190,7 @@ class Settings:
     )
     lr: float = key(
         AUTO,
-        "initial client learning rate (auto: the data set's for the model and "
-        "client optimiser)",
+        "initial client learning rate (auto: the data set's for the client optimiser)",
         above(0),
         float,
     )
@@ -675,12 +674,10 @@ def sample_size(num_clients: int, fraction: float, minimum: int) -> int:
 
 def _resolve_preset(values: dict[str, Scalar]) -> None:
     """Replace every "auto" with the value the strategy preset gives it, or
-    for the client's hyper-parameters the data set's defaults for the model
-    and client optimiser."""
+    for the client's hyper-parameters the data set's defaults for the client
+    optimiser."""
     data_set = DATA_SETS[str(values["data-set"])]
-    training = data_set.training.values(
-        str(values["model"]), str(values["client-optimizer"])
-    )
+    training = data_set.training.values(str(values["client-optimizer"]))
     for name in TRAINING_KEYS:
         if values[name] == AUTO:
             values[name] = training[name]

@@ -187,22 +187,6 @@ def test_same_seed_gives_the_same_history(default_runs) -> None:
     assert [[r[k] for k in keys] for r in a] == [[r[k] for k in keys] for r in b]
 
 
-def test_mnist_one_setting_away_learns_with_its_defaults(
-    shared_data: Path, tmp_path: Path, warm_federation: Path
-) -> None:
-    """`-c "data-set='mnist'"` and nothing else (2 rounds): the data set's
-    own defaults (lr 0.01) reach what a practitioner expects; the digits run's
-    lr 0.05 gave 25% and 71% (docs/usage.md, "Defaults per data set")."""
-    run = pollen_run(
-        f"data-set='mnist' data-root='{shared_data}' download=false rounds=2 "
-        f"output-dir='{tmp_path}' run-name='mnist'",
-        warm=warm_federation,
-    )
-    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
-    rows = history(tmp_path / "mnist")
-    assert rows[0]["lr"] == 0.01 and rows[-1]["accuracy"] > 0.9
-
-
 def test_real_mnist_subset_learns(
     shared_data: Path, tmp_path: Path, warm_federation: Path
 ) -> None:
