@@ -28,7 +28,6 @@ from pollen.experiments.report import Run
 from tests.conftest import PROJECT
 from tests.test_simulation import pollen_run
 
-pytestmark = pytest.mark.integration
 COMMAND = re.compile(r"^\.venv/bin/pollen run \.(?P<args>[^#\n]*)", re.MULTILINE)
 
 
@@ -42,6 +41,7 @@ class Example:
     accuracy: float = 0.0
     rounds: int = 2
     personal: bool = False
+    real_data: bool = False  # reads a data set from ../shared/data
     covered_by: str = ""
     note: str = ""
 
@@ -55,8 +55,10 @@ EXAMPLES = {
         covered_by="tests/test_deployment.py::test_fedavg_and_feddyn_train_on_real_processes"
     ),
     '''-c "strategy='fedprox' partition='niid' alpha=0.3"''': Example(accuracy=0.8, rounds=5),
-    "-c configs/mnist-fedavg.toml": Example(accuracy=0.95),
-    '''-c "data-set='mnist' data-root='../shared/data'"''': Example(accuracy=0.9),
+    "-c configs/mnist-fedavg.toml": Example(accuracy=0.95, real_data=True),
+    '''-c "data-set='mnist' data-root='../shared/data'"''': Example(
+        accuracy=0.9, real_data=True
+    ),
     '''-c "data-set='synthetic' model='logreg' num-clients=100000 client-frac=0.001"''': Example(
         covered_by="tests/test_simulation.py::test_ten_thousand_clients_share_a_hundred_nodes",
         note="the same run at 10,000 clients; Synthetic(1, 1) gives every client "
@@ -103,19 +105,22 @@ def test_a_covered_example_names_a_test_that_exists(args: str) -> None:
     assert f"def {name}(" in (PROJECT / path).read_text(), EXAMPLES[args].covered_by
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize(
     "args", [a for a, e in EXAMPLES.items() if not e.covered_by], ids=lambda a: a
 )
 def test_readme_example_learns(
-    args: str, shared_data: Path, tmp_path: Path, warm_federation: Path
+    args: str, request: pytest.FixtureRequest, tmp_path: Path, warm_federation: Path
 ) -> None:
     example = EXAMPLES[args]
     given = words(args)
     config = [value for flag, value in pairwise(given) if flag == "-c"]
+    if example.real_data:
+        data_root = request.getfixturevalue("shared_data")  # skips without it
+        config.append(f"data-root='{data_root}' download=false")
     run = pollen_run(
         *config,
-        f"rounds={example.rounds} data-root='{shared_data}' download=false "
-        f"output-dir='{tmp_path}' run-name='example'",
+        f"rounds={example.rounds} output-dir='{tmp_path}' run-name='example'",
         cwd=PROJECT,
         warm=warm_federation,
     )
