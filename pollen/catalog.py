@@ -132,10 +132,10 @@ def _by_name(*items: Any) -> dict[str, Any]:
 # "Defaults per data set and model"): SGD's of 0.005, 0.01, 0.02 and 0.05 for
 # the mlp (configs/grids/defaults-lr.toml; the cnn's best are the same or
 # within 0.4 points, defaults-lr-cnn.toml), AdamW's of 0.0003, 0.001, 0.003
-# and 0.01 for the mlp (defaults-lr-adam.toml).
-# cifar100's are cifar10's (not measured). digits keeps the quick run's tuned
-# 0.05. synthetic takes the FedProx paper's plain SGD at 0.01 with batch 10
-# (one epoch, not its 20).
+# and 0.01 for the mlp (defaults-lr-adam.toml). cifar100's are cifar10's,
+# synthetic's adaptive rate Adam's customary 0.001 (not measured). digits
+# keeps the quick run's tuned SGD rate 0.05. synthetic takes the FedProx
+# paper's plain SGD at 0.01 with batch 10 (one epoch, not its 20).
 DATA_SETS: dict[str, DataSetInfo] = _by_name(
     DataSetInfo("digits", 1, 8, 10, 1437, "scikit-learn's 8x8 digits (1,797 images)",
                 TrainingDefaults(lr=0.05, adaptive_lr=0.01)),
