@@ -51,7 +51,7 @@ def test_auto_client_hyper_parameters_are_the_data_sets_and_a_value_wins(
         ("cifar10", "mlp", "adam", 0.0003),
     ],
 )
-def test_auto_lr_follows_the_model_and_the_client_optimizer(
+def test_auto_lr_follows_the_client_optimizer_whatever_the_model(
     data_set: str, model: str, optimizer: str, lr: float
 ) -> None:
     config = {"data-set": data_set, "model": model, "client-optimizer": optimizer}
