@@ -35,15 +35,13 @@ COMMAND = re.compile(r"^\.venv/bin/pollen run \.(?P<args>[^#\n]*)", re.MULTILINE
 class Example:
     """How one README example is checked: run for `rounds` and held to
     `accuracy` (of each client's own model on its own shard if `personal`),
-    or by the named test that already runs it (`covered_by`, with the reason
-    in `note` where that test differs from the example)."""
+    or by the named test that already runs it (`covered_by`)."""
 
     accuracy: float = 0.0
     rounds: int = 2
     personal: bool = False
     real_data: bool = False  # reads a data set from ../shared/data
     covered_by: str = ""
-    note: str = ""
 
 
 # The README's `pollen run .` arguments (after `.`, before any comment) and
@@ -59,12 +57,12 @@ EXAMPLES = {
     '''-c "data-set='mnist' data-root='../shared/data'"''': Example(
         accuracy=0.9, real_data=True
     ),
+    # the same run at 10,000 clients: Synthetic(1, 1) gives every client a task
+    # of its own, so a global model stays near chance on the first 1,000
+    # clients' test splits whatever the rounds; the example shows scale, and
+    # that test holds it to a falling loss
     '''-c "data-set='synthetic' model='logreg' num-clients=100000 client-frac=0.001"''': Example(
         covered_by="tests/test_simulation.py::test_ten_thousand_clients_share_a_hundred_nodes",
-        note="the same run at 10,000 clients; Synthetic(1, 1) gives every client "
-        "a task of its own, so a global model stays near chance on the first "
-        "1,000 clients' test splits whatever the rounds: the example shows "
-        "scale, and that test holds it to a falling loss",
     ),
     '''-c "tracker='mlflow'"''': Example(accuracy=0.8),
     '''-c "model='mlp-bn' strategy='fedyogi' bn-policy='fedbn'"''': Example(
