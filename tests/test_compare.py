@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 import shutil
 import signal
 import subprocess
@@ -229,6 +230,41 @@ def test_the_suite_grid_validates_and_a_dry_run_lists_its_cells(
     assert not (tmp_path / "cmp").exists()
     assert main([*args, "-c", "lr=-1"]) == 2
     assert "lr" in capsys.readouterr().err
+
+
+GRIDS = sorted((PROJECT / "configs" / "grids").glob("*.toml"))
+
+
+def documented_command(grid: Path) -> list[str]:
+    """The first `pollen compare` of this grid that its header comment gives
+    (with its continuation lines), as `pollen` argv."""
+    comments = [line.removeprefix("#").strip() for line in grid.read_text().splitlines()
+                if line.startswith("#")]  # fmt: skip
+    first = next(i for i, line in enumerate(comments) if "pollen compare" in line)
+    command = comments[first]
+    for line in comments[first + 1 :]:
+        if not command.endswith("\\"):
+            break
+        command = command.removesuffix("\\") + " " + line
+    words = shlex.split(command)
+    return words[words.index("compare") :]
+
+
+@pytest.mark.parametrize("grid", GRIDS, ids=[g.stem for g in GRIDS])
+def test_every_grid_validates_with_the_command_its_comment_gives(
+    grid: Path, tmp_path: Path, monkeypatch, capsys
+) -> None:
+    """What a grid's header tells a user to run passes every cell's checks
+    (a dry run: nothing is written)."""
+    args = documented_command(grid)
+    out = args.index("--out") + 1
+    args[out] = str(tmp_path / "cmp")
+    monkeypatch.chdir(PROJECT)
+    assert main([*args, "--dry-run"]) == 0, capsys.readouterr().err
+    lines = capsys.readouterr().out.splitlines()
+    cells = [line for line in lines if not line.startswith("pollen: ")]
+    assert cells and all(": to run:" in cell for cell in cells)
+    assert not (tmp_path / "cmp").exists()
 
 
 def test_the_niid_bench_grid_validates_with_its_named_variant(
