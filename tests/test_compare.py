@@ -399,6 +399,27 @@ def test_a_variant_that_departs_from_its_preset_is_named(tmp_path: Path) -> None
     assert report.varying_keys(report.read_runs(tmp_path)) == ["strategy"]
 
 
+def test_a_run_that_departs_from_a_default_is_named(tmp_path: Path) -> None:
+    """FedNova is FedAvg with `aggregator=fednova`, a key no preset sets:
+    beside SCAFFOLD alone its row must not read as plain FedAvg."""
+    write_run(tmp_path, "fednova", {"strategy": "fedavg", "aggregator": "fednova"},
+              [0.5, 0.6])  # fmt: skip
+    write_run(tmp_path, "scaffold", {"strategy": "scaffold", "aggregator": "mean"},
+              [0.5, 0.7])  # fmt: skip
+    runs = report.read_runs(tmp_path)
+    assert report.varying_keys(runs) == ["strategy", "aggregator"]
+    table = report.markdown_table(report.summarize_groups(runs, None), None)
+    assert "| fedavg | fednova | 1 |" in table
+    plots = [p.name for p in report.plot_groups(runs, tmp_path / "plots")]
+    assert [p for p in plots if p.startswith("accuracy-rounds")] == [
+        "accuracy-rounds-all.png"  # one figure, a line for each aggregator
+    ]
+    (tmp_path / "fednova" / "summary.json").unlink()  # a default is no variant
+    write_run(tmp_path, "fedavg", {"strategy": "fedavg", "aggregator": "mean"},
+              [0.5, 0.6])  # fmt: skip
+    assert report.varying_keys(report.read_runs(tmp_path)) == ["strategy"]
+
+
 def test_report_regenerates_tables_and_plots_without_training(tmp_path: Path) -> None:
     for strategy, alpha in (("fedavg", 0.1), ("fedsam", 0.1), ("fedavg", 1.0)):
         write_run(tmp_path / "runs", f"{strategy}-{alpha}",

@@ -32,7 +32,7 @@ from typing import Any, TypeVar
 
 from ..files import write_atomic, write_json
 from ..runs.results import plot_accuracy_against
-from ..settings import PRESETS
+from ..settings import AUTO, PRESETS, Settings
 
 # Keys that name where or how a run ran, not what it computed.
 NOT_COMPARED = frozenset(
@@ -43,9 +43,12 @@ NOT_COMPARED = frozenset(
 )  # fmt: skip
 # Keys drawn as separate lines on one figure; the other varying keys (but the
 # seed, averaged over) make separate figures.
-SERIES_KEYS = ("strategy", "server-update", "local-objective", "bn-policy", "sharing")
+SERIES_KEYS = (
+    "strategy", "server-update", "aggregator", "local-objective", "bn-policy", "sharing",
+)  # fmt: skip
 MB = 1e6
 T = TypeVar("T")
+DEFAULTS = {key: default for key, default, _, _ in Settings.describe()}
 
 
 @dataclass(frozen=True)
@@ -176,17 +179,21 @@ def read_runs(directory: Path) -> list[Run]:
 def varying_keys(runs: Sequence[Run]) -> list[str]:
     """Settings that differ between runs, in settings order. Beside the
     strategy, only keys that vary within one strategy or depart from its
-    preset: what a strategy decides (its preset's `local-objective`, the
-    `server-lr` that "auto" resolves to, ...) follows the strategy and is not
-    a setting of its own, but `strategy=feddyn` with
-    `local-objective=feddyn-sam` is a variant the report must name."""
+    preset or from its default: what a strategy decides (its preset's
+    `local-objective`, the `server-lr` that "auto" resolves to, ...) follows
+    the strategy and is not a setting of its own, but `strategy=feddyn` with
+    `local-objective=feddyn-sam`, or `strategy=fedavg` with
+    `aggregator=fednova`, is a variant the report must name."""
 
     def differs(key: str, among: Sequence[Run]) -> bool:
         return len({json.dumps(r.settings.get(key)) for r in among}) > 1
 
     def departs(key: str, run: Run) -> bool:
         preset = PRESETS.get(run.settings.get("strategy"), {})
-        return key in preset and run.settings.get(key) != preset[key]
+        if key in preset:
+            return run.settings.get(key) != preset[key]
+        default = DEFAULTS.get(key, AUTO)  # "auto": resolved per run, no default
+        return default != AUTO and run.settings.get(key, default) != default
 
     by_strategy: dict[Any, list[Run]] = {}
     for run in runs:
