@@ -14,10 +14,15 @@ export FLWR_DISABLE_UPDATE_CHECK := 1
 run: .venv/.synced
 	.venv/bin/pollen run .
 
+# Two workers (pytest-xdist), the tests that wait longest handed out first
+# (tests/conftest.py); tests that share a module's deployment stay together
+# (`xdist_group`). The 15 slowest tests are listed at the end.
+PYTEST_PARALLEL := -n 2 --dist loadgroup --no-loadscope-reorder
+
 test: .venv/.synced
 	.venv/bin/ruff check pollen tests benchmarks
 	.venv/bin/ruff format --check pollen tests benchmarks
-	.venv/bin/pytest -q
+	.venv/bin/pytest -q $(PYTEST_PARALLEL) --durations=15
 
 docs: .venv/.synced  # the documentation site, into site/ (warnings are errors)
 	NO_MKDOCS_2_WARNING=1 .venv/bin/mkdocs build --strict

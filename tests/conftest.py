@@ -22,11 +22,38 @@ if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
 SHARED_DATA = PROJECT.parent / "shared" / "data"
 
 
+# What the suite starts first: the tests that wait longest on processes,
+# builds and heartbeats (docs/performance.md, "The test suite"). Under
+# `pytest -n 2 --dist loadgroup` (`make test`) each worker takes the next
+# test, or the next group of tests that share a module's deployment, as it
+# frees up, so the long ones go out first and the short ones fill the gaps.
+FIRST_GROUPS = ("docker", "warm-executor", "deployment")
+WORKER = os.environ.get("PYTEST_XDIST_WORKER")  # gw0, gw1 under xdist
+
+
+def start_order(item: pytest.Item) -> int:
+    """0 for the named groups (in FIRST_GROUPS' order), then the other
+    integration tests, then the rest."""
+    if group := item.get_closest_marker("xdist_group"):
+        name = group.args[0] if group.args else group.kwargs.get("name")
+        if name in FIRST_GROUPS:
+            return FIRST_GROUPS.index(name)
+    return len(FIRST_GROUPS) + (0 if item.get_closest_marker("integration") else 1)
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    items.sort(key=start_order)  # stable: files and tests keep their order
+
+
 def pytest_collection_finish(session: pytest.Session) -> None:
-    """Start building the Docker image as soon as a selected test needs it:
-    minutes of downloads, hidden behind the tests that run before it
-    (tests/docker_image.py)."""
+    """Run alone, start building the Docker image as soon as a selected test
+    needs it: minutes of downloads, hidden behind the tests that run before
+    it (tests/docker_image.py). Under xdist every worker collects every test,
+    so the worker that runs the Docker tests builds when they start (they
+    start first: FIRST_GROUPS)."""
     if session.config.option.collectonly or os.environ.get("POLLEN_TEST_IMAGE"):
+        return
+    if WORKER is not None:
         return
     if any("docker_image" in getattr(i, "fixturenames", ()) for i in session.items):
         from tests.docker_image import BUILD

@@ -1,24 +1,33 @@
-"""The project's Docker image for tests/test_docker.py, built in the background.
+"""The project's Docker image for tests/test_docker.py, built once per machine.
 
 No image registry is reachable from these machines, so the image is built
 FROM a base made here (a Debian root file system from `debootstrap`, imported
 with `docker import`) through docker/Dockerfile, its build reaching PyPI
 through this machine's proxy with the proxy's CA passed in the documented way
-(docker/ca-certificates/). That takes about three minutes, mostly waiting on
-the network and the disk (PyPI's torch is a CUDA build of several GB), so
-conftest starts it in a thread as soon as the session has collected a test
-that needs it, and the tests that run meanwhile hide its cost. The build
-context is a copy of the files .dockerignore lets in, so nothing is written
-into the project while other tests read it.
+(docker/ca-certificates/). The image is the CPU one: PyTorch's CPU index is
+not reachable from here, so torch's CPU wheel comes from this machine's disk
+(pip's find-links, where it keeps one) through docker/wheels/, the
+Dockerfile's offline path, instead of PyPI's CUDA build (3.5 GB of
+downloads). The build context is a copy of the files .dockerignore lets in,
+so nothing is written into the project while other tests read it.
 
-Everything made here is removed by `close` (the image, the base image, the
-Docker daemon when one was started here), except the base root file system,
-which is cached in ~/.cache/pollen/docker. A Docker engine (Debian's
-docker.io) and debootstrap are installed when missing.
+The build is paid once per machine: the base image (tagged by its root file
+system's digest) and the last image built (`CACHE_TAG`) are kept, and Docker
+reuses their layers, so a build after a change to pollen's code redoes only
+the last layer. One build at a time on the machine (a file lock): two test
+sessions, or two xdist workers, never build side by side. Run alone, a
+session starts the build in a thread as soon as it has collected a test that
+needs it (conftest), so the tests that run meanwhile hide its cost.
+
+`close` removes what a session made for itself (its tag, the Docker daemon
+when one was started here); the cached base root file system
+(~/.cache/pollen/docker), the base image and `CACHE_TAG` stay. A Docker
+engine (Debian's docker.io) and debootstrap are installed when missing.
 """
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import os
 import secrets
@@ -26,6 +35,9 @@ import shutil
 import subprocess
 import tempfile
 import threading
+import tomllib
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -34,6 +46,8 @@ from pollen.deployment import processes
 from tests.conftest import PROJECT, SHARED_DATA
 
 BASE_PACKAGES = "python3,python3-venv,ca-certificates"
+BASE_PYTHON = "cp311"  # Debian bookworm's python3, for the wheel's tag
+CACHE_TAG = "pollen-test:cache"  # the last image built: the next build's layers
 EXTRA_CAS = Path("/usr/local/share/ca-certificates")  # where Debian keeps added CAs
 # the build context: what .dockerignore lets in
 CONTEXT = (".dockerignore", "pyproject.toml", "uv.lock", "README.md", "pollen",
@@ -69,11 +83,29 @@ def install_engine() -> None:
         run(*install, env=env)
 
 
+def cache_dir() -> Path:
+    """~/.cache/pollen/docker (or under XDG_CACHE_HOME): what outlives a session."""
+    cache = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache"))
+    return cache / "pollen" / "docker"
+
+
+@contextmanager
+def machine_lock(name: str) -> Iterator[None]:
+    """Hold the machine-wide lock `name` (a file lock in `cache_dir`)."""
+    path = cache_dir() / f"{name}.lock"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("w") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
 def base_root_fs() -> Path:
     """A minimal Debian with Python as a tar archive, made once per machine."""
-    cache = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache"))
     packages = hashlib.sha256(BASE_PACKAGES.encode()).hexdigest()[:12]
-    archive = cache / "pollen" / "docker" / f"debian-bookworm-{packages}.tar"
+    archive = cache_dir() / f"debian-bookworm-{packages}.tar"
     if archive.exists():
         return archive
     archive.parent.mkdir(parents=True, exist_ok=True)
@@ -92,6 +124,38 @@ def base_root_fs() -> Path:
     return archive
 
 
+def image_id(reference: str) -> str | None:
+    """The ID of the image `reference` names, or None where there is none."""
+    found = subprocess.run(
+        ["docker", "image", "inspect", "--format", "{{.Id}}", reference],
+        capture_output=True, text=True, check=False,
+    )  # fmt: skip
+    return found.stdout.strip() if found.returncode == 0 else None
+
+
+def base_image() -> str:
+    """The base image, imported once per machine from `base_root_fs` and
+    named by its digest: the same base ID is what lets Docker reuse the
+    layers of earlier builds FROM it."""
+    archive = base_root_fs()
+    with archive.open("rb") as handle:
+        digest = hashlib.file_digest(handle, "sha256").hexdigest()[:16]
+    base = f"pollen-test-base:{digest}"
+    if image_id(base) is None:
+        run("docker", "import", str(archive), base)
+    return base
+
+
+def keep_as_cache(project: str) -> None:
+    """Name `project` `CACHE_TAG`, and remove the image that held the name
+    before (its layers below pollen's code are shared with `project`'s when
+    the dependencies did not change; an image still in use stays)."""
+    before = image_id(CACHE_TAG)
+    run("docker", "tag", project, CACHE_TAG)
+    if before is not None and before != image_id(project):
+        subprocess.run(["docker", "rmi", before], capture_output=True, check=False)
+
+
 def build_context(into: Path) -> Path:
     """A copy of the build context, with this machine's extra CAs (a
     proxy's) in docker/ca-certificates/, as users pass theirs."""
@@ -105,7 +169,33 @@ def build_context(into: Path) -> Path:
             shutil.copy2(source, into / name)
     for ca in sorted(EXTRA_CAS.glob("*.crt")):
         shutil.copyfile(ca, into / "docker" / "ca-certificates" / f"test-{ca.name}")
+    if wheel := cpu_torch_wheel():
+        shutil.copyfile(wheel, into / "docker" / "wheels" / wheel.name)
     return into
+
+
+def locked_version(package: str) -> str:
+    """`package`'s version in uv.lock."""
+    lock = tomllib.loads((PROJECT / "uv.lock").read_text())
+    (version,) = {p["version"] for p in lock["package"] if p["name"] == package}
+    return version
+
+
+def cpu_torch_wheel() -> Path | None:
+    """torch's CPU wheel of the locked version for the base's Python, where
+    pip's find-links on this machine hold one (as these machines do)."""
+    links = os.environ.get("PIP_FIND_LINKS", "").split()
+    if python := shutil.which("python3"):  # the machine's pip (the venv has none)
+        pip = subprocess.run(
+            [python, "-m", "pip", "config", "get", "global.find-links"],
+            capture_output=True, text=True, check=False,
+        )  # fmt: skip
+        links += pip.stdout.split() if pip.returncode == 0 else []
+    pattern = f"torch-{locked_version('torch')}+cpu-{BASE_PYTHON}-{BASE_PYTHON}-*.whl"
+    for folder in links:
+        if found := sorted(Path(folder.removeprefix("file://")).glob(pattern)):
+            return found[-1]
+    return None
 
 
 class ImageBuild:
@@ -148,8 +238,9 @@ class ImageBuild:
         return self._tag
 
     def close(self) -> None:
-        """Remove the images, stop a daemon started here. A `docker build`
-        still running (an interrupted session) is stopped first."""
+        """Remove this session's tag (the image stays as `CACHE_TAG`), stop a
+        daemon started here. A `docker build` still running (an interrupted
+        session) is stopped first."""
         if self._building is not None and self._building.poll() is None:
             self._building.terminate()
         if self._thread is not None:
@@ -169,23 +260,23 @@ class ImageBuild:
             self._skip = self._engine()
             if self._skip:
                 return
-            token = secrets.token_hex(4)
-            base, project = f"pollen-test-base:{token}", f"pollen-test:{token}"
-            run("docker", "import", str(base_root_fs()), base)
-            self._images.append(base)
+            project = f"pollen-test:{secrets.token_hex(4)}"
             context = build_context(self._work / "context")
-            self._images.append(project)
-            self._building = subprocess.Popen(
-                ["docker", "build", "--file", str(context / "docker" / "Dockerfile"),
-                 "--build-arg", f"BASE_IMAGE={base}", "--build-arg", "TORCH_INDEX_URL=",
-                 "--tag", project, str(context)],
-                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                env={**os.environ, "DOCKER_BUILDKIT": "0"},
-            )  # fmt: skip
-            output, _ = self._building.communicate(timeout=1500)
-            assert self._building.returncode == 0, (
-                f"docker build exited {self._building.returncode}:\n{output[-5000:]}"
-            )
+            with machine_lock("build"):
+                base = base_image()
+                self._images.append(project)
+                self._building = subprocess.Popen(
+                    ["docker", "build", "--file", str(context / "docker" / "Dockerfile"),
+                     "--build-arg", f"BASE_IMAGE={base}", "--build-arg", "TORCH_INDEX_URL=",
+                     "--tag", project, str(context)],
+                    stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                    env={**os.environ, "DOCKER_BUILDKIT": "0"},
+                )  # fmt: skip
+                output, _ = self._building.communicate(timeout=1500)
+                assert self._building.returncode == 0, (
+                    f"docker build exited {self._building.returncode}:\n{output[-5000:]}"
+                )
+                keep_as_cache(project)
             self._tag = project
         except BaseException as error:
             self._error = error

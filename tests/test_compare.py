@@ -451,6 +451,7 @@ def mlflow_accuracy(uri: str, experiment: str) -> dict[str, list[tuple[int, floa
     }
 
 
+@pytest.mark.xdist_group("mlflow")
 @pytest.mark.integration
 def test_a_real_comparison_of_two_tiny_runs_resumes_and_reports(
     tmp_path: Path, capsys, mlflow_server: str

@@ -55,6 +55,7 @@ def submit(deployment: cluster.Deployment, out: Path, config: str) -> subprocess
     return submit_to(deployment, out, config, NODES)
 
 
+@pytest.mark.xdist_group("deployment")
 def test_fedavg_and_feddyn_train_on_real_processes(
     deployment: cluster.Deployment, tmp_path: Path
 ) -> None:
@@ -89,6 +90,7 @@ def node_id(node: cluster.Node) -> int:
     raise AssertionError(f"no node ID in {node.log}")
 
 
+@pytest.mark.xdist_group("deployment")
 def test_a_killed_supernode_fails_its_round_and_rejoins_after_restart(
     deployment: cluster.Deployment, tmp_path: Path
 ) -> None:
@@ -114,6 +116,7 @@ def test_a_killed_supernode_fails_its_round_and_rejoins_after_restart(
     assert node_id(cluster.Deployment.load(deployment.root).node(1)) == victim_id
 
 
+@pytest.mark.xdist_group("deployment")
 def test_unregistered_and_plaintext_supernodes_are_refused(
     deployment: cluster.Deployment, tmp_path: Path
 ) -> None:
@@ -144,6 +147,7 @@ def test_unregistered_and_plaintext_supernodes_are_refused(
     assert deployment.online_nodes() == NODES
 
 
+@pytest.mark.xdist_group("deployment")
 def test_a_failed_deployed_run_exits_non_zero_and_says_why(
     deployment: cluster.Deployment, tmp_path: Path
 ) -> None:

@@ -96,6 +96,15 @@ def test_gpu_override_reserves_nvidia_devices_for_every_node() -> None:
     for name in ("supernode-0", "supernode-1"):
         (device,) = services[name]["deploy"]["resources"]["reservations"]["devices"]
         assert device["driver"] == "nvidia" and device["capabilities"] == ["gpu"]
+        # the CUDA image: PyPI's torch, from the same Dockerfile and context
+        assert services[name]["image"] == "pollen:gpu"
+        assert services[name]["build"]["args"]["TORCH_INDEX_URL"] == ""
+        assert services[name]["build"]["dockerfile"] == "docker/Dockerfile"
+    # the server side keeps the CPU image, from PyTorch's CPU index
+    assert services["superlink"]["image"] == "pollen:latest"
+    assert services["superlink"]["build"]["args"]["TORCH_INDEX_URL"] == (
+        "https://download.pytorch.org/whl/cpu"
+    )
     assert "reservations" not in services["superlink"].get("deploy", {}).get(
         "resources", {}
     )
@@ -189,6 +198,7 @@ def federation(docker_image, tmp_path_factory) -> Iterator[Federation]:
                        env=env, capture_output=True, timeout=300)  # fmt: skip
 
 
+@pytest.mark.xdist_group("docker")
 @pytest.mark.integration
 def test_superlink_speaks_only_tls_with_the_generated_certificate(
     federation: Federation,
@@ -203,6 +213,7 @@ def test_superlink_speaks_only_tls_with_the_generated_certificate(
     assert (certs / "server.key").stat().st_mode & 0o077 == 0
 
 
+@pytest.mark.xdist_group("docker")
 @pytest.mark.integration
 def test_two_rounds_of_fedavg_land_on_the_host(federation: Federation) -> None:
     started = time.monotonic()
@@ -219,6 +230,7 @@ def test_two_rounds_of_fedavg_land_on_the_host(federation: Federation) -> None:
     print(f"compose run: {time.monotonic() - started:.0f} s for 2 rounds")
 
 
+@pytest.mark.xdist_group("docker")
 @pytest.mark.integration
 def test_a_supernode_with_an_unregistered_key_is_refused(
     federation: Federation, tmp_path: Path

@@ -28,6 +28,7 @@ from pollen.deployment.network import (
     ShapedNetwork,
     netns_available,
 )
+from tests.conftest import WORKER
 
 MB = 2_000_000
 
@@ -141,10 +142,14 @@ def test_network_rejects_bad_arguments(args: tuple, message: str) -> None:
 
 @pytest.fixture
 def names() -> tuple[str, str]:
-    """A fresh (prefix, subnet); skips where namespaces cannot be built."""
+    """A fresh (prefix, subnet); skips where namespaces cannot be built. Under
+    xdist each of up to 8 workers draws its subnets from its own 32 of
+    10.233.x, so two tests running side by side never overlap."""
     if reason := netns_available():
         pytest.skip(reason)
-    return f"pt{secrets.token_hex(2)}", f"10.233.{random.randrange(256)}.0/24"
+    slot = int(WORKER.removeprefix("gw")) % 8 if WORKER else random.randrange(8)
+    third = 32 * slot + random.randrange(32)
+    return f"pt{secrets.token_hex(2)}", f"10.233.{third}.0/24"
 
 
 def leftovers(prefix: str) -> list[str]:

@@ -31,7 +31,7 @@ from pollen.deployment.processes import descendants, free_port
 from pollen.strategies.sharing import Sharing
 from pollen.task.client_state import SPILLED_LINE
 from pollen.task.models import build_model
-from tests.conftest import PROJECT
+from tests.conftest import PROJECT, WORKER
 
 pytestmark = pytest.mark.integration
 BIN = Path(sys.executable).parent
@@ -79,15 +79,28 @@ def running(marker: bytes = b"flower-superlink") -> set[int]:
     return pids
 
 
+def ours(pid: int) -> bool:
+    """Whether process `pid` was started from this pytest process: under
+    xdist the other worker's runs (and the detached SuperLink that `flwr run`
+    leaves until its test stops it) are not this test's to count."""
+    if WORKER is None:
+        return True
+    try:
+        environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+    except OSError:
+        return False
+    return f"PYTEST_XDIST_WORKER={WORKER}".encode() in environ
+
+
 def orphaned(before: set[int], marker: bytes = b"flower-superlink") -> set[int]:
-    """Processes (by command-line marker) started since `before` whose parent
-    is gone (a leak).
+    """Processes (by command-line marker) started since `before` from this
+    pytest process whose parent is gone (a leak).
 
     Another `pollen run` on the machine (a benchmark) may own such processes
     meanwhile; those still have their live parent, so they do not count.
     """
     leaked = set()
-    for pid in running(marker) - before:
+    for pid in filter(ours, running(marker) - before):
         try:
             stat = Path(f"/proc/{pid}/stat").read_text()
         except OSError:
@@ -148,6 +161,7 @@ def default_runs(
     return out, runs
 
 
+@pytest.mark.xdist_group("default-runs")
 def test_default_run_trains_digits_and_writes_results(default_runs) -> None:
     out, (run, _) = default_runs
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
@@ -179,6 +193,7 @@ def test_default_run_trains_digits_and_writes_results(default_runs) -> None:
     assert settings["data-set"] == "digits" and settings["num-clients"] == 10
 
 
+@pytest.mark.xdist_group("default-runs")
 def test_same_seed_gives_the_same_history(default_runs) -> None:
     out, runs = default_runs
     assert all(r.returncode == 0 for r in runs)

@@ -109,6 +109,7 @@ def metric(client, run_id: str, name: str) -> list[tuple[int, float]]:
     return sorted((m.step, round(m.value, 6)) for m in history)
 
 
+@pytest.mark.xdist_group("mlflow")
 def test_an_mlflow_run_holds_settings_rounds_and_files_and_a_resume_continues_it(
     tmp_path: Path, mlflow_server: str
 ) -> None:
@@ -169,6 +170,7 @@ def test_an_sqlite_store_keeps_its_artefacts_beside_it_and_a_late_tracker_backfi
     assert list((store / "mlartifacts" / "pollen").rglob("history.json"))
 
 
+@pytest.mark.xdist_group("mlflow")
 def test_a_tracking_server_that_stops_answering_is_said_once_and_the_run_goes_on(
     tmp_path: Path, mlflow_server: str, monkeypatch: pytest.MonkeyPatch, capsys
 ) -> None:

@@ -267,6 +267,7 @@ def warm(tmp_path_factory) -> Iterator[cluster.Deployment]:
         assert not [p for p in below if processes.alive(p)], "outlived deploy down"
 
 
+@pytest.mark.xdist_group("warm-executor")
 @pytest.mark.integration
 def test_warm_and_cold_executors_train_to_the_same_history(
     warm: cluster.Deployment, tmp_path: Path
@@ -293,6 +294,7 @@ def test_warm_and_cold_executors_train_to_the_same_history(
     assert "pollen superexec: warmed" in log and "exited 0" in log
 
 
+@pytest.mark.xdist_group("warm-executor")
 @pytest.mark.integration
 def test_a_killed_superlink_restarts_and_the_run_resumes_to_the_same_history(
     warm: cluster.Deployment, tmp_path: Path
@@ -328,6 +330,7 @@ def test_a_killed_superlink_restarts_and_the_run_resumes_to_the_same_history(
     assert not any(r["failures"] for r in history(crashed))
 
 
+@pytest.mark.xdist_group("warm-executor")
 @pytest.mark.integration
 def test_a_killed_child_fails_its_reply_and_the_next_round_trains(
     warm: cluster.Deployment, tmp_path: Path
@@ -390,6 +393,7 @@ def _uptime() -> float:
     return float(Path("/proc/uptime").read_text().split()[0])
 
 
+@pytest.mark.xdist_group("warm-executor")
 @pytest.mark.integration
 def test_a_killed_warm_parent_takes_its_processes_and_restarts(
     warm: cluster.Deployment, tmp_path: Path
@@ -411,6 +415,7 @@ def test_a_killed_warm_parent_takes_its_processes_and_restarts(
     assert row["clients"] == [0, 1] and not row["failures"]
 
 
+@pytest.mark.xdist_group("warm-executor")
 @pytest.mark.integration
 def test_a_changed_app_runs_its_own_code_not_the_preloaded(
     warm: cluster.Deployment, tmp_path: Path
