@@ -41,8 +41,18 @@ def start_order(item: pytest.Item) -> int:
     return len(FIRST_GROUPS) + (0 if item.get_closest_marker("integration") else 1)
 
 
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+@pytest.hookimpl(trylast=True)  # after xdist has named each test's group
+def pytest_collection_modifyitems(
+    config: pytest.Config, items: list[pytest.Item]
+) -> None:
     items.sort(key=start_order)  # stable: files and tests keep their order
+    if config.getvalue("dist") == "loadgroup":
+        # xdist marks a grouped test by its node ID; a pytest that ignores the
+        # mark (9.2 with xdist 3.8) would split groups across workers, each
+        # starting the module's deployment (and dockerd) for itself
+        split = [i.nodeid for i in items if i.get_closest_marker("xdist_group")]
+        if split and "@" not in split[0]:
+            raise pytest.UsageError(f"xdist ignored the group of {split[0]}")
 
 
 def pytest_collection_finish(session: pytest.Session) -> None:

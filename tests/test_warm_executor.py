@@ -365,7 +365,8 @@ def _wait_for_child(
 ) -> int:
     """The warm executor's first task child not in `earlier` and started after
     the wall-clock time `started_after` (a task of an earlier round may still
-    be exiting)."""
+    be exiting). Only its own children are tasks: a task's own short-lived
+    subprocesses (a library asking `uname`) are not."""
     # process start times count from boot, as /proc/uptime does (to 10 ms)
     since_boot = _uptime() - (time.time() - started_after) if started_after else 0
     deadline = time.monotonic() + 120
@@ -374,19 +375,25 @@ def _wait_for_child(
             try:
                 command = Path(f"/proc/{pid}/cmdline").read_bytes()
                 started = _started_since_boot(pid)
+                parent = _stat(pid)[1]
             except OSError:
                 continue
             task = b"flower-superexec" not in command and b"launcher.py" not in command
+            task = task and int(parent) == executor
             if task and started >= since_boot:
                 return pid
         time.sleep(0.05)
     raise AssertionError("no task started")
 
 
+def _stat(pid: int) -> list[str]:
+    """The fields of /proc/PID/stat after the command name (state, ppid, ...)."""
+    return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+
+
 def _started_since_boot(pid: int) -> float:
     """When process `pid` started, in seconds since boot."""
-    ticks = int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19])
-    return ticks / os.sysconf("SC_CLK_TCK")
+    return int(_stat(pid)[19]) / os.sysconf("SC_CLK_TCK")
 
 
 def _uptime() -> float:
