@@ -17,7 +17,7 @@ run: .venv/.synced
 # Two workers (pytest-xdist), the tests that wait longest handed out first
 # (tests/conftest.py); tests that share a module's deployment stay together
 # (`xdist_group`). The 15 slowest tests are listed at the end.
-PYTEST_PARALLEL := -n 3 --dist loadgroup --no-loadscope-reorder
+PYTEST_PARALLEL := -n 2 --dist loadgroup --no-loadscope-reorder
 
 test: .venv/.synced
 	.venv/bin/ruff check pollen tests benchmarks

@@ -132,10 +132,13 @@ def warm_federation(tmp_path_factory) -> Iterator[Path]:
     """One warm simulation SuperLink and Ray head for the session's
     simulations that need no federation of their own (`pollen run
     --warm-simulation DIR`): each such run skips about 9 s of start-up.
-    Tests that interrupt, kill or count a run's own processes start their own."""
+    Tests that interrupt, kill or count a run's own processes start their own.
+    One CPU, so a run starts one ClientApp actor (each imports torch: about
+    4 CPU-s) instead of one per core: the xdist workers' runs share the cores."""
     from pollen.deployment.warm_simulation import warm_simulation
 
-    with warm_simulation(tmp_path_factory.mktemp("warm-simulation")) as federation:
+    directory = tmp_path_factory.mktemp("warm-simulation")
+    with warm_simulation(directory, cpus=1) as federation:
         yield federation.root
 
 

@@ -109,10 +109,15 @@ def federation_env(home: Path, ray_address: str, ray_temp_dir: str) -> dict[str,
 
 
 @contextlib.contextmanager
-def warm_simulation(directory: Path) -> Iterator[WarmSimulation]:
+def warm_simulation(
+    directory: Path, cpus: int | None = None
+) -> Iterator[WarmSimulation]:
     """Start a Ray head and a simulation SuperLink that joins it, record them
     in `directory`, and stop both (with every run still in them) when the
-    block ends, however it ends. Their logs stay in `directory`."""
+    block ends, however it ends. Their logs stay in `directory`. `cpus`
+    caps the CPUs the head offers (default: the CPUs Ray finds), and so how
+    many ClientApp actors (one CPU each) a run starts: fewer actors start
+    faster, where several federations share the machine's cores."""
     directory = directory.resolve()
     home = directory / FLWR_HOME
     home.mkdir(parents=True, exist_ok=True)
@@ -122,7 +127,9 @@ def warm_simulation(directory: Path) -> Iterator[WarmSimulation]:
     try:
         gcs, client, agent = processes.distinct_free_ports(3)
         env = federation_env(home, f"127.0.0.1:{gcs}", ray_temp_dir)
-        head = start_ray_head((gcs, client, agent), env, directory / "ray-head.log")
+        head = start_ray_head(
+            (gcs, client, agent), env, directory / "ray-head.log", cpus
+        )
         link, _ = start_simulation_superlink(home, env, directory / "superlink.log")
         federation = WarmSimulation(
             str(directory), env["RAY_ADDRESS"], ray_temp_dir, head.pid, link.pid
@@ -141,10 +148,14 @@ def warm_simulation(directory: Path) -> Iterator[WarmSimulation]:
 
 
 def start_ray_head(
-    ports: tuple[int, int, int], env: dict[str, str], log: Path
+    ports: tuple[int, int, int],
+    env: dict[str, str],
+    log: Path,
+    cpus: int | None = None,
 ) -> subprocess.Popen[bytes]:
     """`ray start --head --block` on loopback (its GCS, client server and
-    dashboard agent on `ports`), dashboard off, the CPUs and GPUs Ray finds;
+    dashboard agent on `ports`), dashboard off, `cpus` CPUs (default: the
+    CPUs Ray finds) and the GPUs Ray finds;
     returns once Ray says, in what it adds to `log`, that it started. Stopped
     again if it does not, or on Ctrl-C meanwhile."""
     gcs, client, agent = ports
@@ -154,6 +165,8 @@ def start_ray_head(
         f"--ray-client-server-port={client}", f"--dashboard-agent-listen-port={agent}",
         "--include-dashboard=false", "--disable-usage-stats",
     ]  # fmt: skip
+    if cpus is not None:
+        command.append(f"--num-cpus={cpus}")
     own_env = {k: v for k, v in env.items() if k != "RAY_ADDRESS"}  # it is the head
     earlier = log.stat().st_size if log.exists() else 0  # an earlier head's lines
     head = processes.start(command, env=own_env, log=log)
