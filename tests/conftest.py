@@ -29,6 +29,13 @@ SHARED_DATA = PROJECT.parent / "shared" / "data"
 # frees up, so the long ones go out first and the short ones fill the gaps.
 FIRST_GROUPS = ("docker", "warm-executor", "deployment")
 WORKER = os.environ.get("PYTEST_XDIST_WORKER")  # gw0, gw1 under xdist
+if WORKER is not None:
+    # torch's own thread pool in each worker process (not in the processes
+    # tests start): two workers with a thread per core each would spin
+    # against each other (the quick loop took 200 CPU-s for 71 alone)
+    import torch
+
+    torch.set_num_threads(1)
 
 
 def start_order(item: pytest.Item) -> int:
