@@ -17,6 +17,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Iterator
@@ -35,6 +36,10 @@ from tests.conftest import PROJECT, WORKER
 
 pytestmark = pytest.mark.integration
 BIN = Path(sys.executable).parent
+# what `pollen run` stages and logs in the temporary directory while it runs
+TEMPORARY = re.compile(
+    rf"{re.escape(tempfile.gettempdir())}/pollen-(app-[^/]+|flower-[^/]+\.log)$"
+)
 ROUND_LINES = re.compile(
     r"=== Evaluate global model (\d+) Round ===\n\[(\d{2})\] acc=\d+\.\d{2}%, loss=\d+\.\d{6}\n"
 )
@@ -521,7 +526,8 @@ def test_resume_from_checkpoint_repeats_the_run_and_notifications_arrive(
 def kill_after_checkpoint(config: str, checkpoint: Path) -> None:
     """Start `pollen run`, and SIGKILL it with all its processes as soon as
     `checkpoint` is complete: a crash, no clean-up of any kind (the test
-    removes the Flower home the run leaves behind)."""
+    removes what the run leaves behind: its Flower home, its staged app and
+    its Flower log, the temporary files its processes hold)."""
     args = [str(BIN / "pollen"), "run", str(PROJECT), "-c", config]
     proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.monotonic() + 300
@@ -529,16 +535,22 @@ def kill_after_checkpoint(config: str, checkpoint: Path) -> None:
         assert proc.poll() is None and time.monotonic() < deadline, "no checkpoint"
         time.sleep(0.05)
     processes = [*descendants(proc.pid), proc.pid]
-    homes = set()
+    left = set()
     for pid in processes:
         with contextlib.suppress(OSError):
             environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
-            homes |= {v[10:].decode() for v in environ if v.startswith(b"FLWR_HOME=")}
+            left |= {v[10:].decode() for v in environ if v.startswith(b"FLWR_HOME=")}
+            argv = Path(f"/proc/{pid}/cmdline").read_bytes().decode().split("\0")
+            opened = [os.readlink(fd) for fd in Path(f"/proc/{pid}/fd").iterdir()]
+            left |= {p for p in argv + opened if TEMPORARY.match(p)}
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGKILL)
     proc.wait()
-    for home in homes:
-        shutil.rmtree(home, ignore_errors=True)
+    for path in map(Path, left):
+        if path.is_dir():
+            shutil.rmtree(path, ignore_errors=True)
+        else:
+            path.unlink(missing_ok=True)
 
 
 @pytest.mark.parametrize("strategy", ["fedavg", "feddyn", "fedadam"])
