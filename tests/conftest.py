@@ -23,10 +23,11 @@ SHARED_DATA = PROJECT.parent / "shared" / "data"
 
 
 # What the suite starts first: the tests that wait longest on processes,
-# builds and heartbeats (docs/performance.md, "The test suite"). Under
-# `pytest -n 2 --dist loadgroup` (`make test`) each worker takes the next
-# test, or the next group of tests that share a module's deployment, as it
-# frees up, so the long ones go out first and the short ones fill the gaps.
+# builds and heartbeats (docs/performance.md, "The test suite on two
+# workers"). Under `pytest -n 2 --dist loadgroup` (`make test`) each worker
+# takes the next test, or the next group of tests that share a module's
+# deployment, as it frees up, so the long ones go out first and the short
+# ones fill the gaps.
 FIRST_GROUPS = ("docker", "warm-executor", "deployment")
 WORKER = os.environ.get("PYTEST_XDIST_WORKER")  # gw0, gw1 under xdist
 if WORKER is not None:
@@ -53,7 +54,7 @@ def pytest_collection_modifyitems(
     config: pytest.Config, items: list[pytest.Item]
 ) -> None:
     items.sort(key=start_order)  # stable: files and tests keep their order
-    if config.getvalue("dist") == "loadgroup":
+    if config.getoption("dist", default="no") == "loadgroup":
         # xdist marks a grouped test by its node ID; a pytest that ignores the
         # mark (9.2 with xdist 3.8) would split groups across workers, each
         # starting the module's deployment (and dockerd) for itself
