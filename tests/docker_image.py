@@ -91,15 +91,13 @@ def cache_dir() -> Path:
 
 @contextmanager
 def machine_lock(name: str) -> Iterator[None]:
-    """Hold the machine-wide lock `name` (a file lock in `cache_dir`)."""
+    """Hold the machine-wide lock `name` (a file lock in `cache_dir`, released
+    when the file closes)."""
     path = cache_dir() / f"{name}.lock"
     path.parent.mkdir(parents=True, exist_ok=True)
     with path.open("w") as handle:
         fcntl.flock(handle, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(handle, fcntl.LOCK_UN)
+        yield
 
 
 def base_root_fs() -> Path:
