@@ -67,7 +67,7 @@ def run_command(args: argparse.Namespace) -> int:
     if profile is not None:
         overrides.append(compare.config_text({"network-profile": str(profile)}))
     try:
-        with processes.sigterm_interrupts():  # SIGTERM stops a run as Ctrl-C does
+        with processes.stop_signals_interrupt():  # SIGTERM, SIGHUP: as Ctrl-C
             completed = launch.run(
                 app, overrides,
                 connection=args.connection, federation=args.federation_config,

@@ -32,6 +32,7 @@ from .files import write_atomic, write_json
 from .network_profile import NetworkProfile
 from .protocol import LR
 from .runs.checkpoints import Checkpoint, load_resumable, save_checkpoint
+from .runs.claim import check_claimed
 from .runs.clock import SimulatedClock
 from .runs.evaluation import GlobalEvaluation, check_clients_finite
 from .runs.interruption import InterruptibleGrid, RunInterrupted, StopSignal
@@ -122,7 +123,9 @@ def _run(grid: Grid, context: Context, started: float, stop: StopSignal) -> None
                elapsed, tracker, stop)  # fmt: skip
     except BaseException as err:
         status = "interrupted" if stop.asked else "failed"
-        summary = summarize(history, status, elapsed(), _reason(err))
+        summary = summarize(
+            history, status, elapsed(), _reason(err), settings.run_token
+        )
         # a resume that fails before its first round leaves the run as it was
         if len(history) > restored or not (run_dir / "summary.json").exists():
             write_json(run_dir / "summary.json", summary)
@@ -136,7 +139,7 @@ def _run(grid: Grid, context: Context, started: float, stop: StopSignal) -> None
         raise
     write_json(
         run_dir / "summary.json",
-        summarize(history, "completed", elapsed()),
+        summarize(history, "completed", elapsed(), run_token=settings.run_token),
     )
     tracker.finish(run_dir, "completed")
     last = history[-1] if history else None
@@ -163,12 +166,17 @@ def _open_run_dir(settings: Settings) -> tuple[Path, str, Checkpoint | None]:
                 f"invalid value for 'resume': {settings.resume!r}; {run_dir} is not "
                 f"a pollen run directory (no {RUN_MARKER})"
             )
+        check_claimed(run_dir, settings.run_token)
         checkpoint = load_resumable(run_dir, settings.to_run_config())
         return run_dir, run_dir.name, checkpoint
     run_name = settings.run_name or default_run_name(
         settings.strategy, settings.data_set
     )
-    run_dir = create_run_dir(settings.output_dir, run_name)
+    if settings.run_token:  # `pollen run` made the directory: it must be ours
+        run_dir = Path(settings.output_dir) / run_name
+        check_claimed(run_dir, settings.run_token)
+    else:
+        run_dir = create_run_dir(settings.output_dir, run_name)
     write_json(run_dir / RUN_MARKER, {**settings.to_run_config(), "run-name": run_name})
     return run_dir, run_name, None
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import difflib
 import math
 import random
 from collections.abc import Callable, Collection, Mapping
@@ -49,12 +50,16 @@ from .catalog import (
 )
 from .network_profile import NetworkProfile, ProfileError
 from .runs.notify import check_url
+from .task.partition import PartitionError, check_min_size
 
 AUTO = "auto"
 # server-lr = "auto": 1 for a plain step (FedAvg's), 0.01 for the adaptive ones
 # (the seed notebook's value)
 AUTO_SERVER_LR = {"sgd": 1.0, "adagrad": 1e-2, "adam": 1e-2, "yogi": 1e-2}
 STRATEGIES = tuple(PRESETS)
+# Keys that name one invocation of a run, not what it computes: a resume or a
+# finished comparison cell never differs by them
+INVOCATION_KEYS = frozenset({"run-token"})
 
 
 class SettingsError(ValueError):
@@ -559,7 +564,17 @@ class Settings:
     lr_cooldown: int = key(0, "rounds to wait after a cut", at_least(0))
     # Results
     output_dir: str = key("results", "folder that holds one directory per run")
-    run_name: str = key("", "name of this run's directory (default: generated)")
+    run_name: str = key(
+        "",
+        "name of this run's directory inside output-dir (default: generated)",
+        folder_name_rule(),
+    )
+
+    run_token: str = key(
+        "",
+        "set by `pollen run`: the token of the run directory it claimed, which the "
+        "ServerApp echoes into summary.json (leave empty)",
+    )
 
     @classmethod
     def from_run_config(cls, run_config: Mapping[str, Scalar]) -> Settings:
@@ -567,10 +582,7 @@ class Settings:
         fields = {f.name.replace("_", "-"): f for f in dataclasses.fields(cls)}
         unknown = sorted(set(run_config) - set(fields))
         if unknown:
-            raise SettingsError(
-                f"unknown run-config key {unknown[0]!r}; known keys: "
-                + ", ".join(sorted(fields))
-            )
+            raise SettingsError(unknown_key_message(unknown[0], fields))
         values: dict[str, Scalar] = {}
         for name, f in fields.items():
             raw = run_config.get(name, f.default)
@@ -658,6 +670,18 @@ def _allowed_text(f: dataclasses.Field) -> str:
     if f.default == AUTO and f.metadata["kind"] is not str:
         text = f"auto or {text}"
     return text
+
+
+def unknown_key_message(name: str, known: Collection[str]) -> str:
+    """One line for a key pollen does not know: the closest known keys when
+    the name looks like a typo of one, else where the whole list is."""
+    close = difflib.get_close_matches(name, list(known), n=3, cutoff=0.75)
+    hint = (
+        "did you mean " + " or ".join(repr(k) for k in close) + "?"
+        if close
+        else "`pollen list keys` lists every key"
+    )
+    return f"unknown run-config key {name!r}; {hint}"
 
 
 def keeps_own_model(sharing_policy: str, ditto_lambda: float) -> bool:
@@ -794,6 +818,11 @@ def _check_combination(values: dict[str, Scalar]) -> None:
             f"{data_set.train_examples:,} examples: every client needs at least "
             f"one; allowed: 1 to {data_set.train_examples}"
         )
+    try:
+        check_min_size(values["partition"], values["num-clients"],
+                       values["min-size"], data_set.train_examples)  # fmt: skip
+    except PartitionError as err:
+        raise SettingsError(f"{err} (data-set={values['data-set']!r})") from None
     if (
         values["partition"] == "pathological"
         and values["classes-per-client"] > data_set.classes

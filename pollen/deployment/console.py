@@ -61,6 +61,9 @@ class Console:
         self.live = self.out.isatty()
         self.started = time.monotonic()
         self._in_traceback = False
+        # the stream's last error: a traceback's exception line, or the text
+        # of Flower's last ERROR line (`pollen run` names it if the run fails)
+        self.last_error: str | None = None
         self._status = ""
         self._progress: dict[str, float] = {}
         self._lock = threading.Lock()
@@ -112,9 +115,14 @@ class Console:
             return True
         if self._in_traceback:
             self._in_traceback = raw[:1].isspace() or not raw
+            if not self._in_traceback:  # the exception's own line
+                self.last_error = COLOUR.sub("", raw).strip()
             return True
         logged = FLOWER_LOG.match(raw)
-        return bool(logged) and logged.group(1) in ERROR_LEVELS
+        if logged and logged.group(1) in ERROR_LEVELS:
+            self.last_error = COLOUR.sub("", logged.group(2)).strip()
+            return True
+        return False
 
     def _note_progress(self, raw: str) -> None:
         if match := ACCURACY_LINE.match(raw):

@@ -20,13 +20,15 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from ..runs.checkpoints import CheckpointError, check_resumable
+from ..runs.claim import claim as claim_run_dir
 from ..runs.interruption import SETTLE_SECONDS
-from ..runs.results import RUN_COMPLETED
+from ..runs.results import RUN_COMPLETED, RUN_MARKER
 from ..settings import Settings
 from . import cluster, processes
 from .console import Console
@@ -39,6 +41,7 @@ from .run_config import (
     prepare_run,
 )
 from .warm_simulation import WarmSimulation, WarmSimulationError
+from .watchdog import Watchdog
 
 CLIENT_CPUS = 1  # per ClientApp actor in a simulation, unless the user says
 # The most SuperNodes a simulation starts unless the user says: more clients
@@ -48,6 +51,7 @@ CLIENT_CPUS = 1  # per ClientApp actor in a simulation, unless the user says
 # nothing until they train (docs/performance.md, "Cross-device scale").
 SIMULATED_NODES = 100
 FLWR_STOP_SECONDS = 5.0
+POLL_SECONDS = 0.1  # how often the command looks up from waiting on its run
 FLOWER_LOG = "flower.log"  # in the run directory: the whole stream of `flwr run`
 # The process that runs a simulation's ServerApp, and how long it may take to
 # record an interruption (its own wait, and Flower's exit after it)
@@ -74,11 +78,15 @@ class LocalSuperLink:
     (`flower.start_simulation_superlink`); paths in the run config are made
     absolute before the run starts."""
 
-    def __init__(self, run_dir: Path) -> None:
+    def __init__(self, run_dir: Path, watchdog: Watchdog | None = None) -> None:
         self.run_dir = run_dir  # where its log is kept when it stops
         self.home = Path(tempfile.mkdtemp(prefix="pollen-flwr-home-"))
         self.log_path = self.home / "superlink.log"
         self.process: subprocess.Popen[bytes] | None = None
+        self.watchdog = watchdog
+        if watchdog is not None:
+            watchdog.log(self.log_path, run_dir, "superlink.log")
+            watchdog.temporary(self.home)
 
     @property
     def env(self) -> dict[str, str]:
@@ -92,7 +100,14 @@ class LocalSuperLink:
         except BaseException:
             shutil.rmtree(self.home, ignore_errors=True)
             raise
+        if self.watchdog is not None:
+            self.watchdog.superlink(self.process.pid)
         return self
+
+    def interrupt(self) -> None:
+        """Interrupt the run's ServerApp (`interrupt_serverapp`)."""
+        if self.process is not None:
+            interrupt_serverapp(self.process.pid)
 
     def __exit__(self, exc_type: type[BaseException] | None, *exc: object) -> None:
         """Stop everything the SuperLink started. On Ctrl-C or SIGTERM the
@@ -109,7 +124,12 @@ class LocalSuperLink:
             shutil.rmtree(self.home, ignore_errors=True)
 
 
-def run_on_warm(flwr_args: list[str], warm: WarmSimulation, console: Console) -> bool:
+def run_on_warm(
+    flwr_args: list[str],
+    warm: WarmSimulation,
+    console: Console,
+    watchdog: Watchdog | None = None,
+) -> bool:
     """`stream_flwr` on the warm federation, returning once this run's
     ServerApp process has ended too (within `WARM_EXIT_SECONDS`), so that
     runs on one federation do not overlap; on Ctrl-C that process, and only
@@ -120,11 +140,11 @@ def run_on_warm(flwr_args: list[str], warm: WarmSimulation, console: Console) ->
         found = processes.named_descendants(warm.superlink_pid, SERVERAPP_PROCESSES)
         return [pid for pid in found if pid not in earlier]
 
-    try:
-        said_completed = stream_flwr(flwr_args, warm.env, console)
-    except KeyboardInterrupt:
-        processes.end(ours(), SERVERAPP_GRACE, first=signal.SIGINT)
-        raise
+    said_completed = stream_flwr(
+        flwr_args, warm.env, console,
+        interrupt=lambda: processes.end(ours(), SERVERAPP_GRACE, first=signal.SIGINT),
+        watchdog=watchdog,
+    )  # fmt: skip
     deadline = time.monotonic() + WARM_EXIT_SECONDS
     for pid in ours():  # Flower's shutdown of the simulation (Ray's job)
         processes.reaped(pid, max(0.0, deadline - time.monotonic()))
@@ -168,7 +188,46 @@ def run(
         check_local_data(settings)
         check_local_tracker(settings)
     run_dir = Path(settings.resume or Path(settings.output_dir) / settings.run_name)
+    watchdog = Watchdog()  # cleans up if this command is killed outright
+    try:
+        claim = None
+        if connection is None:  # the ServerApp writes on this machine: ours only
+            claim = claim_run_dir(run_dir, new=not settings.resume)
+            watchdog.claim(run_dir, claim.made)
+            run_config += f" run-token={json.dumps(claim.token)}"
+        try:
+            completed = _follow(app, overrides, settings, run_config, run_dir,
+                                given_federation, federation, connection,
+                                deployment, warm, verbose, watchdog,
+                                claim and claim.token, started)  # fmt: skip
+        finally:
+            if claim is not None:
+                claim.release()
+    finally:
+        watchdog.dismiss()
+    return completed
+
+
+def _follow(
+    app: Path,
+    overrides: Sequence[str],
+    settings: Settings,
+    run_config: str,
+    run_dir: Path,
+    given_federation: Sequence[str],
+    federation: Sequence[str],
+    connection: str | None,
+    deployment: cluster.Deployment | None,
+    warm: WarmSimulation | None,
+    verbose: bool,
+    watchdog: Watchdog,
+    token: str | None,
+    started: float,
+) -> bool:
+    """Submit the run, stream its log and report its outcome (`run`)."""
     log_path = Path(tempfile.mkstemp(prefix="pollen-flower-", suffix=".log")[1])
+    watchdog.log(log_path, run_dir, FLOWER_LOG)
+    watchdog.temporary(log_path)
     if not verbose:
         print(
             f"pollen: Flower's and Ray's lines go to {FLOWER_LOG} in the run's "
@@ -180,10 +239,11 @@ def run(
             console = Console(log, verbose=verbose)
             try:
                 said_completed = _submit(app, run_config, run_dir, federation,
-                                         connection, deployment, warm, console)  # fmt: skip
+                                         connection, deployment, warm, console,
+                                         watchdog)  # fmt: skip
             finally:
                 console.close()
-    except KeyboardInterrupt:  # Ctrl-C, or SIGTERM
+    except KeyboardInterrupt:  # Ctrl-C, SIGTERM or SIGHUP
         if connection is None and deployment is None:  # the run has recorded it
             command = resume_command(app, overrides, given_federation, run_dir)
             report_interrupted(run_dir, settings, command)
@@ -195,7 +255,8 @@ def run(
             )
         raise
     finally:
-        if keep_log(log_path, run_dir, FLOWER_LOG) is not None:
+        kept = keep_log(log_path, run_dir, FLOWER_LOG)
+        if kept is not None:
             log_path.unlink()
         else:  # the run wrote no directory here (it failed early, or is remote)
             print(
@@ -206,7 +267,10 @@ def run(
         # a remote SuperLink's ServerApp wrote its results on its own machine
         print(f"pollen: run completed; results in {run_dir} on the ServerApp's machine")
         return True
-    return report_outcome(run_dir, wall_seconds, resumed=bool(settings.resume))
+    return report_outcome(
+        run_dir, wall_seconds, resumed=bool(settings.resume), token=token,
+        error=console.last_error, log=kept or log_path,
+    )  # fmt: skip
 
 
 def _submit(
@@ -218,9 +282,12 @@ def _submit(
     deployment: cluster.Deployment | None,
     warm: WarmSimulation | None,
     console: Console,
+    watchdog: Watchdog | None = None,
 ) -> bool:
     """Stage the app, submit it, stream its log; whether it said it completed."""
     with staged_app(app) as staged:
+        if watchdog is not None:
+            watchdog.temporary(staged)
         flwr_args = ["run", str(staged), "--run-config", run_config]
         for value in federation:
             flwr_args += ["--federation-config", value]
@@ -228,16 +295,22 @@ def _submit(
         if deployment is not None:
             flwr_args.insert(2, cluster.CONNECTION)
             said_completed = stream_flwr(
-                flwr_args, flower_env(deployment.flwr_home), console
-            )
+                flwr_args, flower_env(deployment.flwr_home), console,
+                watchdog=watchdog,
+            )  # fmt: skip
         elif warm is not None:
-            said_completed = run_on_warm(flwr_args, warm, console)
+            said_completed = run_on_warm(flwr_args, warm, console, watchdog)
         elif connection is None:
-            with LocalSuperLink(run_dir) as link:
-                said_completed = stream_flwr(flwr_args, link.env, console)
+            with LocalSuperLink(run_dir, watchdog) as link:
+                said_completed = stream_flwr(
+                    flwr_args, link.env, console, interrupt=link.interrupt,
+                    watchdog=watchdog,
+                )  # fmt: skip
         else:
             flwr_args.insert(2, connection)
-            said_completed = stream_flwr(flwr_args, dict(os.environ), console)
+            said_completed = stream_flwr(
+                flwr_args, dict(os.environ), console, watchdog=watchdog
+            )
     return said_completed
 
 
@@ -309,11 +382,35 @@ def simulation_federation(federation: list[str], num_clients: int) -> list[str]:
         given = parse_config_args(federation)
     except (ValueError, ClickException) as err:
         raise LaunchError(f"invalid --federation-config {federation}: {err}") from err
+    check_federation(given)
     defaults = {
         "num-supernodes": min(num_clients, SIMULATED_NODES),
         "client-resources-num-cpus": CLIENT_CPUS,
     }
     return federation + [f"{k}={v}" for k, v in defaults.items() if k not in given]
+
+
+def check_federation(given: dict[str, object]) -> None:
+    """Refuse simulation federation values Flower would only trip over after
+    start-up: no SuperNodes (the run waits for nodes that never come), or
+    ClientApp resources no actor can be given (Ray never places one)."""
+    cores = os.cpu_count() or 1
+    rules = {
+        "num-supernodes": (lambda v: v >= 1, "an integer >= 1", int),
+        "client-resources-num-cpus": (
+            lambda v: 0 < v <= cores, f"a number in (0, {cores}] (this machine's "
+            "cores: an actor needing more is never started)", (int, float),
+        ),
+        "client-resources-num-gpus": (lambda v: v >= 0, "a number >= 0", (int, float)),
+    }  # fmt: skip
+    for name, (valid, allowed, kinds) in rules.items():
+        if name not in given:
+            continue
+        value = given[name]
+        if isinstance(value, bool) or not isinstance(value, kinds) or not valid(value):
+            raise LaunchError(
+                f"invalid --federation-config value {name}={value!r}; allowed: {allowed}"
+            )
 
 
 def running_warm_simulation(
@@ -345,35 +442,68 @@ def running_deployment(directory: Path, connection: str | None) -> cluster.Deplo
     return deployment
 
 
-def stream_flwr(flwr_args: list[str], env: dict[str, str], console: Console) -> bool:
+def stream_flwr(
+    flwr_args: list[str],
+    env: dict[str, str],
+    console: Console,
+    *,
+    interrupt: Callable[[], None] | None = None,
+    watchdog: Watchdog | None = None,
+) -> bool:
     """`flwr run`, its output (both streams) handed to `console` line by line,
     until it exits or, sooner, until the ServerApp says it completed (that
     line is not passed on: `report_outcome` says where the results are):
     every result is written by then, and Flower's own shutdown of the
     simulation (stopping Ray, draining the log stream) would keep the command
-    waiting about 4 s longer. Whether the ServerApp said so."""
+    waiting about 4 s longer. Whether the ServerApp said so.
+
+    On Ctrl-C (SIGTERM, SIGHUP) `interrupt` stops the ServerApp, which records
+    the interruption, while its last lines still reach the console: what the
+    console shows last is what the history holds."""
     process = subprocess.Popen(
         [processes.entry_point("flwr"), *flwr_args],
         env={**env, "PYTHONUNBUFFERED": "1"},
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
     )
+    if watchdog is not None:
+        watchdog.process_started(process.pid)
     assert process.stdout is not None
-    completed = RUN_COMPLETED.encode()
-    try:
-        for line in process.stdout:
-            if completed in line:
-                return True
+    stream, completed = process.stdout, threading.Event()
+    ended = threading.Event()  # the stream ended, or said the run completed
+
+    def forward() -> None:
+        marker = RUN_COMPLETED.encode()
+        for line in stream:
+            if marker in line:
+                completed.set()
+                break
             console.line(line.decode(errors="replace").rstrip("\n"))
-        return False
+        ended.set()
+
+    reader = threading.Thread(target=forward, daemon=True)
+    reader.start()
+    try:
+        while not ended.wait(POLL_SECONDS):
+            pass
+    except KeyboardInterrupt:
+        if interrupt is not None:
+            interrupt()  # the ServerApp records the interruption, and ends
+            ended.wait(FLWR_STOP_SECONDS)  # its last lines reach the console
+        raise
     finally:
         processes.stop_child(process, FLWR_STOP_SECONDS)
+        reader.join(FLWR_STOP_SECONDS)
+    return completed.is_set()
 
 
 def keep_log(log_path: Path, run_dir: Path, name: str) -> Path | None:
     """Copy a log into the run directory as `name` (a resumed run keeps the
-    earlier ones: `superlink.log`, `superlink-2.log`, ...); where it went."""
+    earlier ones: `superlink.log`, `superlink-2.log`, ...); where it went
+    (None where no run started in `run_dir`)."""
     if not (log_path.exists() and run_dir.is_dir()):
+        return None
+    if not (run_dir / RUN_MARKER).is_file():  # no run started there
         return None
     stem, suffix = name.rsplit(".", 1)
     target, n = run_dir / name, 1
@@ -384,19 +514,40 @@ def keep_log(log_path: Path, run_dir: Path, name: str) -> Path | None:
     return target
 
 
-def report_outcome(run_dir: Path, wall_seconds: float, resumed: bool = False) -> bool:
+def report_outcome(
+    run_dir: Path,
+    wall_seconds: float,
+    resumed: bool = False,
+    *,
+    token: str | None = None,
+    error: str | None = None,
+    log: Path | None = None,
+) -> bool:
     """Whether the run completed, from its own record of how it ended; said
     on the console with where its results are, the command's wall time and,
     of it, the ServerApp's (start-up of Flower and Ray is the difference; a
-    resumed run's ServerApp time covers every part, so it is given apart)."""
+    resumed run's ServerApp time covers every part, so it is given apart).
+
+    With a `token` (the run directory's claim) only a `summary.json` that
+    carries it counts: one left by an earlier run (a resume that failed
+    before its first round) is not this run's outcome. A run without its own
+    summary failed before writing it: the reason said is `error`, the
+    stream's last error line, and `log` holds the rest."""
     summary_path = run_dir / "summary.json"
-    if not summary_path.exists():
+    try:
+        summary = json.loads(summary_path.read_text())
+    except (OSError, ValueError):
+        summary = {}
+    if token is not None and summary.get("run-token") != token:
+        summary = {}
+    if not summary:
         print(
-            f"pollen: run failed before writing {summary_path} (see the log above)",
+            f"pollen: run failed before writing its results: "
+            f"{error or 'Flower gave no error line'}"
+            + (f" (Flower's lines: {log})" if log else ""),
             file=sys.stderr,
         )
         return False
-    summary = json.loads(summary_path.read_text())
     if summary.get("status") != "completed":
         print(f"pollen: run failed: {summary.get('error')}", file=sys.stderr)
         print(f"pollen: results (partial) in {run_dir}", file=sys.stderr)

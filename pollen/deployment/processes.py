@@ -215,11 +215,17 @@ def named_descendants(pid: int, names: Sequence[str]) -> list[int]:
     return [p for p in descendants(pid) if any(n in command_line(p) for n in names)]
 
 
+# Signals that stop a command as Ctrl-C does: SIGTERM (a supervisor, `kill`)
+# and SIGHUP (the terminal or SSH session closed)
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGHUP)
+
+
 @contextlib.contextmanager
-def sigterm_interrupts() -> Iterator[None]:
-    """While inside, SIGTERM raises KeyboardInterrupt (as Ctrl-C does), so a
-    terminated command runs its `finally` blocks and stops what it started.
-    Only the main thread can install a handler; elsewhere this does nothing."""
+def stop_signals_interrupt() -> Iterator[None]:
+    """While inside, SIGTERM and SIGHUP raise KeyboardInterrupt (as Ctrl-C
+    does), so a stopped command runs its `finally` blocks and stops what it
+    started. Only the main thread can install a handler; elsewhere this does
+    nothing."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
@@ -227,11 +233,12 @@ def sigterm_interrupts() -> Iterator[None]:
     def interrupt(signum: int, frame: object) -> None:
         raise KeyboardInterrupt(f"signal {signum}")
 
-    previous = signal.signal(signal.SIGTERM, interrupt)
+    previous = {sig: signal.signal(sig, interrupt) for sig in STOP_SIGNALS}
     try:
         yield
     finally:
-        signal.signal(signal.SIGTERM, previous)
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
 
 
 def stop(pid: int, grace: float = STOP_GRACE_SECONDS) -> None:

@@ -25,7 +25,7 @@ from ..runs.tracking_mlflow import (
     pin_uri,
     tracking_uri,
 )
-from ..settings import Settings, SettingsError
+from ..settings import Settings, SettingsError, unknown_key_message
 
 
 class RunConfigError(ValueError):
@@ -93,8 +93,7 @@ def resolve_run_config(app: Path, overrides: Sequence[str]) -> dict[str, Any]:
         unknown = sorted(set(parsed) - set(config))
         if unknown:
             raise RunConfigError(
-                f"unknown run-config key {unknown[0]!r} in {value!r}; known keys: "
-                + ", ".join(config)
+                f"{unknown_key_message(unknown[0], config)} (in {value!r})"
             )
         config.update(parsed)
     return config

@@ -476,7 +476,7 @@ def run_comparison(
         assert network is not None
         network_cells.check_host()
     # SIGTERM stops a comparison as Ctrl-C does: the cell's processes go too
-    with exclusive(out) as running, processes.sigterm_interrupts():
+    with exclusive(out) as running, processes.stop_signals_interrupt():
         cells = with_states(cells, out)
         write_atomic(out / "grid.toml", grid_path.read_text())
         with contextlib.ExitStack() as federation:

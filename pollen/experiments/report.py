@@ -32,7 +32,7 @@ from typing import Any, TypeVar
 
 from ..files import write_atomic, write_json
 from ..runs.results import plot_accuracy_against
-from ..settings import AUTO, PRESETS, Settings
+from ..settings import AUTO, INVOCATION_KEYS, PRESETS, Settings
 
 # Keys that name where or how a run ran, not what it computed.
 NOT_COMPARED = frozenset(
@@ -40,7 +40,7 @@ NOT_COMPARED = frozenset(
      "notify-every", "checkpoint-every", "checkpoint-keep", "print-labels",
      "state-memory-mib",
      "tracker", "tracking-uri", "tracking-experiment"}
-)  # fmt: skip
+) | INVOCATION_KEYS  # fmt: skip
 # Keys drawn as separate lines on one figure; the other varying keys (but the
 # seed, averaged over) make separate figures.
 SERIES_KEYS = (

@@ -33,7 +33,7 @@ import numpy as np
 
 from pollen import files
 from pollen.files import write_json, write_npz
-from pollen.settings import first_difference
+from pollen.settings import INVOCATION_KEYS, first_difference
 
 FORMAT_VERSION = 1
 CHECKPOINTS = "checkpoints"
@@ -173,7 +173,7 @@ RESUMABLE_CHANGES = frozenset(
      "checkpoint-keep", "device", "output-dir", "run-name", "data-root",
      "personal-eval-every", "tracker", "tracking-uri", "tracking-experiment",
      "state-memory-mib"}
-)  # fmt: skip
+) | INVOCATION_KEYS  # fmt: skip
 
 
 def load_resumable(run_dir: Path, run_config: dict[str, Any]) -> Checkpoint:
@@ -184,11 +184,15 @@ def load_resumable(run_dir: Path, run_config: dict[str, Any]) -> Checkpoint:
 def check_resumable(run_dir: Path, run_config: dict[str, Any]) -> int:
     """The round of `run_dir`'s latest checkpoint, if `run_config` may continue it.
 
-    Reads that checkpoint's `meta.json` only. The checkpoint keeps the run
-    config that wrote it (`extra["settings"]`); a difference outside
-    `RESUMABLE_CHANGES` is refused, naming the key.
+    Reads the whole checkpoint: `meta.json`, and the model and strategy
+    state in full (a truncated or damaged file is named now, not after the
+    run's start-up). The checkpoint keeps the run config that wrote it
+    (`extra["settings"]`); a difference outside `RESUMABLE_CHANGES` is
+    refused, naming the key.
     """
     round, where = _locate(run_dir, None)
+    for name in (MODEL_FILE, STRATEGY_FILE):
+        read_npz(where / name)
     saved = _read_meta(where / META_FILE, round)["extra"].get("settings")
     if not isinstance(saved, dict):
         raise CheckpointError(

@@ -189,13 +189,19 @@ def read_history(run_dir: Path) -> list[RoundRecord]:
 
 
 def summarize(
-    history: list[RoundRecord], status: str, seconds: float, error: str | None = None
+    history: list[RoundRecord],
+    status: str,
+    seconds: float,
+    error: str | None = None,
+    run_token: str = "",
 ) -> dict[str, Any]:
-    """What `summary.json` holds: the outcome in a few numbers."""
+    """What `summary.json` holds: the outcome in a few numbers, and the token
+    of the command that claimed the run's directory (`pollen.runs.claim`)."""
     best = max(history, key=lambda r: r.accuracy, default=None)
     return {
         "status": status,
         "error": error,
+        "run-token": run_token,
         "rounds": len(history),
         "final-accuracy": history[-1].accuracy if history else None,
         "final-loss": history[-1].loss if history else None,

@@ -141,9 +141,22 @@ def load_dataset(name: str, data_root: str | Path, download: bool) -> Dataset:
     if name == "digits":
         return _digits_dataset()
     root = Path(data_root).expanduser().resolve()
-    source = _find_local_source(spec, root)
-    fingerprint = tuple(_fingerprint(source).items()) if source else None
-    return _load_cached(spec, root, download, source, fingerprint)
+    if root.exists() and not root.is_dir():
+        raise DataError(
+            f"data-root {str(root)!r} is a file; data-root must be a folder (the "
+            f"one that holds {spec.name}.npz, an image folder or archive, or "
+            "where download=true puts the data)"
+        )
+    try:
+        source = _find_local_source(spec, root)
+        fingerprint = tuple(_fingerprint(source).items()) if source else None
+        return _load_cached(spec, root, download, source, fingerprint)
+    except PermissionError as err:
+        raise DataError(
+            f"cannot read {err.filename or root}: permission denied; data-root "
+            "must be a folder this user can read (and, for the decoded cache, "
+            f"write, or set {CACHE_ENV})"
+        ) from None
 
 
 def check_readable(name: str, data_root: str | Path, download: bool) -> None:
@@ -521,9 +534,12 @@ def _download(spec: DataSpec, root: Path) -> dict[str, np.ndarray]:
 
     cls = getattr(torchvision.datasets, spec.torchvision_class or "")
     target = root / "torchvision"
+    made = not target.exists()
     try:
         parts = [cls(str(target), train=t, download=True) for t in (True, False)]
     except Exception as err:  # urllib, HTTP and checksum errors all end here
+        if made:  # nothing half-downloaded is left to pass for data
+            shutil.rmtree(target, ignore_errors=True)
         raise DataError(
             f"download of {spec.name!r} failed ({type(err).__name__}: {err}); put "
             f"{spec.name}.npz in {root} or check the network"

@@ -1,0 +1,133 @@
+"""What a `pollen run` leaves if it is killed outright: nothing.
+
+SIGINT, SIGTERM and SIGHUP reach the command's own handlers, which stop what
+it started. SIGKILL (or an out-of-memory kill) does not, and the processes a
+run starts live in sessions of their own (the SuperLink, `flwr run`), so
+neither a closing terminal nor the kernel would take them along. The
+watchdog is a small process the command starts first, in its own session,
+reading a pipe from the command: the command tells it, line by line, each
+process it started and each temporary path it made, and says `done` when it
+has cleaned up itself. If the pipe closes without `done`, the command died:
+the watchdog interrupts the run's ServerApp as Ctrl-C would (so the run
+directory is marked interrupted and checkpointed, resumable), stops every
+process it was told of with all they started, keeps Flower's log in the run
+directory, and removes the temporary paths.
+
+Run as `python -m pollen.deployment.watchdog`; it imports nothing heavy.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from typing import IO, Any
+
+from ..runs.claim import abandon
+
+DONE = "done"
+
+
+class Watchdog:
+    """The command's side: start the watchdog, tell it what to clean up."""
+
+    def __init__(self) -> None:
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", __name__],
+            stdin=subprocess.PIPE, stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL, start_new_session=True, text=True,
+        )  # fmt: skip
+
+    def _say(self, **message: Any) -> None:
+        pipe = self.process.stdin
+        assert pipe is not None
+        pipe.write(json.dumps(message) + "\n")
+        pipe.flush()
+
+    def superlink(self, pid: int) -> None:
+        """A simulation SuperLink: its ServerApp is interrupted first."""
+        self._say(superlink=pid)
+
+    def process_started(self, pid: int) -> None:
+        self._say(process=pid)
+
+    def temporary(self, path: Path) -> None:
+        self._say(remove=str(path))
+
+    def log(self, path: Path, run_dir: Path, name: str) -> None:
+        """Keep `path` in `run_dir` as `name` (if the run made it) before
+        the temporary paths go."""
+        self._say(log=str(path), run_dir=str(run_dir), name=name)
+
+    def claim(self, run_dir: Path, made: list[Path]) -> None:
+        """The run directory the command holds (`pollen.runs.claim`)."""
+        self._say(claim=str(run_dir), made=[str(p) for p in made])
+
+    def dismiss(self) -> None:
+        """The command cleaned up itself: the watchdog exits doing nothing."""
+        try:
+            self._say(done=True)
+            assert self.process.stdin is not None
+            self.process.stdin.close()
+        except (OSError, ValueError):
+            pass
+        self.process.wait()
+
+
+def watch(pipe: IO[str]) -> None:
+    """Collect what the command says until the pipe closes; clean up unless
+    its last word was `done`."""
+    superlinks: list[int] = []
+    started: list[int] = []
+    logs: list[dict[str, str]] = []
+    paths: list[str] = []
+    claims: list[dict[str, Any]] = []
+    for line in pipe:
+        message = json.loads(line)
+        if message.get(DONE):
+            return
+        if "superlink" in message:
+            superlinks.append(int(message["superlink"]))
+        if "process" in message:
+            started.append(int(message["process"]))
+        if "log" in message:
+            logs.append(message)
+        if "remove" in message:
+            paths.append(message["remove"])
+        if "claim" in message:
+            claims.append(message)
+    clean_up(superlinks, started, logs, paths)
+    for claim in claims:
+        abandon(Path(claim["claim"]), [Path(p) for p in claim["made"]])
+
+
+def clean_up(
+    superlinks: list[int],
+    started: list[int],
+    logs: list[dict[str, str]],
+    paths: list[str],
+) -> None:
+    """Interrupt the ServerApps, stop every process, keep the logs, remove
+    the temporary paths: what `pollen run` does on Ctrl-C."""
+    from . import processes
+    from .launch import interrupt_serverapp, keep_log
+
+    for pid in superlinks:
+        interrupt_serverapp(pid)
+    for pid in started:
+        processes.stop(pid, grace=processes.KILL_WAIT_SECONDS)
+    for pid in superlinks:
+        processes.stop(pid)
+    for log in logs:
+        keep_log(Path(log["log"]), Path(log["run_dir"]), log["name"])
+    for path in map(Path, paths):
+        if path.is_dir():
+            shutil.rmtree(path, ignore_errors=True)
+        else:
+            path.unlink(missing_ok=True)
+
+
+if __name__ == "__main__":
+    watch(sys.stdin)
