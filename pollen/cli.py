@@ -39,7 +39,8 @@ EXIT_INTERRUPTED = 130  # as a shell reports a command Ctrl-C stopped
 DEPLOY_DIR = Path(".pollen-deploy")
 EXIT_CODES = (
     ((SettingsError, RunConfigError, launch.LaunchError, ResultsError,
-      CheckpointError, compare.CompareError, ProfileError), EXIT_BAD_INPUT),
+      CheckpointError, compare.CompareError, ProfileError,
+      deploy_actions.NodeConfigError), EXIT_BAD_INPUT),
     ((cluster.DeployError, ProcessError, NetworkError), EXIT_FAILED),
 )  # fmt: skip
 EXPECTED_ERRORS = tuple(kind for kinds, _ in EXIT_CODES for kind in kinds)

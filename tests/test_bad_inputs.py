@@ -461,3 +461,19 @@ def test_checkpoint_of_another_model_or_strategy(
             check(tmp_path, changed)
     assert snapshot(tmp_path) == before
     assert load_resumable(tmp_path, {**RUN_CONFIG, "rounds": 8}).round == 2
+
+
+def test_a_failed_download_leaves_no_empty_folders(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A download that fails (here: a mirror on a closed loopback port) says
+    so and leaves no empty `torchvision/MNIST/raw` to pass for data."""
+    import torchvision.datasets
+
+    from pollen.deployment.processes import free_port
+
+    mirror = f"http://127.0.0.1:{free_port()}/"
+    monkeypatch.setattr(torchvision.datasets.MNIST, "mirrors", [mirror])
+    with pytest.raises(DataError, match="download of 'mnist' failed"):
+        load_dataset("mnist", tmp_path, download=True)
+    assert not (tmp_path / "torchvision").exists()

@@ -86,3 +86,25 @@ def test_a_terminal_gets_a_status_line_that_leaves_the_lines_as_they_are() -> No
     assert status[-1].startswith("pollen: round 1/3 | acc 74.72% | loss 1.4825 | ")
     assert status[-1].endswith(" left")
     assert "pollen: starting up ... 0:00" in out.getvalue()
+
+
+def test_the_last_error_is_the_exception_line_or_flowers_error_box() -> None:
+    """What `pollen run` names when a run fails before writing its results."""
+    console = Console(io.StringIO(), io.StringIO(), io.StringIO())
+    for line in STREAM:
+        console.line(line)
+    assert console.last_error == "ValueError: the model broke"
+    box = [
+        "╭─ Error ──────────────────────────────╮",
+        "│ The provided configuration string is │",
+        "│ in an invalid format.                │",
+        "╰──────────────────────────────────────╯",
+    ]
+    err = io.StringIO()
+    console = Console(io.StringIO(), io.StringIO(), err)
+    for line in box:
+        console.line(line)
+    assert console.last_error == (
+        "The provided configuration string is in an invalid format."
+    )
+    assert err.getvalue().splitlines() == box  # shown in full, as errors

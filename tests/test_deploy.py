@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ipaddress
+import re
 import stat
 from pathlib import Path
 
@@ -12,7 +13,7 @@ from cryptography.hazmat.primitives.serialization import load_ssh_private_key
 
 from pollen.cli import main
 from pollen.deployment import certificates, cluster
-from pollen.deployment.deploy_actions import node_extra
+from pollen.deployment.deploy_actions import NodeConfigError, node_extra
 
 
 def test_certificates_name_every_host_and_chain_to_the_ca(tmp_path: Path) -> None:
@@ -44,8 +45,36 @@ def test_node_config_flags_are_checked() -> None:
         1: {"data-file": "/silo/own.npz", "x": 2}
     }
     for bad in ("data-file='/a'", "3:a=1", "x:a=1", "0:a=not toml"):
-        with pytest.raises(cluster.DeployError, match="--node-config"):
+        with pytest.raises(NodeConfigError, match="--node-config"):
             node_extra([bad], 3)
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (
+            ["1:partition-id=2"],
+            r"1:partition-id=2 with num-partitions=2; allowed: 0 to 1",
+        ),
+        (["0:partition-id=-1"], r"allowed: 0 to 1"),
+        (["1:partition-id=0"], r"node 0 serves partition 0 already"),
+        (["0:num-partitions=0"], r"num-partitions=0; allowed: an integer >= 1"),
+        (["1:partition-id='a'"], r"partition-id='a'"),
+    ],
+)
+def test_node_partitions_that_cannot_exist_are_refused_before_start(
+    flags: list[str], message: str, tmp_path: Path, capsys
+) -> None:
+    """`deploy up` with two nodes: a partition outside num-partitions, or one
+    partition served twice, exits 2 in one line and starts nothing."""
+    argv = ["deploy", "up", "--dir", str(tmp_path / "d"), "--nodes", "2"]
+    for flag in flags:
+        argv += ["--node-config", flag]
+    assert main(argv) == 2
+    error = capsys.readouterr().err.strip()
+    assert len(error.splitlines()) == 1 and re.search(message, error), error
+    assert not (tmp_path / "d").exists()
+    assert node_extra(["0:partition-id=1", "1:partition-id=0"], 2)  # a swap is fine
 
 
 def test_node_config_text_quotes_strings() -> None:

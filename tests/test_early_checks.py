@@ -5,7 +5,12 @@ used to be found only after start-up, or not at all)."""
 
 from __future__ import annotations
 
+import json
+import os
 import re
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -13,6 +18,9 @@ import pytest
 
 from pollen.cli import EXIT_BAD_INPUT, main
 from pollen.deployment import launch, processes
+from pollen.deployment.run_config import resolve_settings
+from pollen.runs.checkpoints import Checkpoint, save_checkpoint
+from pollen.runs.claim import claim
 from pollen.runs.results import check_run_dir_is_new
 from tests.conftest import PROJECT
 
@@ -44,6 +52,19 @@ CASES = [
         "tracker='mlflow' tracking-uri='mlruns'",
         r"'tracking-uri': 'mlruns'; allowed: empty, an http\(s\) URL",
     ),
+    ("run-name='../../x'", r"invalid value for 'run-name': '../../x'; allowed: a name"),
+    ("run-name='/tmp/x'", r"invalid value for 'run-name': '/tmp/x'"),
+    (
+        "partition='niid' num-clients=1000 min-size=10",
+        r"'min-size': 10; partition 'niid' needs .* = 10,000 samples, the training "
+        r"split has 1,437; allowed: min-size at most 1",
+    ),
+    (
+        "partition='niid-client' num-clients=200 min-size=10",
+        r"gives each of 200 clients 7",
+    ),
+    ("lr=0.1 lrr=1", r"unknown run-config key 'lrr'; did you mean 'lr'\?"),
+    ("colour=1", r"unknown run-config key 'colour'; `pollen list keys` lists every"),
 ]
 
 
@@ -133,3 +154,141 @@ def test_a_tracking_server_that_does_not_answer_stops_the_run(
     assert main(["run", str(PROJECT), "-c", config]) == EXIT_BAD_INPUT
     assert f"no MLflow tracking server answers at {uri}" in capsys.readouterr().err
     assert not any(tmp_path.iterdir())
+
+
+@pytest.mark.parametrize(
+    ("federation", "message"),
+    [
+        ("num-supernodes=0", r"num-supernodes=0; allowed: an integer >= 1"),
+        ("num-supernodes=-1", r"num-supernodes=-1; allowed: an integer >= 1"),
+        ("client-resources-num-cpus=0", r"client-resources-num-cpus=0; allowed"),
+        ("client-resources-num-cpus=999", r"client-resources-num-cpus=999; allowed"),
+    ],
+)
+def test_a_federation_no_node_could_serve_is_refused(
+    federation: str, message: str, no_flower: None, tmp_path: Path, capsys
+) -> None:
+    argv = ["run", str(PROJECT), "-c", f"output-dir='{tmp_path}'",
+            "--federation-config", federation]  # fmt: skip
+    started = time.monotonic()
+    assert main(argv) == EXIT_BAD_INPUT
+    assert time.monotonic() - started < 2
+    error = capsys.readouterr().err.strip()
+    assert len(error.splitlines()) == 1 and re.search(message, error), error
+    assert not any(tmp_path.iterdir())
+
+
+def test_an_output_dir_under_a_file_is_refused_before_flower(
+    no_flower: None, tmp_path: Path, capsys
+) -> None:
+    (tmp_path / "file").write_text("not a folder")
+    argv = ["run", str(PROJECT), "-c", f"output-dir='{tmp_path / 'file' / 'out'}'"]
+    assert main(argv) == EXIT_BAD_INPUT
+    error = capsys.readouterr().err.strip()
+    assert "invalid value for 'output-dir': cannot create" in error
+    assert "output-dir must be a folder this user can write" in error
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["file"]
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="a read-only bind mount needs root")
+def test_a_read_only_output_dir_is_refused_before_flower(
+    no_flower: None, tmp_path: Path, capsys
+) -> None:
+    """A read-only mount (as root, whom mode bits do not stop)."""
+    target = tmp_path / "ro"
+    target.mkdir()
+    mounted = subprocess.run(["mount", "--bind", str(target), str(target)],
+                             capture_output=True, check=False)  # fmt: skip
+    if mounted.returncode != 0:
+        pytest.skip(f"mount refused here: {mounted.stderr.decode().strip()}")
+    try:
+        subprocess.run(["mount", "-o", "remount,bind,ro", str(target)], check=True)
+        argv = ["run", str(PROJECT), "-c", f"output-dir='{target / 'out'}'"]
+        assert main(argv) == EXIT_BAD_INPUT
+        assert "Read-only file system" in capsys.readouterr().err
+    finally:
+        subprocess.run(["umount", str(target)], check=True)
+    assert not any(target.iterdir())
+
+
+def test_a_data_root_that_is_a_file_is_named(
+    no_flower: None, tmp_path: Path, capsys
+) -> None:
+    (tmp_path / "data").write_text("")
+    config = f"output-dir='{tmp_path}' data-set='mnist' data-root='{tmp_path / 'data'}'"
+    assert main(["run", str(PROJECT), "-c", config]) == EXIT_BAD_INPUT
+    error = capsys.readouterr().err.strip()
+    assert len(error.splitlines()) == 1, error
+    assert "is a file; data-root must be a folder" in error
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["data"]
+
+
+def test_an_unreadable_data_root_is_one_line(tmp_path: Path) -> None:
+    """A data-root folder this user cannot read: as an unprivileged user
+    (root reads any folder), where the venv is reachable for one."""
+    data = tmp_path / "data"
+    data.mkdir(mode=0o000)
+    tmp_path.chmod(0o755)
+    config = f"output-dir='/tmp' data-set='mnist' data-root='{data}'"
+    code = (
+        "import sys; from pollen.cli import main; "
+        f"sys.exit(main(['run', {str(PROJECT)!r}, '-c', {config!r}]))"
+    )
+    command = [sys.executable, "-c", code]
+    if os.geteuid() == 0:
+        user = ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups"]
+        probe = subprocess.run([*user, sys.executable, "-c", "import pollen"],
+                               capture_output=True, check=False, cwd="/")  # fmt: skip
+        if probe.returncode != 0:
+            pytest.skip("an unprivileged user cannot reach this venv or project")
+        command = [*user, *command]
+    run = subprocess.run(command, capture_output=True, text=True, check=False, cwd="/")
+    assert run.returncode == EXIT_BAD_INPUT, run.stderr[-2000:]
+    assert "Traceback" not in run.stderr
+    assert f"cannot read {data}: permission denied" in run.stderr
+
+
+def _checkpointed_run(run_dir: Path, config: str) -> None:
+    """A run directory with a checkpoint of round 1 written under `config`."""
+    settings = resolve_settings(PROJECT, [config])
+    run_dir.mkdir()
+    (run_dir / "settings.json").write_text(json.dumps({"run-name": run_dir.name}))
+    save_checkpoint(run_dir, Checkpoint(
+        1, {"w": np.ones((50, 50), np.float32)}, {"m": np.zeros(3)},
+        {"settings": settings.to_run_config()},
+    ), keep=1)  # fmt: skip
+
+
+@pytest.mark.parametrize("damaged", ["model.npz", "strategy.npz"])
+def test_a_damaged_checkpoint_stops_a_resume_before_flower(
+    damaged: str, no_flower: None, tmp_path: Path, capsys
+) -> None:
+    """Every file of the checkpoint is read before start-up: a truncated one
+    is named, exit 2, nothing written."""
+    run_dir = tmp_path / "run"
+    _checkpointed_run(run_dir, f"output-dir='{tmp_path}' rounds=3")
+    path = run_dir / "checkpoints" / "round-00001" / damaged
+    path.write_bytes(path.read_bytes()[:100])
+    before = sorted(p.relative_to(run_dir) for p in run_dir.rglob("*"))
+    started = time.monotonic()
+    config = f"output-dir='{tmp_path}' rounds=5 resume='{run_dir}'"
+    assert main(["run", str(PROJECT), "-c", config]) == EXIT_BAD_INPUT
+    assert time.monotonic() - started < 2
+    assert f"cannot read {path}" in capsys.readouterr().err
+    assert sorted(p.relative_to(run_dir) for p in run_dir.rglob("*")) == before
+
+
+def test_a_resume_of_a_directory_another_run_holds_is_refused(
+    no_flower: None, tmp_path: Path, capsys
+) -> None:
+    run_dir = tmp_path / "run"
+    _checkpointed_run(run_dir, f"output-dir='{tmp_path}' rounds=3")
+    other = claim(run_dir, new=False)  # the command that runs it now
+    try:
+        config = f"output-dir='{tmp_path}' rounds=5 resume='{run_dir}'"
+        assert main(["run", str(PROJECT), "-c", config]) == EXIT_BAD_INPUT
+        error = capsys.readouterr().err
+        assert f"{run_dir} is in use by another pollen run (pid {os.getpid()})" in error
+    finally:
+        other.release()
+    claim(run_dir, new=False).release()  # released: free again

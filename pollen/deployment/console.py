@@ -41,6 +41,9 @@ POLLEN_LINE = re.compile(
 )
 COLOUR = re.compile(r"\x1b\[\d+(?:;\d+)*m")
 TRACEBACK_START = "Traceback (most recent call last):"
+# `flwr` (the CLI) reports a refused command in a box: "╭─ Error ─...╮", its
+# text in "│ ... │" lines, "╰─...─╯"
+ERROR_BOX_START, ERROR_BOX_END = "╭─ Error ", "╰"
 REDRAW_SECONDS = 1.0
 
 
@@ -64,6 +67,7 @@ class Console:
         # the stream's last error: a traceback's exception line, or the text
         # of Flower's last ERROR line (`pollen run` names it if the run fails)
         self.last_error: str | None = None
+        self._box: list[str] | None = None  # the text of a `flwr` error box
         self._status = ""
         self._progress: dict[str, float] = {}
         self._lock = threading.Lock()
@@ -110,6 +114,16 @@ class Console:
     def _is_error(self, raw: str) -> bool:
         """Whether `raw` reports an error: Flower's ERROR lines, and every line
         of a traceback (its indented frames and the exception's line)."""
+        if raw.startswith(ERROR_BOX_START):  # `flwr` refusing a command
+            self._box = []
+            return True
+        if self._box is not None:
+            if raw.startswith(ERROR_BOX_END):
+                self.last_error = " ".join(self._box)
+                self._box = None
+            else:
+                self._box.append(raw.strip("│ "))
+            return True
         if raw.startswith(TRACEBACK_START):
             self._in_traceback = True
             return True

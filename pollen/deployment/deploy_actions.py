@@ -105,6 +105,10 @@ def public_keys(paths: Sequence[Path]) -> list[Path]:
     return keys
 
 
+class NodeConfigError(ValueError):
+    """A `--node-config` that cannot work; nothing was started."""
+
+
 def node_extra(values: Sequence[str], num_nodes: int) -> dict[int, dict[str, str]]:
     """`K:key=value` flags -> {K: {key: value}} (values parsed as TOML)."""
     from click import ClickException
@@ -114,12 +118,46 @@ def node_extra(values: Sequence[str], num_nodes: int) -> dict[int, dict[str, str
     for value in values:
         node, sep, pairs = value.partition(":")
         if not (sep and node.isdigit() and int(node) < num_nodes):
-            raise cluster.DeployError(
+            raise NodeConfigError(
                 f"--node-config {value!r}: expected K:key=value with K a node "
                 f"index 0..{num_nodes - 1}"
             )
         try:
             extra.setdefault(int(node), {}).update(parse_config_args([pairs]))
         except (ValueError, ClickException) as err:
-            raise cluster.DeployError(f"--node-config {value!r}: {err}") from None
+            raise NodeConfigError(f"--node-config {value!r}: {err}") from None
+    check_partitions(extra, num_nodes)
     return extra
+
+
+def check_partitions(extra: dict[int, dict[str, object]], num_nodes: int) -> None:
+    """Refuse node configs whose partitions cannot all exist: a
+    `num-partitions` below 1, a `partition-id` outside 0..num-partitions-1,
+    or two nodes given one partition (one client would be served twice and
+    another never; each node would train alone at client-frac 1)."""
+    served: dict[int, int] = {}
+    for node in range(num_nodes):
+        config = extra.get(node, {})
+        count = config.get("num-partitions", num_nodes)
+        partition = config.get("partition-id", node)
+        if isinstance(count, bool) or not isinstance(count, int) or count < 1:
+            raise NodeConfigError(
+                f"--node-config {node}:num-partitions={count!r}; allowed: an "
+                "integer >= 1"
+            )
+        if (
+            isinstance(partition, bool)
+            or not isinstance(partition, int)
+            or not (0 <= partition < count)
+        ):
+            raise NodeConfigError(
+                f"--node-config {node}:partition-id={partition!r} with "
+                f"num-partitions={count}; allowed: 0 to {count - 1}"
+            )
+        if partition in served:
+            raise NodeConfigError(
+                f"--node-config {node}:partition-id={partition}: node "
+                f"{served[partition]} serves partition {partition} already; each "
+                "node serves its own partition"
+            )
+        served[partition] = node

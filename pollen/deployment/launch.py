@@ -23,6 +23,7 @@ import tempfile
 import threading
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import replace
 from pathlib import Path
 
 from ..runs.checkpoints import CheckpointError, check_resumable
@@ -38,6 +39,7 @@ from .run_config import (
     check_local_data,
     check_local_device,
     check_local_tracker,
+    config_string,
     prepare_run,
 )
 from .warm_simulation import WarmSimulation, WarmSimulationError
@@ -194,7 +196,7 @@ def run(
         if connection is None:  # the ServerApp writes on this machine: ours only
             claim = claim_run_dir(run_dir, new=not settings.resume)
             watchdog.claim(run_dir, claim.made)
-            run_config += f" run-token={json.dumps(claim.token)}"
+            run_config = config_string(replace(settings, run_token=claim.token))
         try:
             completed = _follow(app, overrides, settings, run_config, run_dir,
                                 given_federation, federation, connection,

@@ -195,5 +195,10 @@ def prepare_run(app: Path, overrides: Sequence[str]) -> tuple[Settings, str]:
         check_resumable(Path(settings.resume), settings.to_run_config())
     else:
         check_run_dir_is_new(settings.output_dir, settings.run_name)
+    return settings, config_string(settings)
+
+
+def config_string(settings: Settings) -> str:
+    """Every key of `settings` as one "key=value ..." string for `flwr run`."""
     config = settings.to_run_config()
-    return settings, " ".join(f"{k}={json.dumps(v)}" for k, v in config.items())
+    return " ".join(f"{k}={json.dumps(v)}" for k, v in config.items())

@@ -65,7 +65,12 @@ class Grid:
     @classmethod
     def load(cls, path: Path) -> Grid:
         try:
-            document = tomllib.loads(path.read_text())
+            document = tomllib.loads(path.read_text(encoding="utf-8"))
+        except UnicodeDecodeError as err:
+            raise CompareError(
+                f"cannot read grid {path}: not UTF-8 text (byte {err.start}); a "
+                "grid is a TOML file"
+            ) from None
         except (OSError, tomllib.TOMLDecodeError) as err:
             raise CompareError(f"cannot read grid {path}: {err}") from err
         unknown = set(document) - {"base", "grid", "target"}
@@ -74,7 +79,22 @@ class Grid:
                 f"{path}: unknown table or key {sorted(unknown)[0]!r}; "
                 "a grid has [base], [grid] and an optional target"
             )
+        base = document.get("base", {})
+        if not isinstance(base, dict):
+            raise CompareError(f"{path}: base must be a table ([base]), got {base!r}")
+        for key, value in base.items():
+            if isinstance(value, list | dict):
+                raise CompareError(
+                    f"{path}: [base] {key} is a {type(value).__name__}; [base] "
+                    "holds one value per key, the values to compare go in a "
+                    f"list under [grid] ({key} = [...])"
+                )
         axes = document.get("grid", {})
+        for key in CELL_KEYS & (set(base) | set(axes)):
+            raise CompareError(
+                f"{path}: {key} is set by pollen compare for each cell (--out "
+                "and the cell's name); leave it out of the grid"
+            )
         for key, values in axes.items():
             if not isinstance(values, list) or not values:
                 raise CompareError(
@@ -90,7 +110,7 @@ class Grid:
             raise CompareError(
                 f"{path}: target must be an accuracy in (0, 1], got {target!r}"
             )
-        return cls(dict(document.get("base", {})), dict(axes), target)
+        return cls(dict(base), dict(axes), target)
 
     def cells(self) -> list[dict[str, Any]]:
         """Each cell's values of the varying keys, in the grid's order (a named
@@ -166,6 +186,8 @@ def config_text(values: Mapping[str, Any]) -> str:
 
 
 DONE, TO_RUN, RESUMES, RESTARTS = "done", "to run", "resumes", "restarts"
+# what compare sets for every cell itself: where its run directory goes
+CELL_KEYS = frozenset({"output-dir", "run-name"})
 
 
 @dataclass(frozen=True)

@@ -31,7 +31,8 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from ..files import write_atomic, write_json
-from ..runs.results import plot_accuracy_against
+from ..runs.claim import is_held
+from ..runs.results import RUN_MARKER, plot_accuracy_against
 from ..settings import AUTO, INVOCATION_KEYS, PRESETS, Settings
 
 # Keys that name where or how a run ran, not what it computed.
@@ -163,17 +164,71 @@ class Run:
         return sum(n["bytes-up"] + n["bytes-down"] for n in nodes) / MB
 
 
+def _runs_root(directory: Path) -> Path:
+    return directory / "runs" if (directory / "runs").is_dir() else directory
+
+
+def _status(run_dir: Path) -> tuple[str, dict[str, Any]]:
+    """How the run in `run_dir` stands ("completed", "failed", "interrupted",
+    "running": a command holds its directory) and its summary, if any."""
+    try:
+        summary = json.loads((run_dir / "summary.json").read_text())
+    except (OSError, ValueError):
+        summary = {}
+    if not isinstance(summary, dict):
+        summary = {}
+    if summary.get("status") != "completed" and is_held(run_dir):
+        return "running", summary
+    return str(summary.get("status", "failed")), summary
+
+
 def read_runs(directory: Path) -> list[Run]:
-    """Every completed run under `directory/runs/` (or `directory`); failed
-    runs (diverged, stopped) have no final numbers to compare."""
-    root = directory / "runs" if (directory / "runs").is_dir() else directory
-    runs = [Run.read(p.parent) for p in sorted(root.glob("*/summary.json"))]
-    completed = [r for r in runs if r.summary.get("status") == "completed"]
+    """Every completed run under `directory/runs/` (or `directory`); the
+    others (failed, interrupted, running: `unfinished_runs`) have no final
+    numbers to compare."""
+    root = _runs_root(directory)
+    completed = [
+        Run.read(p.parent)
+        for p in sorted(root.glob(f"*/{RUN_MARKER}"))
+        if _status(p.parent)[0] == "completed"
+    ]
     if not completed:
+        unfinished = len(unfinished_runs(directory))
         raise CompareError(
             f"no completed run directories (with summary.json) under {root}"
+            + (f"; {unfinished} run(s) did not complete" if unfinished else "")
         )
     return completed
+
+
+def unfinished_runs(directory: Path) -> list[dict[str, Any]]:
+    """The runs under `directory` that did not complete: name, status,
+    rounds recorded and the reason their summary gives (a run that failed
+    before writing one has none)."""
+    rows = []
+    for marker in sorted(_runs_root(directory).glob(f"*/{RUN_MARKER}")):
+        status, summary = _status(marker.parent)
+        if status == "completed":
+            continue
+        rows.append({
+            "run": marker.parent.name, "status": status,
+            "rounds": summary.get("rounds", 0),
+            "reason": summary.get("error") or ("" if status == "running"
+                                               else "no summary.json: it failed "
+                                               "before its first round"),
+        })  # fmt: skip
+    return rows
+
+
+def unfinished_table(rows: Sequence[Mapping[str, Any]]) -> str:
+    """The runs that did not complete, as a markdown table with a status."""
+    lines = ["| run | status | rounds | reason |", "|---|---|---|---|"]
+    lines += [
+        f"| {r['run']} | {r['status']} | {r['rounds']} | "
+        f"{str(r['reason']).replace('|', '/')} |"
+        for r in rows
+    ]
+    return "\n".join(lines) + "\n"
 
 
 def varying_keys(runs: Sequence[Run]) -> list[str]:
@@ -464,7 +519,13 @@ def report(directory: Path, target: float | None = None) -> Path:
     runs = read_runs(directory)
     rows = summarize_groups(runs, target)
     table = markdown_table(rows, target)
-    write_json(directory / "comparison.json", {"target": target, "groups": rows})
+    unfinished = unfinished_runs(directory)
+    if unfinished:
+        table += "\nRuns that did not complete:\n\n" + unfinished_table(unfinished)
+    write_json(
+        directory / "comparison.json",
+        {"target": target, "groups": rows, "unfinished": unfinished},
+    )
     write_atomic(directory / "comparison.md", table)
     fresh, plots = directory / ".plots-new", directory / "plots"
     shutil.rmtree(fresh, ignore_errors=True)

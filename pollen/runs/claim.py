@@ -124,6 +124,21 @@ def check_claimed(run_dir: Path, token: str) -> None:
         )
 
 
+def is_held(run_dir: Path) -> bool:
+    """Whether a command holds `run_dir` now (a run in progress)."""
+    try:
+        lock = os.open(run_dir / LOCK_FILE, os.O_RDONLY)
+    except OSError:
+        return False
+    try:
+        fcntl.flock(lock, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return True
+    finally:
+        os.close(lock)
+    return False
+
+
 def claimed_token(run_dir: Path) -> str | None:
     """The token in `run_dir`'s lock file, if a command holds it."""
     try:

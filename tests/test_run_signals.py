@@ -1,0 +1,83 @@
+"""Nothing outlives a run: SIGHUP (a closed terminal), SIGTERM and SIGKILL
+of the `pollen run` process each stop every process the run started and
+remove its temporary files, and leave the run directory interrupted and
+resumable (`processes.stop_signals_interrupt`, `deployment.watchdog`)."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from pollen.deployment.processes import alive, descendants
+from tests.conftest import PROJECT
+
+pytestmark = pytest.mark.integration
+BIN = Path(sys.executable).parent
+# the temporary paths a `pollen run` simulation makes: Flower's home, the
+# staged app, the stream's log
+TEMPORARY = re.compile(r"/tmp/pollen-(flwr-home-[^/]+|app-[^/]+|flower-[^/]+\.log)")
+ROUND = re.compile(r"^ {5}round (\d+)/300: ", re.MULTILINE)
+
+
+def paths_of(pids: list[int]) -> set[Path]:
+    """The temporary paths processes `pids` use: their working folders,
+    open files and command-line arguments."""
+    found: set[str] = set()
+    for pid in pids:
+        proc = Path(f"/proc/{pid}")
+        try:
+            found.update(TEMPORARY.findall(os.readlink(proc / "cwd")))
+            found.update(TEMPORARY.findall((proc / "cmdline").read_bytes().decode()))
+            for fd in (proc / "fd").iterdir():
+                found.update(TEMPORARY.findall(os.readlink(fd)))
+        except OSError:
+            continue
+    return {Path(f"/tmp/pollen-{name}") for name in found}
+
+
+@pytest.mark.parametrize(
+    "sig", [signal.SIGHUP, signal.SIGTERM, signal.SIGKILL], ids=lambda s: s.name
+)
+def test_a_stopped_run_leaves_nothing_running_and_can_resume(
+    sig: signal.Signals, tmp_path: Path
+) -> None:
+    config = f"rounds=300 output-dir='{tmp_path}' run-name='stopped'"
+    run = subprocess.Popen(
+        [str(BIN / "pollen"), "run", str(PROJECT), "-c", config],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    assert run.stdout is not None
+    shown = ""
+    for line in run.stdout:
+        shown += line
+        if "round 2/300" in line:
+            break
+    started = descendants(run.pid)  # by PID: what this run started
+    temporary = paths_of([run.pid, *started])
+    assert any("flwr-home" in p.name for p in temporary), temporary
+    run.send_signal(sig)
+    out, err = run.communicate(timeout=120)
+    shown += out
+    assert run.returncode == (-9 if sig == signal.SIGKILL else 130), err[-3000:]
+    deadline = time.monotonic() + 60  # the watchdog's work after a SIGKILL
+    while any(map(alive, started)) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    left = [p for p in started if alive(p)]
+    assert not left, f"{sig.name} left processes {left} running"
+    assert not [p for p in temporary if p.exists()]
+    run_dir = tmp_path / "stopped"
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["status"] == "interrupted" and summary["rounds"] >= 2
+    assert (run_dir / "checkpoints" / f"round-{summary['rounds']:05d}").is_dir()
+    assert (run_dir / "flower.log").exists() and not (run_dir / "run.lock").exists()
+    if sig != signal.SIGKILL:  # the console's last round is the history's last
+        assert int(ROUND.findall(shown)[-1]) == summary["rounds"], err[-2000:]
+        assert f"interrupted after round {summary['rounds']}" in err
