@@ -54,7 +54,7 @@ def write_run(
 
 def grid_file(tmp_path: Path, text: str) -> Path:
     path = tmp_path / "grid.toml"
-    path.write_text(text)
+    path.write_text(text, errors="surrogateescape")  # \udcXX: that raw byte
     return path
 
 
@@ -131,6 +131,14 @@ def test_only_selects_cells_by_the_values_their_names_spell() -> None:
             "[grid]\nstrategy = [{name = 'a', seed = 2}]\nseed = [1]\n",
             "sets 'seed', which is itself a grid key",
         ),
+        (
+            "[base]\nstrategy = ['fedavg', 'fedprox']\n",
+            r"\[base\] strategy is a list; \[base\] holds one value per key, the "
+            r"values to compare go in a list under \[grid\]",
+        ),
+        ("[base]\nrun-name = 'x'\n", "run-name is set by pollen compare"),
+        ("[grid]\noutput-dir = ['a']\n", "output-dir is set by pollen compare"),
+        ("# caf\udce9\n", r"not UTF-8 text \(byte 5\); a grid is a TOML file"),
     ],
 )
 def test_bad_grids_are_refused_with_the_reason(
@@ -604,3 +612,27 @@ def test_sigterm_stops_a_simulated_comparison_and_everything_its_cell_started(
            "--dry-run"]  # fmt: skip
     plan = subprocess.run(dry, capture_output=True, text=True, timeout=60).stdout
     assert f"seed-1: interrupted, resumes after round {last}" in plan
+
+
+def test_report_lists_unfinished_runs_with_their_status(tmp_path: Path) -> None:
+    """A run that failed before round 1 (settings but no history or summary)
+    and an interrupted one are listed with their status; the rest is
+    reported."""
+    write_run(tmp_path, "avg", {"strategy": "fedavg"}, [0.6, 0.8])
+    stopped = write_run(tmp_path, "sam", {"strategy": "fedsam"}, [0.5])
+    summary = json.loads((stopped / "summary.json").read_text())
+    interrupted = {**summary, "status": "interrupted", "error": "RunInterrupted: x"}
+    (stopped / "summary.json").write_text(json.dumps(interrupted))
+    early = tmp_path / "dyn"
+    early.mkdir()
+    (early / "settings.json").write_text('{"run-name": "dyn", "strategy": "feddyn"}')
+    table = report.report(tmp_path).read_text()
+    assert "| 1 | 80.00 | 80.00 |" in table  # the completed run, reported
+    assert "Runs that did not complete:" in table
+    assert (
+        "| dyn | failed | 0 | no summary.json: it failed before its first round |"
+        in (table)
+    )
+    assert "| sam | interrupted | 1 | RunInterrupted: x |" in table
+    unfinished = json.loads((tmp_path / "comparison.json").read_text())["unfinished"]
+    assert [r["run"] for r in unfinished] == ["dyn", "sam"]
