@@ -31,6 +31,19 @@ def _current_umask() -> int:
 _UMASK = _current_umask()
 
 
+def readable_folder_problem(path: Path, key: str) -> str | None:
+    """What keeps `path` from being a folder to read from (named as the
+    setting `key`), or None; cheap, for checks before anything heavy."""
+    try:
+        if path.exists() and not path.is_dir():
+            return f"{key} {str(path)!r} is a file; {key} must be a folder"
+        if path.is_dir() and not os.access(path, os.R_OK | os.X_OK):
+            return f"cannot read {path}: permission denied; {key} must be a folder this user can read"
+    except PermissionError:
+        return f"cannot read {path}: permission denied; {key} must be a folder this user can read"
+    return None
+
+
 def write_atomic(path: Path, data: bytes | str, private: bool = False) -> None:
     """Write via a temporary file in the same folder and an atomic rename.
 

@@ -81,3 +81,38 @@ def test_a_stopped_run_leaves_nothing_running_and_can_resume(
     if sig != signal.SIGKILL:  # the console's last round is the history's last
         assert int(ROUND.findall(shown)[-1]) == summary["rounds"], err[-2000:]
         assert f"interrupted after round {summary['rounds']}" in err
+
+
+def test_a_killed_run_on_a_warm_federation_stops_its_serverapp_only(
+    warm_federation: Path, tmp_path: Path
+) -> None:
+    """SIGKILL of a `pollen run --warm-simulation`: its ServerApp is
+    interrupted (the run recorded as interrupted), the federation stays."""
+    from pollen.deployment.launch import SERVERAPP_PROCESSES
+    from pollen.deployment.processes import named_descendants
+    from pollen.deployment.warm_simulation import WarmSimulation
+
+    warm = WarmSimulation.load(warm_federation)
+    before = set(named_descendants(warm.superlink_pid, SERVERAPP_PROCESSES))
+    config = f"rounds=300 output-dir='{tmp_path}' run-name='stopped'"
+    run = subprocess.Popen(
+        [str(BIN / "pollen"), "run", str(PROJECT), "--warm-simulation",
+         str(warm_federation), "-c", config],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    assert run.stdout is not None
+    for line in run.stdout:
+        if "round 2/300" in line:
+            break
+    found = named_descendants(warm.superlink_pid, SERVERAPP_PROCESSES)
+    ours = [pid for pid in found if pid not in before]
+    assert ours
+    run.kill()
+    run.communicate(timeout=60)
+    deadline = time.monotonic() + 60
+    while any(map(alive, ours)) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert not any(map(alive, ours)), "the killed run's ServerApp trains on"
+    assert alive(warm.superlink_pid)
+    summary = json.loads((tmp_path / "stopped" / "summary.json").read_text())
+    assert summary["status"] == "interrupted"

@@ -137,6 +137,8 @@ def run_on_warm(
     runs on one federation do not overlap; on Ctrl-C that process, and only
     that one, is interrupted (the federation stays)."""
     earlier = set(processes.named_descendants(warm.superlink_pid, SERVERAPP_PROCESSES))
+    if watchdog is not None:
+        watchdog.warm_run(warm.superlink_pid, sorted(earlier))
 
     def ours() -> list[int]:
         found = processes.named_descendants(warm.superlink_pid, SERVERAPP_PROCESSES)

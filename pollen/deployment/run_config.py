@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from ..catalog import DATA_SETS
+from ..files import readable_folder_problem
 from ..runs.checkpoints import check_resumable
 from ..runs.notify import URL_ENV, check_url
 from ..runs.results import check_run_dir_is_new, default_run_name
@@ -126,6 +127,9 @@ def check_local_data(settings: Settings) -> None:
     generated, so neither needs a check."""
     if settings.data_set == "digits" or DATA_SETS[settings.data_set].generated:
         return
+    root = Path(settings.data_root)
+    if problem := readable_folder_problem(root, "data-root"):  # before torch loads
+        raise SettingsError(f"data-set={settings.data_set!r}: {problem}")
     from ..task.data import DataError, check_readable
 
     try:

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -49,6 +50,12 @@ class Watchdog:
     def superlink(self, pid: int) -> None:
         """A simulation SuperLink: its ServerApp is interrupted first."""
         self._say(superlink=pid)
+
+    def warm_run(self, superlink: int, earlier: list[int]) -> None:
+        """A run on a warm federation: only its own ServerApp (one below
+        `superlink` that is not in `earlier`) is interrupted; the
+        federation stays."""
+        self._say(warm=superlink, earlier=earlier)
 
     def process_started(self, pid: int) -> None:
         self._say(process=pid)
@@ -84,6 +91,7 @@ def watch(pipe: IO[str]) -> None:
     logs: list[dict[str, str]] = []
     paths: list[str] = []
     claims: list[dict[str, Any]] = []
+    warm: list[dict[str, Any]] = []
     for line in pipe:
         message = json.loads(line)
         if message.get(DONE):
@@ -98,9 +106,24 @@ def watch(pipe: IO[str]) -> None:
             paths.append(message["remove"])
         if "claim" in message:
             claims.append(message)
+        if "warm" in message:
+            warm.append(message)
+    for run in warm:
+        interrupt_new_serverapps(int(run["warm"]), set(run["earlier"]))
     clean_up(superlinks, started, logs, paths)
     for claim in claims:
         abandon(Path(claim["claim"]), [Path(p) for p in claim["made"]])
+
+
+def interrupt_new_serverapps(superlink: int, earlier: set[int]) -> None:
+    """Interrupt the ServerApps below a warm federation's `superlink` that
+    were not running before the command submitted its run."""
+    from . import processes
+    from .launch import SERVERAPP_GRACE, SERVERAPP_PROCESSES
+
+    found = processes.named_descendants(superlink, SERVERAPP_PROCESSES)
+    ours = [pid for pid in found if pid not in earlier]
+    processes.end(ours, SERVERAPP_GRACE, first=signal.SIGINT)
 
 
 def clean_up(

@@ -44,7 +44,7 @@ import torch
 from PIL import Image
 
 from ..catalog import DATA_SETS
-from ..files import NpzError, read_npz
+from ..files import NpzError, read_npz, readable_folder_problem
 
 SPLITS = ("x_train", "y_train", "x_test", "y_test")
 CACHE_DIR = ".pollen-cache"
@@ -141,13 +141,12 @@ def load_dataset(name: str, data_root: str | Path, download: bool) -> Dataset:
     if name == "digits":
         return _digits_dataset()
     root = Path(data_root).expanduser().resolve()
+    if problem := readable_folder_problem(root, "data-root"):
+        raise DataError(
+            f"{problem} (the one that holds {spec.name}.npz, an image folder or "
+            "archive, or where download=true puts the data)"
+        )
     try:
-        if root.exists() and not root.is_dir():
-            raise DataError(
-                f"data-root {str(root)!r} is a file; data-root must be a folder "
-                f"(the one that holds {spec.name}.npz, an image folder or "
-                "archive, or where download=true puts the data)"
-            )
         source = _find_local_source(spec, root)
         fingerprint = tuple(_fingerprint(source).items()) if source else None
         return _load_cached(spec, root, download, source, fingerprint)
