@@ -7,6 +7,7 @@ import json
 import os
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -117,9 +118,16 @@ def test_two_runs_on_one_directory_one_runs_the_other_fails_at_once(
         for _ in range(2)
     ]
     ended: list[tuple[int, float, str, str]] = []
-    for run in runs:
+
+    def wait(run: subprocess.Popen[str]) -> None:
         out, err = run.communicate(timeout=300)
         ended.append((run.returncode, time.monotonic() - started, out, err))
+
+    waiting = [threading.Thread(target=wait, args=(run,)) for run in runs]
+    for thread in waiting:
+        thread.start()
+    for thread in waiting:
+        thread.join()
     codes = sorted(code for code, *_ in ended)
     assert codes == [0, 2], [e[3][-2000:] for e in ended]
     loser = next(e for e in ended if e[0] == 2)

@@ -18,7 +18,9 @@ Run as `python -m pollen.deployment.watchdog`; it imports nothing heavy.
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 import shutil
 import signal
 import subprocess
@@ -35,17 +37,38 @@ class Watchdog:
     """The command's side: start the watchdog, tell it what to clean up."""
 
     def __init__(self) -> None:
+        # -P: not the shell's directory first on the module path (a `pollen`
+        # folder there must not be imported), but this pollen's own folder
+        package_root = str(Path(__file__).resolve().parents[2])
+        path = os.pathsep.join(
+            filter(None, [package_root, os.environ.get("PYTHONPATH")])
+        )
         self.process = subprocess.Popen(
-            [sys.executable, "-m", __name__],
+            [sys.executable, "-P", "-m", __name__],
             stdin=subprocess.PIPE, stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL, start_new_session=True, text=True,
+            env={**os.environ, "PYTHONPATH": path},
         )  # fmt: skip
+        self.lost = False
 
     def _say(self, **message: Any) -> None:
+        """Tell the watchdog; if it has died, say once that a kill of this
+        command would now leave processes behind, and go on (it is a safety
+        net, not part of the run)."""
         pipe = self.process.stdin
         assert pipe is not None
-        pipe.write(json.dumps(message) + "\n")
-        pipe.flush()
+        if self.lost:
+            return
+        try:
+            pipe.write(json.dumps(message) + "\n")
+            pipe.flush()
+        except (OSError, ValueError):
+            self.lost = True
+            print(
+                f"pollen: warning: the watchdog (pid {self.process.pid}) exited; "
+                "if this command is killed outright, stop what it started by hand",
+                file=sys.stderr,
+            )
 
     def superlink(self, pid: int) -> None:
         """A simulation SuperLink: its ServerApp is interrupted first."""
@@ -74,12 +97,10 @@ class Watchdog:
 
     def dismiss(self) -> None:
         """The command cleaned up itself: the watchdog exits doing nothing."""
-        try:
-            self._say(done=True)
+        self._say(done=True)
+        with contextlib.suppress(OSError, ValueError):
             assert self.process.stdin is not None
             self.process.stdin.close()
-        except (OSError, ValueError):
-            pass
         self.process.wait()
 
 
