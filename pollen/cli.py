@@ -24,7 +24,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from . import listing
-from .deployment import cluster, deploy_actions, launch, processes
+from .deployment import cluster, deploy_actions, launch, processes, warm_simulation
 from .deployment.network import NetworkError
 from .deployment.processes import ProcessError
 from .deployment.run_config import RunConfigError
@@ -41,7 +41,8 @@ EXIT_CODES = (
     ((SettingsError, RunConfigError, launch.LaunchError, ResultsError,
       CheckpointError, compare.CompareError, ProfileError,
       deploy_actions.NodeConfigError), EXIT_BAD_INPUT),
-    ((cluster.DeployError, ProcessError, NetworkError), EXIT_FAILED),
+    ((cluster.DeployError, ProcessError, NetworkError,
+      warm_simulation.WarmSimulationError), EXIT_FAILED),
 )  # fmt: skip
 EXPECTED_ERRORS = tuple(kind for kinds, _ in EXIT_CODES for kind in kinds)
 
@@ -106,6 +107,17 @@ def compare_command(args: argparse.Namespace) -> int:
         )
         return EXIT_INTERRUPTED
     return 0
+
+
+def warm_command(args: argparse.Namespace) -> None:
+    if args.action == "up":
+        print(warm_simulation.warm_up(args.dir, args.cpus))
+    elif args.action == "down":
+        print(warm_simulation.warm_down(args.dir))
+    else:
+        federation = warm_simulation.WarmSimulation.load(args.dir.resolve())
+        print(f"pollen: warm simulation in {args.dir}: "
+              f"{warm_simulation.describe(federation)}")  # fmt: skip
 
 
 def report_command(args: argparse.Namespace) -> None:
@@ -180,6 +192,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="Flower's SuperExec with warm ClientApp processes (for a SuperNode "
         "started with --isolation process); `pollen superexec --help`",
     )  # fmt: skip
+    _add_warm_parser(commands)
     _add_compare_parsers(commands)
     listing_parser = commands.add_parser(
         "list", help="what pollen offers: strategies, parts, models, data sets, keys"
@@ -261,6 +274,38 @@ def _add_compare_parsers(commands: argparse._SubParsersAction) -> None:
         help="accuracy in (0, 1] whose first round the table gives (default: the grid's)",
     )  # fmt: skip
     again.set_defaults(handler=report_command)
+
+
+def _at_least_one(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{value}: allowed: an integer >= 1")
+    return value
+
+
+def _add_warm_parser(commands: argparse._SubParsersAction) -> None:
+    parser = commands.add_parser(
+        "warm", help="a simulation federation kept warm for the runs started "
+        "in this folder (each skips the SuperLink's and Ray's start-up)",
+        description=warm_simulation.__doc__.split("\n\n")[0],
+    )  # fmt: skip
+    actions = parser.add_subparsers(dest="action", required=True)
+    where = argparse.ArgumentParser(add_help=False)
+    where.add_argument(
+        "--dir", default=warm_simulation.DEFAULT_DIR, type=Path,
+        help=f"the federation's directory (default {warm_simulation.DEFAULT_DIR}, "
+        "where `pollen run` looks for one)",
+    )  # fmt: skip
+    up = actions.add_parser(
+        "up", parents=[where], help="start a SuperLink and a Ray head that stay"
+    )
+    up.add_argument(
+        "--cpus", type=_at_least_one, default=None,
+        help="CPUs the Ray head offers (default: all): one ClientApp actor each",
+    )  # fmt: skip
+    actions.add_parser("down", parents=[where], help="stop them")
+    actions.add_parser("status", parents=[where], help="whether they run")
+    parser.set_defaults(handler=warm_command)
 
 
 def _add_deploy_parser(commands: argparse._SubParsersAction) -> None:

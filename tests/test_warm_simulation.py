@@ -73,3 +73,34 @@ def test_an_interrupted_run_leaves_the_federation_serving_and_the_end_leaves_not
     assert not marked(marks[0]) and not marked(marks[1])
     assert not (tmp_path / "federation" / STATE_FILE).exists()
     assert (tmp_path / "federation" / "superlink.log").stat().st_size > 0
+
+
+@pytest.mark.integration
+def test_pollen_warm_up_keeps_a_federation_that_runs_here_use(tmp_path: Path) -> None:
+    """`pollen warm up` outlives its command; a `pollen run` in that folder
+    uses it (and says so) and completes; `status` sees it, `down` stops
+    both processes; a second `up` finds it running."""
+    from pollen.deployment.processes import alive
+    from pollen.deployment.warm_simulation import DEFAULT_DIR, WarmSimulation
+
+    def pollen(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([str(BIN / "pollen"), *args], cwd=tmp_path, text=True,
+                              capture_output=True, timeout=300, check=False)  # fmt: skip
+
+    up = pollen("warm", "up", "--cpus", "1")
+    assert up.returncode == 0, up.stderr[-2000:]
+    federation = WarmSimulation.load(tmp_path / DEFAULT_DIR)
+    try:
+        assert "runs already" in pollen("warm", "up").stdout
+        run = pollen("run", str(PROJECT), "-c", "rounds=2 output-dir='out'")
+        assert run.returncode == 0, run.stderr[-2000:]
+        assert "pollen: simulating on the warm federation in .pollen-warm" in run.stdout
+        assert "completed 2 rounds" in run.stdout
+        assert federation.running()  # the run left the federation serving
+        assert "SuperLink pid" in pollen("warm", "status").stdout
+    finally:
+        down = pollen("warm", "down")
+    assert down.returncode == 0, down.stderr
+    assert not alive(federation.superlink_pid) and not alive(federation.ray_pid)
+    gone = pollen("warm", "status")
+    assert gone.returncode == 1 and "no warm simulation" in gone.stderr

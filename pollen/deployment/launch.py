@@ -42,7 +42,8 @@ from .run_config import (
     config_string,
     prepare_run,
 )
-from .warm_simulation import WarmSimulation, WarmSimulationError
+from .warm_simulation import DEFAULT_DIR as DEFAULT_WARM_DIR
+from .warm_simulation import STATE_FILE, WarmSimulation, WarmSimulationError
 from .watchdog import Watchdog
 
 CLIENT_CPUS = 1  # per ClientApp actor in a simulation, unless the user says
@@ -184,6 +185,8 @@ def run(
         deployment = running_deployment(deployment_dir, connection)
     if warm_dir is not None:
         warm = running_warm_simulation(warm_dir, connection, deployment)
+    elif connection is None and deployment is None:
+        warm = warm_here()
     federation = given_federation = list(federation)
     if connection is None and deployment is None:  # a simulation, on this machine
         check_local_device(settings.device)
@@ -428,6 +431,26 @@ def running_warm_simulation(
         return WarmSimulation.load(directory.expanduser().resolve())
     except WarmSimulationError as err:
         raise LaunchError(str(err)) from None
+
+
+def warm_here() -> WarmSimulation | None:
+    """The federation `pollen warm up` keeps in the shell's directory, if it
+    runs: a simulation without `--warm-simulation` uses it (said on the
+    console), else starts its own."""
+    directory = DEFAULT_WARM_DIR.resolve()
+    if not (directory / STATE_FILE).exists():
+        return None
+    try:
+        warm = WarmSimulation.load(directory)
+    except WarmSimulationError as err:
+        print(f"pollen: {err}; this run starts a federation of its own", flush=True)
+        return None
+    print(
+        f"pollen: simulating on the warm federation in {DEFAULT_WARM_DIR} "
+        "(`pollen warm down` stops it)",
+        flush=True,
+    )
+    return warm
 
 
 def running_deployment(directory: Path, connection: str | None) -> cluster.Deployment:

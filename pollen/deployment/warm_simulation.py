@@ -33,6 +33,9 @@ from . import processes
 from .flower import simulation_env, start_simulation_superlink
 
 STATE_FILE = "simulation.json"
+# where `pollen warm up` keeps its federation by default, and where `pollen
+# run` looks for one to use (in the shell's directory)
+DEFAULT_DIR = Path(".pollen-warm")
 FLWR_HOME = "flwr-home"  # the Flower home whose default connection is the SuperLink
 RAY_START_SECONDS = 90.0
 RAY_READY_LINE = "Ray runtime started"
@@ -112,12 +115,22 @@ def federation_env(home: Path, ray_address: str, ray_temp_dir: str) -> dict[str,
 def warm_simulation(
     directory: Path, cpus: int | None = None
 ) -> Iterator[WarmSimulation]:
-    """Start a Ray head and a simulation SuperLink that joins it, record them
-    in `directory`, and stop both (with every run still in them) when the
-    block ends, however it ends. Their logs stay in `directory`. `cpus`
-    caps the CPUs the head offers (default: the CPUs Ray finds), and so how
-    many ClientApp actors (one CPU each) a run starts: fewer actors start
-    faster, where several federations share the machine's cores."""
+    """`start_warm_simulation`, stopped (with every run still in it) when the
+    block ends, however it ends."""
+    federation = start_warm_simulation(directory, cpus)
+    try:
+        yield federation
+    finally:
+        stop_warm_simulation(federation)
+
+
+def start_warm_simulation(directory: Path, cpus: int | None = None) -> WarmSimulation:
+    """Start a Ray head and a simulation SuperLink that joins it and record
+    them in `directory` (their logs stay there); they run until
+    `stop_warm_simulation`, also after this process ends (`pollen warm up`).
+    `cpus` caps the CPUs the head offers (default: the CPUs Ray finds), and
+    so how many ClientApp actors (one CPU each) a run starts: fewer actors
+    start faster, where several federations share the machine's cores."""
     directory = directory.resolve()
     home = directory / FLWR_HOME
     home.mkdir(parents=True, exist_ok=True)
@@ -135,16 +148,55 @@ def warm_simulation(
             str(directory), env["RAY_ADDRESS"], ray_temp_dir, head.pid, link.pid
         )
         write_json(directory / STATE_FILE, asdict(federation))
-        yield federation
+    except BaseException:
+        _stop(link and link.pid, head and head.pid, ray_temp_dir)
+        raise
+    return federation
+
+
+def stop_warm_simulation(federation: WarmSimulation) -> None:
+    """Stop the SuperLink (with the runs in it), then the Ray head; forget it."""
+    (federation.root / STATE_FILE).unlink(missing_ok=True)
+    _stop(federation.superlink_pid, federation.ray_pid, federation.ray_temp_dir)
+
+
+def _stop(superlink: int | None, head: int | None, ray_temp_dir: str) -> None:
+    try:
+        if superlink is not None:
+            processes.stop(superlink)
     finally:
-        (directory / STATE_FILE).unlink(missing_ok=True)
-        try:
-            if link is not None:  # the SuperLink with the runs in it, then Ray
-                processes.stop(link.pid)
-        finally:
-            if head is not None:
-                processes.stop(head.pid)
-            shutil.rmtree(ray_temp_dir, ignore_errors=True)
+        if head is not None:
+            processes.stop(head)
+        shutil.rmtree(ray_temp_dir, ignore_errors=True)
+
+
+def warm_up(directory: Path, cpus: int | None) -> str:
+    """`pollen warm up`: a federation in `directory` that outlives the
+    command, unless one runs there already; what to tell the user."""
+    try:
+        federation = WarmSimulation.load(directory.resolve())
+        return f"pollen: the warm simulation in {directory} runs already ({describe(federation)})"
+    except WarmSimulationError:
+        pass
+    federation = start_warm_simulation(directory, cpus)
+    return (
+        f"pollen: warm simulation up in {directory} ({describe(federation)}); "
+        f"`pollen run` in this folder uses it, `pollen warm down` stops it"
+    )
+
+
+def warm_down(directory: Path) -> str:
+    """`pollen warm down`: stop the federation recorded in `directory`."""
+    federation = WarmSimulation.load(directory.resolve())
+    stop_warm_simulation(federation)
+    return f"pollen: warm simulation in {directory} stopped"
+
+
+def describe(federation: WarmSimulation) -> str:
+    return (
+        f"SuperLink pid {federation.superlink_pid}, Ray head pid "
+        f"{federation.ray_pid} at {federation.ray_address}"
+    )
 
 
 def start_ray_head(
