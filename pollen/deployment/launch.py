@@ -190,7 +190,10 @@ def run(
     federation = given_federation = list(federation)
     if connection is None and deployment is None:  # a simulation, on this machine
         check_local_device(settings.device)
-        federation = simulation_federation(federation, settings.num_clients)
+        federation = simulation_federation(
+            federation, settings.num_clients, settings.device
+        )
+        check_local_gpus(federation)
     if connection is None:  # the ServerApp reads the data on this machine
         check_local_data(settings)
         check_local_tracker(settings)
@@ -374,27 +377,65 @@ def report_interrupted(run_dir: Path, settings: Settings, command: str) -> None:
         )
 
 
-def simulation_federation(federation: list[str], num_clients: int) -> list[str]:
+def simulation_federation(
+    federation: list[str], num_clients: int, device: str = "auto"
+) -> list[str]:
     """The `--federation-config` values of a simulation, with pollen's defaults
     for the keys the user did not set: one SuperNode per client up to
     `SIMULATED_NODES`, and one CPU per ClientApp actor. Flower's default of 2 CPUs runs one client at a time
     with two torch threads; with one CPU each, Ray runs as many actors as
     there are cores, each with one thread (Ray sets `OMP_NUM_THREADS` from
     the actor's CPUs), which on 2 cores trains the `mlp` workload's rounds
-    1.8x faster (docs/performance.md)."""
-    from click import ClickException
-    from flwr.common.config import parse_config_args  # what `flwr run` reads
-
-    try:
-        given = parse_config_args(federation)
-    except (ValueError, ClickException) as err:
-        raise LaunchError(f"invalid --federation-config {federation}: {err}") from err
+    1.8x faster (docs/performance.md). `device='cuda'` needs a GPU share
+    (`client-resources-num-gpus` > 0): without one Ray hides the GPU from the
+    ClientApp actors, every client fails and the run ends at chance accuracy
+    (seen on an H100, docs/performance.md)."""
+    given = _parse_federation(federation)
     check_federation(given)
+    if device == "cuda" and not given.get(GPU_SHARE):
+        raise LaunchError(
+            "invalid value for 'device': 'cuda' in a simulation without a GPU share; "
+            f'give the ClientApps one, e.g. --federation-config "{GPU_SHARE}=0.25" '
+            "(without it Ray hides the GPU from them), or use device='auto'"
+        )
     defaults = {
         "num-supernodes": min(num_clients, SIMULATED_NODES),
         "client-resources-num-cpus": CLIENT_CPUS,
     }
     return federation + [f"{k}={v}" for k, v in defaults.items() if k not in given]
+
+
+GPU_SHARE = "client-resources-num-gpus"
+
+
+def _parse_federation(federation: Sequence[str]) -> dict[str, object]:
+    """`--federation-config` values as `flwr run` reads them."""
+    from click import ClickException
+    from flwr.common.config import parse_config_args  # what `flwr run` reads
+
+    try:
+        return parse_config_args(list(federation))
+    except (ValueError, ClickException) as err:
+        raise LaunchError(f"invalid --federation-config {federation}: {err}") from err
+
+
+def check_local_gpus(federation: Sequence[str]) -> None:
+    """Refuse a GPU share (`client-resources-num-gpus` > 0) this machine
+    cannot give: Ray then places no ClientApp actor, and Flower stops the
+    simulation with "ActorPool is empty" after start-up. torch is imported
+    only when a share is asked for."""
+    share = _parse_federation(federation).get(GPU_SHARE) or 0
+    if not isinstance(share, int | float) or share <= 0:
+        return
+    import torch
+
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if share > gpus:
+        raise LaunchError(
+            f"invalid --federation-config value {GPU_SHARE}={share!r}; this machine "
+            f"has {gpus} CUDA GPU(s), so Ray would start no ClientApp actor; "
+            f"allowed here: a number in [0, {gpus}]"
+        )
 
 
 def check_federation(given: dict[str, object]) -> None:
