@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import pty
 import re
 import signal
 import subprocess
@@ -43,29 +44,59 @@ def paths_of(pids: list[int]) -> set[Path]:
     return {Path(f"/tmp/pollen-{name}") for name in found}
 
 
+def on_terminal(argv: list[str]) -> tuple[subprocess.Popen[bytes], int]:
+    """Start `argv` with a terminal (a pty) as its standard output and error,
+    as from an interactive shell; the process and the terminal's master end
+    (closing it hangs the terminal up, as a closed window or SSH session)."""
+    master, slave = pty.openpty()
+    run = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=slave, stderr=slave)
+    os.close(slave)
+    return run, master
+
+
+def read_until(master: int, text: str) -> str:
+    """What the terminal shows, read until `text` appears."""
+    shown = b""
+    while text.encode() not in shown:
+        shown += os.read(master, 4096)
+    return shown.decode(errors="replace")
+
+
 @pytest.mark.parametrize(
     "sig", [signal.SIGHUP, signal.SIGTERM, signal.SIGKILL], ids=lambda s: s.name
 )
 def test_a_stopped_run_leaves_nothing_running_and_can_resume(
     sig: signal.Signals, tmp_path: Path
 ) -> None:
+    """SIGHUP comes as a closing terminal sends it: the run's terminal is
+    hung up first, so whatever the clean-up says cannot be written there
+    (EIO) and must not fail it. SIGTERM and SIGKILL come to a command whose
+    output is read through pipes, so what it showed last can be checked."""
     config = f"rounds=300 output-dir='{tmp_path}' run-name='stopped'"
-    run = subprocess.Popen(
-        [str(BIN / "pollen"), "run", str(PROJECT), "-c", config],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-    )  # fmt: skip
-    assert run.stdout is not None
-    shown = ""
-    for line in run.stdout:
-        shown += line
-        if "round 2/300" in line:
-            break
+    argv = [str(BIN / "pollen"), "run", str(PROJECT), "-c", config]
+    shown = err = ""
+    if sig == signal.SIGHUP:
+        run, master = on_terminal(argv)
+        read_until(master, "round 2/300")
+    else:
+        run = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                               text=True)  # fmt: skip
+        assert run.stdout is not None
+        for line in run.stdout:
+            shown += line
+            if "round 2/300" in line:
+                break
     started = descendants(run.pid)  # by PID: what this run started
     temporary = paths_of([run.pid, *started])
     assert any("flwr-home" in p.name for p in temporary), temporary
-    run.send_signal(sig)
-    out, err = run.communicate(timeout=120)
-    shown += out
+    if sig == signal.SIGHUP:
+        os.close(master)  # the terminal is gone
+        run.send_signal(sig)
+        run.wait(timeout=120)
+    else:
+        run.send_signal(sig)
+        out, err = run.communicate(timeout=120)
+        shown += out
     assert run.returncode == (-9 if sig == signal.SIGKILL else 130), err[-3000:]
     deadline = time.monotonic() + 60  # the watchdog's work after a SIGKILL
     while any(map(alive, started)) and time.monotonic() < deadline:
@@ -78,7 +109,7 @@ def test_a_stopped_run_leaves_nothing_running_and_can_resume(
     assert summary["status"] == "interrupted" and summary["rounds"] >= 2
     assert (run_dir / "checkpoints" / f"round-{summary['rounds']:05d}").is_dir()
     assert (run_dir / "flower.log").exists() and not (run_dir / "run.lock").exists()
-    if sig != signal.SIGKILL:  # the console's last round is the history's last
+    if sig == signal.SIGTERM:  # the console's last round is the history's last
         assert int(ROUND.findall(shown)[-1]) == summary["rounds"], err[-2000:]
         assert f"interrupted after round {summary['rounds']}" in err
 

@@ -218,6 +218,7 @@ def named_descendants(pid: int, names: Sequence[str]) -> list[int]:
 # Signals that stop a command as Ctrl-C does: SIGTERM (a supervisor, `kill`)
 # and SIGHUP (the terminal or SSH session closed)
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGHUP)
+TERMINALS = ("/dev/pts/", "/dev/tty", "/dev/console")  # device paths of terminals
 
 
 @contextlib.contextmanager
@@ -231,6 +232,8 @@ def stop_signals_interrupt() -> Iterator[None]:
         return
 
     def interrupt(signum: int, frame: object) -> None:
+        if signum == signal.SIGHUP:
+            silence_closed_terminal()
         raise KeyboardInterrupt(f"signal {signum}")
 
     previous = {sig: signal.signal(sig, interrupt) for sig in STOP_SIGNALS}
@@ -239,6 +242,21 @@ def stop_signals_interrupt() -> Iterator[None]:
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
+
+
+def silence_closed_terminal() -> None:
+    """After SIGHUP: standard output and error that are a terminal (now
+    closed) go to /dev/null, so what the clean-up still says cannot fail it
+    (a write to a hung-up terminal raises EIO). A file or pipe stays. A
+    hung-up terminal no longer passes `isatty`: its device path tells."""
+    null = os.open(os.devnull, os.O_WRONLY)
+    try:
+        for fd in (1, 2):
+            with contextlib.suppress(OSError):
+                if os.readlink(f"/proc/self/fd/{fd}").startswith(TERMINALS):
+                    os.dup2(null, fd)
+    finally:
+        os.close(null)
 
 
 def stop(pid: int, grace: float = STOP_GRACE_SECONDS) -> None:
