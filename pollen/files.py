@@ -37,11 +37,12 @@ def readable_folder_problem(path: Path, key: str) -> str | None:
     try:
         if path.exists() and not path.is_dir():
             return f"{key} {str(path)!r} is a file; {key} must be a folder"
-        if path.is_dir() and not os.access(path, os.R_OK | os.X_OK):
-            return f"cannot read {path}: permission denied; {key} must be a folder this user can read"
+        readable = not path.is_dir() or os.access(path, os.R_OK | os.X_OK)
     except PermissionError:
-        return f"cannot read {path}: permission denied; {key} must be a folder this user can read"
-    return None
+        readable = False
+    if readable:
+        return None
+    return f"cannot read {path}: permission denied; {key} must be a folder this user can read"
 
 
 def write_atomic(path: Path, data: bytes | str, private: bool = False) -> None:

@@ -12,6 +12,7 @@ completed (`flwr run` itself exits 0 either way).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shlex
@@ -198,89 +199,64 @@ def run(
         check_local_data(settings)
         check_local_tracker(settings)
     run_dir = Path(settings.resume or Path(settings.output_dir) / settings.run_name)
-    watchdog = Watchdog()  # cleans up if this command is killed outright
-    try:
-        claim = None
+    token = None
+    with contextlib.ExitStack() as held:
+        # the watchdog cleans up if this command is killed outright
+        watchdog = held.enter_context(Watchdog())
         if connection is None:  # the ServerApp writes on this machine: ours only
-            claim = claim_run_dir(run_dir, new=not settings.resume)
+            claim = held.enter_context(claim_run_dir(run_dir, new=not settings.resume))
             watchdog.claim(run_dir, claim.made)
-            run_config = config_string(replace(settings, run_token=claim.token))
+            token = claim.token
+            run_config = config_string(replace(settings, run_token=token))
+        log_path = Path(tempfile.mkstemp(prefix="pollen-flower-", suffix=".log")[1])
+        watchdog.log(log_path, run_dir, FLOWER_LOG)
+        watchdog.temporary(log_path)
+        if not verbose:
+            print(
+                f"pollen: Flower's and Ray's lines go to {FLOWER_LOG} in the run's "
+                "directory (--verbose: here too)",
+                flush=True,
+            )
         try:
-            completed = _follow(app, overrides, settings, run_config, run_dir,
-                                given_federation, federation, connection,
-                                deployment, warm, verbose, watchdog,
-                                claim and claim.token, started)  # fmt: skip
+            with log_path.open("w") as log:
+                console = Console(log, verbose=verbose)
+                try:
+                    said_completed = _submit(app, run_config, run_dir, federation,
+                                             connection, deployment, warm, console,
+                                             watchdog)  # fmt: skip
+                finally:
+                    console.close()
+        except KeyboardInterrupt:  # Ctrl-C, SIGTERM or SIGHUP
+            if connection is None and deployment is None:  # the run has recorded it
+                command = resume_command(app, overrides, given_federation, run_dir)
+                report_interrupted(run_dir, settings, command)
+            else:
+                print(
+                    "pollen: stopped following the run; it goes on at the SuperLink "
+                    "(`flwr stop RUN_ID` ends it; the run id is in Flower's lines)",
+                    file=sys.stderr,
+                )
+            raise
         finally:
-            if claim is not None:
-                claim.release()
-    finally:
-        watchdog.dismiss()
-    return completed
-
-
-def _follow(
-    app: Path,
-    overrides: Sequence[str],
-    settings: Settings,
-    run_config: str,
-    run_dir: Path,
-    given_federation: Sequence[str],
-    federation: Sequence[str],
-    connection: str | None,
-    deployment: cluster.Deployment | None,
-    warm: WarmSimulation | None,
-    verbose: bool,
-    watchdog: Watchdog,
-    token: str | None,
-    started: float,
-) -> bool:
-    """Submit the run, stream its log and report its outcome (`run`)."""
-    log_path = Path(tempfile.mkstemp(prefix="pollen-flower-", suffix=".log")[1])
-    watchdog.log(log_path, run_dir, FLOWER_LOG)
-    watchdog.temporary(log_path)
-    if not verbose:
-        print(
-            f"pollen: Flower's and Ray's lines go to {FLOWER_LOG} in the run's "
-            "directory (--verbose: here too)",
-            flush=True,
-        )
-    try:
-        with log_path.open("w") as log:
-            console = Console(log, verbose=verbose)
-            try:
-                said_completed = _submit(app, run_config, run_dir, federation,
-                                         connection, deployment, warm, console,
-                                         watchdog)  # fmt: skip
-            finally:
-                console.close()
-    except KeyboardInterrupt:  # Ctrl-C, SIGTERM or SIGHUP
-        if connection is None and deployment is None:  # the run has recorded it
-            command = resume_command(app, overrides, given_federation, run_dir)
-            report_interrupted(run_dir, settings, command)
-        else:
+            kept = keep_log(log_path, run_dir, FLOWER_LOG)
+            if kept is not None:
+                log_path.unlink()
+            else:  # the run wrote no directory here (it failed early, or is remote)
+                print(
+                    f"pollen: Flower's and Ray's lines are in {log_path}",
+                    file=sys.stderr,
+                )
+        wall_seconds = time.monotonic() - started
+        if said_completed and not (run_dir / "summary.json").exists():
+            # a remote SuperLink's ServerApp wrote its results on its own machine
             print(
-                "pollen: stopped following the run; it goes on at the SuperLink "
-                "(`flwr stop RUN_ID` ends it; the run id is in Flower's lines)",
-                file=sys.stderr,
+                f"pollen: run completed; results in {run_dir} on the ServerApp's machine"
             )
-        raise
-    finally:
-        kept = keep_log(log_path, run_dir, FLOWER_LOG)
-        if kept is not None:
-            log_path.unlink()
-        else:  # the run wrote no directory here (it failed early, or is remote)
-            print(
-                f"pollen: Flower's and Ray's lines are in {log_path}", file=sys.stderr
-            )
-    wall_seconds = time.monotonic() - started
-    if said_completed and not (run_dir / "summary.json").exists():
-        # a remote SuperLink's ServerApp wrote its results on its own machine
-        print(f"pollen: run completed; results in {run_dir} on the ServerApp's machine")
-        return True
-    return report_outcome(
-        run_dir, wall_seconds, resumed=bool(settings.resume), token=token,
-        error=console.last_error, log=kept or log_path,
-    )  # fmt: skip
+            return True
+        return report_outcome(
+            run_dir, wall_seconds, resumed=bool(settings.resume), token=token,
+            error=console.last_error, log=kept or log_path,
+        )  # fmt: skip
 
 
 def _submit(

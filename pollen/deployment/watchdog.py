@@ -34,7 +34,8 @@ DONE = "done"
 
 
 class Watchdog:
-    """The command's side: start the watchdog, tell it what to clean up."""
+    """The command's side: start the watchdog, tell it what to clean up;
+    dismissed when its `with` block ends."""
 
     def __init__(self) -> None:
         # -P: not the shell's directory first on the module path (a `pollen`
@@ -50,6 +51,12 @@ class Watchdog:
             env={**os.environ, "PYTHONPATH": path},
         )  # fmt: skip
         self.lost = False
+
+    def __enter__(self) -> Watchdog:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.dismiss()
 
     def _say(self, **message: Any) -> None:
         """Tell the watchdog; if it has died, say once that a kill of this

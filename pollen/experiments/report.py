@@ -164,38 +164,38 @@ class Run:
         return sum(n["bytes-up"] + n["bytes-down"] for n in nodes) / MB
 
 
-def _runs_root(directory: Path) -> Path:
-    return directory / "runs" if (directory / "runs").is_dir() else directory
-
-
-def _status(run_dir: Path) -> tuple[str, dict[str, Any]]:
-    """How the run in `run_dir` stands ("completed", "failed", "interrupted",
-    "running": a command holds its directory) and its summary, if any."""
-    try:
-        summary = json.loads((run_dir / "summary.json").read_text())
-    except (OSError, ValueError):
-        summary = {}
-    if not isinstance(summary, dict):
-        summary = {}
-    if summary.get("status") != "completed" and is_held(run_dir):
-        return "running", summary
-    return str(summary.get("status", "failed")), summary
+def _statuses(directory: Path) -> list[tuple[Path, str, dict[str, Any]]]:
+    """Every run directory under `directory/runs/` (or `directory`), with how
+    it stands ("completed", "failed", "interrupted", or "running": a command
+    holds it) and its summary (empty if it wrote none)."""
+    root = directory / "runs" if (directory / "runs").is_dir() else directory
+    found = []
+    for marker in sorted(root.glob(f"*/{RUN_MARKER}")):
+        try:
+            summary = json.loads((marker.parent / "summary.json").read_text())
+        except (OSError, ValueError):
+            summary = {}
+        if not isinstance(summary, dict):
+            summary = {}
+        status = str(summary.get("status", "failed"))
+        if status != "completed" and is_held(marker.parent):
+            status = "running"
+        found.append((marker.parent, status, summary))
+    return found
 
 
 def read_runs(directory: Path) -> list[Run]:
     """Every completed run under `directory/runs/` (or `directory`); the
     others (failed, interrupted, running: `unfinished_runs`) have no final
     numbers to compare."""
-    root = _runs_root(directory)
+    statuses = _statuses(directory)
     completed = [
-        Run.read(p.parent)
-        for p in sorted(root.glob(f"*/{RUN_MARKER}"))
-        if _status(p.parent)[0] == "completed"
+        Run.read(path) for path, status, _ in statuses if status == "completed"
     ]
     if not completed:
-        unfinished = len(unfinished_runs(directory))
+        unfinished = len(statuses)
         raise CompareError(
-            f"no completed run directories (with summary.json) under {root}"
+            f"no completed run directories (with summary.json) under {directory}"
             + (f"; {unfinished} run(s) did not complete" if unfinished else "")
         )
     return completed
@@ -205,19 +205,17 @@ def unfinished_runs(directory: Path) -> list[dict[str, Any]]:
     """The runs under `directory` that did not complete: name, status,
     rounds recorded and the reason their summary gives (a run that failed
     before writing one has none)."""
-    rows = []
-    for marker in sorted(_runs_root(directory).glob(f"*/{RUN_MARKER}")):
-        status, summary = _status(marker.parent)
-        if status == "completed":
-            continue
-        rows.append({
-            "run": marker.parent.name, "status": status,
-            "rounds": summary.get("rounds", 0),
-            "reason": summary.get("error") or ("" if status == "running"
-                                               else "no summary.json: it failed "
-                                               "before its first round"),
-        })  # fmt: skip
-    return rows
+    return [
+        {
+            "run": path.name, "status": status, "rounds": summary.get("rounds", 0),
+            "reason": summary.get("error") or (
+                "" if status == "running"
+                else "no summary.json: it failed before its first round"
+            ),
+        }
+        for path, status, summary in _statuses(directory)
+        if status != "completed"
+    ]  # fmt: skip
 
 
 def unfinished_table(rows: Sequence[Mapping[str, Any]]) -> str:

@@ -22,27 +22,30 @@ import os
 import secrets
 from pathlib import Path
 
-from .results import RUN_MARKER, ResultsError
+from .results import RUN_MARKER, ResultsError, already_exists
 
 LOCK_FILE = "run.lock"
 
 
 class RunClaim:
-    """The exclusive hold of one command on one run directory (`claim`)."""
+    """The exclusive hold of one command on one run directory (`claim`);
+    released when its `with` block ends, or by `release`."""
 
     def __init__(self, run_dir: Path, token: str, lock: int, made: list[Path]) -> None:
         self.run_dir = run_dir
         self.token = token
+        self.made = made  # folders this claim created, the run directory last
         self._lock = lock
-        self._made = made  # folders this claim created, the run directory last
 
-    @property
-    def made(self) -> list[Path]:
-        return list(self._made)
+    def __enter__(self) -> RunClaim:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()
 
     def release(self) -> None:
         """Give the directory up (`abandon`)."""
-        abandon(self.run_dir, self._made)
+        abandon(self.run_dir, self.made)
         os.close(self._lock)  # releases the flock
 
 
@@ -71,10 +74,7 @@ def claim(run_dir: Path, *, new: bool) -> RunClaim:
             if Path(err.filename or "") != run_dir:  # a file where a folder goes
                 _remove_empty(made)
                 raise _unwritable(run_dir, "a file is in the way") from None
-            raise ResultsError(
-                f"invalid value for 'run-name': {run_dir.name!r}; {run_dir} already "
-                "exists (results are never overwritten: choose another run-name)"
-            ) from None
+            raise already_exists(run_dir) from None
         except OSError as err:
             _remove_empty(made)
             raise _unwritable(run_dir, err.strerror or str(err)) from None
@@ -111,9 +111,8 @@ def _unwritable(run_dir: Path, why: str) -> ResultsError:
 
 def check_claimed(run_dir: Path, token: str) -> None:
     """Refuse to write into a directory the command that submitted this run
-    did not claim for it (`pollen.runs.claim`): with a `run-token`, its lock
-    must hold that token, and a new run's directory must still be empty of
-    results. Without a token (`flwr run` by hand) there is nothing to check."""
+    did not claim for it: with a `run-token`, its lock must hold that token.
+    Without a token (`flwr run` by hand) there is nothing to check."""
     if not token:
         return
     if claimed_token(run_dir) != token:

@@ -126,11 +126,16 @@ def check_run_dir_is_new(output_dir: str, run_name: str) -> Path:
         )
     path = parent / run_name
     if path.exists():
-        raise ResultsError(
-            f"invalid value for 'run-name': {run_name!r}; {path} already exists "
-            "(results are never overwritten: choose another run-name)"
-        )
+        raise already_exists(path)
     return path
+
+
+def already_exists(path: Path) -> ResultsError:
+    """The error for a run directory that exists: results are never reused."""
+    return ResultsError(
+        f"invalid value for 'run-name': {path.name!r}; {path} already exists "
+        "(results are never overwritten: choose another run-name)"
+    )
 
 
 def is_run_dir(path: Path) -> bool:
