@@ -12,7 +12,8 @@ here plus its own module: nothing else decodes a name.
 from __future__ import annotations
 
 import importlib
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from typing import Any
 
 Scalar = bool | int | float | str
@@ -117,6 +118,11 @@ class Part:
     implementation: str = ""
     # the likely cause when a run with this part diverges ({settings attribute})
     divergence_hint: str = ""
+    # client hyper-parameters (TRAINING_KEYS) the part's algorithm assumes:
+    # "auto" takes these before the data set's, an explicit value wins
+    training: Mapping[str, Scalar] = field(default_factory=dict)
+    # why the part assumes them (said when a run config sets another value)
+    training_reason: str = ""
 
     def load(self) -> Any:
         """The implementing object (a class or a function)."""
@@ -208,6 +214,16 @@ AGGREGATORS: dict[str, Part] = _by_name(
 MODEL_POISONING = ("sign-flip", "scale", "noise")
 ATTACKS = ("none", *MODEL_POISONING, "label-flip")
 
+# SCAFFOLD's control variates estimate each client's drift in plain SGD's
+# gradient (Karimireddy et al. 2020, Algorithm 1; docs/algorithms.md, "SCAFFOLD
+# and momentum"): its paper's local optimiser is SGD without momentum
+SCAFFOLD_TRAINING: dict[str, Scalar] = {"momentum": 0.0}
+SCAFFOLD_REASON = (
+    "SCAFFOLD's control variates correct plain SGD's client drift (Karimireddy "
+    "et al. 2020, Algorithm 1); with momentum it fell 15-21 points below FedAvg "
+    "(docs/algorithms.md, 'SCAFFOLD and momentum')"
+)
+
 # "<regulariser>-sam": that regulariser, with the data gradient taken at SAM's
 # perturbed point (pollen.task.objectives decodes these names)
 LOCAL_OBJECTIVES: dict[str, Part] = _by_name(
@@ -217,9 +233,11 @@ LOCAL_OBJECTIVES: dict[str, Part] = _by_name(
     Part("prox", "FedProx's proximal term"),
     Part("feddyn-sam", "FedDyn's regulariser with SAM", divergence_hint=FEDDYN_HINT),
     Part("prox-sam", "FedProx's term with SAM"),
-    Part("scaffold", "SCAFFOLD's control-variate correction c - c_k"),
-    Part("scaffold-sam", "SCAFFOLD's correction with SAM"),
-)
+    Part("scaffold", "SCAFFOLD's control-variate correction c - c_k",
+         training=SCAFFOLD_TRAINING, training_reason=SCAFFOLD_REASON),
+    Part("scaffold-sam", "SCAFFOLD's correction with SAM",
+         training=SCAFFOLD_TRAINING, training_reason=SCAFFOLD_REASON),
+)  # fmt: skip
 
 # user-level DP-FedAvg (pollen.strategies.central_dp): off, or its clipping
 CENTRAL_DP = ("off", "fixed", "adaptive")
@@ -258,6 +276,23 @@ PRESETS: dict[str, dict[str, Scalar]] = {
     },
     "fedbuff": {"server-update": "sgd", "local-objective": "plain", "mode": "async"},
 }  # fmt: skip
+
+
+def assumed_training(*parts: Part) -> dict[str, Scalar]:
+    """The client hyper-parameters a run's parts assume (`Part.training`),
+    merged; two parts that assume different values for one key cannot
+    both have theirs, so that is an error the run config must settle."""
+    merged: dict[str, Scalar] = {}
+    for part in parts:
+        for key, value in part.training.items():
+            if merged.get(key, value) != value:
+                raise ValueError(
+                    f"the parts assume different {key} ({merged[key]} and "
+                    f"{part.name}'s {value}); set {key} explicitly"
+                )
+            merged[key] = value
+    return merged
+
 
 # how the server drives training: synchronous rounds, or FedBuff's buffered
 # asynchronous aggregation (pollen.strategies.asynchronous)

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 
 from .catalog import (
     AGGREGATORS,
@@ -27,6 +27,8 @@ from .catalog import (
     SHARING_POLICIES,
     TRAINING_KEYS,
     ModelInfo,
+    Scalar,
+    assumed_training,
 )
 from .settings import Settings, SettingsError
 
@@ -37,14 +39,22 @@ def _rows(pairs: list[tuple[str, str]], indent: int = 2) -> str:
     return "\n".join(f"{pad}{name:<{width}}  {text}".rstrip() for name, text in pairs)
 
 
+def _preset_text(parts: Mapping[str, Scalar]) -> str:
+    """A preset's parts and settings, then the client hyper-parameters its
+    parts assume where the run config leaves them auto."""
+    chosen = ", ".join(f"{key}={value}" for key, value in parts.items())
+    assumed = assumed_training(
+        SERVER_UPDATES[str(parts["server-update"])],
+        LOCAL_OBJECTIVES[str(parts["local-objective"])],
+    )
+    if not assumed:
+        return chosen
+    return chosen + "; auto " + ", ".join(f"{k}={v:g}" for k, v in assumed.items())
+
+
 def strategies() -> str:
     """Each preset and the parts (and settings) it chooses."""
-    return _rows(
-        [
-            (name, ", ".join(f"{key}={value}" for key, value in parts.items()))
-            for name, parts in PRESETS.items()
-        ]
-    )
+    return _rows([(name, _preset_text(parts)) for name, parts in PRESETS.items()])
 
 
 def parts() -> str:
@@ -135,7 +145,15 @@ def describe_key(name: str) -> str:
         f"  default: {default!r}",
         f"  allowed: {allowed or 'any'}",
     ]
-    if name in TRAINING_KEYS:  # "auto" means the data set's measured value
+    if name in TRAINING_KEYS:  # "auto": a part's assumption, else the data set's
+        parts = [
+            f"{part.name} {part.training[name]:g}"
+            for part in (*SERVER_UPDATES.values(), *AGGREGATORS.values(),
+                         *LOCAL_OBJECTIVES.values())
+            if name in part.training
+        ]  # fmt: skip
+        if parts:
+            lines.append("  auto, by part (before the data set's): " + ", ".join(parts))
         lines.append(
             "  auto, by data set: "
             + ", ".join(

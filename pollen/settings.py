@@ -46,7 +46,9 @@ from .catalog import (
     TRACKERS,
     TRACKING_STORES,
     TRAINING_KEYS,
+    Part,
     Scalar,
+    assumed_training,
 )
 from .network_profile import NetworkProfile, ProfileError
 from .runs.notify import check_url
@@ -201,7 +203,8 @@ class Settings:
     )
     momentum: float = key(
         AUTO,
-        "client SGD momentum (auto: the data set's)",
+        "client SGD momentum (auto: 0 for SCAFFOLD's objectives, as its paper "
+        "runs it, else the data set's)",
         Rule(lambda v: 0 <= v < 1, "in [0, 1)"),
         float,
     )
@@ -701,16 +704,19 @@ def _resolve_preset(values: dict[str, Scalar]) -> None:
     for the client's hyper-parameters the data set's defaults for the client
     optimiser."""
     data_set = DATA_SETS[str(values["data-set"])]
-    training = data_set.training.values(str(values["client-optimizer"]))
+    preset = PRESETS[str(values["strategy"])]
+    for name in ("server-update", "local-objective"):
+        if values[name] == AUTO:
+            values[name] = preset[name]
+    training = {
+        **data_set.training.values(str(values["client-optimizer"])),
+        **_assumed_training(values),
+    }
     for name in TRAINING_KEYS:
         if values[name] == AUTO:
             values[name] = training[name]
     if values["partition"] == AUTO:
         values["partition"] = data_set.partition
-    preset = PRESETS[str(values["strategy"])]
-    for name in ("server-update", "local-objective"):
-        if values[name] == AUTO:
-            values[name] = preset[name]
     if values["server-momentum"] == AUTO:
         values["server-momentum"] = float(preset.get("server-momentum", 0.0))
     if values["sharing"] == AUTO:
@@ -729,6 +735,40 @@ def _resolve_preset(values: dict[str, Scalar]) -> None:
         values["personal-eval-every"] = int(own)
     if values["server-lr"] == AUTO:
         values["server-lr"] = AUTO_SERVER_LR.get(str(values["server-update"]), 1.0)
+
+
+def _run_parts(values: Mapping[str, Scalar]) -> tuple[Part, ...]:
+    """The parts a run combines (its server update, aggregator and local
+    objective resolved)."""
+    return (
+        SERVER_UPDATES[str(values["server-update"])],
+        AGGREGATORS[str(values["aggregator"])],
+        LOCAL_OBJECTIVES[str(values["local-objective"])],
+    )
+
+
+def _assumed_training(values: Mapping[str, Scalar]) -> dict[str, Scalar]:
+    try:
+        return assumed_training(*_run_parts(values))
+    except ValueError as err:
+        raise SettingsError(str(err)) from None
+
+
+def departures(run_config: Mapping[str, Scalar], settings: Settings) -> list[str]:
+    """One line for each client hyper-parameter that `run_config` sets
+    explicitly to another value than a part of the run assumes (SCAFFOLD's
+    plain SGD): pollen runs what was asked, and says so once."""
+    values = settings.to_run_config()
+    lines = []
+    for part in _run_parts(values):
+        for key, assumed in part.training.items():
+            given = run_config.get(key, AUTO)
+            if given != AUTO and values[key] != assumed:
+                lines.append(
+                    f"{key}={values[key]:g} as asked, though {part.name} assumes "
+                    f"{key}={assumed:g}: {part.training_reason}"
+                )
+    return lines
 
 
 def first_difference(

@@ -26,7 +26,7 @@ from ..runs.tracking_mlflow import (
     pin_uri,
     tracking_uri,
 )
-from ..settings import Settings, SettingsError, unknown_key_message
+from ..settings import Settings, SettingsError, departures, unknown_key_message
 
 
 class RunConfigError(ValueError):
@@ -186,9 +186,13 @@ def prepare_run(app: Path, overrides: Sequence[str]) -> tuple[Settings, str]:
     Relative `data-root`/`output-dir` are resolved against this shell's
     directory, and an empty `run-name` gets a generated one (with `resume`:
     the directory being resumed). Returns the settings and the complete run
-    config as one "key=value" string.
+    config as one "key=value" string. A client hyper-parameter set against
+    what a part of the run assumes is run as asked, with a note.
     """
-    settings = resolve_settings(app, overrides)
+    run_config = resolve_run_config(app, overrides)
+    settings = Settings.from_run_config(run_config)
+    for line in departures(run_config, settings):
+        print(f"pollen: note: {line}", flush=True)
     settings = pin_tracking_uri(pin_paths(settings, settings.strategy))
     if not settings.notify_url and os.environ.get(URL_ENV):
         try:

@@ -30,6 +30,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
+from ..catalog import DATA_SETS, TRAINING_KEYS, Scalar
 from ..files import write_atomic, write_json
 from ..runs.claim import is_held
 from ..runs.results import RUN_MARKER, plot_accuracy_against
@@ -229,6 +230,15 @@ def unfinished_table(rows: Sequence[Mapping[str, Any]]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def global_training_default(run: Run, key: str) -> Scalar | None:
+    """What "auto" gives a client hyper-parameter `key` (TRAINING_KEYS) for
+    the run's data set and client optimiser, before any part's own default."""
+    data_set = DATA_SETS.get(run.settings.get("data-set"))
+    if data_set is None:
+        return None
+    return data_set.training.values(run.settings.get("client-optimizer", "sgd"))[key]
+
+
 def varying_keys(runs: Sequence[Run]) -> list[str]:
     """Settings that differ between runs, in settings order. Beside the
     strategy, only keys that vary within one strategy or depart from its
@@ -236,7 +246,9 @@ def varying_keys(runs: Sequence[Run]) -> list[str]:
     `local-objective`, the `server-lr` that "auto" resolves to, ...) follows
     the strategy and is not a setting of its own, but `strategy=feddyn` with
     `local-objective=feddyn-sam`, or `strategy=fedavg` with
-    `aggregator=fednova`, is a variant the report must name."""
+    `aggregator=fednova`, is a variant the report must name, and so is a
+    client hyper-parameter that departs from the data set's default
+    (SCAFFOLD's own momentum 0 beside everyone else's 0.9)."""
 
     def differs(key: str, among: Sequence[Run]) -> bool:
         return len({json.dumps(r.settings.get(key)) for r in among}) > 1
@@ -245,6 +257,8 @@ def varying_keys(runs: Sequence[Run]) -> list[str]:
         preset = PRESETS.get(run.settings.get("strategy"), {})
         if key in preset:
             return run.settings.get(key) != preset[key]
+        if key in TRAINING_KEYS:  # a part's own default (SCAFFOLD's momentum 0)
+            return run.settings.get(key) != global_training_default(run, key)
         default = DEFAULTS.get(key, AUTO)  # "auto": resolved per run, no default
         return default != AUTO and run.settings.get(key, default) != default
 
