@@ -636,3 +636,17 @@ def test_report_lists_unfinished_runs_with_their_status(tmp_path: Path) -> None:
     assert "| sam | interrupted | 1 | RunInterrupted: x |" in table
     unfinished = json.loads((tmp_path / "comparison.json").read_text())["unfinished"]
     assert [r["run"] for r in unfinished] == ["dyn", "sam"]
+
+
+def test_a_part_s_own_client_default_is_named_in_the_report(tmp_path: Path) -> None:
+    """SCAFFOLD's preset trains with momentum 0 where the data set's default
+    is 0.9: a reader must see that the cells trained with other momenta.
+    Everyone at the data set's default: no momentum column."""
+    write_run(tmp_path / "a", "fedavg", {"strategy": "fedavg", "momentum": 0.9}, [0.5])
+    write_run(tmp_path / "a", "prox", {"strategy": "fedprox", "momentum": 0.9}, [0.5])
+    assert report.varying_keys(report.read_runs(tmp_path / "a")) == ["strategy"]
+    write_run(tmp_path / "b", "fedavg", {"strategy": "fedavg", "momentum": 0.9}, [0.5])
+    write_run(tmp_path / "b", "scaffold", {"strategy": "scaffold", "momentum": 0.0},
+              [0.6])  # fmt: skip
+    keys = report.varying_keys(report.read_runs(tmp_path / "b"))
+    assert keys == ["strategy", "momentum"]

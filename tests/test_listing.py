@@ -35,3 +35,15 @@ def test_config_describes_a_key_and_suggests_for_a_typo(capsys) -> None:
 def test_each_section_prints(section: str, capsys) -> None:
     assert cli.main(["list", section]) == 0
     assert capsys.readouterr().out.startswith(f"{section}:\n")
+
+
+def test_a_preset_shows_the_client_settings_its_parts_assume() -> None:
+    scaffold = next(
+        line for line in listing.strategies().splitlines() if "scaffold " in line
+    )
+    assert scaffold.endswith("local-objective=scaffold; auto momentum=0")
+    assert "auto momentum" not in listing.strategies().splitlines()[0]  # fedavg
+    assert (
+        "auto, by part (before the data set's): scaffold 0, scaffold-sam 0"
+        in listing.describe_key("momentum")
+    )

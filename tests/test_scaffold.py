@@ -4,6 +4,11 @@ is refused."""
 
 from __future__ import annotations
 
+import functools
+import importlib.util
+import sys
+from types import ModuleType
+
 import numpy as np
 import pytest
 import torch
@@ -17,7 +22,8 @@ from pollen.strategies.fedavg import FedAvgUpdate
 from pollen.strategies.sampling import Roster
 from pollen.strategies.scaffold import ServerControl
 from pollen.task.objectives import ControlTerm
-from tests.conftest import reply_from
+from pollen.task.train import ClientOptimizer, OptimizerStep
+from tests.conftest import PROJECT, reply_from
 from tests.rounds import fedavg
 
 
@@ -201,3 +207,73 @@ def test_the_strategy_sends_c_counts_its_bytes_and_needs_delta_c_back() -> None:
     # client 0: model and Delta c; client 1: its model only
     assert outcome.bytes_up == 3 * size
     np.testing.assert_allclose(control.c["w"], [2.0, 2.0, 2.0])  # 4 / N
+
+
+class Scalar(nn.Module):
+    """theta, one number, for the loss (theta - 0)^2 / 2 (its gradient is theta)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.zeros(1, dtype=torch.float64))
+
+
+@functools.cache
+def momentum_study() -> ModuleType:
+    """benchmarks/scaffold_momentum.py (a script, not a package: loaded by path)."""
+    path = PROJECT / "benchmarks" / "scaffold_momentum.py"
+    spec = importlib.util.spec_from_file_location("scaffold_momentum", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # its dataclasses look their module up
+    spec.loader.exec_module(module)
+    return module
+
+
+def two_steps(term: ControlTerm, momentum: float, outside: bool) -> tuple[float, float]:
+    """Two steps of rate 0.1 from theta = 0 with c - c_k = 1 (c = 1, c_k = 0):
+    the trained theta and c_k^+."""
+    model, context = Scalar(), Context(1, 1, {}, RecordDict(), {})
+    content = RecordDict(
+        {
+            CONTROL: ArrayRecord({"w": Array(np.array([1.0]))}),
+            "config": ConfigRecord({"lr": 0.1}),
+        }
+    )
+    term.load(context, 0, {"w": model.w}, content)
+    optimizer = ClientOptimizer("sgd", 0.1, momentum, 0.0)
+    rule = (momentum_study().StepThenCorrect if outside else OptimizerStep)(model, optimizer, 0.0, *(
+        (term,) if outside else ()))  # fmt: skip
+    for _ in range(2):
+        rule.zero_grad()
+        (0.5 * model.w**2).sum().backward()
+        term.add_gradients({"w": model.w})
+        rule.step()
+    term.save(context, 0, {"w": model.w})
+    return float(model.w.detach()[0]), own_variate(context, 0)
+
+
+def test_three_ways_of_scaffold_with_momentum_by_hand() -> None:
+    """docs/algorithms.md, "SCAFFOLD and momentum", on one number (gradient
+    theta, lr 0.1, c - c_k = 1, two steps):
+
+    (a) pollen's, the correction inside momentum 0.5's buffer: d1 = 0 + 1,
+    m1 = 1, theta1 = -0.1; d2 = -0.1 + 1, m2 = 0.5 + 0.9 = 1.4, theta2 =
+    -0.24; a = 1.5 + 1 = 2.5, c_k^+ = 0 - 1 + 0.24 / (0.1 x 2.5) = -0.04,
+    the a-weighted mean of the data gradients (1.5 x 0 + 1 x -0.1) / 2.5.
+    (b) NIID-Bench's, the correction after each momentum step: m1 = 0,
+    theta1 = 0 - 0.1 x 1 = -0.1; m2 = -0.1, theta2 = -0.1 + 0.01 - 0.1 =
+    -0.19; c_k^+ = -1 + 0.19 / (0.1 x 2) = -0.05: (a / K) times (a)'s
+    estimate, the momentum's amplification of the data gradient.
+    (c) plain SGD: theta1 = -0.1, theta2 = -0.1 - 0.1 (-0.1 + 1) = -0.19,
+    c_k^+ = -0.05; without momentum (a) and (b) are one update.
+    """
+    study = momentum_study()
+    OutsideControl = study.OutsideControl
+    assert two_steps(ControlTerm(0.5), 0.5, outside=False) == pytest.approx(
+        (-0.24, -0.04)
+    )
+    assert two_steps(OutsideControl(0.5), 0.5, outside=True) == pytest.approx(
+        (-0.19, -0.05)
+    )
+    plain = two_steps(ControlTerm(0.0), 0.0, outside=False)
+    assert plain == pytest.approx((-0.19, -0.05))
+    assert two_steps(OutsideControl(0.0), 0.0, outside=True) == pytest.approx(plain)

@@ -6,8 +6,9 @@ import tomllib
 
 import pytest
 
-from pollen.catalog import MODELS
-from pollen.settings import Settings, SettingsError, first_difference
+from pollen.catalog import MODELS, Part, assumed_training
+from pollen.deployment.run_config import prepare_run
+from pollen.settings import Settings, SettingsError, departures, first_difference
 from tests.conftest import PROJECT
 
 
@@ -259,3 +260,45 @@ def test_a_key_added_since_a_run_counts_as_its_default_then() -> None:
     assert first_difference(before, now, ()) is None
     assert first_difference(before, {**now, "seed": 1}, ()) == "seed"
     assert first_difference(before, {**now, "aggregator": "median"}, ()) == "aggregator"
+
+
+def test_a_part_brings_the_client_settings_its_paper_assumes() -> None:
+    """SCAFFOLD's objectives assume plain SGD: "auto" gives momentum 0 under
+    them (whichever preset chose them), the data set's 0.9 otherwise; an
+    explicit value runs as asked, with one line that says so."""
+    assert Settings.from_run_config({"strategy": "scaffold"}).momentum == 0.0
+    objective = {"strategy": "fedavg", "local-objective": "scaffold-sam"}
+    assert Settings.from_run_config(objective).momentum == 0.0
+    assert Settings.from_run_config({"strategy": "fedavg"}).momentum == 0.9
+    asked = {"strategy": "scaffold", "momentum": 0.9}
+    settings = Settings.from_run_config(asked)
+    assert settings.momentum == 0.9
+    [line] = departures(asked, settings)
+    assert line.startswith("momentum=0.9 as asked, though scaffold assumes momentum=0")
+    assert "Karimireddy" in line
+    plain = {"strategy": "scaffold", "momentum": 0.0}
+    assert departures(plain, Settings.from_run_config(plain)) == []
+    other = {"strategy": "fedavg", "momentum": 0.5}
+    assert departures(other, Settings.from_run_config(other)) == []
+
+
+def test_parts_that_assume_different_client_settings_need_an_explicit_one() -> None:
+    plain, heavy = (
+        Part(name, "", training={"momentum": rho})
+        for name, rho in (("plain-part", 0.0), ("heavy-part", 0.5))
+    )
+    assert assumed_training(plain, Part("silent", "")) == {"momentum": 0.0}
+    with pytest.raises(ValueError, match=r"heavy-part's 0\.5.*set momentum explicitly"):
+        assumed_training(plain, heavy)
+
+
+def test_pollen_run_notes_once_what_departs_from_a_part(tmp_path, capsys) -> None:
+    overrides = [
+        f"strategy='scaffold' momentum=0.9 output-dir='{tmp_path}' run-name='r'"
+    ]
+    settings, _ = prepare_run(PROJECT, overrides)
+    assert settings.momentum == 0.9
+    out = capsys.readouterr().out
+    assert out.count("pollen: note: momentum=0.9 as asked") == 1
+    prepare_run(PROJECT, [f"strategy='scaffold' output-dir='{tmp_path}'"])
+    assert "note" not in capsys.readouterr().out
