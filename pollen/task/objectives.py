@@ -20,7 +20,8 @@ regulariser around the received model, its anchor:
   c_k (its state, zero at the start). After the round's K steps of rate eta,
   c_k^+ = c_k - c + (theta^t - theta_k) / (eta K); the client keeps c_k^+
   and replies with Delta c_k = c_k^+ - c_k (record `control`), from which
-  the server moves c (`pollen.strategies.scaffold`). With momentum rho, K is
+  the server moves c (`pollen.strategies.scaffold`). The paper's local
+  optimiser is plain SGD, the part's default; with a momentum rho set, K is
   FedNova's effective steps a(K, rho), so (theta^t - theta_k) / (eta a)
   stays the mean gradient of the round (with rho = 0, a = K).
 - `-sam` (FedSAM, Qu et al. 2022, Caldarola et al. 2022): the data gradient
@@ -184,15 +185,25 @@ class DynTerm:
 
 @dataclass
 class ControlTerm:
-    """SCAFFOLD's correction (Karimireddy et al. 2020, Algorithm 1, option II):
+    """SCAFFOLD's correction (Karimireddy et al. 2020, Algorithm 1, option II,
+    https://arxiv.org/abs/1910.06378):
 
         R_k(theta) = <c - c_k, theta>,   grad R_k = c - c_k,
 
-    and, after the round's steps, c_k^+ = c_k - c + (theta^t - theta_k) /
-    (eta a), a = FedNova's effective steps of the K steps taken (K without
-    momentum). c comes with the training message (record `control`), c_k is
-    the client's state under `pollen.protocol.scaffold_state_key(client)`;
-    the reply carries Delta c_k = c_k^+ - c_k.
+    so each of the K steps of rate eta is theta <- theta - eta (g_k(theta) +
+    c - c_k), plain SGD as the paper runs it (the part's `momentum` default
+    is 0); after the round
+
+        c_k^+ = c_k - c + (theta^t - theta_k) / (eta a),
+
+    a = K. With a momentum rho set explicitly the corrected gradient goes
+    through SGD's buffer (m <- rho m + g + c - c_k, theta <- theta - eta m)
+    and a is FedNova's effective steps a(K, rho), so c_k^+ stays the mean
+    data gradient (docs/algorithms.md, "SCAFFOLD and momentum", measured
+    against applying the correction outside the buffer). c comes with the
+    training message (record `control`), c_k is the client's state under
+    `pollen.protocol.scaffold_state_key(client)`; the reply carries Delta
+    c_k = c_k^+ - c_k.
     """
 
     momentum: float
