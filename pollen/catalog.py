@@ -220,7 +220,8 @@ ATTACKS = ("none", *MODEL_POISONING, "label-flip")
 SCAFFOLD_TRAINING: dict[str, Scalar] = {"momentum": 0.0}
 SCAFFOLD_REASON = (
     "SCAFFOLD's control variates correct plain SGD's client drift (Karimireddy "
-    "et al. 2020, Algorithm 1); with momentum it fell 15-21 points below FedAvg "
+    "et al. 2020, Algorithm 1); momentum makes a round's path ten times longer, "
+    "and on long local paths it fell far below FedAvg or to chance "
     "(docs/algorithms.md, 'SCAFFOLD and momentum')"
 )
 
