@@ -1,5 +1,5 @@
 """The robust aggregation steps: by hand on tiny arrays, then against
-Flower 1.41's own strategies (FedMedian, FedTrimmedAvg, Krum, MultiKrum,
+Flower 1.42's own strategies (FedMedian, FedTrimmedAvg, Krum, MultiKrum,
 Bulyan) on the same replies."""
 
 from __future__ import annotations

@@ -23,7 +23,7 @@ Notation: n replies, of which at most f (`byzantine-clients`) are Byzantine.
 
 The rules are unweighted, as the papers are: a Byzantine client could
 claim any example count (Flower's MultiKrum weights its selected replies by
-it; the test compares them with equal counts). Flower 1.41 ships the
+it; the test compares them with equal counts). Flower 1.42 ships the
 same rules as strategies (FedMedian, FedTrimmedAvg, Krum, MultiKrum,
 Bulyan); tests/test_robust.py checks pollen's results against theirs. One
 difference is deliberate: Flower's Bulyan selects its theta replies by one
