@@ -563,13 +563,86 @@ def test_each_line_says_over_how_many_seeds_it_is_a_mean(
                         lambda series, path, title, *_, **__: drawn.append(
                             (title, sorted(series))))  # fmt: skip
     report.plot_groups(report.read_runs(tmp_path), tmp_path / "plots")
-    assert drawn[0] == ("digits", ["fedavg (mean of 3 seeds)", "fedprox (1 seed)"])
+    assert drawn[0] == (
+        "digits: by strategy",
+        ["fedavg (mean of 3 seeds)", "fedprox (1 seed)"],
+    )
     for seed in (2, 3):
         write_run(tmp_path, f"fedprox-{seed}",
                   {"strategy": "fedprox", "seed": seed}, [0.5])  # fmt: skip
     drawn.clear()
     report.plot_groups(report.read_runs(tmp_path), tmp_path / "plots")
-    assert drawn[0] == ("digits (mean of 3 seeds)", ["fedavg", "fedprox"])
+    assert drawn[0] == ("digits: by strategy (mean of 3 seeds)", ["fedavg", "fedprox"])
+
+
+def drawn_figures(monkeypatch) -> list[tuple[str, str, dict, dict]]:
+    """What report.plot_groups draws: (file, title, series, own models)."""
+    drawn = []
+    monkeypatch.setattr(
+        report, "plot_accuracy_against",
+        lambda series, path, title, xlabel, integer_x=False, own_models=None:
+            drawn.append((path.name, title, dict(series), dict(own_models or {}))),
+    )  # fmt: skip
+    return drawn
+
+
+def test_named_cells_are_lines_of_one_figure_titled_by_what_differs(
+    tmp_path: Path, monkeypatch
+) -> None:
+    """The network grid's cells: one deadline cell and FedSA's own model are
+    lines beside the others, not figures of their own ("round-deadline=0.0")."""
+    runs = tmp_path / "runs"
+    for name, settings in (
+        ("fedavg", {"strategy": "fedavg", "round-deadline": 0.0, "model": "cnn"}),
+        (
+            "fedavg-deadline",
+            {"strategy": "fedavg", "round-deadline": 50.0, "model": "cnn"},
+        ),
+        ("fedsa", {"strategy": "fedsa", "round-deadline": 0.0, "model": "cnn-lora"}),
+    ):
+        write_run(runs, name, settings, [0.3, 0.5])
+    (tmp_path / "grid.toml").write_text(
+        "[grid]\nstrategy = [\n"
+        '  { name = "fedavg", strategy = "fedavg" },\n'
+        '  { name = "fedavg-deadline", strategy = "fedavg", round-deadline = 50.0 },\n'
+        '  { name = "fedsa", strategy = "fedsa", model = "cnn-lora" },\n]\n'
+    )
+    drawn = drawn_figures(monkeypatch)
+    report.report(tmp_path)
+    assert [d[0] for d in drawn] == [
+        "accuracy-rounds-all.png",
+        "accuracy-bytes-all.png",
+    ]
+    assert drawn[0][1] == "digits: by strategy, round-deadline, model"
+    assert sorted(drawn[0][2]) == [
+        "fedavg", "fedavg, round-deadline=50.0", "fedsa, model=cnn-lora"
+    ]  # fmt: skip
+    (tmp_path / "grid.toml").unlink()  # runs without their grid: figures as before
+    drawn.clear()
+    report.plot_groups(report.read_runs(tmp_path), tmp_path / "plots")
+    assert len([d for d in drawn if d[0].startswith("accuracy-rounds")]) == 3
+
+
+def test_a_personalised_line_has_its_own_models_beside_it(
+    tmp_path: Path, monkeypatch
+) -> None:
+    """FedBN's global model can sit near chance while its clients' own models
+    are good: the figure draws both, the own models where they were evaluated."""
+    rows = [{"round": r, "accuracy": 0.15, "bytes-up": 1, "bytes-down": 1}
+            for r in (1, 2, 3)]  # fmt: skip
+    rows[1]["personal"] = {"0": {"local-accuracy": 0.8}, "1": {"local-accuracy": 0.9}}
+    rows[2]["personal"] = {"0": {"local-accuracy": 0.9}, "1": {"local-accuracy": None}}
+    write_run(tmp_path, "fedbn", {"strategy": "fedavg", "bn-policy": "fedbn"},
+              [0.15] * 3, history=rows)  # fmt: skip
+    write_run(tmp_path, "fedavg", {"strategy": "fedavg", "bn-policy": "shared"},
+              [0.5, 0.6, 0.7])  # fmt: skip
+    drawn = drawn_figures(monkeypatch)
+    report.plot_groups(report.read_runs(tmp_path), tmp_path / "plots")
+    rounds = drawn[0]
+    assert rounds[1] == "digits: by bn-policy"
+    assert rounds[3] == {"fedbn": ([2.0, 3.0], [pytest.approx(0.85), 0.9])}
+    by_bytes = drawn[1]  # x: cumulative MB after rounds 2 and 3
+    assert by_bytes[3]["fedbn"][0] == [pytest.approx(4e-6), pytest.approx(6e-6)]
 
 
 @pytest.mark.integration

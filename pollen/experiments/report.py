@@ -25,7 +25,8 @@ import itertools
 import json
 import shutil
 import statistics
-from collections.abc import Callable, Mapping, Sequence
+import tomllib
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
@@ -146,6 +147,13 @@ class Run:
             return None
         return list(itertools.accumulate(v for v in values if v is not None))
 
+    def own_accuracy_curve(self) -> list[float | None] | None:
+        """Per history row, the clients' mean accuracy with their own models
+        on their own test shards (None in a round without personal
+        evaluation); None if clients never evaluated their own models."""
+        curve = [_mean_own(row.get("personal")) for row in self.history]
+        return curve if any(v is not None for v in curve) else None
+
     def own_accuracies(self) -> list[float] | None:
         """Each client's accuracy on its own test shard at the last personal
         evaluation (history's `personal` rows), None if clients never
@@ -163,6 +171,12 @@ class Run:
             return None
         nodes = self.network["nodes"]
         return sum(n["bytes-up"] + n["bytes-down"] for n in nodes) / MB
+
+
+def _mean_own(personal: Mapping[str, Any] | None) -> float | None:
+    values = [v["local-accuracy"] for v in (personal or {}).values()
+              if v.get("local-accuracy") is not None]  # fmt: skip
+    return statistics.fmean(values) if values else None
 
 
 def _statuses(directory: Path) -> list[tuple[Path, str, dict[str, Any]]]:
@@ -439,29 +453,23 @@ def _reached(values: Sequence[float | None], show: Callable[[list[float]], str])
     )
 
 
-def plot_groups(runs: Sequence[Run], plots: Path) -> list[Path]:
+def plot_groups(
+    runs: Sequence[Run], plots: Path, named: Collection[str] = ()
+) -> list[Path]:
     """Accuracy per round and against each measure (cumulative seconds,
     simulated seconds, MB; means over seeds), one figure per setting with a
-    line per strategy; each setting's label distribution. A line whose seeds
-    do not all record a measure is left off that figure, and a figure no
-    line has is not drawn."""
+    line per strategy (and per named grid cell: `named`, the settings such
+    cells set), titled by what differs between its lines; a
+    personalised strategy's clients' own models beside its global model
+    (dashed); each setting's label distribution. A line whose seeds do not
+    all record a measure is left off that figure, and a figure no line has
+    is not drawn."""
     keys = [k for k in varying_keys(runs) if k != "seed"]
-    series_keys = [k for k in keys if k in SERIES_KEYS]
-    figure_keys = [k for k in keys if k not in SERIES_KEYS]
-    if not series_keys and figure_keys:  # one strategy: compare along a setting
-        series_keys = [figure_keys.pop()]
+    line_keys, figure_keys = split_line_and_figure_keys(keys, named)
     figures: dict[str, dict[str, list[Run]]] = {}
     for run in runs:
         figure = cell_name({k: run.settings[k] for k in figure_keys})
-        line = (
-            ", ".join(
-                f"{k}={run.settings[k]}"
-                if k not in SERIES_KEYS
-                else str(run.settings[k])
-                for k in series_keys
-            )
-            or run.name
-        )
+        line = line_label(run, line_keys, runs)
         figures.setdefault(figure, {}).setdefault(line, []).append(run)
     plots.mkdir(parents=True, exist_ok=True)
     written = []
@@ -469,42 +477,118 @@ def plot_groups(runs: Sequence[Run], plots: Path) -> list[Path]:
         some = next(iter(lines.values()))[0].settings
         figure = ", ".join(f"{k}={some[k]}" for k in figure_keys)
         seeds_in_title, labels = _seed_counts(lines)
-        title = ": ".join(t for t in (str(some.get("data-set", "")), figure) if t)
+        title = ", ".join(t for t in (str(some.get("data-set", "")), figure) if t)
+        title += f": by {', '.join(line_keys)}" if line_keys else ""
         title += seeds_in_title
         accuracy = {
             line: [[r["accuracy"] for r in m.history] for m in members]
             for line, members in lines.items()
         }
-        by_round = {}
-        for line, curves in accuracy.items():
-            mean = _mean_curve(curves)
-            by_round[labels[line]] = (list(range(1, len(mean) + 1)), mean)
-        plot_accuracy_against(
-            by_round, plots / f"accuracy-rounds-{slug}.png", title, "round",
-            integer_x=True,
-        )  # fmt: skip
-        written.append(plots / f"accuracy-rounds-{slug}.png")
+        own = {line: _mean_own_curve(members) for line, members in lines.items()}
+        x_rounds = {
+            line: [float(r["round"]) for r in members[0].history]
+            for line, members in lines.items()
+        }
+        path = plots / f"accuracy-rounds-{slug}.png"
+        written.append(
+            _plot_lines(path, title, "round", x_rounds, accuracy, own, labels)
+        )
         for measure in MEASURES:
-            series = {}
-            for line, members in lines.items():
-                sums = _of_every_seed([m.cumulative(measure) for m in members])
-                if sums is not None:  # else this line is not on this figure
-                    series[labels[line]] = (
-                        _mean_curve(sums), _mean_curve(accuracy[line])
-                    )  # fmt: skip
-            if series:
+            sums = {line: _of_every_seed([m.cumulative(measure) for m in members])
+                    for line, members in lines.items()}  # fmt: skip
+            xs = {line: _mean_curve(s) for line, s in sums.items() if s is not None}
+            if xs:  # else no line records this measure: no figure
                 path = plots / f"accuracy-{measure.plot}-{slug}.png"
-                plot_accuracy_against(series, path, title, measure.xlabel)
-                written.append(path)
+                written.append(
+                    _plot_lines(path, title, measure.xlabel, xs, accuracy, own, labels)
+                )
     partition_keys = [k for k in keys if k not in SERIES_KEYS]  # not the strategy
     for run in runs:  # each setting's partition (the first seed's)
-        labels = run.path / "labels.png"
+        heatmap = run.path / "labels.png"
         setting = {k: run.settings[k] for k in partition_keys}
         target = plots / f"labels-{cell_name(setting)}.png"
-        if labels.exists() and not target.exists():
-            shutil.copyfile(labels, target)
+        if heatmap.exists() and not target.exists():
+            shutil.copyfile(heatmap, target)
             written.append(target)
     return written
+
+
+def split_line_and_figure_keys(
+    keys: Sequence[str], named: Collection[str] = ()
+) -> tuple[list[str], list[str]]:
+    """The varying settings that tell one figure's lines apart, and those
+    that make separate figures. Strategies and their parts are lines, and so
+    is a setting that a grid's named cells set (`named`: one cell's round
+    deadline, FedSA's own model): it belongs to those cells' lines, not to
+    a figure of its own. Any other setting makes figures; with a single
+    strategy, the last varying setting draws the lines instead."""
+    line_keys = [k for k in keys if k in SERIES_KEYS or k in named]
+    figure_keys = [k for k in keys if k not in line_keys]
+    if not line_keys and figure_keys:
+        line_keys = [figure_keys.pop()]
+    return line_keys, figure_keys
+
+
+def named_cell_keys(grid: Path) -> set[str]:
+    """The settings that a grid's named cells (`{ name = ..., ... }`) set, and
+    that are not axes of the grid themselves; none without a grid."""
+    if not grid.exists():
+        return set()
+    axes = tomllib.loads(grid.read_text(encoding="utf-8")).get("grid", {})
+    named = {k for values in axes.values() for v in values if isinstance(v, dict)
+             for k in v}  # fmt: skip
+    return named - set(axes) - {"name"}
+
+
+def line_label(run: Run, line_keys: Sequence[str], runs: Sequence[Run]) -> str:
+    """`run`'s line: its strategy (or first line setting), then each other
+    line setting where it departs from what most runs have
+    (`fedavg, round-deadline=50.0`)."""
+    if not line_keys:
+        return run.name
+    parts = [str(run.settings.get(line_keys[0]))]
+    for key in line_keys[1:]:
+        values = [json.dumps(r.settings.get(key)) for r in runs]
+        usual = max(set(values), key=values.count)
+        if json.dumps(run.settings.get(key)) != usual:
+            value = run.settings.get(key)
+            parts.append(str(value) if key in SERIES_KEYS else f"{key}={value}")
+    return ", ".join(parts)
+
+
+def _mean_own_curve(members: Sequence[Run]) -> list[float | None] | None:
+    """Per round, the seeds' mean of the clients' own-model accuracy (None
+    where a seed did not evaluate them); None unless every seed has some."""
+    curves = [c for m in members if (c := m.own_accuracy_curve()) is not None]
+    if len(curves) < len(members):
+        return None
+    length = min(len(c) for c in curves)
+    return [
+        None if any(c[i] is None for c in curves)
+        else statistics.fmean(c[i] or 0.0 for c in curves)
+        for i in range(length)
+    ]  # fmt: skip
+
+
+def _plot_lines(
+    path: Path, title: str, xlabel: str,
+    xs: Mapping[str, Sequence[float]], accuracy: Mapping[str, Sequence[Sequence[float]]],
+    own: Mapping[str, list[float | None] | None], labels: Mapping[str, str],
+) -> Path:  # fmt: skip
+    """One figure: each line in `xs` (its mean accuracy over seeds against
+    x), and beside a personalised line its clients' own models at the rounds
+    they were evaluated."""
+    series, own_models = {}, {}
+    for line, x_all in xs.items():
+        mean = _mean_curve(accuracy[line])
+        x = list(x_all)[: len(mean)]
+        series[labels[line]] = (x, mean[: len(x)])
+        if (curve := own.get(line)) is not None:
+            points = [(x[i], v) for i, v in enumerate(curve[: len(x)]) if v is not None]
+            own_models[labels[line]] = ([p[0] for p in points], [p[1] for p in points])
+    plot_accuracy_against(series, path, title, xlabel, integer_x=xlabel == "round",
+                          own_models=own_models)  # fmt: skip
+    return path
 
 
 def _seed_counts(lines: Mapping[str, Sequence[Run]]) -> tuple[str, dict[str, str]]:
@@ -541,7 +625,7 @@ def report(directory: Path, target: float | None = None) -> Path:
     write_atomic(directory / "comparison.md", table)
     fresh, plots = directory / ".plots-new", directory / "plots"
     shutil.rmtree(fresh, ignore_errors=True)
-    plot_groups(runs, fresh)
+    plot_groups(runs, fresh, named_cell_keys(directory / "grid.toml"))
     shutil.rmtree(plots, ignore_errors=True)  # made by an earlier report
     fresh.rename(plots)
     return directory / "comparison.md"

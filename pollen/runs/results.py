@@ -338,14 +338,21 @@ def plot_accuracy_against(
     title: str,
     xlabel: str,
     integer_x: bool = False,
+    own_models: Mapping[str, tuple[Sequence[float], Sequence[float]]] | None = None,
 ) -> None:
     """Test accuracy (%) of several runs against a common x (round, seconds,
     megabytes), one line per run, for comparing strategies on one figure;
-    `integer_x` for rounds (no tick at round 2.5)."""
+    `integer_x` for rounds (no tick at round 2.5). `own_models[name]`, where
+    given, is drawn dashed in `name`'s colour: a personalised run's clients'
+    mean accuracy with their own models on their own test shards."""
     plt = _pyplot()
     fig, ax = plt.subplots(figsize=(7, 4.5), dpi=110)
     for name, (x, accuracy) in series.items():
-        ax.plot(x, [100 * a for a in accuracy], marker="o", ms=3, label=name)
+        (line,) = ax.plot(x, [100 * a for a in accuracy], marker="o", ms=3, label=name)
+        if own_models and name in own_models:
+            own_x, own = own_models[name]
+            ax.plot(own_x, [100 * a for a in own], linestyle="--", marker="s", ms=3,
+                    color=line.get_color(), label=f"{name}: own models")  # fmt: skip
     ax.set(xlabel=xlabel, ylabel="test accuracy (%)", title=title)
     if integer_x:
         ax.xaxis.get_major_locator().set_params(integer=True)
