@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import re
 import signal
 import statistics
@@ -65,14 +66,15 @@ class Watch:
 
     deployment: cluster.Deployment
     lines: dict[str, list[tuple[float, str]]] = field(default_factory=dict)
+    tasks: list[tuple[float, float]] = field(default_factory=list)  # (start, end)
     parent_rss: int = 0
     tree_pss: int = 0
     _stop: threading.Event = field(default_factory=threading.Event)
 
     def __enter__(self) -> Watch:
-        self._offsets = {
-            n.log: Path(n.log).stat().st_size for n in self.deployment.nodes
-        }
+        logs = [n.log for n in self.deployment.nodes]
+        logs += [n.executor_log for n in self.deployment.nodes if n.executor_pid]
+        self._offsets = {log: Path(log).stat().st_size for log in logs}
         self._thread = threading.Thread(target=self._run, daemon=True)
         self._thread.start()
         return self
@@ -92,7 +94,11 @@ class Watch:
                 end = data.rfind(b"\n") + 1
                 self._offsets[log] = offset + end
                 for line in data[:end].decode(errors="replace").splitlines():
-                    self.lines.setdefault(log, []).append((now, line))
+                    if log.endswith("-superexec.log"):
+                        if task := TASK_LINE.search(line):
+                            self.tasks.append((now - float(task.group(3)), now))
+                    else:
+                        self.lines.setdefault(log, []).append((now, line))
             if now - last_memory > 0.2:
                 last_memory = now
                 self._sample_memory()
@@ -155,6 +161,22 @@ class Watch:
         return gaps
 
 
+def idle_cpu(site: cluster.Deployment, seconds: float) -> dict[str, float]:
+    """CPU seconds per second of wall time that the SuperLink and the
+    SuperNodes (each alone, the mean) used over `seconds` of idleness."""
+
+    def cpu(pid: int) -> float:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+    pids = [site.superlink_pid, *(n.pid for n in site.nodes)]
+    before = [cpu(p) for p in pids]
+    time.sleep(seconds)
+    used = [(cpu(p) - b) / seconds for p, b in zip(pids, before, strict=True)]
+    return {"superlink_idle_cpu": used[0],
+            "supernode_idle_cpu": statistics.mean(used[1:])}  # fmt: skip
+
+
 def _proc_kb(pid: int, file: str, key: str) -> int:
     """The kB value of `key` in /proc/PID/`file` (status, smaps_rollup); 0
     for a process that is gone."""
@@ -214,13 +236,18 @@ def pollen_run(
 
 def deployed(
     out: Path, name: str, nodes: int, executor: str, config: str,
-    node_extra: dict[int, dict[str, str]] | None = None,
+    node_extra: dict[int, dict[str, str]] | None = None, node_poll: float = 0.0,
+    idle_seconds: float = 0.0, superlink_state: str = "file",
 ) -> dict:  # fmt: skip
-    """One deployment, one run; its round times, message spans and memory."""
+    """One deployment, one run; its round times, message spans and memory.
+    `node_poll` as `pollen deploy up --poll-interval` (0: Flower's own waits);
+    with `idle_seconds`, the CPU the SuperLink and the SuperNodes used while
+    the deployment stood idle that long before the run."""
     site = cluster.up(
         out / f"site-{name}", nodes, port=processes.free_port(), executor=executor,
-        node_extra=node_extra,
+        node_extra=node_extra, node_poll=node_poll, superlink_state=superlink_state,
     )  # fmt: skip
+    idle = idle_cpu(site, idle_seconds) if idle_seconds else {}
     try:
         with Watch(site) as watch:
             rows = pollen_run(config, out, name, site.root)
@@ -231,6 +258,9 @@ def deployed(
             "gaps": watch.idle_gaps(),
             "node_rounds": node_rounds(watch.train_spans()),
             "tasks": task_seconds(site) if executor == "warm" else [],
+            "task_spans": watch.tasks,
+            "train_spans": watch.train_spans(),
+            **idle,
             "parent_rss_mb": watch.parent_rss / 1024,
             "tree_pss_mb": watch.tree_pss / 1024,
         }

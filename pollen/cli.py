@@ -4,7 +4,8 @@ Argument parsing, and one map from errors to exit codes; each command's
 work is done elsewhere: `pollen run` by `pollen.deployment.launch`,
 `pollen deploy` by `pollen.deployment.deploy_actions` (the processes:
 `pollen.deployment.cluster`), `pollen superexec` by
-`pollen.deployment.superexec`, `pollen compare` and `pollen report` by
+`pollen.deployment.superexec`, `pollen supernode` by
+`pollen.deployment.supernode`, `pollen compare` and `pollen report` by
 `pollen.experiments.compare` (tables and plots: `pollen.experiments.report`),
 `pollen centralized` by `pollen.experiments.centralized`, `pollen list` and
 `pollen config` by `pollen.listing`. An expected error
@@ -24,11 +25,19 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from . import listing
-from .deployment import cluster, deploy_actions, launch, processes, warm_simulation
+from .deployment import (
+    cluster,
+    deploy_actions,
+    launch,
+    processes,
+    supernode,
+    warm_simulation,
+)
 from .deployment.network import NetworkError
 from .deployment.processes import ProcessError
 from .deployment.run_config import RunConfigError
 from .experiments import compare, report
+from .flower_waits import add_poll_interval
 from .network_profile import NetworkProfile, ProfileError, resolve
 from .runs.checkpoints import CheckpointError
 from .runs.results import ResultsError
@@ -130,6 +139,7 @@ def deploy_command(args: argparse.Namespace) -> None:
             args.dir, args.nodes, host=args.host, port=args.port, san=args.san,
             insecure=args.insecure, data_root=args.data_root,
             node_config=args.node_config, executor=args.executor,
+            node_poll=args.poll_interval, superlink_state=args.superlink_state,
         )  # fmt: skip
     elif args.action == "down":
         deploy_actions.down(args.dir)
@@ -191,6 +201,11 @@ def build_parser() -> argparse.ArgumentParser:
         "superexec", add_help=False,
         help="Flower's SuperExec with warm ClientApp processes (for a SuperNode "
         "started with --isolation process); `pollen superexec --help`",
+    )  # fmt: skip
+    commands.add_parser(
+        "supernode", add_help=False,
+        help="Flower's SuperNode with its idle waits at a 0.1 s poll interval; "
+        "`pollen supernode --help`",
     )  # fmt: skip
     _add_warm_parser(commands)
     _add_compare_parsers(commands)
@@ -347,6 +362,12 @@ def _add_deploy_parser(commands: argparse._SubParsersAction) -> None:
         help="ClientApp processes: warm (`pollen superexec`, forked from a "
         "preloaded parent; default) or cold (Flower's, one per message)",
     )  # fmt: skip
+    add_poll_interval(up)
+    up.add_argument(
+        "--superlink-state", choices=cluster.SUPERLINK_STATES, default="file",
+        help="where the SuperLink keeps its state: file (superlink.db; it survives "
+        "`restart superlink`; default) or memory (faster rounds; lost on restart)",
+    )  # fmt: skip
     actions.add_parser("down", parents=[where], help="stop what `up` started")
     actions.add_parser("status", parents=[where], help="processes and online nodes")
     restart = actions.add_parser(
@@ -390,6 +411,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         from .deployment import superexec
 
         return superexec.main(rest)
+    if args.command == "supernode":  # every other flag is flower-supernode's
+        return supernode.main(rest)
     if rest:
         parser.error(f"unrecognized arguments: {' '.join(rest)}")
     try:

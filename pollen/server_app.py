@@ -29,6 +29,7 @@ from flwr.serverapp import Grid, ServerApp
 from flwr.superlink.grid.inmemory_grid import InMemoryGrid
 
 from .files import write_atomic, write_json
+from .flower_waits import shorten_serverapp_pulls
 from .network_profile import NetworkProfile
 from .protocol import LR
 from .runs.checkpoints import Checkpoint, load_resumable, save_checkpoint
@@ -82,6 +83,7 @@ ELAPSED = "elapsed-seconds"
 def main(grid: Grid, context: Context) -> None:
     """Run one federated training job and write its results directory."""
     started = time.monotonic()
+    shorten_serverapp_pulls()  # a reply's objects: retried every 0.1 s, not after 1 s
     stop = StopSignal()
     stop.install()
     try:

@@ -27,6 +27,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from ..files import write_json
+from ..flower_waits import POLL_SECONDS
 from .certificates import make_certificates, make_node_key
 from .flower import flower_env, start_superlink
 from .processes import alive, entry_point, free_port, log_tail, start, stop
@@ -34,6 +35,14 @@ from .processes import alive, entry_point, free_port, log_tail, start, stop
 CONNECTION = "pollen"
 STATE_FILE = "deployment.json"
 EXECUTORS = ("warm", "cold")
+# Where the SuperLink keeps its state: a SQLite file (`superlink.db`: a restarted
+# SuperLink keeps the registered SuperNodes and the runs) or memory (Flower's
+# default; a deployed MNIST `mlp` round took 1.6 s against 2.6 s with the file,
+# docs/deployment.md, but a restart forgets everything).
+SUPERLINK_STATES = ("file", "memory")
+IN_MEMORY_DATABASE = (
+    ":flwr-in-memory:"  # flwr.supercore.constant.FLWR_IN_MEMORY_DB_NAME
+)
 ONLINE_SECONDS = 60.0  # for every SuperNode `up` started to be listed online
 DEFAULT_HOSTS = ("localhost", "127.0.0.1")
 
@@ -87,6 +96,8 @@ class Deployment:
     executor: str = "cold"  # records written before warm executors were cold
     threads: int = 0  # torch threads per ClientApp process (0: torch's default)
     host: str = ""  # the address the SuperLink listens on (default: address's host)
+    node_poll: float = POLL_SECONDS  # SuperNodes' longest idle wait (0: Flower's own)
+    superlink_state: str = "file"  # one of SUPERLINK_STATES
 
     @property
     def root(self) -> Path:
@@ -161,7 +172,12 @@ class Deployment:
         raise DeployError(f"no node with partition-id {partition_id}; nodes: {known}")
 
     def start_superlink(self, host: str, port: int) -> None:
-        options = ["--database", str(self.root / "superlink.db")]
+        database = (
+            IN_MEMORY_DATABASE
+            if self.superlink_state == "memory"
+            else str(self.root / "superlink.db")
+        )
+        options = ["--database", database]
         if self.insecure:
             options.append("--insecure")
         else:
@@ -192,8 +208,13 @@ class Deployment:
         name = f"node-{partition_id}"
         runtime_port = free_port()
         isolation = "process" if self.executor == "warm" else "subprocess"
+        supernode = (
+            [entry_point("pollen"), "supernode", "--poll-interval", str(self.node_poll)]
+            if self.node_poll
+            else [entry_point("flower-supernode")]
+        )
         command = [
-            entry_point("flower-supernode"), "--superlink", self.address,
+            *supernode, "--superlink", self.address,
             "--node-config", node_config, "--isolation", isolation,
             "--host", "127.0.0.1", "--port", str(runtime_port),
         ]  # fmt: skip
@@ -215,6 +236,7 @@ class Deployment:
         if self.executor == "warm":
             superexec = [
                 entry_point("pollen"), "superexec", "--parent-pid", str(node.pid),
+                "--poll-interval", str(self.node_poll),
                 "--runtime-api-address", f"127.0.0.1:{runtime_port}", "--insecure",
             ]  # fmt: skip
             node.executor_pid = _start(
@@ -283,12 +305,18 @@ def up(
     node_extra: dict[int, dict[str, str]] | None = None,
     node_prefix: dict[int, list[str]] | None = None,
     executor: str = "warm",
+    node_poll: float = POLL_SECONDS,
+    superlink_state: str = "file",
 ) -> Deployment:
     """Start a SuperLink and `num_nodes` SuperNodes; record them in `directory`.
 
+    `superlink_state` is "file" (`superlink.db`, kept across `restart_superlink`)
+    or "memory" (Flower's default: faster rounds, nothing survives a restart).
     `executor` runs each node's ClientApps: "warm" (`pollen superexec` beside
     a SuperNode with `--isolation process`) or "cold" (Flower's SuperExec,
-    a fresh process per message). The nodes share this machine's CPUs: each
+    a fresh process per message). Each SuperNode is `pollen supernode`, whose
+    idle waits are at most `node_poll` seconds (0: `flower-supernode`, with
+    Flower's 3 s idle sleep and 0.5 s reply checks). The nodes share this machine's CPUs: each
     ClientApp gets CPUs / `num_nodes` torch threads (at least 1), as the
     simulation gives each client its share, unless OMP_NUM_THREADS is set.
 
@@ -299,6 +327,11 @@ def up(
     """
     if num_nodes < 1:
         raise DeployError(f"--nodes must be at least 1, got {num_nodes}")
+    if superlink_state not in SUPERLINK_STATES:
+        raise DeployError(
+            f"--superlink-state {superlink_state!r}: expected one of "
+            f"{', '.join(SUPERLINK_STATES)}"
+        )
     if executor not in EXECUTORS:
         raise DeployError(
             f"--executor {executor!r}: expected one of {', '.join(EXECUTORS)}"
@@ -315,7 +348,13 @@ def up(
     directory.mkdir(parents=True, exist_ok=True)
     address = f"{'127.0.0.1' if host in ('0.0.0.0', '::') else host}:{port}"
     deployment = Deployment(
-        str(directory), address, insecure, executor=executor, host=host
+        str(directory),
+        address,
+        insecure,
+        executor=executor,
+        host=host,
+        node_poll=node_poll,
+        superlink_state=superlink_state,
     )
     if "OMP_NUM_THREADS" not in os.environ:
         deployment.threads = max(1, (os.cpu_count() or 1) // num_nodes)
@@ -374,6 +413,13 @@ def restart_superlink(directory: Path) -> int:
     keeps for their registered keys; a run it was serving ended with it and
     continues with `resume`."""
     deployment = Deployment.load(directory.expanduser().resolve())
+    if deployment.superlink_state == "memory":
+        raise DeployError(
+            "this deployment's SuperLink keeps its state in memory "
+            "(--superlink-state memory): restarted, it would have forgotten the "
+            "registered SuperNodes and the runs; `pollen deploy down` and `up` "
+            "instead, or `up --superlink-state file` for a SuperLink that restarts"
+        )
     stop(deployment.superlink_pid)
     address_host, _, port = deployment.address.rpartition(":")
     deployment.start_superlink(deployment.host or address_host, int(port))

@@ -27,6 +27,8 @@ def up(
     data_root: str,
     node_config: Sequence[str],
     executor: str,
+    node_poll: float,
+    superlink_state: str,
 ) -> None:
     """Start a SuperLink and `num_nodes` SuperNodes; print their status."""
     extra = node_extra(node_config, num_nodes)
@@ -36,6 +38,7 @@ def up(
     cluster.up(
         directory, num_nodes, host=host, port=port, san=san, insecure=insecure,
         data_root=data_root, node_extra=extra, executor=executor,
+        node_poll=node_poll, superlink_state=superlink_state,
     )  # fmt: skip
     print(cluster.status(directory))
 

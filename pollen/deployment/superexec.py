@@ -34,6 +34,10 @@ pidfd. A child that crashes or is killed is a failed task to Flower (its
 exit status reaches the launcher, which Flower started); the parent goes on.
 At most `--max-tasks` children run at once; further tasks wait.
 
+A ClientApp's first retry for a message object its SuperNode has not pulled
+yet comes after `--poll-interval` (0.1 s) instead of Flower's 1 s
+(`pollen.deployment.supernode`).
+
 Linux only (fork, pidfd, prctl). `--cold` runs `flower-superexec` alone:
 Flower's stock process per message, for comparison.
 """
@@ -65,6 +69,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ..flower_waits import add_poll_interval, shorten_clientapp_pulls
 from .flower import task_poll_env
 from .module_stash import ModuleStash
 from .processes import alive, end, entry_point, stop_child
@@ -446,6 +451,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--parent-pid", type=int, default=None,
         help="stop when this process ends (as flower-superexec does)",
     )  # fmt: skip
+    add_poll_interval(parser)
     return parser
 
 
@@ -475,6 +481,8 @@ def main(argv: Sequence[str]) -> int:
         os.execve(command[0], command, superexec_env({}))
     if not sys.platform.startswith("linux"):
         parser.error("the warm executor needs Linux (fork, pidfd); use --cold")
+    if args.poll_interval:  # before any fork: every child inherits it
+        shorten_clientapp_pulls(args.poll_interval)
     with tempfile.TemporaryDirectory(prefix="pollen-superexec-") as workdir:
         executor = WarmExecutor(Path(workdir), args.max_tasks)
         launcher = executor.write_launcher()

@@ -1,0 +1,165 @@
+"""Deployed rounds against simulated ones for the same work, with Flower's idle
+waits and with pollen's SuperNode poll interval, side by side in one
+invocation.
+
+    .venv/bin/python benchmarks/deployed_rounds.py [--rounds 10] [--cnn-rounds 6]
+        [--subset 60000] [--cnn-subset 12000] [--idle 20]
+        [--data-root ../shared/data] [--out bench-out/deployed-rounds]
+
+Workloads (seed 845, one local epoch, batch 32, every client in every round,
+one shard per node): `mlp` on MNIST (all 60,000 training images) with 2 and
+with 8 SuperNodes, and `cnn` on the first 12,000 Fashion-MNIST training
+images with 4; the server evaluates on 2,000 test images. Each runs four
+ways, one after the other: simulated (`pollen run`); deployed with Flower's
+SuperNode as it ships (`pollen deploy up --poll-interval 0`: 3 s idle sleep,
+0.5 s reply checks, 1 s first object-pull retry); deployed with `pollen
+supernode` (the default); and the same with the SuperLink's state in memory
+(`--superlink-state memory`) instead of its SQLite file. Deployments are
+`pollen deploy up` on this machine (TLS, SuperNode authentication, warm
+executors).
+
+Per way: the mean round of rounds 2..R (round 1 holds the start-up query and
+the warm-up); the time per round outside every ClientApp task (from round
+2's first train message pulled to round R's: wall time minus the union of
+the tasks' launch-to-exit spans, the warm executors' log); per task, its
+launch-to-exit time minus the ClientApp handler's own work; and, for the
+8-node deployments, the CPU the SuperLink and a SuperNode use while the
+deployment stands idle for `--idle` seconds before the run.
+
+Writes `<out>/deployed-rounds.md` (the table) and `<out>/deployed-rounds.json`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import signal
+import statistics
+import sys
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from executors import COMMON, PROJECT, deployed, median, pollen_run
+
+# (label, name in file names, poll interval: None simulates, 0 is Flower's;
+# where the SuperLink keeps its state)
+WAYS = (
+    ("simulated", "sim", None, ""),
+    ("Flower's waits", "flower", 0.0, "file"),
+    ("pollen supernode", "pollen", 0.1, "file"),
+    ("pollen supernode, SuperLink in memory", "memory", 0.1, "memory"),
+)
+
+
+def subset(source: Path, target: Path, name: str, train: int) -> Path:
+    """`target/name.npz`: the first `train` training and 2,000 test images."""
+    target.mkdir(parents=True, exist_ok=True)
+    path = target / f"{name}.npz"
+    if not path.exists():
+        with np.load(source / f"{name}.npz") as full:
+            np.savez(path, x_train=full["x_train"][:train], y_train=full["y_train"][:train],
+                     x_test=full["x_test"][:2000], y_test=full["y_test"][:2000])  # fmt: skip
+    return target
+
+
+def union_within(spans: list[tuple[float, float]], start: float, end: float) -> float:
+    """Seconds of [start, end] covered by at least one of `spans`."""
+    covered, reach = 0.0, start
+    for a, b in sorted(spans):
+        a, b = max(a, reach), min(b, end)
+        if b > a:
+            covered += b - a
+            reach = b
+    return covered
+
+
+def outside_tasks(result: dict) -> float:
+    """Mean seconds per round, rounds 2..R-1, when no ClientApp task ran."""
+    starts = [min(node[r][0] for node in result["train_spans"])
+              for r in range(min(len(n) for n in result["train_spans"]))]  # fmt: skip
+    start, end = starts[1], starts[-1]
+    busy = union_within([tuple(s) for s in result["task_spans"]], start, end)
+    return (end - start - busy) / (len(starts) - 2)
+
+
+def main() -> None:
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # deployments come down
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--rounds", type=int, default=10, help="MNIST rounds")
+    parser.add_argument(
+        "--cnn-rounds", type=int, default=6, help="Fashion-MNIST rounds"
+    )
+    parser.add_argument(
+        "--subset", type=int, default=60000, help="MNIST training images"
+    )
+    parser.add_argument(
+        "--cnn-subset", type=int, default=12000, help="Fashion-MNIST training images"
+    )
+    parser.add_argument("--idle", type=float, default=20.0, help="idle CPU window (s)")
+    parser.add_argument(
+        "--data-root", type=Path, default=PROJECT.parent / "shared" / "data"
+    )
+    parser.add_argument(
+        "--out", type=Path, default=PROJECT / "bench-out" / "deployed-rounds"
+    )
+    args = parser.parse_args()
+    out = args.out.resolve()
+    data = subset(args.data_root, out / "data", "mnist", args.subset)
+    subset(args.data_root, out / "data", "fashion_mnist", args.cnn_subset)
+    workloads = [
+        ("mnist-mlp-2", 2, f"data-set='mnist' model='mlp' rounds={args.rounds}"),
+        ("mnist-mlp-8", 8, f"data-set='mnist' model='mlp' rounds={args.rounds}"),
+        ("fmnist-cnn-4", 4, f"data-set='fashion-mnist' model='cnn' rounds={args.cnn_rounds}"),
+    ]  # fmt: skip
+    results: dict[str, dict] = {}
+    for workload, nodes, config in workloads:
+        config = f"{config} data-root='{data}' num-clients={nodes} {COMMON}"
+        for way, slug, poll, state in WAYS:
+            name = f"{workload}-{slug}"
+            if poll is None:
+                rows = pollen_run(config, out, name, None)
+                result = {"rounds": [r["seconds"] for r in rows],
+                          "accuracy": rows[-1]["accuracy"]}  # fmt: skip
+            else:
+                idle = args.idle if nodes == 8 else 0.0
+                result = deployed(out, name, nodes, "warm", config, node_poll=poll,
+                                  idle_seconds=idle, superlink_state=state)  # fmt: skip
+                result["outside"] = outside_tasks(result)
+            results[f"{workload}/{way}"] = result
+            print(name, f"{statistics.mean(result['rounds'][1:]):.2f} s/round",
+                  flush=True)  # fmt: skip
+            (out / "deployed-rounds.json").write_text(json.dumps(results, indent=1))
+    table = render(results, workloads)
+    (out / "deployed-rounds.md").write_text(table)
+    print(table)
+
+
+def render(results: dict[str, dict], workloads: list[tuple[str, int, str]]) -> str:
+    lines = [
+        "| workload | SuperNodes | way | mean round 2.. (s) | / simulated | outside tasks per round (s) | per task: launch -> exit minus work (s, median) | idle CPU: SuperLink / a SuperNode | final accuracy |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]  # fmt: skip
+    for workload, nodes, _ in workloads:
+        simulated = statistics.mean(results[f"{workload}/simulated"]["rounds"][1:])
+        for way, _, poll, _ in WAYS:
+            r = results[f"{workload}/{way}"]
+            mean = statistics.mean(r["rounds"][1:])
+            outside = task = idle = "-"
+            if poll is not None:
+                outside = f"{r['outside']:.2f}"
+                task = f"{median([w - a for w, a in r['tasks']]):.2f}"
+                if "superlink_idle_cpu" in r:
+                    idle = (f"{r['superlink_idle_cpu']:.1%} / "
+                            f"{r['supernode_idle_cpu']:.1%}")  # fmt: skip
+            lines.append(
+                f"| {workload} | {nodes} | {way} | {mean:.2f} | {mean / simulated:.2f}x | "
+                f"{outside} | {task} | {idle} | {r['accuracy']:.2%} |"
+            )
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    main()

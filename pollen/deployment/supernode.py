@@ -1,0 +1,27 @@
+"""`pollen supernode`: Flower's SuperNode with its idle waits shortened
+(`pollen.flower_waits`); every flag `flower-supernode` takes is passed on."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+
+from ..flower_waits import add_poll_interval, shorten_supernode_waits
+
+
+def main(argv: Sequence[str]) -> int:
+    parser = argparse.ArgumentParser(
+        prog="pollen supernode",
+        description="Flower's SuperNode with its idle waits at the poll interval; "
+        "every flag `flower-supernode` takes is passed on.",
+    )
+    add_poll_interval(parser)
+    args, flower_args = parser.parse_known_args(argv)
+    if args.poll_interval:
+        shorten_supernode_waits(args.poll_interval)
+    from flwr.supernode.cli.flower_supernode import flower_supernode
+
+    sys.argv = ["flower-supernode", *flower_args]
+    flower_supernode()
+    return 0

@@ -1,0 +1,210 @@
+"""Flower's idle waits, shortened in the processes pollen runs Flower's code in:
+`pollen supernode`, the warm executor's ClientApps and pollen's ServerApp.
+
+Flower's SuperNode (`flwr/supernode/start_client_internal.py`) waits in
+three places that no setting reaches, and a deployed round pays each one:
+
+- `time.sleep(3)` when a pull finds no message: after a node replies it asks
+  once more, finds nothing (the server still waits for the others), and the
+  next round's message waits up to 3 s for it;
+- `time.sleep(0.5)` between checks for the ClientApp's reply, and between
+  checks for the reply's objects (`_push_messages`);
+- a first retry after `PULL_INITIAL_BACKOFF = 1` s (then doubling) when an
+  object is not there yet (`pull_objects`): the node registers a message
+  before it has pulled the message's objects, so a ClientApp that starts at
+  once (a warm child does) finds them missing and backs off for a second.
+
+`pollen supernode` runs Flower's own `flower-supernode` entry point with every
+flag it takes, after changing exactly these waits in that one module (its
+`time` is swapped for a `PollClock`; nothing else in the process changes):
+a sleep lasts `--poll-interval` (default 0.1 s; 0 runs Flower's code
+unchanged) just after a message, then 5 % of the time since the last
+message, never longer than Flower's own. A node in a run picks up the next
+message within about 0.1 s of its arrival when rounds are short, and within
+5 % of its wait when they are long; a node idle for a minute polls every
+3 s again, so idle nodes load the SuperLink no more than Flower's do
+(polling every 0.1 s all the time took 43 % of a core on the SuperLink with
+8 idle nodes here, against 10 %). Object pulls retry every poll interval
+(Flower: after 1 s, then doubling). The warm executor (`pollen superexec`)
+makes its ClientApps' object pulls retry the same way, and pollen's
+ServerApp its pulls of the replies' objects: a reply is listed on the
+SuperLink before the node has pushed its objects, so the server's first
+pull of them often fails and Flower waits a second before the next.
+
+The change stands for a small one upstream (docs/deployment.md): a poll
+interval in place of the constants 3 and 0.5 in `start_client_internal`,
+and `PULL_INITIAL_BACKOFF`/`PULL_BACKOFF_CAP` as settings. It is
+guarded by version: only the Flower releases it was tested with are changed
+(their functions' sources are checked against recorded digests, and
+tests/test_supernode.py fails when they differ); any other Flower runs
+unchanged, with one warning line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import inspect
+import sys
+import time
+import types
+from collections.abc import Callable, Sequence
+from typing import Any
+
+POLL_SECONDS = 0.1
+IDLE_SHARE = 0.05  # after a wait of T s, a message is picked up within ~0.05 T
+
+# The functions whose waits are shortened, by Flower release: a digest of
+# each one's source as that release ships it. tests/test_supernode.py checks
+# them against the installed Flower, so an upgrade that changes one fails
+# there first.
+TESTED_SOURCES: dict[str, dict[str, str]] = {
+    "1.42.0": {
+        "flwr.supernode.start_client_internal:start_client_internal": "9e89a6eb68fbec68",
+        "flwr.supernode.start_client_internal:_push_messages": "00bb86faffdec114",
+        "flwr.supernode.start_client_internal:_pull_and_store_message": "eaf5d0e36dc34e4c",
+        "flwr.supercore.inflatable.inflatable_utils:pull_objects": "31bb2de46b450e6a",
+        "flwr.supercore.inflatable.inflatable_utils:pull_and_inflate_object_from_tree": "139811483a15e4a6",
+    },
+}
+SUPERNODE_FUNCTIONS = (
+    "flwr.supernode.start_client_internal:start_client_internal",
+    "flwr.supernode.start_client_internal:_push_messages",
+    "flwr.supernode.start_client_internal:_pull_and_store_message",
+    "flwr.supercore.inflatable.inflatable_utils:pull_objects",
+)
+CLIENTAPP_FUNCTIONS = (
+    "flwr.supercore.inflatable.inflatable_utils:pull_and_inflate_object_from_tree",
+)
+SERVERAPP_FUNCTIONS = ("flwr.supercore.inflatable.inflatable_utils:pull_objects",)
+
+
+def resolve(name: str) -> Callable[..., Any]:
+    """The function `module:qualname` names."""
+    module_name, _, function = name.partition(":")
+    module = __import__(module_name, fromlist=[function])
+    return getattr(module, function)
+
+
+def source_digest(function: Callable[..., Any]) -> str:
+    """The first 16 hex digits of the SHA-256 of `function`'s source."""
+    return hashlib.sha256(inspect.getsource(function).encode()).hexdigest()[:16]
+
+
+def unchanged_reason(names: Sequence[str]) -> str:
+    """Why Flower's waits must stay as they are in this process (empty when
+    the installed Flower is one these patches were tested with)."""
+    import flwr
+
+    recorded = TESTED_SOURCES.get(flwr.__version__)
+    if recorded is None:
+        tested = ", ".join(TESTED_SOURCES)
+        return (
+            f"Flower {flwr.__version__} is not a release it was tested with ({tested})"
+        )
+    changed = [n for n in names if source_digest(resolve(n)) != recorded[n]]
+    if changed:
+        return f"Flower {flwr.__version__} differs from the release tested: {', '.join(changed)}"
+    return ""
+
+
+class PollClock(types.ModuleType):
+    """The `time` module as the SuperNode's loop sees it: `sleep` waits the
+    poll interval just after a message, then a `share` of the time since the
+    last message (so a node idle for a minute is back at Flower's 3 s, and a
+    message that comes after a wait of T seconds is picked up within about
+    `share` x T), never longer than Flower asked."""
+
+    def __init__(self, poll_seconds: float, share: float = IDLE_SHARE) -> None:
+        super().__init__("time")
+        self.poll_seconds = poll_seconds
+        self.share = share
+        self.last_message = time.monotonic()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(time, name)
+
+    def message_seen(self) -> None:
+        self.last_message = time.monotonic()
+
+    def sleep(self, seconds: float) -> None:
+        since = time.monotonic() - self.last_message
+        time.sleep(min(seconds, max(self.poll_seconds, self.share * since)))
+
+
+def _guard(names: Sequence[str], what: str) -> bool:
+    """Whether `names` may be changed in this process; if not, one warning."""
+    reason = unchanged_reason(names)
+    if reason:
+        print(f"pollen: warning: {what} keeps Flower's idle waits: {reason}",
+              file=sys.stderr, flush=True)  # fmt: skip
+    return not reason
+
+
+def _quicker_pulls(name: str, poll_seconds: float) -> None:
+    """Object pulls through `name` retry every `poll_seconds` (Flower: after
+    1 s, then doubling up to 10 s)."""
+    defaults = resolve(name).__kwdefaults__
+    defaults["initial_backoff"] = defaults["backoff_cap"] = poll_seconds
+
+
+def shorten_supernode_waits(poll_seconds: float = POLL_SECONDS) -> bool:
+    """In this process, the SuperNode's idle sleeps and reply checks follow a
+    `PollClock` and its object pulls retry every `poll_seconds`; False (and
+    one warning line) when this Flower is not one the change was tested with."""
+    if not _guard(SUPERNODE_FUNCTIONS, "pollen supernode"):
+        return False
+    from flwr.supernode import start_client_internal as node
+
+    clock = PollClock(poll_seconds)
+    pull = node._pull_and_store_message
+
+    def pull_and_note(*args: Any, **kwargs: Any) -> int | None:
+        run_id = pull(*args, **kwargs)
+        if run_id is not None:
+            clock.message_seen()
+        return run_id
+
+    node.time = clock  # type: ignore[attr-defined]
+    node._pull_and_store_message = pull_and_note
+    _quicker_pulls(SUPERNODE_FUNCTIONS[-1], poll_seconds)
+    return True
+
+
+def shorten_clientapp_pulls(poll_seconds: float = POLL_SECONDS) -> bool:
+    """In this process (and the children it forks), a ClientApp retries a
+    message object its SuperNode has not pulled yet every `poll_seconds`."""
+    if not _guard(CLIENTAPP_FUNCTIONS, "pollen superexec"):
+        return False
+    _quicker_pulls(CLIENTAPP_FUNCTIONS[0], poll_seconds)
+    return True
+
+
+def shorten_serverapp_pulls(poll_seconds: float = POLL_SECONDS) -> bool:
+    """In this process (a ServerApp's), the grid retries a reply's objects
+    that its node has not pushed yet every `poll_seconds`."""
+    if not _guard(SERVERAPP_FUNCTIONS, "pollen's ServerApp"):
+        return False
+    _quicker_pulls(SERVERAPP_FUNCTIONS[0], poll_seconds)
+    return True
+
+
+def poll_interval(text: str) -> float:
+    """An argparse type: seconds, 0 (Flower's own waits) or 0.01 to 3."""
+    try:
+        seconds = float(text)
+    except ValueError:
+        seconds = -1.0
+    if seconds != 0 and not 0.01 <= seconds <= 3:
+        raise argparse.ArgumentTypeError(
+            f"{text!r}: expected seconds from 0.01 to 3, or 0 for Flower's own waits"
+        )
+    return seconds
+
+
+def add_poll_interval(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--poll-interval", type=poll_interval, default=POLL_SECONDS, metavar="SECONDS",
+        help=f"the longest idle wait (default {POLL_SECONDS}; 0 keeps Flower's: "
+        "3 s when no message waits, 0.5 s reply checks, 1 s first object-pull retry)",
+    )  # fmt: skip

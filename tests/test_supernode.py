@@ -1,0 +1,156 @@
+"""`pollen supernode`: Flower's SuperNode waits shortened only where the
+installed Flower is the code they were tested with, and otherwise left alone
+with one warning line."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from pollen import flower_waits
+from pollen.cli import main
+
+
+def run_python(code: str) -> subprocess.CompletedProcess[str]:
+    """`code` in a fresh interpreter: the patches change module globals."""
+    return subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=False
+    )
+
+
+def test_recorded_sources_are_the_installed_flowers():
+    """Fails when Flower changes a function whose waits pollen shortens: check
+    the change (docs/deployment.md) and record the new digests."""
+    import flwr
+
+    assert flwr.__version__ in flower_waits.TESTED_SOURCES, (
+        f"pollen supernode was not tested with Flower {flwr.__version__}"
+    )
+    names = (*flower_waits.SUPERNODE_FUNCTIONS, *flower_waits.CLIENTAPP_FUNCTIONS)
+    assert flower_waits.unchanged_reason(names) == ""
+    for name, digest in flower_waits.TESTED_SOURCES[flwr.__version__].items():
+        assert flower_waits.source_digest(flower_waits.resolve(name)) == digest, name
+
+
+def test_the_waits_it_stands_for_are_flowers():
+    """What the docs say Flower waits: 3 s idle, 0.5 s reply checks, 1 s first
+    object-pull retry."""
+    import inspect
+
+    from flwr.supercore.constant import PULL_INITIAL_BACKOFF
+    from flwr.supercore.inflatable import inflatable_utils
+    from flwr.supernode import start_client_internal as node
+
+    assert "time.sleep(3)" in inspect.getsource(node.start_client_internal)
+    assert inspect.getsource(node._push_messages).count("time.sleep(0.5)") == 2
+    assert PULL_INITIAL_BACKOFF == 1
+    for function in (
+        inflatable_utils.pull_objects,
+        inflatable_utils.pull_and_inflate_object_from_tree,
+    ):
+        assert function.__kwdefaults__["initial_backoff"] == PULL_INITIAL_BACKOFF
+
+
+def test_shortened_in_that_module_only():
+    result = run_python(
+        "import time\n"
+        "from pollen import flower_waits\n"
+        "assert flower_waits.shorten_supernode_waits(0.05)\n"
+        "from flwr.supernode import start_client_internal as node\n"
+        "from flwr.supercore.inflatable import inflatable_utils as utils\n"
+        "t = time.monotonic(); node.time.sleep(3); fast = time.monotonic() - t\n"
+        "t = time.monotonic(); time.sleep(0.2); real = time.monotonic() - t\n"
+        "assert node._pull_and_store_message.__name__ == 'pull_and_note'\n"
+        "print(round(fast, 2), real >= 0.2, node.time.time() > 0,\n"
+        "      utils.pull_objects.__kwdefaults__['initial_backoff'],\n"
+        "      utils.pull_objects.__kwdefaults__['backoff_cap'],\n"
+        "      utils.pull_and_inflate_object_from_tree.__kwdefaults__['initial_backoff'])\n"
+    )
+    assert result.returncode == 0, result.stderr
+    fast, real, clock, backoff, cap, clientapp_backoff = result.stdout.split()
+    assert float(fast) < 0.5 and real == "True" and clock == "True"
+    assert float(backoff) == float(cap) == 0.05
+    assert float(clientapp_backoff) == 1  # the SuperNode's half only
+    assert "warning" not in result.stderr
+
+
+@pytest.mark.parametrize(
+    ("tamper", "reason"),
+    [
+        ("flwr.__version__ = '9.9.9'", "Flower 9.9.9 is not a release it was tested"),
+        (
+            "sources = flower_waits.TESTED_SOURCES[flwr.__version__]\n"
+            "sources.update((name, '0' * 16) for name in sources)",
+            "differs from the release tested: flwr.supernode.start_client_internal:"
+            "start_client_internal, flwr.supernode.start_client_internal:_push_messages",
+        ),
+    ],
+)
+def test_other_flower_runs_unchanged_with_one_warning(tamper, reason):
+    result = run_python(
+        "import time, flwr\n"
+        "from pollen import flower_waits\n"
+        f"{tamper}\n"
+        "assert not flower_waits.shorten_supernode_waits()\n"
+        "assert not flower_waits.shorten_clientapp_pulls()\n"
+        "from flwr.supernode import start_client_internal as node\n"
+        "from flwr.supercore.inflatable import inflatable_utils as utils\n"
+        "assert node.time is time\n"
+        "assert utils.pull_objects.__kwdefaults__['initial_backoff'] == 1\n"
+    )
+    assert result.returncode == 0, result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 2  # one per call
+    assert lines[0].startswith(
+        "pollen: warning: pollen supernode keeps Flower's idle waits"
+    )
+    assert reason in lines[0]
+
+
+@pytest.mark.parametrize("value", ["-1", "5", "0.001", "soon"])
+def test_poll_interval_is_checked(value, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        main(["supernode", "--poll-interval", value, "--insecure"])
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err
+    assert (
+        f"{value!r}: expected seconds from 0.01 to 3, or 0 for Flower's own waits"
+        in err
+    )
+    with pytest.raises(SystemExit):
+        main(["deploy", "up", "--poll-interval", value])
+    assert "expected seconds from 0.01 to 3" in capsys.readouterr().err
+
+
+class FakeTime:
+    """`time` for PollClock: a settable clock, and the sleeps asked of it."""
+
+    def __init__(self) -> None:
+        self.now = 1000.0
+        self.slept: list[float] = []
+
+    def monotonic(self) -> float:
+        return self.now
+
+    def sleep(self, seconds: float) -> None:
+        self.slept.append(seconds)
+
+
+def test_poll_clock_waits_the_interval_after_a_message_then_a_share_of_the_wait(
+    monkeypatch,
+):
+    """By hand, poll 0.1 s and share 0.05: 1 s after a message a 3 s sleep
+    lasts 0.1 s; after 10 s, 0.5 s; after 100 s, Flower's 3 s; a 0.5 s reply
+    check never lasts longer than 0.5 s."""
+    fake = FakeTime()
+    monkeypatch.setattr(flower_waits, "time", fake)
+    clock = flower_waits.PollClock(0.1, share=0.05)
+    for since, asked in ((1, 3), (10, 3), (100, 3), (100, 0.5), (0, 0.5)):
+        clock.last_message = fake.now - since
+        clock.sleep(asked)
+    assert fake.slept == [0.1, pytest.approx(0.5), 3, 0.5, 0.1]
+    clock.message_seen()
+    clock.sleep(3)
+    assert fake.slept[-1] == 0.1
