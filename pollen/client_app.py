@@ -51,6 +51,7 @@ from .protocol import (
     CLIP_NORM,
     CONFIG,
     EFFECTIVE_STEPS,
+    EVAL_SECONDS,
     LOCAL_STEPS,
     LR,
     METRICS,
@@ -522,12 +523,17 @@ def evaluate_personal(msg: Message, context: Context) -> Message:
     if cm.settings.ditto_lambda and isinstance(personal, ArrayRecord):
         cm.model.load_state_dict(personal.to_torch_state_dict())
     keeps_own = bool(cm.sharing.local) or cm.settings.ditto_lambda > 0
+    started = time.perf_counter()
     global_test = cm.data.global_test(cm.device) if keeps_own else None
     g_loss, g_acc = cm.loss_and_accuracy("test", global_test)
     own = cm.data.test_shard(cm.client, cm.device)
     l_loss, l_acc = cm.loss_and_accuracy(cm.data.split_key("test", cm.client), own)
+    seconds = time.perf_counter() - started
+    straggle(seconds, node_slowdown(context))
     personal = dict(zip(PERSONAL_METRICS, (g_acc, g_loss, l_acc, l_loss), strict=True))
-    metrics = MetricRecord({**personal, NUM_EXAMPLES: len(own[1])})
+    metrics = MetricRecord(
+        {**personal, NUM_EXAMPLES: len(own[1]), EVAL_SECONDS: seconds}
+    )
     client_state.spill(
         context, msg.content[CONFIG], _state_limit(cm.settings), cm.client
     )

@@ -54,7 +54,7 @@ LINK_KEYS = {
 }
 NODE_KEYS = (*LINK_KEYS, "slowdown")
 GROUP_KEYS = ("name", "fraction", "nodes", *NODE_KEYS)
-TOP_KEYS = ("description", "source", "default", "group")
+TOP_KEYS = ("description", "source", "message-overhead", "default", "group")
 PRESETS_DIR = Path("configs") / "networks"
 
 
@@ -96,6 +96,9 @@ class NetworkProfile:
     source: str = ""
     default: NodeProfile = field(default_factory=NodeProfile)
     groups: tuple[Group, ...] = ()
+    # seconds a deployed message costs beyond its link and its work (the
+    # node's pulls and pushes through the SuperLink, the ClientApp's start)
+    message_overhead: float = 0.0
 
     def nodes(self, num_nodes: int) -> list[NodeProfile]:
         """The profile of every node 0..num_nodes-1."""
@@ -111,6 +114,7 @@ class NetworkProfile:
             "name": self.name,
             "description": self.description,
             "source": self.source,
+            "message-overhead": self.message_overhead,
             "nodes": [
                 {"link": str(p.link), "slowdown": p.slowdown}
                 for p in self.nodes(num_nodes)
@@ -152,7 +156,13 @@ class NetworkProfile:
             _group(table, default, f"{where}: group {i + 1}")
             for i, table in enumerate(group_tables)
         )
-        return cls(name, texts["description"], texts["source"], default, groups)
+        overhead = (
+            _number(document, "message-overhead", where)
+            if "message-overhead" in document
+            else 0.0
+        )
+        return cls(name, texts["description"], texts["source"], default, groups,
+                   overhead)  # fmt: skip
 
 
 def resolve(spec: str, app: Path) -> Path:

@@ -42,6 +42,8 @@ TRAIN_LOSS = "train-loss"
 # seconds of local training, measured before any straggler's slowdown (the
 # simulated clock multiplies it by the profile's slowdown)
 TRAIN_SECONDS = "train-seconds"
+# seconds of a personal evaluation's work, likewise (the clock times it too)
+EVAL_SECONDS = "eval-seconds"
 # the SGD steps of this round's local training, and FedNova's a_k: their
 # effective number under momentum and a pull towards the received model
 LOCAL_STEPS = "local-steps"

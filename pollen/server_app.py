@@ -259,7 +259,12 @@ def _train(
         """Evaluate, record and (when due) checkpoint one round or version."""
         nonlocal checkpointed, last_state
         check_clients_finite(server_round, outcome.diverged, settings)
+        evaluating = time.monotonic()
         loss, accuracy = evaluation(server_round, outcome.arrays)
+        if outcome.sim_seconds is not None and settings.mode != "async":
+            # a synchronous round waits for the server's own evaluation too
+            server_seconds = time.monotonic() - evaluating
+            outcome = replace(outcome, sim_seconds=outcome.sim_seconds + server_seconds)
         recorder.record(server_round, outcome, loss, accuracy)
         last_state = _server_state(strategy, personal, recorder)
         if settings.checkpoint_every and (

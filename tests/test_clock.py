@@ -10,8 +10,10 @@ import pytest
 from flwr.app import ConfigRecord
 
 from pollen.deployment.network import LinkShape
-from pollen.network_profile import NetworkProfile
+from pollen.network_profile import NetworkProfile, ProfileError
+from pollen.protocol import CLIENT, CLIENT_RECORD, EVAL_SECONDS, METRICS
 from pollen.runs.clock import SimulatedClock, effective_rate, transfer_seconds
+from pollen.strategies.replies import reported_seconds
 from pollen.strategies.round import RoundTiming, play_round
 from pollen.strategies.sampling import Participants
 from tests.test_round import ROSTER, EchoGrid, model, parts
@@ -93,3 +95,79 @@ def test_a_real_deadline_records_clients_without_a_reply_as_late() -> None:
     )  # fmt: skip
     assert outcome.late == [1] and not outcome.failures
     assert outcome.sim_seconds is None and not outcome.skipped
+
+
+def test_a_message_pays_the_profiles_overhead_once() -> None:
+    """`message-overhead` (the deployed message's pulls, pushes and task
+    start) is added to every message: 1.02 + 0.25 + 2 + 8.02 s."""
+    profile = NetworkProfile.from_document(
+        {"message-overhead": 0.25,
+         "default": {"delay-ms": 20, "up-mbit": 1, "down-mbit": 8}},
+        "test",
+    )  # fmt: skip
+    clock = SimulatedClock(profile, 1)
+    assert clock.client_seconds(0, 1_000_000, 2.0, 1_000_000) == pytest.approx(
+        1.02 + 0.25 + 2.0 + 8.02
+    )
+    assert profile.as_dict(1)["message-overhead"] == 0.25
+    with pytest.raises(
+        ProfileError, match="message-overhead must be a finite number >= 0"
+    ):
+        NetworkProfile.from_document({"message-overhead": -1}, "test")
+
+
+def test_a_personal_evaluation_is_timed_by_its_slowest_client() -> None:
+    """Down 1 MB at 8 Mbit/s + 20 ms, overhead, slowed-down work, and only the
+    latency back (metrics, no arrays): node 1 (10x slower) evaluating 0.3 s
+    takes 1.02 + 0.1 + 3.0 + 0.02 s."""
+    profile = NetworkProfile.from_document(
+        {"message-overhead": 0.1,
+         "default": {"delay-ms": 20, "up-mbit": 1, "down-mbit": 8},
+         "group": [{"nodes": [1], "slowdown": 10}]},
+        "test",
+    )  # fmt: skip
+    clock = SimulatedClock(profile, 2)
+    assert clock.evaluation_seconds(1_000_000, {0: 0.3, 1: 0.3}) == pytest.approx(
+        1.02 + 0.1 + 3.0 + 0.02
+    )
+    assert clock.evaluation_seconds(1_000_000, {}) == 0.0
+
+
+class TimedEchoGrid(EchoGrid):
+    """EchoGrid whose client k reports k + 1 seconds of personal evaluation."""
+
+    def send_and_receive(self, messages, *, timeout=None):
+        replies = super().send_and_receive(messages, timeout=timeout)
+        for reply in replies:
+            metrics = reply.content[METRICS]
+            if "local-accuracy" in metrics:
+                metrics[EVAL_SECONDS] = float(reply.content[CLIENT_RECORD][CLIENT] + 1)
+        return replies
+
+
+@pytest.mark.usefixtures("task_identity")
+def test_a_round_with_personal_evaluation_waits_for_it_too() -> None:
+    """Overhead 0.5 s a message, node 1 twice as slow: training takes 0.5 s
+    (the echo reports no work), evaluating 0.5 + 1 and 0.5 + 2 x 2 s: the
+    round is 0.5 + 4.5 s on the clock."""
+    profile = NetworkProfile.from_document(
+        {"message-overhead": 0.5, "group": [{"nodes": [1], "slowdown": 2}]}, "test"
+    )
+    timing = RoundTiming(0.0, SimulatedClock(profile, 2), simulated=True)
+    strategy, personal = parts()
+    outcome = play_round(
+        TimedEchoGrid(), strategy, personal, 1, model(),
+        (ConfigRecord({"lr": 0.1}), ConfigRecord()), Participants(ROSTER), 10.0,
+        timing,
+    )  # fmt: skip
+    assert outcome.evaluating == [0, 1]
+    assert outcome.sim_seconds == pytest.approx(0.5 + 4.5)
+
+
+@pytest.mark.parametrize(
+    ("reported", "seconds"),
+    [(1.5, 1.5), (0, 0.0), (-1.0, 0.0), (float("nan"), 0.0), (True, 0.0), ("2", 0.0)],
+)
+def test_reported_seconds_count_only_a_finite_number_at_least_zero(reported, seconds):
+    assert reported_seconds({"eval-seconds": reported}, "eval-seconds") == seconds
+    assert reported_seconds(None, "eval-seconds") == 0.0

@@ -36,21 +36,23 @@ def test_recorded_sources_are_the_installed_flowers():
 
 def test_the_waits_it_stands_for_are_flowers():
     """What the docs say Flower waits: 3 s idle, 0.5 s reply checks, 1 s first
-    object-pull retry."""
+    object-pull retry, doubling up to 10 s."""
     import inspect
 
-    from flwr.supercore.constant import PULL_INITIAL_BACKOFF
+    from flwr.supercore.constant import PULL_BACKOFF_CAP, PULL_INITIAL_BACKOFF
     from flwr.supercore.inflatable import inflatable_utils
     from flwr.supernode import start_client_internal as node
 
     assert "time.sleep(3)" in inspect.getsource(node.start_client_internal)
     assert inspect.getsource(node._push_messages).count("time.sleep(0.5)") == 2
-    assert PULL_INITIAL_BACKOFF == 1
-    for function in (
+    assert (PULL_INITIAL_BACKOFF, PULL_BACKOFF_CAP) == (1, 10)
+    for function in (  # as written (a ServerApp run in this process changes them)
         inflatable_utils.pull_objects,
         inflatable_utils.pull_and_inflate_object_from_tree,
     ):
-        assert function.__kwdefaults__["initial_backoff"] == PULL_INITIAL_BACKOFF
+        source = inspect.getsource(function)
+        assert "initial_backoff: float = PULL_INITIAL_BACKOFF" in source
+        assert "backoff_cap: float = PULL_BACKOFF_CAP" in source
 
 
 def test_shortened_in_that_module_only():

@@ -6,23 +6,25 @@ profile (`pollen.network_profile`) each training message is timed as it
 would be on client k's node:
 
     t_k = (L_k + b_down * 8 / R_down,k)        the model reaches the client
+        + o                                    the message's fixed overhead
         + s_k * c_k                            local work, slowed down
         + (L_k + b_up * 8 / R_up,k)            the update reaches the server
 
 with L_k the one-way latency, R the link's rate (unlimited when 0), b the
 bytes of the message's arrays, c_k the training seconds the client measured
-and reported (`train-seconds`) and s_k its slowdown. A lossy link's rate is
-capped by TCP's steady-state throughput (Mathis et al. 1997,
+and reported (`train-seconds`), s_k its slowdown and o the profile's
+`message-overhead` (what a deployed message costs beyond its link and its
+work: the node's pulls and pushes through the SuperLink, the ClientApp's
+start; measured for this machine in docs/deployment.md). A lossy link's
+rate is capped by TCP's steady-state throughput (Mathis et al. 1997,
 rate <= 1.22 * MSS / (RTT * sqrt(p)), MSS 1448 bytes), since lost frames are
-resent. Jitter averages out and is left out; so are TCP's slow start, TLS and
-gRPC framing, Flower's own polling (an idle SuperNode asks for work every
-3 s) and each deployed task's start (message pull, app load), which is why a
-deployment's rounds take longer than predicted (17-21 % on the mixed
-profile: docs/network.md).
+resent. Jitter averages out and is left out, and so is TCP's slow start.
 
-A synchronous round ends with its slowest client, or at the deadline;
-FedBuff's loop (`strategies.asynchronous`) orders replies by their arrival
-on this clock.
+A synchronous round is its slowest client (or the deadline), then, in a
+round with personal evaluation, its slowest evaluating client (the same
+formula with its `eval-seconds`, the model down and only metrics back),
+then the server's own evaluation as it took on this machine. FedBuff's loop
+(`strategies.asynchronous`) orders replies by their arrival on this clock.
 """
 
 from __future__ import annotations
@@ -67,8 +69,19 @@ class SimulatedClock:
         node = self.nodes[client]
         return (
             transfer_seconds(bytes_down, node.link, "down")
+            + self.profile.message_overhead
             + node.slowdown * train_seconds
             + transfer_seconds(bytes_up, node.link, "up")
+        )
+
+    def evaluation_seconds(
+        self, bytes_down: int, eval_seconds: Mapping[int, float]
+    ) -> float:
+        """The personal evaluation of a round: its slowest client, each sent
+        `bytes_down` and replying with metrics alone (no arrays)."""
+        return max(
+            (self.client_seconds(c, bytes_down, s, 0) for c, s in eval_seconds.items()),
+            default=0.0,
         )
 
     @staticmethod

@@ -45,6 +45,7 @@ from .. import protocol
 from ..runs.clock import SimulatedClock
 from .aggregation import ClientUpdate
 from .fedbuff import buffered_mean, rebased
+from .replies import reported_seconds
 from .round import RoundOutcome, message_bytes
 from .sampling import Participants
 from .strategy import (
@@ -265,13 +266,12 @@ class BufferedAsync:
         dispatch = self.in_flight[message_id]
         if self.clock is None or reply.has_error():
             return dispatch.sent_at
-        metrics = reply.content.get(protocol.METRICS)
-        seconds = metrics.get(protocol.TRAIN_SECONDS, 0.0) if metrics else 0.0
-        seconds = float(seconds) if isinstance(seconds, int | float) else 0.0
+        seconds = reported_seconds(
+            reply.content.get(protocol.METRICS), protocol.TRAIN_SECONDS
+        )
         return dispatch.sent_at + self.clock.client_seconds(
-            dispatch.client, dispatch.request.bytes_down, max(seconds, 0.0),
-            message_bytes(reply),
-        )  # fmt: skip
+            dispatch.client, dispatch.request.bytes_down, seconds, message_bytes(reply)
+        )
 
     def _expire(self, pending: _Pending) -> None:
         """Give up on clients in flight for longer than `timeout` (real s):

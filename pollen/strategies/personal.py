@@ -21,7 +21,8 @@ from dataclasses import dataclass, field
 import numpy as np
 from flwr.app import ArrayRecord, ConfigRecord, Message, MessageType
 
-from .replies import ReplyError, checked_personal_reply
+from ..protocol import EVAL_SECONDS, METRICS
+from .replies import ReplyError, checked_personal_reply, reported_seconds
 from .sampling import Participants
 from .sharing import Sharing
 from .strategy import addressed, reject
@@ -47,6 +48,7 @@ class PersonalOutcome:
     failures: list[str] = field(default_factory=list)
     clients: list[int] = field(default_factory=list)  # asked
     bytes_down: int = 0
+    seconds: dict[int, float] = field(default_factory=dict)  # client -> eval-seconds
 
 
 class PersonalEvaluation:
@@ -119,5 +121,8 @@ class PersonalEvaluation:
                 reject(outcome.failures, node, str(problem), what="evaluate, ")
                 continue
             outcome.results[client] = values
+            outcome.seconds[client] = reported_seconds(
+                msg.content.get(METRICS), EVAL_SECONDS
+            )
         outcome.results = dict(sorted(outcome.results.items()))
         return outcome

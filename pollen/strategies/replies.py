@@ -104,6 +104,16 @@ def checked_personal_reply(
     return client, values
 
 
+def reported_seconds(metrics: Mapping[str, object] | None, key: str) -> float:
+    """The seconds of work a client reports under `key` (`train-seconds`,
+    `eval-seconds`) for the simulated clock; 0 where it reports none or no
+    finite number >= 0 (the clock then counts the message's transfer alone)."""
+    value = (metrics or {}).get(key)
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return 0.0
+    return float(value) if math.isfinite(value) and value >= 0 else 0.0
+
+
 def reply_failures(
     clients: list[int],
     owner: Mapping[int, int],

@@ -28,6 +28,7 @@ from ..protocol import ARRAYS, TRAIN_SECONDS
 from ..runs.clock import SimulatedClock
 from .aggregation import ClientUpdate
 from .personal import PersonalEvaluation, PersonalOutcome
+from .replies import reported_seconds
 from .sampling import Participants
 from .strategy import Strategy, TrainRequest
 
@@ -84,7 +85,7 @@ class RoundTiming:
         per_client = request.bytes_down // max(len(request.clients), 1)
         return {
             u.client: self.clock.client_seconds(
-                u.client, per_client, float(u.metrics.get(TRAIN_SECONDS, 0.0)),
+                u.client, per_client, reported_seconds(u.metrics, TRAIN_SECONDS),
                 sum(int(a.nbytes) for a in u.arrays.values()),
             )
             for u in updates
@@ -145,6 +146,8 @@ def play_round(
     if timing.clock is not None:
         deadline = timing.deadline if timing.simulated else 0.0
         sim_seconds = timing.clock.round_seconds(times, deadline)
+        per_client = evaluated.bytes_down // max(len(evaluated.clients), 1)
+        sim_seconds += timing.clock.evaluation_seconds(per_client, evaluated.seconds)
     return RoundOutcome(
         arrays=arrays,
         clients=request.clients + sorted(set(late) - set(request.clients)),
