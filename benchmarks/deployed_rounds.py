@@ -3,7 +3,7 @@ waits and with pollen's SuperNode poll interval, side by side in one
 invocation.
 
     .venv/bin/python benchmarks/deployed_rounds.py [--rounds 10] [--cnn-rounds 6]
-        [--subset 60000] [--cnn-subset 12000] [--idle 20]
+        [--subset 60000] [--cnn-subset 12000] [--idle 20] [--workloads NAME ...]
         [--data-root ../shared/data] [--out bench-out/deployed-rounds]
 
 Workloads (seed 845, one local epoch, batch 32, every client in every round,
@@ -100,6 +100,10 @@ def main() -> None:
     )
     parser.add_argument("--idle", type=float, default=20.0, help="idle CPU window (s)")
     parser.add_argument(
+        "--workloads", nargs="+", default=None, metavar="NAME",
+        help="only these (mnist-mlp-2 mnist-mlp-8 fmnist-cnn-4)",
+    )  # fmt: skip
+    parser.add_argument(
         "--data-root", type=Path, default=PROJECT.parent / "shared" / "data"
     )
     parser.add_argument(
@@ -114,6 +118,8 @@ def main() -> None:
         ("mnist-mlp-8", 8, f"data-set='mnist' model='mlp' rounds={args.rounds}"),
         ("fmnist-cnn-4", 4, f"data-set='fashion-mnist' model='cnn' rounds={args.cnn_rounds}"),
     ]  # fmt: skip
+    if args.workloads:
+        workloads = [w for w in workloads if w[0] in args.workloads]
     results: dict[str, dict] = {}
     for workload, nodes, config in workloads:
         config = f"{config} data-root='{data}' num-clients={nodes} {COMMON}"

@@ -364,9 +364,10 @@ def _add_deploy_parser(commands: argparse._SubParsersAction) -> None:
     )  # fmt: skip
     add_poll_interval(up)
     up.add_argument(
-        "--superlink-state", choices=cluster.SUPERLINK_STATES, default="file",
-        help="where the SuperLink keeps its state: file (superlink.db; it survives "
-        "`restart superlink`; default) or memory (faster rounds; lost on restart)",
+        "--superlink-state", choices=cluster.SUPERLINK_STATES, default="memory",
+        help="where the SuperLink keeps its state: memory (Flower's default, faster "
+        "rounds, lost on restart) or file (superlink.db: `restart superlink` keeps "
+        "the registered SuperNodes and the runs)",
     )  # fmt: skip
     actions.add_parser("down", parents=[where], help="stop what `up` started")
     actions.add_parser("status", parents=[where], help="processes and online nodes")

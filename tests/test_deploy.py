@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ipaddress
+import json
 import re
 import stat
 from pathlib import Path
@@ -120,3 +121,33 @@ def test_register_names_a_missing_key_before_contacting_anyone(
     args = ["deploy", "register", "--connection", "nowhere", str(tmp_path / "none.pub")]
     assert main(args) == 1
     assert f"no public key at {tmp_path / 'none.pub'}" in capsys.readouterr().err
+
+
+def test_a_superlink_with_its_state_in_memory_is_not_restarted(
+    tmp_path: Path, capsys
+) -> None:
+    """Restarted, an in-memory SuperLink would have forgotten the registered
+    SuperNodes (they could not reconnect) and the runs: refused, with what
+    to do instead; nothing is stopped."""
+    record = cluster.Deployment(str(tmp_path), "127.0.0.1:1", False, superlink_pid=0,
+                                superlink_state="memory")  # fmt: skip
+    record.save()
+    assert main(["deploy", "restart", "superlink", "--dir", str(tmp_path)]) == 1
+    err = capsys.readouterr().err
+    assert "keeps its state in memory" in err and "--superlink-state file" in err
+    with pytest.raises(cluster.DeployError, match="--superlink-state 'disk'"):
+        cluster.up(tmp_path / "other", 1, superlink_state="disk")
+    assert not (tmp_path / "other").exists()
+
+
+def test_a_record_from_before_superlink_state_restarts_from_its_file(
+    tmp_path: Path,
+) -> None:
+    """Deployments recorded before the choice existed kept a superlink.db."""
+    record = cluster.Deployment(str(tmp_path), "127.0.0.1:1", False)
+    record.save()
+    path = tmp_path / cluster.STATE_FILE
+    raw = json.loads(path.read_text())
+    del raw["superlink_state"]
+    path.write_text(json.dumps(raw))
+    assert cluster.Deployment.load(tmp_path).superlink_state == "file"

@@ -239,7 +239,7 @@ def test_warm_up_loads_the_data_without_threads_or_cuda(tmp_path: Path) -> None:
 def _up(root: Path, name: str, executor: str) -> cluster.Deployment:
     return cluster.up(
         root / name, NODES, port=processes.free_port(), data_root=str(root / "data"),
-        executor=executor,
+        executor=executor, superlink_state="file",  # a SuperLink test restarts
     )  # fmt: skip
 
 

@@ -132,7 +132,6 @@ def _deployed(
             data_root=str(run_config.get("data-root") or ""),
             node_extra={k: {SLOWDOWN: slowdowns[k]} for k in range(count)},
             node_prefix={k: net.exec_prefix(k) for k in range(count)},
-            superlink_state="memory",  # lives for one run: nothing to restart
         )  # fmt: skip
         before = [net.counters(i) for i in range(count)]
         started = time.monotonic()
