@@ -67,16 +67,18 @@ TESTED_SOURCES: dict[str, dict[str, str]] = {
         "flwr.supercore.inflatable.inflatable_utils:pull_and_inflate_object_from_tree": "139811483a15e4a6",
     },
 }
+PULL_OBJECTS = "flwr.supercore.inflatable.inflatable_utils:pull_objects"
+PULL_AND_INFLATE = (
+    "flwr.supercore.inflatable.inflatable_utils:pull_and_inflate_object_from_tree"
+)
 SUPERNODE_FUNCTIONS = (
     "flwr.supernode.start_client_internal:start_client_internal",
     "flwr.supernode.start_client_internal:_push_messages",
     "flwr.supernode.start_client_internal:_pull_and_store_message",
-    "flwr.supercore.inflatable.inflatable_utils:pull_objects",
+    PULL_OBJECTS,
 )
-CLIENTAPP_FUNCTIONS = (
-    "flwr.supercore.inflatable.inflatable_utils:pull_and_inflate_object_from_tree",
-)
-SERVERAPP_FUNCTIONS = ("flwr.supercore.inflatable.inflatable_utils:pull_objects",)
+CLIENTAPP_FUNCTIONS = (PULL_AND_INFLATE,)
+SERVERAPP_FUNCTIONS = (PULL_OBJECTS,)
 
 
 def resolve(name: str) -> Callable[..., Any]:
@@ -167,7 +169,7 @@ def shorten_supernode_waits(poll_seconds: float = POLL_SECONDS) -> bool:
 
     node.time = clock  # type: ignore[attr-defined]
     node._pull_and_store_message = pull_and_note
-    _quicker_pulls(SUPERNODE_FUNCTIONS[-1], poll_seconds)
+    _quicker_pulls(PULL_OBJECTS, poll_seconds)
     return True
 
 
@@ -176,7 +178,7 @@ def shorten_clientapp_pulls(poll_seconds: float = POLL_SECONDS) -> bool:
     message object its SuperNode has not pulled yet every `poll_seconds`."""
     if not _guard(CLIENTAPP_FUNCTIONS, "pollen superexec"):
         return False
-    _quicker_pulls(CLIENTAPP_FUNCTIONS[0], poll_seconds)
+    _quicker_pulls(PULL_AND_INFLATE, poll_seconds)
     return True
 
 
@@ -185,7 +187,7 @@ def shorten_serverapp_pulls(poll_seconds: float = POLL_SECONDS) -> bool:
     that its node has not pushed yet every `poll_seconds`."""
     if not _guard(SERVERAPP_FUNCTIONS, "pollen's ServerApp"):
         return False
-    _quicker_pulls(SERVERAPP_FUNCTIONS[0], poll_seconds)
+    _quicker_pulls(PULL_OBJECTS, poll_seconds)
     return True
 
 

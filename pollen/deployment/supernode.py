@@ -15,6 +15,7 @@ def main(argv: Sequence[str]) -> int:
         prog="pollen supernode",
         description="Flower's SuperNode with its idle waits at the poll interval; "
         "every flag `flower-supernode` takes is passed on.",
+        allow_abbrev=False,  # `--port` and the like are flower-supernode's
     )
     add_poll_interval(parser)
     args, flower_args = parser.parse_known_args(argv)
