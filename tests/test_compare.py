@@ -601,11 +601,19 @@ def test_named_cells_are_lines_of_one_figure_titled_by_what_differs(
         ("fedsa", {"strategy": "fedsa", "round-deadline": 0.0, "model": "cnn-lora"}),
     ):
         write_run(runs, name, settings, [0.3, 0.5])
+    write_run(runs, "fedbn", {"strategy": "fedavg", "round-deadline": 0.0,
+                              "model": "cnn", "bn-policy": "fedbn"}, [0.2, 0.3])  # fmt: skip
+    for name, pe in (("fedavg", 0), ("fedavg-deadline", 0), ("fedsa", 1), ("fedbn", 1)):
+        settings = json.loads((runs / name / "settings.json").read_text())
+        settings["personal-eval-every"] = pe  # "auto", resolved by the preset
+        settings.setdefault("bn-policy", "shared")
+        (runs / name / "settings.json").write_text(json.dumps(settings))
     (tmp_path / "grid.toml").write_text(
         "[grid]\nstrategy = [\n"
         '  { name = "fedavg", strategy = "fedavg" },\n'
         '  { name = "fedavg-deadline", strategy = "fedavg", round-deadline = 50.0 },\n'
-        '  { name = "fedsa", strategy = "fedsa", model = "cnn-lora" },\n]\n'
+        '  { name = "fedsa", strategy = "fedsa", model = "cnn-lora" },\n'
+        '  { name = "fedbn", strategy = "fedavg", bn-policy = "fedbn" },\n]\n'
     )
     drawn = drawn_figures(monkeypatch)
     report.report(tmp_path)
@@ -613,14 +621,15 @@ def test_named_cells_are_lines_of_one_figure_titled_by_what_differs(
         "accuracy-rounds-all.png",
         "accuracy-bytes-all.png",
     ]
-    assert drawn[0][1] == "digits: by strategy, round-deadline, model"
+    assert drawn[0][1] == "digits: by strategy, round-deadline, model, bn-policy"
     assert sorted(drawn[0][2]) == [
-        "fedavg", "fedavg, round-deadline=50.0", "fedsa, model=cnn-lora"
+        "fedavg", "fedavg, fedbn", "fedavg, round-deadline=50.0", "fedsa, model=cnn-lora"
     ]  # fmt: skip
+    assert [p.name for p in (tmp_path / "plots").glob("labels-*")] == []  # none written
     (tmp_path / "grid.toml").unlink()  # runs without their grid: figures as before
     drawn.clear()
     report.plot_groups(report.read_runs(tmp_path), tmp_path / "plots")
-    assert len([d for d in drawn if d[0].startswith("accuracy-rounds")]) == 3
+    assert len([d for d in drawn if d[0].startswith("accuracy-rounds")]) == 4
 
 
 def test_a_personalised_line_has_its_own_models_beside_it(

@@ -26,7 +26,7 @@ import json
 import shutil
 import statistics
 import tomllib
-from collections.abc import Callable, Collection, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
@@ -454,18 +454,18 @@ def _reached(values: Sequence[float | None], show: Callable[[list[float]], str])
 
 
 def plot_groups(
-    runs: Sequence[Run], plots: Path, named: Collection[str] = ()
+    runs: Sequence[Run], plots: Path, grid: GridShape | None = None
 ) -> list[Path]:
     """Accuracy per round and against each measure (cumulative seconds,
     simulated seconds, MB; means over seeds), one figure per setting with a
-    line per strategy (and per named grid cell: `named`, the settings such
-    cells set), titled by what differs between its lines; a
+    line per strategy (and per named cell of the comparison's `grid`),
+    titled by what differs between its lines; a
     personalised strategy's clients' own models beside its global model
     (dashed); each setting's label distribution. A line whose seeds do not
     all record a measure is left off that figure, and a figure no line has
     is not drawn."""
     keys = [k for k in varying_keys(runs) if k != "seed"]
-    line_keys, figure_keys = split_line_and_figure_keys(keys, named)
+    line_keys, figure_keys = split_line_and_figure_keys(keys, grid)
     figures: dict[str, dict[str, list[Run]]] = {}
     for run in runs:
         figure = cell_name({k: run.settings[k] for k in figure_keys})
@@ -502,7 +502,9 @@ def plot_groups(
                 written.append(
                     _plot_lines(path, title, measure.xlabel, xs, accuracy, own, labels)
                 )
-    partition_keys = [k for k in keys if k not in SERIES_KEYS]  # not the strategy
+    partition_keys = [  # not the strategy, nor what only a named cell or preset sets
+        k for k in keys if k not in SERIES_KEYS and (grid is None or k in grid.axes)
+    ]
     for run in runs:  # each setting's partition (the first seed's)
         heatmap = run.path / "labels.png"
         setting = {k: run.settings[k] for k in partition_keys}
@@ -513,31 +515,45 @@ def plot_groups(
     return written
 
 
+@dataclass(frozen=True)
+class GridShape:
+    """What a comparison's grid varies (`axes`: its `[grid]` keys) and what its
+    named cells set besides (`named`: the keys inside `{ name = ..., ... }`)."""
+
+    axes: frozenset[str]
+    named: frozenset[str]
+
+    @classmethod
+    def read(cls, grid: Path) -> GridShape | None:
+        """The shape of the grid in `grid`; None without one."""
+        if not grid.exists():
+            return None
+        axes = tomllib.loads(grid.read_text(encoding="utf-8")).get("grid", {})
+        named = {k for values in axes.values() for v in values
+                 if isinstance(v, dict) for k in v}  # fmt: skip
+        return cls(frozenset(axes), frozenset(named - set(axes) - {"name"}))
+
+
 def split_line_and_figure_keys(
-    keys: Sequence[str], named: Collection[str] = ()
+    keys: Sequence[str], grid: GridShape | None = None
 ) -> tuple[list[str], list[str]]:
     """The varying settings that tell one figure's lines apart, and those
-    that make separate figures. Strategies and their parts are lines, and so
-    is a setting that a grid's named cells set (`named`: one cell's round
-    deadline, FedSA's own model): it belongs to those cells' lines, not to
-    a figure of its own. Any other setting makes figures; with a single
-    strategy, the last varying setting draws the lines instead."""
-    line_keys = [k for k in keys if k in SERIES_KEYS or k in named]
-    figure_keys = [k for k in keys if k not in line_keys]
+    that make separate figures. Strategies and their parts are lines. With
+    the comparison's grid known, a setting its named cells set (one cell's
+    round deadline, FedSA's own model) names those cells' lines, only the
+    grid's other axes make figures, and a setting that varies only because a
+    preset resolves it (`personal-eval-every` under FedBN) is neither.
+    Without a grid every other setting makes figures. With a single
+    strategy, the last figure setting draws the lines instead."""
+    if grid is None:
+        line_keys = [k for k in keys if k in SERIES_KEYS]
+        figure_keys = [k for k in keys if k not in SERIES_KEYS]
+    else:
+        line_keys = [k for k in keys if k in SERIES_KEYS or k in grid.named]
+        figure_keys = [k for k in keys if k in grid.axes and k not in line_keys]
     if not line_keys and figure_keys:
         line_keys = [figure_keys.pop()]
     return line_keys, figure_keys
-
-
-def named_cell_keys(grid: Path) -> set[str]:
-    """The settings that a grid's named cells (`{ name = ..., ... }`) set, and
-    that are not axes of the grid themselves; none without a grid."""
-    if not grid.exists():
-        return set()
-    axes = tomllib.loads(grid.read_text(encoding="utf-8")).get("grid", {})
-    named = {k for values in axes.values() for v in values if isinstance(v, dict)
-             for k in v}  # fmt: skip
-    return named - set(axes) - {"name"}
 
 
 def line_label(run: Run, line_keys: Sequence[str], runs: Sequence[Run]) -> str:
@@ -625,7 +641,7 @@ def report(directory: Path, target: float | None = None) -> Path:
     write_atomic(directory / "comparison.md", table)
     fresh, plots = directory / ".plots-new", directory / "plots"
     shutil.rmtree(fresh, ignore_errors=True)
-    plot_groups(runs, fresh, named_cell_keys(directory / "grid.toml"))
+    plot_groups(runs, fresh, GridShape.read(directory / "grid.toml"))
     shutil.rmtree(plots, ignore_errors=True)  # made by an earlier report
     fresh.rename(plots)
     return directory / "comparison.md"
