@@ -621,7 +621,7 @@ def test_named_cells_are_lines_of_one_figure_titled_by_what_differs(
         "accuracy-rounds-all.png",
         "accuracy-bytes-all.png",
     ]
-    assert drawn[0][1] == "digits: by strategy, round-deadline, model, bn-policy"
+    assert drawn[0][1] == "digits: by strategy, bn-policy, round-deadline, model"
     assert sorted(drawn[0][2]) == [
         "fedavg", "fedavg, fedbn", "fedavg, round-deadline=50.0", "fedsa, model=cnn-lora"
     ]  # fmt: skip

@@ -545,11 +545,11 @@ def split_line_and_figure_keys(
     preset resolves it (`personal-eval-every` under FedBN) is neither.
     Without a grid every other setting makes figures. With a single
     strategy, the last figure setting draws the lines instead."""
+    line_keys = [k for k in SERIES_KEYS if k in keys]  # the strategy first
     if grid is None:
-        line_keys = [k for k in keys if k in SERIES_KEYS]
         figure_keys = [k for k in keys if k not in SERIES_KEYS]
     else:
-        line_keys = [k for k in keys if k in SERIES_KEYS or k in grid.named]
+        line_keys += [k for k in keys if k in grid.named and k not in SERIES_KEYS]
         figure_keys = [k for k in keys if k in grid.axes and k not in line_keys]
     if not line_keys and figure_keys:
         line_keys = [figure_keys.pop()]
