@@ -35,9 +35,9 @@ from .processes import alive, entry_point, free_port, log_tail, start, stop
 CONNECTION = "pollen"
 STATE_FILE = "deployment.json"
 EXECUTORS = ("warm", "cold")
-# Where the SuperLink keeps its state: memory (Flower's default; rounds 1.3 to
-# 1.6x faster than with the file, docs/deployment.md, but a restart forgets
-# everything) or a SQLite file (`superlink.db`: a restarted SuperLink keeps the
+# Where the SuperLink keeps its state: memory (Flower's default; rounds of 4 and 8
+# nodes 1.3 to 1.6x faster than with the file, docs/deployment.md, but a
+# restart forgets everything) or a SQLite file (`superlink.db`: a restarted SuperLink keeps the
 # registered SuperNodes and the runs).
 SUPERLINK_STATES = ("memory", "file")
 IN_MEMORY_DATABASE = (
