@@ -110,6 +110,8 @@ def main() -> None:
         "--out", type=Path, default=PROJECT / "bench-out" / "deployed-rounds"
     )
     args = parser.parse_args()
+    if min(args.rounds, args.cnn_rounds) < 4:
+        parser.error("--rounds and --cnn-rounds: at least 4 (rounds 2..R-1 are timed)")
     out = args.out.resolve()
     data = subset(args.data_root, out / "data", "mnist", args.subset)
     subset(args.data_root, out / "data", "fashion_mnist", args.cnn_subset)

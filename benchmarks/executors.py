@@ -247,8 +247,8 @@ def deployed(
         out / f"site-{name}", nodes, port=processes.free_port(), executor=executor,
         node_extra=node_extra, node_poll=node_poll, superlink_state=superlink_state,
     )  # fmt: skip
-    idle = idle_cpu(site, idle_seconds) if idle_seconds else {}
     try:
+        idle = idle_cpu(site, idle_seconds) if idle_seconds else {}
         with Watch(site) as watch:
             rows = pollen_run(config, out, name, site.root)
         return {

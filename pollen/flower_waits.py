@@ -24,8 +24,9 @@ message within about 0.1 s of its arrival when rounds are short, and within
 5 % of its wait when they are long; a node idle for a minute polls every
 3 s again, so idle nodes load the SuperLink no more than Flower's do
 (polling every 0.1 s all the time took 43 % of a core on the SuperLink with
-8 idle nodes here, against 10 %). Object pulls retry every poll interval
-(Flower: after 1 s, then doubling). The warm executor (`pollen superexec`)
+8 idle nodes here, against 10 %). Object pulls retry after the poll
+interval, doubling up to 1 s, for up to Flower's 2 h (Flower: after 1 s,
+doubling up to 10 s, at most 500 tries). The warm executor (`pollen superexec`)
 makes its ClientApps' object pulls retry the same way, and pollen's
 ServerApp its pulls of the replies' objects: a reply is listed on the
 SuperLink before the node has pushed its objects, so the server's first
@@ -53,6 +54,10 @@ from typing import Any
 
 POLL_SECONDS = 0.1
 IDLE_SHARE = 0.05  # after a wait of T s, a message is picked up within ~0.05 T
+# An object pull's retries: from the poll interval, doubling up to this, for
+# as long as Flower's own (PULL_MAX_TIME, 2 h; not its 500 tries, which at
+# 0.1 s would give up on a slow node's push after 50 s).
+PULL_RETRY_CAP_SECONDS = 1.0
 
 # The functions whose waits are shortened, by Flower release: a digest of
 # each one's source as that release ships it. tests/test_supernode.py checks
@@ -104,7 +109,10 @@ def unchanged_reason(names: Sequence[str]) -> str:
         return (
             f"Flower {flwr.__version__} is not a release it was tested with ({tested})"
         )
-    changed = [n for n in names if source_digest(resolve(n)) != recorded[n]]
+    try:
+        changed = [n for n in names if source_digest(resolve(n)) != recorded[n]]
+    except (OSError, TypeError) as err:  # an installation without its sources
+        return f"cannot read Flower {flwr.__version__}'s source: {err}"
     if changed:
         return f"Flower {flwr.__version__} differs from the release tested: {', '.join(changed)}"
     return ""
@@ -112,10 +120,10 @@ def unchanged_reason(names: Sequence[str]) -> str:
 
 class PollClock(types.ModuleType):
     """The `time` module as the SuperNode's loop sees it: `sleep` waits the
-    poll interval just after a message, then a `share` of the time since the
-    last message (so a node idle for a minute is back at Flower's 3 s, and a
-    message that comes after a wait of T seconds is picked up within about
-    `share` x T), never longer than Flower asked."""
+    poll interval just after a message (received or replied to), then a
+    `share` of the time since (so a node idle for a minute is back at
+    Flower's 3 s, and a message that comes after a wait of T seconds is
+    picked up within about `share` x T), never longer than Flower asked."""
 
     def __init__(self, poll_seconds: float, share: float = IDLE_SHARE) -> None:
         super().__init__("time")
@@ -144,31 +152,44 @@ def _guard(names: Sequence[str], what: str) -> bool:
 
 
 def _quicker_pulls(name: str, poll_seconds: float) -> None:
-    """Object pulls through `name` retry every `poll_seconds` (Flower: after
-    1 s, then doubling up to 10 s)."""
+    """Object pulls through `name` retry after `poll_seconds`, doubling up to
+    `PULL_RETRY_CAP_SECONDS`, for up to Flower's `max_time` (Flower: after
+    1 s, doubling up to 10 s, at most 500 tries)."""
     defaults = resolve(name).__kwdefaults__
-    defaults["initial_backoff"] = defaults["backoff_cap"] = poll_seconds
+    defaults["initial_backoff"] = poll_seconds
+    defaults["backoff_cap"] = max(poll_seconds, PULL_RETRY_CAP_SECONDS)
+    defaults["max_tries_per_object"] = None
+
+
+class NotingMessages:
+    """A SuperNode step (`_pull_and_store_message`, `_push_messages`) that
+    tells `clock` when it handled a message: a pull that returned a run ID,
+    or a push of replies."""
+
+    def __init__(self, step: Callable[..., Any], clock: PollClock, pull: bool) -> None:
+        self.step, self.clock, self.pull = step, clock, pull
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        result = self.step(*args, **kwargs)
+        if result is not None or not self.pull:
+            self.clock.message_seen()
+        return result
 
 
 def shorten_supernode_waits(poll_seconds: float = POLL_SECONDS) -> bool:
     """In this process, the SuperNode's idle sleeps and reply checks follow a
-    `PollClock` and its object pulls retry every `poll_seconds`; False (and
+    `PollClock` and its object pulls retry from `poll_seconds`; False (and
     one warning line) when this Flower is not one the change was tested with."""
     if not _guard(SUPERNODE_FUNCTIONS, "pollen supernode"):
         return False
     from flwr.supernode import start_client_internal as node
 
     clock = PollClock(poll_seconds)
-    pull = node._pull_and_store_message
-
-    def pull_and_note(*args: Any, **kwargs: Any) -> int | None:
-        run_id = pull(*args, **kwargs)
-        if run_id is not None:
-            clock.message_seen()
-        return run_id
-
     node.time = clock  # type: ignore[attr-defined]
-    node._pull_and_store_message = pull_and_note
+    node._pull_and_store_message = NotingMessages(  # type: ignore[assignment]
+        node._pull_and_store_message, clock, pull=True
+    )
+    node._push_messages = NotingMessages(node._push_messages, clock, pull=False)  # type: ignore[assignment]
     _quicker_pulls(PULL_OBJECTS, poll_seconds)
     return True
 
@@ -207,6 +228,7 @@ def poll_interval(text: str) -> float:
 def add_poll_interval(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--poll-interval", type=poll_interval, default=POLL_SECONDS, metavar="SECONDS",
-        help=f"the longest idle wait (default {POLL_SECONDS}; 0 keeps Flower's: "
-        "3 s when no message waits, 0.5 s reply checks, 1 s first object-pull retry)",
+        help=f"the sleep right after a message, growing with the idle time up to "
+        f"Flower's (default {POLL_SECONDS}; 0 keeps Flower's: 3 s when no message "
+        "waits, 0.5 s reply checks, 1 s first object-pull retry)",
     )  # fmt: skip

@@ -83,7 +83,7 @@ ELAPSED = "elapsed-seconds"
 def main(grid: Grid, context: Context) -> None:
     """Run one federated training job and write its results directory."""
     started = time.monotonic()
-    shorten_serverapp_pulls()  # a reply's objects: retried every 0.1 s, not after 1 s
+    shorten_serverapp_pulls()  # a reply's objects: retried after 0.1 s, not 1 s
     stop = StopSignal()
     stop.install()
     try:

@@ -601,6 +601,7 @@ def test_named_cells_are_lines_of_one_figure_titled_by_what_differs(
         ("fedsa", {"strategy": "fedsa", "round-deadline": 0.0, "model": "cnn-lora"}),
     ):
         write_run(runs, name, settings, [0.3, 0.5])
+        (runs / name / "labels.png").write_bytes(b"png")  # one partition: one copy
     write_run(runs, "fedbn", {"strategy": "fedavg", "round-deadline": 0.0,
                               "model": "cnn", "bn-policy": "fedbn"}, [0.2, 0.3])  # fmt: skip
     for name, pe in (("fedavg", 0), ("fedavg-deadline", 0), ("fedsa", 1), ("fedbn", 1)):
@@ -625,7 +626,7 @@ def test_named_cells_are_lines_of_one_figure_titled_by_what_differs(
     assert sorted(drawn[0][2]) == [
         "fedavg", "fedavg, fedbn", "fedavg, round-deadline=50.0", "fedsa, model=cnn-lora"
     ]  # fmt: skip
-    assert [p.name for p in (tmp_path / "plots").glob("labels-*")] == []  # none written
+    assert [p.name for p in (tmp_path / "plots").glob("labels-*")] == ["labels-all.png"]
     (tmp_path / "grid.toml").unlink()  # runs without their grid: figures as before
     drawn.clear()
     report.plot_groups(report.read_runs(tmp_path), tmp_path / "plots")
@@ -732,3 +733,27 @@ def test_a_part_s_own_client_default_is_named_in_the_report(tmp_path: Path) -> N
               [0.6])  # fmt: skip
     keys = report.varying_keys(report.read_runs(tmp_path / "b"))
     assert keys == ["strategy", "momentum"]
+
+
+def test_line_labels_break_ties_by_the_default_and_a_setting_that_varies_within_a_line_makes_figures(
+    tmp_path: Path,
+) -> None:
+    """Two cells, round-deadline 0 (the default) and 50: the deadline cell is
+    the one named, whatever the order. A key no grid axis or named cell sets
+    but that varies within one line (runs of two base configs in one folder)
+    is not averaged away: it still makes figures."""
+    runs = [
+        report.Run.read(write_run(tmp_path, name, {"strategy": "fedavg",
+                                  "round-deadline": d, "lr": lr}, [0.5]))
+        for name, d, lr in (("a", 50.0, 0.1), ("b", 0.0, 0.1), ("c", 50.0, 0.01),
+                            ("d", 0.0, 0.01))
+    ]  # fmt: skip
+    grid = report.GridShape(frozenset({"strategy"}), frozenset({"round-deadline"}))
+    keys = ["strategy", "round-deadline", "lr"]
+    line_keys, figure_keys = report.split_line_and_figure_keys(keys, grid, runs)
+    assert (line_keys, figure_keys) == (["strategy", "round-deadline"], ["lr"])
+    labels = {r.name: report.line_label(r, line_keys, runs) for r in runs}
+    assert labels == {"a": "fedavg, round-deadline=50.0", "b": "fedavg",
+                      "c": "fedavg, round-deadline=50.0", "d": "fedavg"}  # fmt: skip
+    same_lr = [r for r in runs if r.settings["lr"] == 0.1]
+    assert report.split_line_and_figure_keys(keys, grid, same_lr)[1] == []

@@ -124,7 +124,7 @@ def test_register_names_a_missing_key_before_contacting_anyone(
 
 
 def test_a_superlink_with_its_state_in_memory_is_not_restarted(
-    tmp_path: Path, capsys
+    tmp_path: Path, capsys, monkeypatch
 ) -> None:
     """Restarted, an in-memory SuperLink would have forgotten the registered
     SuperNodes (they could not reconnect) and the runs: refused, with what
@@ -132,7 +132,10 @@ def test_a_superlink_with_its_state_in_memory_is_not_restarted(
     record = cluster.Deployment(str(tmp_path), "127.0.0.1:1", False, superlink_pid=0,
                                 superlink_state="memory")  # fmt: skip
     record.save()
+    stopped: list[int] = []
+    monkeypatch.setattr(cluster, "stop", stopped.append)
     assert main(["deploy", "restart", "superlink", "--dir", str(tmp_path)]) == 1
+    assert stopped == []
     err = capsys.readouterr().err
     assert "keeps its state in memory" in err and "--superlink-state file" in err
     with pytest.raises(cluster.DeployError, match="--superlink-state 'disk'"):

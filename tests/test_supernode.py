@@ -64,16 +64,19 @@ def test_shortened_in_that_module_only():
         "from flwr.supercore.inflatable import inflatable_utils as utils\n"
         "t = time.monotonic(); node.time.sleep(3); fast = time.monotonic() - t\n"
         "t = time.monotonic(); time.sleep(0.2); real = time.monotonic() - t\n"
-        "assert node._pull_and_store_message.__name__ == 'pull_and_note'\n"
+        "assert isinstance(node._pull_and_store_message, flower_waits.NotingMessages)\n"
+        "assert isinstance(node._push_messages, flower_waits.NotingMessages)\n"
         "print(round(fast, 2), real >= 0.2, node.time.time() > 0,\n"
         "      utils.pull_objects.__kwdefaults__['initial_backoff'],\n"
         "      utils.pull_objects.__kwdefaults__['backoff_cap'],\n"
+        "      utils.pull_objects.__kwdefaults__['max_tries_per_object'],\n"
         "      utils.pull_and_inflate_object_from_tree.__kwdefaults__['initial_backoff'])\n"
     )
     assert result.returncode == 0, result.stderr
-    fast, real, clock, backoff, cap, clientapp_backoff = result.stdout.split()
+    fast, real, clock, backoff, cap, tries, clientapp_backoff = result.stdout.split()
     assert float(fast) < 0.5 and real == "True" and clock == "True"
-    assert float(backoff) == float(cap) == 0.05
+    assert float(backoff) == 0.05 and float(cap) == 1.0  # doubling from 0.05 to 1 s
+    assert tries == "None"  # bounded by Flower's max_time (2 h), not 500 tries
     assert float(clientapp_backoff) == 1  # the SuperNode's half only
     assert "warning" not in result.stderr
 
@@ -156,3 +159,17 @@ def test_poll_clock_waits_the_interval_after_a_message_then_a_share_of_the_wait(
     clock.message_seen()
     clock.sleep(3)
     assert fake.slept[-1] == 0.1
+
+
+def test_the_clock_restarts_after_a_message_pulled_or_a_reply_pushed(monkeypatch):
+    fake = FakeTime()
+    monkeypatch.setattr(flower_waits, "time", fake)
+    clock = flower_waits.PollClock(0.1)
+    clock.last_message = 0.0
+    pulled = flower_waits.NotingMessages(lambda run_id: run_id, clock, pull=True)
+    assert pulled(None) is None and clock.last_message == 0.0  # nothing came
+    assert pulled(7) == 7 and clock.last_message == fake.now
+    clock.last_message = 0.0
+    pushed = flower_waits.NotingMessages(lambda: None, clock, pull=False)
+    pushed()
+    assert clock.last_message == fake.now

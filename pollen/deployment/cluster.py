@@ -96,7 +96,9 @@ class Deployment:
     executor: str = "cold"  # records written before warm executors were cold
     threads: int = 0  # torch threads per ClientApp process (0: torch's default)
     host: str = ""  # the address the SuperLink listens on (default: address's host)
-    node_poll: float = POLL_SECONDS  # SuperNodes' longest idle wait (0: Flower's own)
+    # SuperNodes' sleep right after a message (0: Flower's own waits; records
+    # from before `pollen supernode` ran Flower's)
+    node_poll: float = 0.0
     superlink_state: str = "file"  # one of SUPERLINK_STATES (older records: file)
 
     @property
@@ -315,9 +317,10 @@ def up(
     `restart_superlink`).
     `executor` runs each node's ClientApps: "warm" (`pollen superexec` beside
     a SuperNode with `--isolation process`) or "cold" (Flower's SuperExec,
-    a fresh process per message). Each SuperNode is `pollen supernode`, whose
-    idle waits are at most `node_poll` seconds (0: `flower-supernode`, with
-    Flower's 3 s idle sleep and 0.5 s reply checks). The nodes share this machine's CPUs: each
+    a fresh process per message). Each SuperNode is `pollen supernode`,
+    which sleeps `node_poll` seconds right after a message, longer as it
+    stays idle (0: `flower-supernode`, with Flower's 3 s idle sleep and 0.5 s
+    reply checks). The nodes share this machine's CPUs: each
     ClientApp gets CPUs / `num_nodes` torch threads (at least 1), as the
     simulation gives each client its share, unless OMP_NUM_THREADS is set.
 

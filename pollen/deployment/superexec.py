@@ -36,7 +36,7 @@ At most `--max-tasks` children run at once; further tasks wait.
 
 A ClientApp's first retry for a message object its SuperNode has not pulled
 yet comes after `--poll-interval` (0.1 s) instead of Flower's 1 s
-(`pollen.deployment.supernode`).
+(`pollen.flower_waits`).
 
 Linux only (fork, pidfd, prctl). `--cold` runs `flower-superexec` alone:
 Flower's stock process per message, for comparison.

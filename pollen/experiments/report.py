@@ -465,7 +465,7 @@ def plot_groups(
     all record a measure is left off that figure, and a figure no line has
     is not drawn."""
     keys = [k for k in varying_keys(runs) if k != "seed"]
-    line_keys, figure_keys = split_line_and_figure_keys(keys, grid)
+    line_keys, figure_keys = split_line_and_figure_keys(keys, grid, runs)
     figures: dict[str, dict[str, list[Run]]] = {}
     for run in runs:
         figure = cell_name({k: run.settings[k] for k in figure_keys})
@@ -503,7 +503,7 @@ def plot_groups(
                     _plot_lines(path, title, measure.xlabel, xs, accuracy, own, labels)
                 )
     partition_keys = [  # not the strategy, nor what only a named cell or preset sets
-        k for k in keys if k not in SERIES_KEYS and (grid is None or k in grid.axes)
+        k for k in keys if k not in SERIES_KEYS and (grid is None or k in figure_keys)
     ]
     for run in runs:  # each setting's partition (the first seed's)
         heatmap = run.path / "labels.png"
@@ -535,22 +535,35 @@ class GridShape:
 
 
 def split_line_and_figure_keys(
-    keys: Sequence[str], grid: GridShape | None = None
+    keys: Sequence[str], grid: GridShape | None = None, runs: Sequence[Run] = ()
 ) -> tuple[list[str], list[str]]:
     """The varying settings that tell one figure's lines apart, and those
     that make separate figures. Strategies and their parts are lines. With
     the comparison's grid known, a setting its named cells set (one cell's
     round deadline, FedSA's own model) names those cells' lines, only the
     grid's other axes make figures, and a setting that varies only because a
-    preset resolves it (`personal-eval-every` under FedBN) is neither.
-    Without a grid every other setting makes figures. With a single
+    preset resolves it (`personal-eval-every` under FedBN: one value per
+    line of `runs`) is neither; one that varies within a line (runs of
+    another base config in the same folder) still makes figures. Without a
+    grid every other setting makes figures. With a single
     strategy, the last figure setting draws the lines instead."""
     line_keys = [k for k in SERIES_KEYS if k in keys]  # the strategy first
     if grid is None:
         figure_keys = [k for k in keys if k not in SERIES_KEYS]
     else:
         line_keys += [k for k in keys if k in grid.named and k not in SERIES_KEYS]
-        figure_keys = [k for k in keys if k in grid.axes and k not in line_keys]
+
+        def follows_the_line(key: str) -> bool:
+            values: dict[str, set[str]] = {}
+            for run in runs:
+                line = json.dumps([run.settings.get(k) for k in line_keys])
+                values.setdefault(line, set()).add(json.dumps(run.settings.get(key)))
+            return all(len(v) == 1 for v in values.values())
+
+        figure_keys = [
+            k for k in keys
+            if k not in line_keys and (k in grid.axes or not follows_the_line(k))
+        ]  # fmt: skip
     if not line_keys and figure_keys:
         line_keys = [figure_keys.pop()]
     return line_keys, figure_keys
@@ -565,7 +578,9 @@ def line_label(run: Run, line_keys: Sequence[str], runs: Sequence[Run]) -> str:
     parts = [str(run.settings.get(line_keys[0]))]
     for key in line_keys[1:]:
         values = [json.dumps(r.settings.get(key)) for r in runs]
-        usual = max(set(values), key=values.count)
+        default = json.dumps(DEFAULTS.get(key))
+        # the most common value; on a tie the default, then the first in order
+        usual = max(sorted(set(values)), key=lambda v: (values.count(v), v == default))
         if json.dumps(run.settings.get(key)) != usual:
             value = run.settings.get(key)
             parts.append(str(value) if key in SERIES_KEYS else f"{key}={value}")
