@@ -34,7 +34,7 @@ import numpy as np
 PROJECT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(PROJECT))
 
-from pollen.deployment.network import LinkShape  # noqa: E402
+from pollen.common.links import LinkShape  # noqa: E402
 
 STRATEGIES = {  # cell name -> the keys it sets
     "fedavg": {"strategy": "fedavg", "model": "cnn"},

@@ -43,11 +43,11 @@ from measure import PROJECT, run_pollen, settings_of
 
 from pollen.catalog import DATA_SETS
 from pollen.settings import Scalar, Settings
-from pollen.strategies.sharing import Sharing
 from pollen.task.client_state import SPILLED_LINE
 from pollen.task.data import CACHE_ENV
 from pollen.task.inputs import settings_model
 from pollen.task.shards import server_data
+from pollen.task.sharing import Sharing
 
 STRATEGIES = ("fedavg", "feddyn")
 GIB = 2**30

@@ -246,7 +246,7 @@ CENTRAL_DP = ("off", "fixed", "adaptive")
 # the objectives whose server keeps a control variate (pollen.strategies.scaffold)
 CONTROL_VARIATE_OBJECTIVES = ("scaffold", "scaffold-sam")
 
-# Which model entries travel (pollen.strategies.sharing): BatchNorm policies
+# Which model entries travel (pollen.task.sharing): BatchNorm policies
 # under `sharing = all`, and the LoRA policies of FedSA.
 BN_POLICIES = ("shared", "fedbn", "silobn")
 SHARING = ("all", "lora-a", "lora", "fedper")

@@ -43,6 +43,8 @@ from flwr.app import (
 from flwr.clientapp import ClientApp
 
 from .catalog import DATA_SETS, MODEL_POISONING
+from .common.clipping import clipped_reply
+from .common.steps import effective_steps
 from .deployment.warm_hint import hint_mod
 from .protocol import (
     ARRAYS,
@@ -70,9 +72,6 @@ from .protocol import (
     local_entries_key,
 )
 from .settings import Settings
-from .strategies.central_dp import clipped_reply
-from .strategies.fednova import effective_steps
-from .strategies.sharing import Sharing
 from .task import client_state
 from .task.attacks import flipped_labels, poisoned
 from .task.data import Dataset
@@ -85,6 +84,7 @@ from .task.privacy import (
     check_private_model,
     train_private,
 )
+from .task.sharing import Sharing
 from .task.train import (
     ClientOptimizer,
     Preprocess,

@@ -5,7 +5,7 @@ rate, loss: `deployment.network.LinkShape`) and a compute slowdown factor
 (a straggler's local work takes `slowdown` times as long). The same profile
 shapes real links in `pollen compare --network` (each SuperNode in its own
 network namespace) and drives the simulated clock of a simulation
-(`pollen.runs.clock`), so a comparison can be predicted before it is
+(`pollen.strategies.clock`), so a comparison can be predicted before it is
 deployed. Presets live in `configs/networks/`; docs/network.md gives the
 measurements their numbers come from.
 
@@ -42,7 +42,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from .deployment.network import LinkShape
+from .common.links import LinkShape
 
 # profile key -> LinkShape field (the node keys besides `slowdown`)
 LINK_KEYS = {

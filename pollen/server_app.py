@@ -34,7 +34,6 @@ from .network_profile import NetworkProfile
 from .protocol import LR
 from .runs.checkpoints import Checkpoint, load_resumable, save_checkpoint
 from .runs.claim import check_claimed
-from .runs.clock import SimulatedClock
 from .runs.evaluation import GlobalEvaluation, check_clients_finite
 from .runs.interruption import InterruptibleGrid, RunInterrupted, StopSignal
 from .runs.notify import Notifier
@@ -54,12 +53,12 @@ from .runs.results import (
 from .runs.tracking import NoTracker, Tracker, open_tracker
 from .settings import Settings, SettingsError
 from .strategies.asynchronous import BufferedAsync
+from .strategies.clock import SimulatedClock
 from .strategies.compose import build_strategy
 from .strategies.membership import Membership
 from .strategies.personal import PersonalEvaluation
 from .strategies.round import RoundOutcome, RoundTiming, play_round
 from .strategies.sampling import OneMessagePerNode
-from .strategies.sharing import count_parameters
 from .strategies.strategy import Strategy, to_numpy
 from .task import client_state
 from .task.inputs import settings_model
@@ -67,6 +66,7 @@ from .task.lora import FrozenBackboneClassifier
 from .task.partition import format_label_counts
 from .task.privacy import check_private_model
 from .task.shards import ServerData, server_data, shard_fingerprints
+from .task.sharing import count_parameters
 from .task.train import pick_device
 
 app = ServerApp()

@@ -50,9 +50,9 @@ from .catalog import (
     Scalar,
     assumed_training,
 )
+from .common.partition_sizes import PartitionError, check_min_size
+from .common.webhook import check_url
 from .network_profile import NetworkProfile, ProfileError
-from .runs.notify import check_url
-from .task.partition import PartitionError, check_min_size
 
 AUTO = "auto"
 # server-lr = "auto": 1 for a plain step (FedAvg's), 0.01 for the adaptive ones
@@ -1038,7 +1038,7 @@ def _check_central_dp(values: dict[str, Scalar]) -> None:
         float(values["central-count-noise"]),
     )
     if values["central-epsilon"]:
-        from .strategies.central_dp import noise_for_epsilon  # opacus: only here
+        from .common.noise import noise_for_epsilon  # opacus: only here
 
         z = noise_for_epsilon(
             float(values["central-epsilon"]),

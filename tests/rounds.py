@@ -23,8 +23,8 @@ from pollen.strategies.personal import (
 )
 from pollen.strategies.sampling import Participants, Roster
 from pollen.strategies.server_update import ServerUpdate
-from pollen.strategies.sharing import Sharing
 from pollen.strategies.strategy import Strategy, TrainOutcome, TrainRequest
+from pollen.task.sharing import Sharing
 
 
 class Harness:

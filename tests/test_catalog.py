@@ -11,10 +11,10 @@ from torch.nn.modules.batchnorm import _BatchNorm
 from pollen import catalog
 from pollen.strategies.aggregation import Mean
 from pollen.strategies.server_update import ServerUpdate
-from pollen.strategies.sharing import POLICIES
 from pollen.task.data import SPECS
 from pollen.task.lora import LoRALinear
 from pollen.task.models import LORA_MODELS, MODELS, ModelOptions, build_model
+from pollen.task.sharing import POLICIES
 
 
 def test_reading_the_catalogue_and_settings_imports_no_torch() -> None:

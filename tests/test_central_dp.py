@@ -18,12 +18,12 @@ from opacus.accountants import PRVAccountant
 from scipy.optimize import brentq
 from scipy.stats import norm
 
+from pollen.common.clipping import clipped_reply
 from pollen.protocol import UPDATE_NORM
 from pollen.settings import Settings, SettingsError
 from pollen.strategies.aggregation import ClientUpdate
 from pollen.strategies.central_dp import (
     CentralDP,
-    clipped_reply,
     epsilon_spent,
     update_noise_multiplier,
 )

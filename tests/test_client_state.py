@@ -14,7 +14,6 @@ from pollen import client_app
 from pollen.files import write_json
 from pollen.protocol import CLIENT
 from pollen.settings import Settings
-from pollen.strategies.sharing import Sharing
 from pollen.task.client_state import (
     KEEP_FROM,
     RESUME_ROUND,
@@ -27,6 +26,7 @@ from pollen.task.client_state import (
     import_state,
 )
 from pollen.task.models import build_model
+from pollen.task.sharing import Sharing
 from tests.test_sharing import run_config
 
 pytestmark = pytest.mark.usefixtures("task_identity")

@@ -9,10 +9,10 @@ import numpy as np
 import pytest
 from flwr.app import ConfigRecord
 
-from pollen.deployment.network import LinkShape
+from pollen.common.links import LinkShape
 from pollen.network_profile import NetworkProfile, ProfileError
 from pollen.protocol import CLIENT, CLIENT_RECORD, EVAL_SECONDS, METRICS
-from pollen.runs.clock import SimulatedClock, effective_rate, transfer_seconds
+from pollen.strategies.clock import SimulatedClock, effective_rate, transfer_seconds
 from pollen.strategies.replies import reported_seconds
 from pollen.strategies.round import RoundTiming, play_round
 from pollen.strategies.sampling import Participants

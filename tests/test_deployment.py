@@ -164,7 +164,8 @@ def test_a_failed_deployed_run_exits_non_zero_and_says_why(
 
 def shaped_round_seconds(tmp_path: Path, name: str, shape: str) -> float:
     """Seconds of one FedAvg round of 2 SuperNodes in namespaces behind `shape`."""
-    from pollen.deployment.network import LinkShape, ShapedNetwork
+    from pollen.common.links import LinkShape
+    from pollen.deployment.network import ShapedNetwork
 
     subnet = {"plain": "10.234.1.0/24", "slow": "10.234.2.0/24"}[name]
     with ShapedNetwork(

@@ -19,9 +19,9 @@ from pollen.protocol import (
     NUM_EXAMPLES,
     TRAIN_SECONDS,
 )
-from pollen.runs.clock import SimulatedClock
 from pollen.strategies.aggregation import ClientUpdate
 from pollen.strategies.asynchronous import BufferedAsync
+from pollen.strategies.clock import SimulatedClock
 from pollen.strategies.fedavg import FedAvgUpdate
 from pollen.strategies.fedbuff import buffered_mean, rebased, staleness_weight
 from pollen.strategies.fedopt import FedOptUpdate

@@ -7,10 +7,11 @@ import numpy as np
 import pytest
 from flwr.app import MetricRecord
 
+from pollen.common.steps import effective_steps
 from pollen.protocol import EFFECTIVE_STEPS
 from pollen.settings import Settings, SettingsError
 from pollen.strategies.aggregation import ClientUpdate, Mean
-from pollen.strategies.fednova import FedNova, effective_steps
+from pollen.strategies.fednova import FedNova
 
 
 @pytest.mark.parametrize("steps", [1, 5, 37])

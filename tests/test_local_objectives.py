@@ -20,11 +20,11 @@ from pollen.protocol import feddyn_state_key
 from pollen.settings import Settings
 from pollen.strategies.aggregation import ClientUpdate, Mean
 from pollen.strategies.feddyn import FedDynUpdate
-from pollen.strategies.sharing import Sharing
 from pollen.task.data import load_dataset
 from pollen.task.models import build_model
 from pollen.task.objectives import DynTerm, LocalObjective, ProxTerm
 from pollen.task.partition import partition_indices
+from pollen.task.sharing import Sharing
 from pollen.task.train import (
     ClientOptimizer,
     Preprocess,

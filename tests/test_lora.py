@@ -11,11 +11,11 @@ from torch import nn
 
 from pollen import client_app
 from pollen.settings import Settings, SettingsError
-from pollen.strategies.sharing import Sharing, count_parameters, entry_kinds
 from pollen.task.data import load_dataset
 from pollen.task.inputs import settings_model
 from pollen.task.lora import FrozenBackboneClassifier, LoRALinear
 from pollen.task.models import ModelOptions, build_model
+from pollen.task.sharing import Sharing, count_parameters, entry_kinds
 from tests.test_sharing import message
 
 pytestmark = pytest.mark.usefixtures("task_identity")

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from pollen.deployment.network import LinkShape
+from pollen.common.links import LinkShape
 from pollen.network_profile import (
     PRESETS_DIR,
     NetworkProfile,

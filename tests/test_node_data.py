@@ -17,12 +17,12 @@ import pollen.task.inputs
 import pollen.task.node_data
 from pollen import client_app
 from pollen.settings import Settings
-from pollen.strategies.sharing import Sharing
 from pollen.task.data import SPECS, DataError, load_dataset
 from pollen.task.inputs import settings_model
 from pollen.task.models import build_model
 from pollen.task.partition import PartitionError
 from pollen.task.shards import federated_data, shard_fingerprints
+from pollen.task.sharing import Sharing
 from pollen.task.train import Preprocess, evaluate
 from tests.conftest import SHARED_DATA, write_mnist_slices
 from tests.test_sharing import message

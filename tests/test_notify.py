@@ -13,7 +13,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
-from pollen.runs.notify import URL_ENV, Notifier, check_url, redact
+from pollen.common.webhook import URL_ENV, check_url
+from pollen.runs.notify import Notifier, redact
 
 SECRET = "T000/B000/s3cr3t-t0ken"
 

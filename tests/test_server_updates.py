@@ -12,8 +12,8 @@ from flwr.app import Array, ArrayRecord, ConfigRecord, Message, MetricRecord, Re
 
 from pollen.protocol import CLIENT as CLIENT_KEY
 from pollen.strategies.sampling import Roster
-from pollen.strategies.sharing import Sharing
 from pollen.task.models import build_model
+from pollen.task.sharing import Sharing
 from tests.conftest import reply_from
 from tests.rounds import Harness, fedavg, feddyn, fedopt
 

@@ -12,10 +12,10 @@ from torch import nn
 from pollen import client_app
 from pollen.protocol import CLIENT as CLIENT_KEY
 from pollen.settings import Settings, SettingsError
-from pollen.strategies.sharing import Sharing, entry_kinds
 from pollen.task.data import load_dataset
 from pollen.task.models import build_model
 from pollen.task.partition import client_test_indices, label_counts, partition_indices
+from pollen.task.sharing import Sharing, entry_kinds
 from pollen.task.train import training_only
 
 pytestmark = pytest.mark.usefixtures("task_identity")

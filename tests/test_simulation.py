@@ -29,9 +29,9 @@ import pytest
 from flwr.app import ArrayRecord
 
 from pollen.deployment.processes import descendants, free_port
-from pollen.strategies.sharing import Sharing
 from pollen.task.client_state import SPILLED_LINE
 from pollen.task.models import build_model
+from pollen.task.sharing import Sharing
 from tests.conftest import PROJECT, WORKER
 
 pytestmark = pytest.mark.integration

@@ -50,11 +50,12 @@ import subprocess
 import sys
 import time
 from collections import deque
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict
 from pathlib import Path
-from typing import ClassVar, Literal, Self
+from typing import Self
 
-Direction = Literal["up", "down"]
+# absolute: this file also runs as the relay script
+from pollen.common.links import Direction, LinkShape
 
 _IFNAMSIZ = 15  # Linux interface names have at most 15 characters
 _NETNS_DIR = Path("/var/run/netns")  # where `ip netns add` names namespaces
@@ -66,101 +67,6 @@ _MAX_QUEUE_S = 0.5  # a frame that would wait longer for a rate-limited link is 
 
 class NetworkError(RuntimeError):
     """A command that builds or removes the network failed, or a relay died."""
-
-
-@dataclass(frozen=True)
-class LinkShape:
-    """How the link between one node and the server behaves.
-
-    `delay_ms` is the one-way delay added in each direction, so an idle round
-    trip takes 2 x `delay_ms`; `jitter_ms` varies each frame's delay uniformly
-    within +-`jitter_ms` (at most `delay_ms`) without reordering frames.
-    `up_mbit` limits the node -> server rate and `down_mbit` the server -> node
-    rate, in Mbit/s of Ethernet frames (0 = unlimited); frames that would
-    queue for longer than 0.5 s behind a limited link are dropped.
-    `loss_pct` drops that percentage of frames, independently in each direction.
-    """
-
-    delay_ms: float = 0
-    jitter_ms: float = 0
-    up_mbit: float = 0
-    down_mbit: float = 0
-    loss_pct: float = 0
-
-    _KEYS: ClassVar[dict[str, tuple[str, str]]] = {  # key -> (field, unit)
-        "delay": ("delay_ms", "ms"),
-        "jitter": ("jitter_ms", "ms"),
-        "up": ("up_mbit", "mbit"),
-        "down": ("down_mbit", "mbit"),
-        "loss": ("loss_pct", "%"),
-    }
-
-    def __post_init__(self) -> None:
-        for f in fields(self):
-            value = getattr(self, f.name)
-            if isinstance(value, bool) or not isinstance(value, int | float):
-                raise ValueError(f"LinkShape.{f.name} must be a number, got {value!r}")
-            if not math.isfinite(value) or value < 0:
-                raise ValueError(
-                    f"LinkShape.{f.name} must be a finite number >= 0, got {value!r}"
-                )
-        if self.loss_pct >= 100:
-            raise ValueError(
-                f"LinkShape.loss_pct must be below 100 (a percentage), got {self.loss_pct!r}"
-            )
-        if self.jitter_ms > self.delay_ms:
-            raise ValueError(
-                f"LinkShape.jitter_ms must be at most delay_ms ({self.delay_ms!r}), "
-                f"got {self.jitter_ms!r}"
-            )
-
-    @classmethod
-    def parse(cls, text: str) -> LinkShape:
-        """Read the compact form "delay=50ms,jitter=5ms,up=10mbit,down=50mbit,loss=0.1%".
-
-        Keys may come in any order and be left out (0); units are optional;
-        "" and "none" mean an unshaped link.
-        """
-        values: dict[str, float] = {}
-        spec = text.strip()
-        for item in [] if spec.lower() in ("", "none") else spec.split(","):
-            key, sep, raw = (part.strip() for part in item.partition("="))
-            if not sep or key.lower() not in cls._KEYS:
-                raise ValueError(
-                    f"bad link shape item {item.strip()!r} in {text!r}: expected "
-                    f"key=value with key one of {', '.join(cls._KEYS)}"
-                )
-            name, unit = cls._KEYS[key.lower()]
-            if name in values:
-                raise ValueError(f"link shape {text!r} gives {key!r} twice")
-            number = re.sub(f"{re.escape(unit)}$", "", raw, flags=re.IGNORECASE)
-            try:
-                values[name] = float(number)
-            except ValueError:
-                raise ValueError(
-                    f"bad value {raw!r} for {key!r} in link shape {text!r}: "
-                    f"expected a number, optionally followed by {unit!r}"
-                ) from None
-        return cls(**values)
-
-    def __str__(self) -> str:
-        """The compact form that `parse` reads, naming only the set keys."""
-        items = [
-            f"{key}={getattr(self, name):g}{unit}"
-            for key, (name, unit) in self._KEYS.items()
-            if getattr(self, name)
-        ]
-        return ",".join(items) or "none"
-
-    def direction(self, direction: Direction) -> tuple[float, float, float, float]:
-        """(delay s, jitter s, rate bit/s or 0, loss probability) of one direction."""
-        mbit = {"up": self.up_mbit, "down": self.down_mbit}[direction]
-        return (
-            self.delay_ms / 1e3,
-            self.jitter_ms / 1e3,
-            mbit * 1e6,
-            self.loss_pct / 100,
-        )
 
 
 @functools.cache

@@ -17,9 +17,9 @@ from pathlib import Path
 from typing import Any
 
 from ..catalog import DATA_SETS
+from ..common.webhook import URL_ENV, check_url
 from ..files import readable_folder_problem
 from ..runs.checkpoints import check_resumable
-from ..runs.notify import URL_ENV, check_url
 from ..runs.results import check_run_dir_is_new, default_run_name
 from ..runs.tracking_mlflow import (
     check_server,

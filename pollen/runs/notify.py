@@ -32,37 +32,14 @@ from collections.abc import Mapping
 from types import TracebackType
 from urllib.parse import urlsplit
 
-KEY = "notify-url"
-URL_ENV = "POLLEN_NOTIFY_URL"
-ALLOWED = "an http(s) URL, or empty"
+from ..common.webhook import URL_ENV, check_url
+
 QUEUE_SIZE = 100
 MAX_REASON = 500  # characters of a failure reason that go into a message
 
 log = logging.getLogger("pollen.runs.notify")
 
 _STOP = object()  # the queue item that tells the sender thread to finish
-
-
-def check_url(url: str, *, from_env: bool = False) -> str:
-    """Return `url` if it is an http(s) URL with a host, else raise ValueError.
-
-    A URL read from `POLLEN_NOTIFY_URL` is not repeated in the message: the
-    environment is where secrets are kept.
-    """
-    try:
-        parts = urlsplit(url)
-        valid = (
-            parts.scheme in ("http", "https")
-            and bool(parts.hostname)
-            and (parts.port is None or parts.port > 0)
-            and not any(c.isspace() or not c.isprintable() for c in url)
-        )
-    except ValueError:  # a malformed port or IPv6 host
-        valid = False
-    if not valid:
-        shown = f"the URL from {URL_ENV}" if from_env else repr(url)
-        raise ValueError(f"invalid value for {KEY!r}: {shown}; allowed: {ALLOWED}")
-    return url
 
 
 def redact(url: str) -> str:

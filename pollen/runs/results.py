@@ -67,7 +67,7 @@ class RoundRecord:
     # under DP-SGD: the largest epsilon any client has spent so far
     dp_epsilon: float | None = None
     # under a network profile: the round's seconds on the simulated clock
-    # (pollen.runs.clock), beside the real `seconds`
+    # (pollen.strategies.clock), beside the real `seconds`
     sim_seconds: float | None = None
     # clients whose reply came after the round's deadline (discarded)
     late: list[int] = field(default_factory=list)

@@ -16,7 +16,7 @@ Replies are taken in one of two orders:
   they arrive, looked for every `POLL_SECONDS`;
 - simulated time (a simulation under a network profile): a reply's arrival
   is its dispatch time on the simulated clock plus the client's simulated
-  time (`runs.clock`), so the loop waits until every client in flight has
+  time (`strategies.clock`), so the loop waits until every client in flight has
   replied for real and takes the earliest simulated arrival. Staleness and
   the order of versions are then those of the profiled federation, not of
   this machine; the real run is slower for it (one client trains at a time
@@ -42,8 +42,8 @@ from flwr.app import ArrayRecord, ConfigRecord, Message, MessageType
 from flwr.common.logger import log
 
 from .. import protocol
-from ..runs.clock import SimulatedClock
 from .aggregation import ClientUpdate
+from .clock import SimulatedClock
 from .fedbuff import buffered_mean, rebased
 from .replies import reported_seconds
 from .round import RoundOutcome, message_bytes

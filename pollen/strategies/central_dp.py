@@ -54,8 +54,9 @@ from collections.abc import Collection, Mapping, Sequence
 from typing import Any
 
 import numpy as np
-from flwr.app import Array, ArrayRecord
 
+from ..common.clipping import clipped
+from ..common.noise import noise_for_epsilon
 from ..protocol import CLIP_NORM, UPDATE_NORM
 from .aggregation import Aggregate, Arrays, ClientUpdate, Rule, mean64, normalized
 
@@ -87,18 +88,6 @@ def epsilon_spent(z: float, releases: int, delta: float) -> float:
     return float(accountant.get_epsilon(delta))
 
 
-def noise_for_epsilon(epsilon: float, releases: int, delta: float) -> float:
-    """The smallest z (Opacus's search, same accountant) whose `releases`
-    rounds spend at most `epsilon` at `delta`: `central-epsilon`."""
-    from opacus.accountants.utils import get_noise_multiplier
-
-    z = get_noise_multiplier(
-        target_epsilon=epsilon, target_delta=delta, sample_rate=1.0,
-        steps=releases, accountant="rdp",
-    )  # fmt: skip
-    return float(z)
-
-
 def planned_noise(settings: Any) -> float:
     """z: `central-noise-multiplier`, or calibrated to `central-epsilon` over
     the run's `rounds`."""
@@ -107,30 +96,6 @@ def planned_noise(settings: Any) -> float:
             settings.central_epsilon, settings.rounds, settings.dp_delta
         )
     return settings.central_noise_multiplier
-
-
-def clipped(delta: dict[str, np.ndarray], clip_norm: float) -> tuple[dict, float]:
-    """Delta min(1, C / ||Delta||) over all entries together, and ||Delta||."""
-    norm = math.sqrt(sum(float(np.sum(d * d)) for d in delta.values()))
-    scale = min(1.0, clip_norm / norm) if norm > 0 else 1.0
-    return {k: d * scale for k, d in delta.items()}, norm
-
-
-def clipped_reply(
-    sent: ArrayRecord, trained: ArrayRecord, clip_norm: float
-) -> tuple[ArrayRecord, float]:
-    """A client's clipping (`central-clip-on = "client"`): its floating
-    entries moved back to x + Delta min(1, C / ||Delta||), and ||Delta||."""
-    values = {k: trained[k].numpy() for k in trained}  # each decoded once
-    start = {
-        k: sent[k].numpy().astype(np.float64)
-        for k, v in values.items()
-        if np.issubdtype(v.dtype, np.floating)
-    }
-    delta, norm = clipped({k: values[k] - x for k, x in start.items()}, clip_norm)
-    for k, x in start.items():
-        values[k] = (x + delta[k]).astype(values[k].dtype)
-    return ArrayRecord({k: Array(v) for k, v in values.items()}), norm
 
 
 class CentralDP(Rule):

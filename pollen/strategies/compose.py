@@ -7,10 +7,10 @@ from torch import nn
 
 from ..catalog import AGGREGATORS, CONTROL_VARIATE_OBJECTIVES, SERVER_UPDATES
 from ..settings import Settings
+from ..task.sharing import Sharing
 from .central_dp import CentralDP
 from .personal import PersonalEvaluation
 from .scaffold import ServerControl
-from .sharing import Sharing
 from .strategy import Strategy
 
 

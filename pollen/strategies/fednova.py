@@ -12,7 +12,7 @@ a_k is the l1 norm of the weights with which the client's local gradients
 enter its update y_k - x, in units of the learning rate: tau_k for plain
 SGD, [tau - rho (1 - rho^tau) / (1 - rho)] / (1 - rho) with momentum rho
 (the paper's Section 5), [1 - (1 - eta mu)^tau] / (eta mu) with a proximal
-term mu. `effective_steps` computes it for any mix of momentum and a pull
+term mu. `pollen.common.steps.effective_steps` computes it for any mix of momentum and a pull
 towards the received model (FedProx's mu, FedDyn's alpha) by running that
 linear recursion with unit gradients; the ClientApp reports it as metric
 `effective-steps` beside `local-steps`. Entries that no gradient trains
@@ -28,17 +28,6 @@ import numpy as np
 
 from ..protocol import EFFECTIVE_STEPS
 from .aggregation import Aggregate, Arrays, ClientUpdate, Rule, mean64, normalized
-
-
-def effective_steps(steps: int, lr: float, momentum: float, pull: float) -> float:
-    """a_k of `steps` SGD steps with heavy-ball `momentum` (PyTorch's: m <-
-    rho m + g, y <- y - lr m) and a gradient term pull x (y - x_received):
-    the update's coefficient sum, -u_tau / lr, when every gradient is 1."""
-    offset = velocity = 0.0
-    for _ in range(steps):
-        velocity = momentum * velocity + 1.0 + pull * offset
-        offset -= lr * velocity
-    return -offset / lr
 
 
 class FedNova(Rule):

@@ -22,9 +22,9 @@ import numpy as np
 from flwr.app import ArrayRecord, ConfigRecord, Message, MessageType
 
 from ..protocol import EVAL_SECONDS, METRICS
+from ..task.sharing import Sharing
 from .replies import ReplyError, checked_personal_reply, reported_seconds
 from .sampling import Participants
-from .sharing import Sharing
 from .strategy import addressed, reject
 
 TRAINED_CLIENTS = "trained-clients"  # checkpoint state key

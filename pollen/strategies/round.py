@@ -10,7 +10,7 @@ round can start anywhere (a resumed run starts after its checkpoint).
 
 With a `RoundTiming` the round has a deadline (replies after it are
 discarded and recorded as late) and, under a network profile, a simulated
-time (`runs.clock`). The asynchronous loop, FedBuff's, sits beside this one
+time (`strategies.clock`). The asynchronous loop, FedBuff's, sits beside this one
 (`asynchronous.BufferedAsync`) and returns the same `RoundOutcome` per
 model version.
 """
@@ -25,8 +25,8 @@ from flwr.common.logger import log
 from flwr.serverapp import Grid
 
 from ..protocol import ARRAYS, TRAIN_SECONDS
-from ..runs.clock import SimulatedClock
 from .aggregation import ClientUpdate
+from .clock import SimulatedClock
 from .personal import PersonalEvaluation, PersonalOutcome
 from .replies import reported_seconds
 from .sampling import Participants

@@ -45,6 +45,7 @@ from flwr.app import (
 from flwr.common.logger import log
 
 from .. import protocol
+from ..task.sharing import Sharing
 from .aggregation import Aggregate, Aggregator, Arrays, ClientUpdate, Mean
 from .replies import (
     Expectation,
@@ -57,7 +58,6 @@ from .replies import (
 from .sampling import Participants, sample_clients
 from .scaffold import ServerControl
 from .server_update import ServerUpdate
-from .sharing import Sharing
 
 
 def to_numpy(record: ArrayRecord) -> dict[str, np.ndarray]:

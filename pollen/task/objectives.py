@@ -49,12 +49,12 @@ from flwr.app import ArrayRecord, Context, RecordDict
 from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
+from ..common.steps import effective_steps
 from ..protocol import CONFIG, CONTROL, LR, feddyn_state_key, scaffold_state_key
-from ..strategies.fednova import effective_steps
 
 if TYPE_CHECKING:
     from ..settings import Settings
-    from ..strategies.sharing import Sharing
+    from .sharing import Sharing
 
 SAM_SUFFIX = "-sam"
 Parameters = dict[str, nn.Parameter]

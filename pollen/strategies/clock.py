@@ -32,7 +32,7 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 
-from ..deployment.network import Direction, LinkShape
+from ..common.links import Direction, LinkShape
 from ..network_profile import NetworkProfile, NodeProfile
 
 MSS_BYTES = 1448  # a TCP segment's payload on Ethernet with timestamps

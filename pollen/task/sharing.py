@@ -27,7 +27,7 @@ from typing import Literal
 
 from torch import nn
 
-from ..task.lora import LoRALinear
+from .lora import LoRALinear
 
 Kind = Literal[
     "weight", "head", "bn-affine", "bn-stat", "buffer", "lora-a", "lora-b", "frozen"
