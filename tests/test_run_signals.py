@@ -119,9 +119,9 @@ def test_a_killed_run_on_a_warm_federation_stops_its_serverapp_only(
 ) -> None:
     """SIGKILL of a `pollen run --warm-simulation`: its ServerApp is
     interrupted (the run recorded as interrupted), the federation stays."""
-    from pollen.deployment.launch import SERVERAPP_PROCESSES
     from pollen.deployment.processes import named_descendants
     from pollen.deployment.warm_simulation import WarmSimulation
+    from pollen.deployment.watchdog import SERVERAPP_PROCESSES
 
     warm = WarmSimulation.load(warm_federation)
     before = set(named_descendants(warm.superlink_pid, SERVERAPP_PROCESSES))

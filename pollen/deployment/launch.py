@@ -29,8 +29,7 @@ from pathlib import Path
 
 from ..runs.checkpoints import CheckpointError, check_resumable
 from ..runs.claim import claim as claim_run_dir
-from ..runs.interruption import SETTLE_SECONDS
-from ..runs.results import RUN_COMPLETED, RUN_MARKER
+from ..runs.results import RUN_COMPLETED
 from ..settings import Settings
 from . import cluster, processes
 from .console import Console
@@ -45,7 +44,13 @@ from .run_config import (
 )
 from .warm_simulation import DEFAULT_DIR as DEFAULT_WARM_DIR
 from .warm_simulation import STATE_FILE, WarmSimulation, WarmSimulationError
-from .watchdog import Watchdog
+from .watchdog import (
+    SERVERAPP_GRACE,
+    SERVERAPP_PROCESSES,
+    Watchdog,
+    interrupt_serverapp,
+    keep_log,
+)
 
 CLIENT_CPUS = 1  # per ClientApp actor in a simulation, unless the user says
 # The most SuperNodes a simulation starts unless the user says: more clients
@@ -57,10 +62,6 @@ SIMULATED_NODES = 100
 FLWR_STOP_SECONDS = 5.0
 POLL_SECONDS = 0.1  # how often the command looks up from waiting on its run
 FLOWER_LOG = "flower.log"  # in the run directory: the whole stream of `flwr run`
-# The process that runs a simulation's ServerApp, and how long it may take to
-# record an interruption (its own wait, and Flower's exit after it)
-SERVERAPP_PROCESSES = ("flwr-simulation",)
-SERVERAPP_GRACE = SETTLE_SECONDS + 15.0
 # How long a run on a warm federation waits for its simulation process to
 # shut down after its results are written (about 4 s: Flower stops Ray's job)
 WARM_EXIT_SECONDS = 30.0
@@ -155,15 +156,6 @@ def run_on_warm(
     for pid in ours():  # Flower's shutdown of the simulation (Ray's job)
         processes.reaped(pid, max(0.0, deadline - time.monotonic()))
     return said_completed
-
-
-def interrupt_serverapp(superlink_pid: int) -> None:
-    """Ask the simulation ServerApp below the SuperLink `superlink_pid` to
-    stop, and give it time to record the interruption: SIGINT, as Flower's
-    handler runs pollen's (Ray's SIGTERM handler exits at once)."""
-    processes.end_named(
-        superlink_pid, SERVERAPP_PROCESSES, SERVERAPP_GRACE, signal.SIGINT
-    )
 
 
 def run(
@@ -539,23 +531,6 @@ def stream_flwr(
         processes.stop_child(process, FLWR_STOP_SECONDS)
         reader.join(FLWR_STOP_SECONDS)
     return completed.is_set()
-
-
-def keep_log(log_path: Path, run_dir: Path, name: str) -> Path | None:
-    """Copy a log into the run directory as `name` (a resumed run keeps the
-    earlier ones: `superlink.log`, `superlink-2.log`, ...); where it went
-    (None where no run started in `run_dir`)."""
-    if not (log_path.exists() and run_dir.is_dir()):
-        return None
-    if not (run_dir / RUN_MARKER).is_file():  # no run started there
-        return None
-    stem, suffix = name.rsplit(".", 1)
-    target, n = run_dir / name, 1
-    while target.exists():
-        n += 1
-        target = run_dir / f"{stem}-{n}.{suffix}"
-    shutil.copy(log_path, target)
-    return target
 
 
 def report_outcome(

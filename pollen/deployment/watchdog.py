@@ -29,6 +29,13 @@ from pathlib import Path
 from typing import IO, Any
 
 from ..runs.claim import abandon
+from ..runs.interruption import SETTLE_SECONDS
+from ..runs.results import RUN_MARKER
+
+# The process that runs a simulation's ServerApp, and how long it may take to
+# record an interruption (its own wait, and Flower's exit after it)
+SERVERAPP_PROCESSES = ("flwr-simulation",)
+SERVERAPP_GRACE = SETTLE_SECONDS + 15.0
 
 DONE = "done"
 
@@ -143,11 +150,38 @@ def watch(pipe: IO[str]) -> None:
         abandon(Path(claim["claim"]), [Path(p) for p in claim["made"]])
 
 
+def interrupt_serverapp(superlink_pid: int) -> None:
+    """Ask the simulation ServerApp below the SuperLink `superlink_pid` to
+    stop, and give it time to record the interruption: SIGINT, as Flower's
+    handler runs pollen's (Ray's SIGTERM handler exits at once)."""
+    from . import processes
+
+    processes.end_named(
+        superlink_pid, SERVERAPP_PROCESSES, SERVERAPP_GRACE, signal.SIGINT
+    )
+
+
+def keep_log(log_path: Path, run_dir: Path, name: str) -> Path | None:
+    """Copy a log into the run directory as `name` (a resumed run keeps the
+    earlier ones: `superlink.log`, `superlink-2.log`, ...); where it went
+    (None where no run started in `run_dir`)."""
+    if not (log_path.exists() and run_dir.is_dir()):
+        return None
+    if not (run_dir / RUN_MARKER).is_file():  # no run started there
+        return None
+    stem, suffix = name.rsplit(".", 1)
+    target, n = run_dir / name, 1
+    while target.exists():
+        n += 1
+        target = run_dir / f"{stem}-{n}.{suffix}"
+    shutil.copy(log_path, target)
+    return target
+
+
 def interrupt_new_serverapps(superlink: int, earlier: set[int]) -> None:
     """Interrupt the ServerApps below a warm federation's `superlink` that
     were not running before the command submitted its run."""
     from . import processes
-    from .launch import SERVERAPP_GRACE, SERVERAPP_PROCESSES
 
     found = processes.named_descendants(superlink, SERVERAPP_PROCESSES)
     ours = [pid for pid in found if pid not in earlier]
@@ -163,7 +197,6 @@ def clean_up(
     """Interrupt the ServerApps, stop every process, keep the logs, remove
     the temporary paths: what `pollen run` does on Ctrl-C."""
     from . import processes
-    from .launch import interrupt_serverapp, keep_log
 
     for pid in superlinks:
         interrupt_serverapp(pid)

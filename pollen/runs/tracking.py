@@ -18,8 +18,6 @@ from typing import Protocol
 from ..settings import Settings
 from .results import RoundRecord
 
-MB = 1e6
-
 
 class Tracker(Protocol):
     """Where a run's rounds go besides its own files."""
@@ -39,31 +37,6 @@ class NoTracker:
 
     def finish(self, run_dir: Path, status: str) -> None:
         return None
-
-
-def round_scalars(record: RoundRecord) -> dict[str, float]:
-    """The numbers a tracker logs for one round, by name: the global model's
-    accuracy and loss, the learning rate, the round's seconds (and simulated
-    seconds under a network profile), MB up and down, the clients asked and
-    the replies dropped, the clients' mean accuracy on their own shards where
-    they evaluated their own models, and the DP epsilon spent. A quantity the
-    run does not have (no DP, no network profile) is left out."""
-    scalars = {
-        "accuracy": record.accuracy,
-        "loss": record.loss,
-        "lr": record.lr,
-        "seconds": record.seconds,
-        "mb-up": record.bytes_up / MB,
-        "mb-down": record.bytes_down / MB,
-        "clients": len(record.clients),
-        "failures": len(record.failures),
-        "sim-seconds": record.sim_seconds,
-        "dp-epsilon": record.dp_epsilon,
-    }
-    own = record.personal_stats("local")
-    if own is not None:
-        scalars["personal-own-accuracy"] = own[0]
-    return {name: float(value) for name, value in scalars.items() if value is not None}
 
 
 def open_tracker(

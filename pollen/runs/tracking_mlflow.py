@@ -3,7 +3,7 @@
 The run joins the experiment `tracking-experiment` names ('pollen' by
 default; `pollen compare` names it after the comparison's directory, so its
 cells sit side by side in the MLflow UI) under the run's name. Its settings
-are the MLflow run's params; every round's numbers (`tracking.round_scalars`)
+are the MLflow run's params; every round's numbers (`results.round_scalars`)
 are metrics with the round as the step; at the end the run's files (plots,
 history, summary, settings and the final global model's state dict
 `model.pt`) are artefacts, and the MLflow run ends FINISHED, FAILED or
@@ -42,8 +42,7 @@ from typing import Any
 
 from ..files import write_json
 from ..settings import Settings
-from .results import RoundRecord
-from .tracking import round_scalars
+from .results import RoundRecord, round_scalars
 
 RUN_FILE = "mlflow.json"
 URI_ENV = "MLFLOW_TRACKING_URI"

@@ -1,7 +1,7 @@
 """`tracker = "tensorboard"`: TensorBoard event files in the run directory.
 
 `<run>/tensorboard/` holds the settings once as a text table, then one
-scalar series per quantity of `tracking.round_scalars` with the round as the
+scalar series per quantity of `results.round_scalars` with the round as the
 step; `tensorboard --logdir results/` shows every run side by side. A
 resumed run writes on from its checkpoint's round: the events of the rounds
 it replays are purged first, and a run that starts tracking at its resume
@@ -14,8 +14,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from ..settings import Settings
-from .results import RoundRecord
-from .tracking import round_scalars
+from .results import RoundRecord, round_scalars
 
 TENSORBOARD_DIR = "tensorboard"
 

@@ -55,8 +55,7 @@ import numpy as np
 from flwr.app import Array, ArrayRecord, ConfigRecord, Context
 from flwr.common.logger import log
 
-from ..files import write_atomic
-from ..runs.checkpoints import CheckpointError, read_npz, write_npz
+from ..files import NpzError, read_npz, write_atomic, write_npz
 
 STATE_DIR = "state-dir"  # node config (wins) or server config: where to keep it
 RUN_NAME = "run-name"  # server config: the run's name, a folder under a node's dir
@@ -143,7 +142,7 @@ class ClientStateStore:
         newest = max(valid, key=lambda f: (f.round, f.run_id == run_id))
         try:
             return newest.round, read_npz(newest.path)
-        except CheckpointError as err:
+        except (OSError, NpzError) as err:
             raise ClientStateError(
                 f"client {client}: its state file {newest.path} is unreadable "
                 f"({err}); delete it to start this client's state from scratch"
