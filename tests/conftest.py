@@ -122,6 +122,24 @@ def task_identity():
     TaskIdentity._run_id = TaskIdentity._node_id = TaskIdentity._task_id = None
 
 
+def client_update(
+    client: int,
+    arrays: dict,
+    examples: float = 1.0,
+    metrics: dict | None = None,
+    records: dict | None = None,
+):
+    """An accepted update as the aggregation step receives it: `arrays` from
+    `client`, weighted by `examples` (also its `num-examples` metric), with
+    further `metrics` and checked array `records` (SCAFFOLD's control)."""
+    from flwr.app import MetricRecord
+
+    from pollen.strategies.aggregation import ClientUpdate
+
+    metric_record = MetricRecord({"num-examples": examples, **(metrics or {})})
+    return ClientUpdate(client, arrays, metric_record, float(examples), records or {})
+
+
 def reply_from(node: int, content, message_type: str = "train"):
     """A reply as node `node` sends it to the server (needs `task_identity`)."""
     from flwr.app import Message

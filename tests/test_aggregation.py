@@ -8,21 +8,16 @@ import pytest
 from flwr.app import Array, ArrayRecord, MetricRecord, RecordDict
 from flwr.serverapp.strategy.strategy_utils import aggregate_arrayrecords
 
-from pollen.strategies.aggregation import ClientUpdate, Mean
+from pollen.strategies.aggregation import Mean
 from pollen.strategies.fedavg import FedAvgUpdate
-
-
-def update(client: int, examples: float, **arrays: np.ndarray) -> ClientUpdate:
-    return ClientUpdate(
-        client, arrays, MetricRecord({"num-examples": examples}), examples
-    )
+from tests.conftest import client_update
 
 
 def test_two_clients_by_hand() -> None:
     """x0 = [1, 2] (1 example), x1 = [3, 6] (3 examples)."""
     updates = [
-        update(0, 1, w=np.array([1.0, 2.0])),
-        update(1, 3, w=np.array([3.0, 6.0])),
+        client_update(0, {"w": np.array([1.0, 2.0])}, 1),
+        client_update(1, {"w": np.array([3.0, 6.0])}, 3),
     ]
     weighted = Mean()(updates, ["w"])
     np.testing.assert_array_equal(weighted.arrays["w"], [2.5, 5.0])  # (1 + 9) / 4, ...
@@ -54,7 +49,8 @@ def test_mean_equals_flowers_weighted_average(seed: int) -> None:
     ]
     flower = aggregate_arrayrecords(records, "num-examples")
     updates = [
-        update(c, n, **a) for c, (a, n) in enumerate(zip(clients, counts, strict=True))
+        client_update(c, a, n)
+        for c, (a, n) in enumerate(zip(clients, counts, strict=True))
     ]
     current = {k: np.zeros(s, np.float32) for k, s in shapes.items()}
     ours = FedAvgUpdate().apply(

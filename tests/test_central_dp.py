@@ -27,7 +27,7 @@ from pollen.strategies.central_dp import (
     epsilon_spent,
     update_noise_multiplier,
 )
-from tests.conftest import reply_from
+from tests.conftest import client_update, reply_from
 
 
 class NoNoise:
@@ -39,8 +39,7 @@ class NoNoise:
 
 
 def update(client: int, w: list[float], metrics: dict | None = None) -> ClientUpdate:
-    record = MetricRecord({"num-examples": 7, **(metrics or {})})
-    return ClientUpdate(client, {"w": np.asarray(w, dtype=np.float32)}, record, 7.0)
+    return client_update(client, {"w": np.asarray(w, dtype=np.float32)}, 7, metrics)
 
 
 def mechanism(**kw: object) -> CentralDP:
@@ -103,10 +102,7 @@ def test_fixed_clipping_equals_flowers_wrapper_without_noise(seed: int) -> None:
     )
     flower.current_arrays = ArrayRecord({n: Array(v) for n, v in current.items()})
     theirs, _ = flower.aggregate_train(1, messages)
-    updates = [
-        ClientUpdate(k, c, MetricRecord({"num-examples": 10}), 10.0)
-        for k, c in enumerate(clients)
-    ]
+    updates = [client_update(k, c, 10) for k, c in enumerate(clients)]
     ours = mechanism(clip_norm=1.5, sample_size=3)(updates, current).arrays
     for name in shapes:
         np.testing.assert_allclose(

@@ -27,11 +27,11 @@ from pollen.strategies.fedbuff import buffered_mean, rebased, staleness_weight
 from pollen.strategies.fedopt import FedOptUpdate
 from pollen.strategies.sampling import Participants, Roster
 from pollen.strategies.strategy import Strategy
-from tests.conftest import reply_from
+from tests.conftest import client_update, reply_from
 
 
 def update(client: int, *values: float) -> ClientUpdate:
-    return ClientUpdate(client, {"w": np.array(values)}, MetricRecord(), 1.0)
+    return client_update(client, {"w": np.array(values)})
 
 
 def test_staleness_weight_is_one_over_sqrt_one_plus_staleness() -> None:
@@ -96,10 +96,10 @@ def test_statistics_are_a_staleness_weighted_mean_not_rebased() -> None:
     """A running variance sent as 5 (version 0), trained to 1 (tau 3), with
     the current model's at 1.5: rebased it would be 1.5 - 4 < 0. Statistics
     instead take sum s(tau) v / sum s(tau): (1 * 2 + 0.5 * 1) / 1.5."""
-    stale = ClientUpdate(1, {"var": np.array([1.0])}, MetricRecord(), 1.0)
+    stale = client_update(1, {"var": np.array([1.0])})
     moved = rebased(stale, {"var": np.array([5.0])}, {"var": np.array([1.5])}, set())
     np.testing.assert_array_equal(moved.arrays["var"], [1.0])
-    fresh = ClientUpdate(0, {"var": np.array([2.0])}, MetricRecord(), 1.0)
+    fresh = client_update(0, {"var": np.array([2.0])})
     result = buffered_mean([fresh, moved], [0, 3], {"var": np.array([1.5])}, set())
     np.testing.assert_allclose(result.arrays["var"], [(2.0 + 0.5) / 1.5])
 

@@ -5,13 +5,13 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from flwr.app import MetricRecord
 
 from pollen.common.steps import effective_steps
 from pollen.protocol import EFFECTIVE_STEPS
 from pollen.settings import Settings, SettingsError
 from pollen.strategies.aggregation import ClientUpdate, Mean
 from pollen.strategies.fednova import FedNova
+from tests.conftest import client_update
 
 
 @pytest.mark.parametrize("steps", [1, 5, 37])
@@ -36,8 +36,7 @@ def test_momentum_by_hand_for_two_steps() -> None:
 def update(
     client: int, examples: float, a: float, **arrays: np.ndarray
 ) -> ClientUpdate:
-    metrics = MetricRecord({"num-examples": examples, EFFECTIVE_STEPS: a})
-    return ClientUpdate(client, arrays, metrics, examples)
+    return client_update(client, arrays, examples, {EFFECTIVE_STEPS: a})
 
 
 def test_normalised_average_by_hand() -> None:

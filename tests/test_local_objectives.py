@@ -13,12 +13,12 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from flwr.app import Context, MetricRecord, RecordDict
+from flwr.app import Context, RecordDict
 from torch import nn
 
 from pollen.protocol import feddyn_state_key
 from pollen.settings import Settings
-from pollen.strategies.aggregation import ClientUpdate, Mean
+from pollen.strategies.aggregation import Mean
 from pollen.strategies.feddyn import FedDynUpdate
 from pollen.task.data import load_dataset
 from pollen.task.models import build_model
@@ -31,6 +31,7 @@ from pollen.task.train import (
     evaluate,
     train_local,
 )
+from tests.conftest import client_update
 
 IDENTITY = Preprocess((0.0,), (1.0 / 255.0,), normalize=True)  # uint8 -> raw values
 
@@ -364,7 +365,7 @@ def test_feddyn_stays_finite_over_many_rounds() -> None:
             arrays = {
                 k: v.detach().numpy().copy() for k, v in model.state_dict().items()
             }
-            updates.append(ClientUpdate(c, arrays, MetricRecord({}), 1.0))
+            updates.append(client_update(c, arrays))
         aggregate = Mean(uniform=True)(updates, global_state)
         global_state = server.apply(global_state, aggregate, sharing.trained_shared)
         assert all(np.isfinite(v).all() for v in global_state.values()), f"round {rnd}"

@@ -17,13 +17,13 @@ from torch import nn
 
 from pollen.protocol import CLIENT, CONTROL, scaffold_state_key
 from pollen.settings import Settings, SettingsError
-from pollen.strategies.aggregation import ClientUpdate, Mean
+from pollen.strategies.aggregation import Mean
 from pollen.strategies.fedavg import FedAvgUpdate
 from pollen.strategies.sampling import Roster
 from pollen.strategies.scaffold import ServerControl
 from pollen.task.objectives import ControlTerm
 from pollen.task.train import ClientOptimizer, OptimizerStep
-from tests.conftest import PROJECT, reply_from
+from tests.conftest import PROJECT, client_update, reply_from
 from tests.rounds import fedavg
 
 
@@ -61,12 +61,9 @@ def server_round(
 ) -> float:
     """The next model (FedAvg, equal weights) and, in `control`, the next c."""
     updates = [
-        ClientUpdate(
-            k, {"w": np.array([y])}, MetricRecord({"num-examples": 1}), 1.0,
-            {CONTROL: {"w": np.array([dc])}},
-        )
+        client_update(k, {"w": np.array([y])}, records={CONTROL: {"w": np.array([dc])}})
         for k, (y, dc) in sorted(results.items())
-    ]  # fmt: skip
+    ]
     current = {"w": np.array([x])}
     model = FedAvgUpdate().apply(current, Mean()(updates, current), lambda _: ("w",))
     control.update(updates)

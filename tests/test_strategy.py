@@ -10,7 +10,7 @@ import torch
 from flwr.app import Array, ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
 
 from pollen.protocol import CLIENT as CLIENT_KEY
-from pollen.strategies.aggregation import ClientUpdate, Mean
+from pollen.strategies.aggregation import Mean
 from pollen.strategies.fedavg import FedAvgUpdate
 from pollen.strategies.sampling import (
     OneMessagePerNode,
@@ -19,7 +19,7 @@ from pollen.strategies.sampling import (
     sample_clients,
 )
 from pollen.task.models import build_model
-from tests.conftest import reply_from
+from tests.conftest import client_update, reply_from
 from tests.rounds import fedavg
 
 pytestmark = pytest.mark.usefixtures("task_identity")
@@ -34,7 +34,7 @@ def weighted_fedavg(
 ) -> dict[str, np.ndarray]:
     """The aggregation step (Mean) and FedAvg's update, as a round applies them."""
     updates = [
-        ClientUpdate(c, r, MetricRecord({"num-examples": w}), w)
+        client_update(c, r, w)
         for c, (r, w) in enumerate(zip(records, weights, strict=True))
     ]
     return FedAvgUpdate().apply(records[0], Mean()(updates, records[0]), lambda _: ())

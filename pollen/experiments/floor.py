@@ -4,7 +4,7 @@ pollen's own partition, client seeds and `train_local`, every client in
 turn on tensors loaded beforehand, their models averaged by shard size, and
 nothing else: no federation, no messages, no evaluation between rounds.
 `benchmarks/throughput.py` times it against `pollen run`, and
-`tests/test_reference.py` checks that a real simulation ends at the same
+`tests/test_compute_floor.py` checks that a real simulation ends at the same
 model, so whatever makes the federated path faster is held to this.
 """
 

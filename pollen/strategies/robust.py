@@ -25,7 +25,7 @@ The rules are unweighted, as the papers are: a Byzantine client could
 claim any example count (Flower's MultiKrum weights its selected replies by
 it; the test compares them with equal counts). Flower 1.42 ships the
 same rules as strategies (FedMedian, FedTrimmedAvg, Krum, MultiKrum,
-Bulyan); tests/test_robust.py checks pollen's results against theirs. One
+Bulyan); tests/test_robust_aggregators.py checks pollen's results against theirs. One
 difference is deliberate: Flower's Bulyan selects its theta replies by one
 pass of multi-Krum's scores, pollen re-scores after each pick as the paper
 does; the two agree whenever the first ranking survives the removals (the

@@ -33,16 +33,13 @@ from pollen.strategies.robust import (
     recursive_krum,
     squared_distances,
 )
-from tests.conftest import reply_from
+from tests.conftest import client_update, reply_from
 
 pytestmark = pytest.mark.usefixtures("task_identity")
 
 
 def update(client: int, w: list[float], examples: float = 1.0) -> ClientUpdate:
-    arrays = {"w": np.asarray(w, dtype=np.float64)}
-    return ClientUpdate(
-        client, arrays, MetricRecord({"num-examples": examples}), examples
-    )
+    return client_update(client, {"w": np.asarray(w, dtype=np.float64)}, examples)
 
 
 # ---- by hand ------------------------------------------------------------------
@@ -150,10 +147,7 @@ def replies_and_updates(
         )
         for k, arrays in enumerate(clients)
     ]
-    updates = [
-        ClientUpdate(k, arrays, MetricRecord({"num-examples": counts[k]}), counts[k])
-        for k, arrays in enumerate(clients)
-    ]
+    updates = [client_update(k, arrays, counts[k]) for k, arrays in enumerate(clients)]
     return messages, updates
 
 
