@@ -1,7 +1,8 @@
 """The aggregation step: the replies of a round -> one aggregate per entry.
 
 It sits between the checked replies and the server update. Today's rule is
-the weighted mean (FedAvg's, McMahan et al. 2017),
+the weighted mean (FedAvg's, McMahan et al. 2017,
+https://arxiv.org/abs/1602.05629),
 
     x_bar = sum_k w_k x_k / sum_k w_k,
 

@@ -1,8 +1,9 @@
 """Central (user-level) differential privacy: DP-FedAvg's aggregation step.
 
 McMahan et al. 2018 ("Learning differentially private recurrent language
-models"), with the adaptive clipping of Andrew et al. 2021 ("Differentially
-private learning with adaptive clipping"). With x the current model, m the
+models", https://arxiv.org/abs/1710.06963), with the adaptive clipping of
+Andrew et al. 2021 ("Differentially private learning with adaptive
+clipping", https://arxiv.org/abs/1905.03871). With x the current model, m the
 round's planned sample size, C the clipping norm and z the noise multiplier:
 
     Delta_k = (y_k - x) min(1, C / ||y_k - x||)              (clipping)

@@ -1,5 +1,7 @@
 """FedAvg's server update (McMahan et al. 2017): the aggregate is the model.
 
+https://arxiv.org/abs/1602.05629 (Algorithm 1, the server's step):
+
     x_{t+1} = sum_k n_k x_k / sum_k n_k
 
 over the round's accepted replies (n_k: example counts), computed by the

@@ -1,5 +1,6 @@
 """FedBuff's aggregation (Nguyen et al. 2022, "Federated Learning with
-Buffered Asynchronous Aggregation", Algorithm 1).
+Buffered Asynchronous Aggregation", Algorithm 1,
+https://arxiv.org/abs/2106.06639).
 
 A client trains from the model version it was sent, v_k, and returns its
 model y_k; its update is Delta_k = y_k - x_{v_k}. The server collects K

@@ -1,5 +1,7 @@
 """FedDyn's server (Acar et al. 2021): a plain mean corrected by the state h.
 
+https://arxiv.org/abs/2111.04263, Algorithm 1.
+
 After each round, over the participating clients S_t and the previous model
 theta_prev,
 

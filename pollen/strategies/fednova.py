@@ -1,5 +1,6 @@
 """FedNova's normalised averaging (Wang et al. 2020, "Tackling the objective
-inconsistency problem in heterogeneous federated optimization").
+inconsistency problem in heterogeneous federated optimization",
+https://arxiv.org/abs/2007.07481).
 
 Clients that take different numbers of local steps pull the plain mean
 towards the objectives of those that take more. FedNova divides each update

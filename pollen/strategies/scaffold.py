@@ -1,5 +1,5 @@
 """SCAFFOLD's server control variate (Karimireddy et al. 2020, Algorithm 1,
-option II).
+option II, https://arxiv.org/abs/1910.06378).
 
 The server keeps c, one array per trained shared entry, zero at the start.
 Every training message carries it (record `control`); a client k corrects

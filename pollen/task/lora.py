@@ -1,5 +1,8 @@
 """LoRA layers and the frozen-backbone classifier of FedSA-FTL (seed 002).
 
+LoRA: Hu et al. 2021, https://arxiv.org/abs/2106.09685. FedSA (only the A
+matrices are shared): Guo et al. 2025, https://arxiv.org/abs/2410.01463.
+
 A `LoRALinear` computes W0 x + b + (alpha / rank) * B A dropout(x). A and B are
 ordinary `nn.Linear` children (`lora_a`, `lora_b`), so sharing policies can
 tell them apart by the module that owns them, and Opacus computes their

@@ -1,5 +1,8 @@
 """DP-SGD local training with Opacus: per-sample clipping, Gaussian noise, accounting.
 
+Abadi et al. 2016, "Deep learning with differential privacy",
+https://arxiv.org/abs/1607.00133 (Algorithm 1; Opacus: https://opacus.ai).
+
 DP-SGD runs through the one training loop (`pollen.task.train.train_loop`)
 with its own batch source (Poisson samples) and step rule (Opacus); what a
 client has spent is its `PrivacyLedger`, kept between rounds.

@@ -14,9 +14,11 @@ whether it is trained, never from its name:
 
 A policy is the set of kinds that travel; everything else stays on the
 client, in `context.state`, and is restored before its next local training.
-`shared`, `fedbn` and `silobn` differ in BatchNorm entries only; `lora-a`
-(FedSA) sends the A matrices alone, `lora` both A and B; `fedper` sends
-everything but the classifier.
+`shared`, `fedbn` (Li et al. 2021, https://arxiv.org/abs/2102.07623) and
+`silobn` (Andreux et al. 2020, https://arxiv.org/abs/2008.07424) differ in
+BatchNorm entries only; `lora-a` (FedSA) sends the A matrices alone, `lora`
+both A and B; `fedper` (https://arxiv.org/abs/1912.00818) sends everything
+but the classifier.
 """
 
 from __future__ import annotations
