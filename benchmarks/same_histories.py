@@ -2,7 +2,9 @@
 
     .venv/bin/python benchmarks/same_histories.py --against DIR [-c "key=value"]
 
-Runs each algorithm below in this checkout and in DIR (another checkout,
+Runs each configuration below (every strategy preset, aggregator, local
+objective and sharing policy, an attack on three aggregators, central DP
+clipped on the client, DP-SGD) in this checkout and in DIR (another checkout,
 e.g. `git worktree add DIR <commit>`, run with this one's environment) with
 the same settings and seed, and compares their `history.json` rows exactly,
 every column except `seconds` (wall time). A refactoring that changes no
@@ -21,15 +23,48 @@ from pathlib import Path
 from measure import run_pollen, side_by_side
 
 COMMON = "rounds=3 num-clients=4 client-frac=0.5 partition='niid'"
+# Robust aggregators need more replies a round than 2 (Krum: n >= 2f + 3,
+# Bulyan: n >= 4f + 3), so their runs sample 7 of 8 clients
+EIGHT = "num-clients=8 client-frac=0.875"
 RUNS = {
+    # every strategy preset
     "FedAvg": "strategy='fedavg' model='mlp'",
-    "FedDyn": "strategy='feddyn' model='mlp-bn'",
-    "FedAdam": "strategy='fedadam' model='mlp-bn'",
-    "FedBN + Yogi": "strategy='fedyogi' bn-policy='fedbn' model='mlp-bn'",
-    "FedSAM": "strategy='fedsam' model='mlp-bn'",
+    "FedAvgM": "strategy='fedavgm' model='mlp'",
     "FedProx": "strategy='fedprox' model='mlp'",
-    "DP-SGD": "strategy='fedavg' model='cnn-gn' dp=true dp-epsilon=4",
+    "FedSAM": "strategy='fedsam' model='mlp-bn'",
+    "SCAFFOLD": "strategy='scaffold' model='mlp'",
+    "FedDyn": "strategy='feddyn' model='mlp-bn'",
+    "FedAdagrad": "strategy='fedadagrad' model='mlp'",
+    "FedAdam": "strategy='fedadam' model='mlp-bn'",
+    "FedYogi": "strategy='fedyogi' model='mlp'",
     "FedSA": "strategy='fedsa' model='cnn-lora'",
+    "FedPer": "strategy='fedper' model='mlp'",
+    "Ditto": "strategy='ditto' model='mlp'",
+    "FedRep": "strategy='fedrep' model='mlp'",
+    "FedBuff": "strategy='fedbuff' model='mlp' concurrency=2 buffer-size=2",
+    # sharing policies beyond the presets'
+    "FedBN + Yogi": "strategy='fedyogi' bn-policy='fedbn' model='mlp-bn'",
+    "SiloBN + Adam": "strategy='fedadam' bn-policy='silobn' model='mlp-bn'",
+    # every aggregator beside the mean
+    "median": f"{EIGHT} aggregator='median' model='mlp'",
+    "trimmed mean": f"{EIGHT} aggregator='trimmed-mean' model='mlp'",
+    "Krum": f"{EIGHT} aggregator='krum' byzantine-clients=1 model='mlp'",
+    "multi-Krum": f"{EIGHT} aggregator='multi-krum' byzantine-clients=1 model='mlp'",
+    "Bulyan": f"{EIGHT} aggregator='bulyan' byzantine-clients=1 model='mlp'",
+    "FedNova": "aggregator='fednova' local-objective='prox' model='mlp'",
+    # every local objective beside the presets'
+    "FedDyn + SAM": "strategy='feddyn' local-objective='feddyn-sam' model='mlp'",
+    "FedProx + SAM": "local-objective='prox-sam' model='mlp'",
+    "SCAFFOLD + SAM": "strategy='scaffold' local-objective='scaffold-sam' model='mlp'",
+    # what wraps training: attacks, central DP (clipped on the client too)
+    "sign-flip on Krum": f"{EIGHT} aggregator='krum' byzantine-clients=1 "
+    "attack='sign-flip' attackers=0.25 model='mlp'",
+    "label-flip": "attack='label-flip' attacker-clients='1' model='mlp'",
+    "noise on median": f"{EIGHT} aggregator='median' attack='noise' "
+    "attacker-clients='0,3' model='mlp'",
+    "central DP, adaptive": "central-dp='adaptive' central-count-noise=1.0 "
+    "central-clip-on='client' model='mlp'",
+    "DP-SGD": "strategy='fedavg' model='cnn-gn' dp=true dp-epsilon=4",
 }
 SEEDED = ("round", "lr", "clients", "bytes-up", "bytes-down", "dp-epsilon")
 
