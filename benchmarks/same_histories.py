@@ -41,7 +41,8 @@ RUNS = {
     "FedPer": "strategy='fedper' model='mlp'",
     "Ditto": "strategy='ditto' model='mlp'",
     "FedRep": "strategy='fedrep' model='mlp'",
-    "FedBuff": "strategy='fedbuff' model='mlp' concurrency=2 buffer-size=2",
+    # one client in flight: with more, arrival order (so the history) is timing's
+    "FedBuff": "strategy='fedbuff' model='mlp' concurrency=1 buffer-size=1",
     # sharing policies beyond the presets'
     "FedBN + Yogi": "strategy='fedyogi' bn-policy='fedbn' model='mlp-bn'",
     "SiloBN + Adam": "strategy='fedadam' bn-policy='silobn' model='mlp-bn'",
