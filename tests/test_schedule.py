@@ -5,6 +5,7 @@ and Ditto's personal model (where it starts, what pulls it, where it stays)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import pytest
 import torch
@@ -43,36 +44,39 @@ class Pass:
     start: dict[str, torch.Tensor]
     epochs: int
     objective: LocalObjective
-    seed_offset: int
+    seed_offset: int = 0
 
 
 @dataclass
-class RecordedRun(LocalRun):
-    """A LocalRun that records each pass before running it."""
+class Recorded:
+    """A LocalRun whose passes are recorded before they run."""
 
+    run: LocalRun
     passes: list[Pass] = field(default_factory=list)
 
-    def epochs(
-        self,
-        model: nn.Module,
-        epochs: int,
-        objective: LocalObjective,
-        seed_offset: int = 0,
-    ) -> TrainResult:
-        trained = frozenset(n for n, p in model.named_parameters() if p.requires_grad)
-        start = {k: v.clone() for k, v in model.state_dict().items()}
-        self.passes.append(Pass(trained, start, epochs, objective, seed_offset))
-        return super().epochs(model, epochs, objective, seed_offset)
+    def __post_init__(self) -> None:
+        train = self.run.epochs
+
+        def epochs(model: nn.Module, *args: Any) -> TrainResult:
+            trained = frozenset(
+                n for n, p in model.named_parameters() if p.requires_grad
+            )
+            start = {k: v.clone() for k, v in model.state_dict().items()}
+            self.passes.append(Pass(trained, start, *args))
+            return train(model, *args)
+
+        self.run.epochs = epochs
 
 
-def local_run(s: Settings) -> RecordedRun:
+def local_run(s: Settings) -> Recorded:
     model = tiny_model()
     x = torch.linspace(-1, 1, 24).reshape(8, 3)
     y = torch.tensor([0, 1, 1, 0, 1, 0, 0, 1])
-    return RecordedRun(
+    run = LocalRun(
         s, 1, model, Sharing.of("fedper", model), torch.device("cpu"), x, y,
         ClientOptimizer("sgd", 0.1, 0.0), no_preprocess, 7,
     )  # fmt: skip
+    return Recorded(run)
 
 
 def context() -> Context:
@@ -99,20 +103,20 @@ def test_ditto_wraps_the_schedule_it_would_run_alone() -> None:
 
 
 def test_plain_trains_every_parameter_local_epochs_for_the_objective() -> None:
-    run = local_run(settings(**{"local-epochs": 3}))
+    recorded = local_run(settings(**{"local-epochs": 3}))
     objective = LocalObjective(0.05)
-    result, metrics = plain(run, objective, context())
-    [only] = run.passes
+    result, metrics = plain(recorded.run, objective, context())
+    [only] = recorded.passes
     assert only.trained == {*BODY, *HEAD} and only.epochs == 3
     assert only.objective is objective and only.seed_offset == 0
     assert result.steps == 3 * 2 and metrics == {TRAIN_LOSS: result.loss}
 
 
 def test_fedrep_trains_the_head_alone_then_the_body_alone() -> None:
-    run = local_run(settings(**{"local-epochs": 2}))
+    recorded = local_run(settings(**{"local-epochs": 2}))
     objective = LocalObjective(0.05, ProxTerm(0.5))
-    result, metrics = FedRep(3)(run, objective, context())
-    head, body = run.passes
+    result, metrics = FedRep(3)(recorded.run, objective, context())
+    head, body = recorded.passes
     # the head phase: the local classifier only, SAM kept, no regulariser
     assert head.trained == set(HEAD) and head.epochs == 3 and head.seed_offset == 3
     assert head.objective == LocalObjective(0.05)
@@ -122,7 +126,7 @@ def test_fedrep_trains_the_head_alone_then_the_body_alone() -> None:
     assert not torch.equal(body.start["2.weight"], head.start["2.weight"])
     assert torch.equal(body.start["0.weight"], head.start["0.weight"])
     assert result.steps == 2 * 2 and metrics == {TRAIN_LOSS: result.loss}
-    assert all(p.requires_grad for p in run.model.parameters())  # restored
+    assert all(p.requires_grad for p in recorded.run.model.parameters())  # restored
 
 
 def scaled_by_two(
@@ -136,13 +140,13 @@ def scaled_by_two(
 
 
 def test_ditto_trains_a_personal_model_pulled_to_the_received_one() -> None:
-    run = local_run(settings())
-    received = {k: v.clone() for k, v in run.model.state_dict().items()}
+    recorded = local_run(settings())
+    received = {k: v.clone() for k, v in recorded.run.model.state_dict().items()}
     state = context()
     ditto = Ditto(0.5, scaled_by_two, tiny_model)
-    outcome = ditto(run, LocalObjective(), state)
+    outcome = ditto(recorded.run, LocalObjective(), state)
     assert outcome == (TrainResult(0.25, 8, 1), {TRAIN_LOSS: 0.25})  # the global's
-    [first] = run.passes
+    [first] = recorded.passes
     # v_k starts at the received model (not the trained global one), is
     # pulled towards it with lambda and draws from seeds seed + 6
     for k, v in received.items():
@@ -155,7 +159,7 @@ def test_ditto_trains_a_personal_model_pulled_to_the_received_one() -> None:
     assert personal_state(state, 2) is None  # another client's
     # the next round starts from the kept v_k, anchored at that round's model
     again = local_run(settings())
-    ditto(again, LocalObjective(), state)
+    ditto(again.run, LocalObjective(), state)
     for k, v in kept.items():
         assert torch.equal(again.passes[0].start[k], v)
     assert ditto_state_key(1) in state.state
