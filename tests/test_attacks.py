@@ -6,10 +6,17 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from flwr.app import Array, ArrayRecord
+from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Message, RecordDict
 
+from pollen.protocol import ARRAYS, CLIENT, CONFIG, SERVER_ROUND
 from pollen.settings import Settings, SettingsError
-from pollen.task.attacks import flipped_labels, poisoned
+from pollen.task.attacks import (
+    flipped_labels,
+    poisoned,
+    poisoning_mod,
+    trained_labels,
+)
+from pollen.task.train import client_seed
 
 SENT = ArrayRecord(
     {
@@ -93,3 +100,45 @@ def test_attacking_clients_drawn_by_seed_or_named() -> None:
 def test_bad_attack_settings_are_refused(overrides: dict, message: str) -> None:
     with pytest.raises(SettingsError, match=message):
         settings(**overrides)
+
+
+def test_only_a_label_flipping_attacker_trains_on_flipped_labels() -> None:
+    y = torch.tensor([0, 1, 9])
+    flipping = settings(attack="label-flip", attacker_clients="3")
+    assert trained_labels(flipping, 3, y).tolist() == [9, 8, 0]
+    assert trained_labels(flipping, 4, y) is y  # an honest client
+    poisoning = settings(attack="sign-flip", attacker_clients="3")
+    assert trained_labels(poisoning, 3, y) is y  # it lies later, about its model
+
+
+def poisoning_reply(s: Settings, client: int) -> ArrayRecord:
+    """What `poisoning_mod` makes of a handler that trained SENT to TRAINED."""
+    config = ConfigRecord({CLIENT: client, SERVER_ROUND: 2})
+    msg = Message(
+        RecordDict({ARRAYS: SENT, CONFIG: config}), dst_node_id=1, message_type="train"
+    )
+
+    def trained(msg: Message, context: Context) -> Message:
+        return Message(RecordDict({ARRAYS: TRAINED}), reply_to=msg)
+
+    context = Context(1, 1, {}, RecordDict(), s.to_run_config())
+    return poisoning_mod(msg, context, trained).content[ARRAYS]
+
+
+@pytest.mark.usefixtures("task_identity")
+def test_poisoning_mod_lies_for_the_attackers_only() -> None:
+    """Client 3 sends x_sent - s Delta (s = 10) instead of TRAINED; client 4
+    sends TRAINED; the noise attack draws from the round's training seed."""
+    sign_flip = settings(attack="sign-flip", attacker_clients="3")
+    lie = poisoning_reply(sign_flip, 3)
+    np.testing.assert_allclose(lie["w"].numpy(), [1 - 10 * 1.0, 2 - 10 * -0.5])
+    honest = poisoning_reply(sign_flip, 4)
+    np.testing.assert_array_equal(honest["w"].numpy(), TRAINED["w"].numpy())
+    noisy = settings(attack="noise", attacker_clients="3", seed=5)
+    seed = client_seed(5, 2, 3)
+    expected = poisoned("noise", SENT, TRAINED, 10.0, seed)["w"].numpy()
+    np.testing.assert_array_equal(poisoning_reply(noisy, 3)["w"].numpy(), expected)
+    labels = settings(attack="label-flip", attacker_clients="3")
+    np.testing.assert_array_equal(
+        poisoning_reply(labels, 3)["w"].numpy(), TRAINED["w"].numpy()
+    )

@@ -436,7 +436,10 @@ def test_a_changed_app_runs_its_own_code_not_the_preloaded(
                     ignore=shutil.ignore_patterns("__pycache__"))  # fmt: skip
     client_app = changed / "pollen" / "client_app.py"
     source = client_app.read_text()
-    anchor = "    cm = ClientModel.assemble(msg, context)\n    s = cm.settings\n"
+    anchor = (
+        "    cm = ClientModel.assemble(msg, context)\n"
+        "    s, config = cm.settings, msg.content[CONFIG]\n"
+    )
     assert anchor in source
     client_app.write_text(source.replace(anchor, anchor + (
         '    state_dir = Path(str(context.node_config["state-dir"]))\n'

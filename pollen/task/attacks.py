@@ -17,21 +17,56 @@ federated learning"). With Delta = x_trained - x_sent its update and s =
 
 Only floating entries are changed (BatchNorm's integer counters keep their
 trained value). The same code runs in simulation and deployment, inside the
-ClientApp, so the server sees exactly what a real malicious node would send.
+ClientApp, so the server sees exactly what a real malicious node would send:
+the labels are flipped where the round's examples are assembled
+(`trained_labels`), the model is poisoned by a ClientApp mod around the
+training handler (`poisoning_mod`), after any central-DP clipping
+(`pollen.task.client_clip`), so the lie is what leaves the node.
 """
 
 from __future__ import annotations
 
 import numpy as np
 import torch
-from flwr.app import Array, ArrayRecord
+from flwr.app import Array, ArrayRecord, Context, Message
+from flwr.clientapp.typing import ClientAppCallable
 
-from ..catalog import MODEL_POISONING
+from ..catalog import DATA_SETS, MODEL_POISONING
+from ..protocol import ARRAYS, CLIENT, CONFIG, SERVER_ROUND
+from ..settings import Settings
+from .node_data import node_settings
+from .train import client_seed
 
 
 def flipped_labels(y: torch.Tensor, classes: int) -> torch.Tensor:
     """Labels y -> C - 1 - y: every example teaches the wrong class."""
     return classes - 1 - y
+
+
+def trained_labels(settings: Settings, client: int, y: torch.Tensor) -> torch.Tensor:
+    """The labels `client` trains on: flipped where it attacks by `label-flip`."""
+    if settings.attack == "label-flip" and client in settings.attacking_clients:
+        return flipped_labels(y, DATA_SETS[settings.data_set].classes)
+    return y
+
+
+def poisoning_mod(
+    msg: Message, context: Context, call_next: ClientAppCallable
+) -> Message:
+    """A ClientApp mod: an attacking client's training reply carries the
+    `poisoned` entries (seeded by its round's training seed) instead of the
+    ones it trained."""
+    reply = call_next(msg, context)
+    settings = node_settings(context)
+    config = msg.content[CONFIG]
+    client = int(config[CLIENT])
+    if settings.attack in MODEL_POISONING and client in settings.attacking_clients:
+        seed = client_seed(settings.seed, int(config[SERVER_ROUND]), client)
+        reply.content[ARRAYS] = poisoned(
+            settings.attack, msg.content[ARRAYS], reply.content[ARRAYS],
+            settings.attack_scale, seed,
+        )  # fmt: skip
+    return reply
 
 
 def poisoned(

@@ -1,18 +1,26 @@
 """What one node trains and evaluates on: shards of the run's data set, or
 the node's own examples (node config `data-file`).
+
+Both node-config keys are optional: `data-root` replaces the run's
+`data-root` (a path on the server's machine) as the folder this node loads
+the run's data set from, and `data-file` names a .npz of the node's own
+examples, which it trains on whole as client `partition-id` instead of a
+shard of the data set (`pollen.task.data.read_node_file`).
 """
 
 from __future__ import annotations
 
 from collections.abc import Hashable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import cache
 from logging import WARNING
 from pathlib import Path
 
 import torch
+from flwr.app import Context
 from flwr.common.logger import log
 
+from ..protocol import CLIENT, NUM_PARTITIONS
 from ..settings import Settings
 from .data import DataError, Dataset, load_dataset, read_node_file
 from .partition import (
@@ -153,6 +161,66 @@ class NodeData:
     def split_key(self, split: str, client: int) -> Hashable:
         """What `model_inputs` names `client`'s `split` ("train", "test") by."""
         return f"{split}-{client}" if self.own is None else (split, self.own)
+
+
+DATA_ROOT = "data-root"  # node config: where this node finds the run's data set
+DATA_FILE = "data-file"  # node config: a .npz of this node's own examples
+
+
+@cache
+def _settings(items: frozenset) -> Settings:
+    return Settings.from_run_config(dict(items))
+
+
+def node_settings(context: Context) -> Settings:
+    """The run's settings as this node uses them: with its own `data-root`
+    where its node config names one."""
+    settings = _settings(frozenset(context.run_config.items()))
+    root = _node_path(context, DATA_ROOT)
+    return settings if root is None else replace(settings, data_root=root)
+
+
+def node_data(context: Context) -> NodeData:
+    """Where this node's examples come from: shards of the run's data set or,
+    with node config `data-file`, its own file (client `partition-id`'s)."""
+    settings = node_settings(context)
+    path = _node_path(context, DATA_FILE)
+    if path is None:
+        return NodeData(settings)
+    client, _ = node_partition(context)
+    return NodeData(settings, OwnData.of(settings.data_set, path, client))
+
+
+def node_partition(context: Context) -> tuple[int, int]:
+    """This node's `partition-id` and `num-partitions` (its node config; set
+    by the simulation, by `pollen deploy`, or by hand on a SuperNode)."""
+    values = []
+    for key in (CLIENT, NUM_PARTITIONS):
+        value = context.node_config.get(key)
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ValueError(
+                f"node config {key}={value!r}: expected an integer; start the "
+                "SuperNode with --node-config 'partition-id=K num-partitions=N'"
+            )
+        values.append(value)
+    client, count = values
+    if not 0 <= client < count:
+        raise ValueError(
+            f"node config partition-id={client}: expected 0 <= partition-id < "
+            f"num-partitions ({count})"
+        )
+    return client, count
+
+
+def _node_path(context: Context, key: str) -> str | None:
+    """Node-config `key` as a path; None where it is absent or empty."""
+    value = context.node_config.get(key, "")
+    if not isinstance(value, str):
+        raise ValueError(
+            f"node config {key}={value!r}: expected a path in quotes "
+            f'({key}="/path/to/it")'
+        )
+    return value or None
 
 
 @cache

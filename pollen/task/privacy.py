@@ -38,6 +38,7 @@ from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
 from ..protocol import DP_EPSILON, DP_NOISE_MULTIPLIER, dp_steps_key
+from .local_run import LocalRun, Outcome
 from .objectives import LocalObjective
 from .train import (
     Batch,
@@ -263,3 +264,19 @@ class PrivacyLedger:
             DP_EPSILON: self.plan.epsilon_after(self.steps),
             DP_NOISE_MULTIPLIER: self.plan.noise_multiplier,
         }
+
+
+def private(run: LocalRun, objective: LocalObjective, context: Context) -> Outcome:
+    """DP-SGD for one round (a `Training`, chosen by `dp`); the privacy spent
+    over every round so far. The loss on the private batches is not covered
+    by epsilon, so it does not leave the client."""
+    check_private_model(run.model, run.settings.model)
+    plan = PrivacyPlan.from_settings(run.settings, len(run.y))
+    ledger = PrivacyLedger.load(context, run.client, plan)
+    result = train_private(
+        run.model, run.x, run.y, plan=plan, optimizer=run.optimizer,
+        preprocess=run.prep, seed=run.seed, objective=objective,
+    )  # fmt: skip
+    ledger.spend(result.steps)
+    ledger.save(context, run.client)
+    return result, ledger.metrics()

@@ -5,7 +5,8 @@ whether it is trained, never from its name:
 
 - `weight`: a trained parameter outside BatchNorm;
 - `head`: a trained parameter of the model's last `nn.Linear`, its
-  classifier (FedPer's personal layer, Arivazhagan et al. 2019);
+  classifier (FedPer's personal layer, Arivazhagan et al. 2019,
+  https://arxiv.org/abs/1912.00818);
 - `bn-affine`: BatchNorm's trained scale and shift;
 - `bn-stat`: BatchNorm's running mean, variance and batch counter;
 - `buffer`: any other persistent buffer;
@@ -18,7 +19,10 @@ client, in `context.state`, and is restored before its next local training.
 `silobn` (Andreux et al. 2020, https://arxiv.org/abs/2008.07424) differ in
 BatchNorm entries only; `lora-a` (FedSA) sends the A matrices alone, `lora`
 both A and B; `fedper` (https://arxiv.org/abs/1912.00818) sends everything
-but the classifier.
+but the classifier, so each client keeps a personal classifier over the
+shared base layers, restored from `context.state` like every local entry
+(FedPer needs no training schedule of its own; FedRep, on the same policy,
+adds one: `pollen.task.fedrep`).
 """
 
 from __future__ import annotations

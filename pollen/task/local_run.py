@@ -1,0 +1,79 @@
+"""One round's local training on one client, and the shape of a training schedule.
+
+A `LocalRun` holds what a round trains with: the client's assembled model,
+its examples (after any label flip, `pollen.task.attacks`), the optimiser,
+the preprocessing and the round's seed; `LocalRun.epochs` is the one pass
+every schedule is made of (`pollen.task.train.train_local`).
+
+A `Training` is what the round runs on it: `plain` epochs here, FedRep's
+head-then-body phases (`pollen.task.fedrep`), DP-SGD (`pollen.task.privacy`),
+Ditto's personal model after the global one (`pollen.task.ditto`);
+`pollen.task.schedule` picks one from the settings. Each pass draws from its
+own seeds (`seed`, `seed + 3`, `seed + 6`: `train_local` uses three from
+its seed).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+from flwr.app import Context
+from torch import nn
+
+from ..protocol import TRAIN_LOSS
+from ..settings import Settings
+from .objectives import LocalObjective
+from .sharing import Sharing
+from .train import ClientOptimizer, TrainResult, Transform, train_local
+
+Outcome = tuple[TrainResult, dict[str, float]]  # the result, its own metrics
+
+
+@dataclass
+class LocalRun:
+    """One round's local training on one client: its model and sharing
+    policy, examples, optimiser, preprocessing and seed."""
+
+    settings: Settings
+    client: int
+    model: nn.Module
+    sharing: Sharing
+    device: torch.device
+    x: torch.Tensor
+    y: torch.Tensor
+    optimizer: ClientOptimizer
+    prep: Transform
+    seed: int
+
+    def epochs(
+        self,
+        model: nn.Module,
+        epochs: int,
+        objective: LocalObjective,
+        seed_offset: int = 0,
+    ) -> TrainResult:
+        """`epochs` of SGD steps on `model` for `objective`."""
+        s = self.settings
+        return train_local(
+            model, self.x, self.y,
+            epochs=epochs, batch_size=s.batch_size, optimizer=self.optimizer,
+            preprocess=self.prep, seed=self.seed + seed_offset,
+            max_grad_norm=s.max_grad_norm, objective=objective,
+        )  # fmt: skip
+
+
+class Training(Protocol):
+    """What one round trains: the model of `run` for `objective`, with the
+    client's `context.state` for what it keeps between rounds."""
+
+    def __call__(
+        self, run: LocalRun, objective: LocalObjective, context: Context
+    ) -> Outcome: ...
+
+
+def plain(run: LocalRun, objective: LocalObjective, context: Context) -> Outcome:
+    """`local-epochs` of the model for the objective; their mean loss."""
+    result = run.epochs(run.model, run.settings.local_epochs, objective)
+    return result, {TRAIN_LOSS: result.loss}

@@ -1,0 +1,34 @@
+"""Which training a round runs, from the settings: the one place that decides.
+
+DP-SGD (`dp`, `pollen.task.privacy`), FedRep's two phases (`head-epochs`,
+`pollen.task.fedrep`) or plain epochs (`pollen.task.local_run`); under
+Ditto (`ditto-lambda`, `pollen.task.ditto`) the personal model's step
+follows whichever it is. The settings refuse DP-SGD with either of the
+others. FedPer needs no schedule: its sharing policy keeps the classifier
+on the client (`pollen.task.sharing`).
+"""
+
+from __future__ import annotations
+
+from functools import partial
+
+from ..settings import Settings
+from .data import Dataset
+from .ditto import Ditto
+from .fedrep import FedRep
+from .inputs import settings_model
+from .local_run import Training, plain
+from .privacy import private
+
+
+def local_training(settings: Settings, dataset: Dataset) -> Training:
+    """The round's training for `settings` (models of `dataset`)."""
+    training: Training = plain
+    if settings.dp:
+        training = private
+    elif settings.head_epochs:
+        training = FedRep(settings.head_epochs)
+    if settings.ditto_lambda:
+        new_model = partial(settings_model, settings, dataset)
+        return Ditto(settings.ditto_lambda, training, new_model)
+    return training
