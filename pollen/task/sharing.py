@@ -18,11 +18,10 @@ client, in `context.state`, and is restored before its next local training.
 `shared`, `fedbn` (Li et al. 2021, https://arxiv.org/abs/2102.07623) and
 `silobn` (Andreux et al. 2020, https://arxiv.org/abs/2008.07424) differ in
 BatchNorm entries only; `lora-a` (FedSA) sends the A matrices alone, `lora`
-both A and B; `fedper` sends everything
-but the classifier, so each client keeps a personal classifier over the
-shared base layers, restored from `context.state` like every local entry
-(FedPer needs no training schedule of its own; FedRep, on the same policy,
-adds one: `pollen.task.fedrep`).
+both A and B; `fedper` sends everything but the classifier, so each client
+keeps a personal classifier over the shared base layers, restored from
+`context.state` like every local entry (FedPer needs no training schedule of
+its own; FedRep, on the same policy, adds one: `pollen.task.fedrep`).
 """
 
 from __future__ import annotations
