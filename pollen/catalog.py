@@ -6,7 +6,9 @@ updates, aggregation rules, local objectives, sharing policies) and the
 strategy presets that combine them. `pollen.settings` validates run configs
 against this catalogue, the CLI lists it, and each implementation is named
 here by where it lives ("module:attribute"), so a new part is one entry
-here plus its own module: nothing else decodes a name.
+here plus its own module: `load` is the one place that turns a name into
+code, and a part's own rules (what it needs and refuses) travel with its
+implementation, where `pollen.settings` asks them at run time.
 """
 
 from __future__ import annotations
@@ -108,14 +110,28 @@ class ModelInfo:
         return None
 
 
+def load(path: str) -> Any:
+    """The object at `path` ("module:attribute"), its module imported on
+    first use: how every part, pollen's own or a plug-in, is reached."""
+    module, _, attribute = path.partition(":")
+    return getattr(importlib.import_module(module), attribute)
+
+
 @dataclass(frozen=True)
 class Part:
     """One composable part of an algorithm: its name, what it does and the
-    object that implements it ("module:attribute", imported on first use)."""
+    object that implements it ("module:attribute", imported on first use).
+
+    The implementation carries the part's rules: `problem(settings)` (a
+    classmethod) says why the part cannot run with a run's settings, or
+    None, and `pollen.settings` asks it of every part a run combines (the
+    fewest replies an aggregator is defined for, the modes and the other
+    parts it refuses), so no rule of a part is copied elsewhere.
+    """
 
     name: str
     summary: str
-    implementation: str = ""
+    implementation: str
     # the likely cause when a run with this part diverges ({settings attribute})
     divergence_hint: str = ""
     # client hyper-parameters (TRAINING_KEYS) the part's algorithm assumes:
@@ -126,8 +142,7 @@ class Part:
 
     def load(self) -> Any:
         """The implementing object (a class or a function)."""
-        module, _, attribute = self.implementation.partition(":")
-        return getattr(importlib.import_module(module), attribute)
+        return load(self.implementation)
 
 
 def _by_name(*items: Any) -> dict[str, Any]:
@@ -187,8 +202,9 @@ SERVER_UPDATES: dict[str, Part] = _by_name(
          "pollen.strategies.feddyn:FedDynUpdate", FEDDYN_HINT),
     *(
         Part(name, f"server {name} on the pseudo-gradient (FedOpt)",
-             "pollen.strategies.fedopt:FedOptUpdate", "server-lr={server_lr:g} too high")
-        for name in ("sgd", "adagrad", "adam", "yogi")
+             f"pollen.strategies.fedopt:{optimizer}", "server-lr={server_lr:g} too high")
+        for name, optimizer in (("sgd", "ServerSgd"), ("adagrad", "ServerAdagrad"),
+                                ("adam", "ServerAdam"), ("yogi", "ServerYogi"))
     ),
 )  # fmt: skip
 
@@ -202,7 +218,7 @@ AGGREGATORS: dict[str, Part] = _by_name(
     Part("krum", "the one reply closest to its n-f-2 neighbours (Blanchard "
          "et al. 2017)", f"{ROBUST}:Krum"),
     Part("multi-krum", "mean of the krum-select replies of lowest "
-         "Krum score", f"{ROBUST}:Krum"),
+         "Krum score", f"{ROBUST}:MultiKrum"),
     Part("bulyan", "recursive Krum, then a trimmed mean around the median "
          "(El Mhamdi et al. 2018)", f"{ROBUST}:Bulyan"),
     Part("fednova", "normalised averaging: each update over its effective "
@@ -226,25 +242,30 @@ SCAFFOLD_REASON = (
 )
 
 # "<regulariser>-sam": that regulariser, with the data gradient taken at SAM's
-# perturbed point (pollen.task.objectives decodes these names)
+# perturbed point
+OBJECTIVES = "pollen.task.objective_parts"
 LOCAL_OBJECTIVES: dict[str, Part] = _by_name(
-    Part("plain", "the data loss"),
-    Part("sam", "the data loss at SAM's perturbed point (FedSAM)"),
-    Part("feddyn", "FedDyn's dynamic regulariser", divergence_hint=FEDDYN_HINT),
-    Part("prox", "FedProx's proximal term"),
-    Part("feddyn-sam", "FedDyn's regulariser with SAM", divergence_hint=FEDDYN_HINT),
-    Part("prox-sam", "FedProx's term with SAM"),
+    Part("plain", "the data loss", f"{OBJECTIVES}:Plain"),
+    Part("sam", "the data loss at SAM's perturbed point (FedSAM)",
+         f"{OBJECTIVES}:Sam"),
+    Part("feddyn", "FedDyn's dynamic regulariser", f"{OBJECTIVES}:FedDyn",
+         divergence_hint=FEDDYN_HINT),
+    Part("prox", "FedProx's proximal term", f"{OBJECTIVES}:Prox"),
+    Part("feddyn-sam", "FedDyn's regulariser with SAM", f"{OBJECTIVES}:FedDynSam",
+         divergence_hint=FEDDYN_HINT),
+    Part("prox-sam", "FedProx's term with SAM", f"{OBJECTIVES}:ProxSam"),
     Part("scaffold", "SCAFFOLD's control-variate correction c - c_k",
-         training=SCAFFOLD_TRAINING, training_reason=SCAFFOLD_REASON),
+         f"{OBJECTIVES}:Scaffold", training=SCAFFOLD_TRAINING,
+         training_reason=SCAFFOLD_REASON),
     Part("scaffold-sam", "SCAFFOLD's correction with SAM",
-         training=SCAFFOLD_TRAINING, training_reason=SCAFFOLD_REASON),
+         f"{OBJECTIVES}:ScaffoldSam", training=SCAFFOLD_TRAINING,
+         training_reason=SCAFFOLD_REASON),
 )  # fmt: skip
 
-# user-level DP-FedAvg (pollen.strategies.central_dp): off, or its clipping
+# user-level DP-FedAvg: off, or its clipping, both by one aggregation step
+# (which replaces the aggregator)
 CENTRAL_DP = ("off", "fixed", "adaptive")
-
-# the objectives whose server keeps a control variate (pollen.strategies.scaffold)
-CONTROL_VARIATE_OBJECTIVES = ("scaffold", "scaffold-sam")
+CENTRAL_DP_STEP = "pollen.strategies.central_dp:CentralDP"
 
 # Which model entries travel (pollen.task.sharing): BatchNorm policies
 # under `sharing = all`, and the LoRA policies of FedSA.

@@ -284,10 +284,11 @@ def test_a_part_brings_the_client_settings_its_paper_assumes() -> None:
 
 def test_parts_that_assume_different_client_settings_need_an_explicit_one() -> None:
     plain, heavy = (
-        Part(name, "", training={"momentum": rho})
+        Part(name, "", "pollen.task.objective_parts:Plain", training={"momentum": rho})
         for name, rho in (("plain-part", 0.0), ("heavy-part", 0.5))
     )
-    assert assumed_training(plain, Part("silent", "")) == {"momentum": 0.0}
+    silent = Part("silent", "", "pollen.task.objective_parts:Plain")
+    assert assumed_training(plain, silent) == {"momentum": 0.0}
     with pytest.raises(ValueError, match=r"heavy-part's 0\.5.*set momentum explicitly"):
         assumed_training(plain, heavy)
 

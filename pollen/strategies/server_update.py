@@ -7,16 +7,18 @@ aggregate of the clients' entries, and which shared entries are trained
 or other buffers, which are simply averaged). What it keeps between rounds
 (moments, FedDyn's h) it exports as plain arrays for checkpoints.
 
-Implementations: `fedavg.FedAvgUpdate`, `fedopt.FedOptUpdate`,
+Implementations: `fedavg.FedAvgUpdate`, the FedOpt optimisers in `fedopt`,
 `feddyn.FedDynUpdate`, each named in `pollen.catalog.SERVER_UPDATES`.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
+from typing import Any, ClassVar
 
 import numpy as np
 
+from ..catalog import SERVER_UPDATES
 from .aggregation import Aggregate, Arrays
 
 # which shared entries are trained: (exclude BatchNorm's affine entries?) -> names
@@ -28,6 +30,26 @@ class ServerUpdate:
 
     # the aggregation step weights replies by example count unless this is set
     uniform_mean: bool = False
+    # the server learning rate `server-lr = "auto"` stands for
+    auto_server_lr: ClassVar[float] = 1.0
+    # why it needs synchronous rounds of one model version ("": async too)
+    synchronous_only: ClassVar[str] = ""
+
+    @classmethod
+    def problem(cls, settings: Any) -> str | None:
+        """Why this update cannot run with `settings`, or None (what
+        `pollen.settings` asks of the run's server update)."""
+        if not (cls.synchronous_only and settings.mode == "async"):
+            return None
+        return (
+            f"mode='async' with server-update={settings.server_update!r}: "
+            f"{cls.synchronous_only}; allowed with async: "
+            + ", ".join(
+                name
+                for name, part in SERVER_UPDATES.items()
+                if not part.load().synchronous_only
+            )
+        )
 
     def apply(
         self, current: Arrays, aggregate: Aggregate, trained: TrainedKeys
