@@ -79,6 +79,12 @@ def one_of(*choices: str) -> Rule:
     return Rule(lambda v: v in choices, "one of " + ", ".join(choices))
 
 
+def part_of(parts: Mapping[str, Part], *extra: str) -> Rule:
+    """One of `extra` or of the catalogue's `parts` as they are when the key
+    is checked, so a part added to the catalogue is allowed."""
+    return Rule(lambda v: v in extra or v in parts, one_of(*extra, *parts).allowed)
+
+
 def at_least(low: float) -> Rule:
     return Rule(lambda v: v >= low, f">= {low:g}")
 
@@ -207,12 +213,12 @@ class Settings:
     )
     server_update: str = key(
         AUTO, "how the server turns replies into the next model",
-        one_of(AUTO, *SERVER_UPDATES),
+        part_of(SERVER_UPDATES, AUTO),
     )  # fmt: skip
     aggregator: str = key(
         "mean",
         "how a round's replies become one aggregate, before the server update",
-        one_of(*AGGREGATORS),
+        part_of(AGGREGATORS),
     )
     trim_fraction: float = key(
         0.2,
@@ -232,7 +238,7 @@ class Settings:
         at_least(0),
     )
     local_objective: str = key(
-        AUTO, "what each client minimises", one_of(AUTO, *LOCAL_OBJECTIVES)
+        AUTO, "what each client minimises", part_of(LOCAL_OBJECTIVES, AUTO)
     )
     bn_policy: str = key(
         "shared",
