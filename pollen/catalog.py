@@ -14,7 +14,7 @@ implementation, where `pollen.settings` asks them at run time.
 from __future__ import annotations
 
 import importlib
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -85,7 +85,8 @@ class DataSetInfo:
 
 @dataclass(frozen=True)
 class ModelInfo:
-    """A model's name, what it is, and what it asks of its inputs and data."""
+    """A model's name, what it is, and what it asks of its inputs, its
+    training and its sharing (its rules, which `pollen.settings` asks)."""
 
     name: str
     summary: str
@@ -93,6 +94,8 @@ class ModelInfo:
     lora: bool = False  # has LoRA layers: sharing lora-a / lora applies
     min_side: int = 0  # smallest image side it takes
     colour_only: bool = False
+    # a frozen backbone whose features `cache-features` computes once
+    frozen_backbone: bool = False
 
     def input_problem(self, channels: int, side: int) -> str | None:
         """Why this model cannot take `channels` x `side` x `side` images, or None."""
@@ -108,6 +111,55 @@ class ModelInfo:
                 f"{self.min_side}x{self.min_side}, not {side}x{side}"
             )
         return None
+
+    def problem(self, settings: Any) -> str | None:
+        """Why this model cannot be shared or trained as `settings` ask, or
+        None: LoRA's sharings need LoRA layers and FedPer's local classifier
+        is none; cached features are un-augmented; BatchNorm mixes a batch's
+        samples (no DP-SGD, no step on one sample) and a BatchNorm policy
+        needs it."""
+        s, name = settings, repr(self.name)
+        if s.sharing in LORA_SHARING and not self.lora:
+            return (
+                f"sharing={s.sharing!r} needs a model with LoRA layers; model is "
+                f"{name}; allowed: " + ", ".join(_models(lambda m: m.lora))
+            )
+        if s.sharing == "fedper" and self.lora:
+            return (
+                f"sharing='fedper' with model={name}: its classifier is a LoRA "
+                "head, whose sharing is lora-a (FedSA) or lora; allowed with "
+                "fedper: " + ", ".join(_models(lambda m: not m.lora))
+            )
+        if self.frozen_backbone and s.cache_features and s.augment:
+            return (
+                "cache-features=true with augment=true: features are computed "
+                "once, from un-augmented images; set augment=false or "
+                "cache-features=false"
+            )
+        if s.dp and self.batchnorm:
+            return (
+                f"dp=true with model={name}: its BatchNorm mixes the samples of a "
+                "batch, so per-sample gradients (DP-SGD) are undefined; allowed "
+                "with dp: " + ", ".join(_models(lambda m: not m.batchnorm))
+            )
+        if s.bn_policy != "shared" and not self.batchnorm:
+            return (
+                f"bn-policy={s.bn_policy!r} with model={name}, which has no "
+                "BatchNorm layer to keep local (the run would be plain FedAvg); "
+                "models with BatchNorm: " + ", ".join(_models(lambda m: m.batchnorm))
+            )
+        if self.batchnorm and s.batch_size == 1:
+            return (
+                f"batch-size=1 with model={name}: BatchNorm cannot train on one "
+                "sample, so no step would be taken; use batch-size=2 or more, or "
+                "a model without BatchNorm (mlp, cnn-gn, simple-cnn)"
+            )
+        return None
+
+
+def _models(has: Callable[[ModelInfo], bool]) -> list[str]:
+    """The names of the models that `has` a feature."""
+    return [name for name, info in MODELS.items() if has(info)]
 
 
 def load(path: str) -> Any:
@@ -192,6 +244,7 @@ MODELS: dict[str, ModelInfo] = _by_name(
         lora=True,
         min_side=32,
         colour_only=True,
+        frozen_backbone=True,
     ),
 )
 

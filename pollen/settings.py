@@ -781,23 +781,14 @@ def first_difference(
 
 def _check_combination(s: Settings) -> None:
     """Refuse combinations of valid values that cannot work together: the
-    model's features, the data's split, then what the run's parts refuse
-    (asked of each), central DP, the attack and asynchronous training."""
+    model's rules, personal models, the data's split, then what the run's
+    parts refuse (asked of each), central DP, the attack and asynchronous
+    training."""
     data_set, model = DATA_SETS[s.data_set], MODELS[s.model]
     if problem := model.input_problem(data_set.channels, data_set.side):
         raise SettingsError(f"{problem}; data-set={s.data_set!r}")
-    if s.sharing in LORA_SHARING and not model.lora:
-        raise SettingsError(
-            f"sharing={s.sharing!r} needs a model with LoRA layers; model is "
-            f"{s.model!r}; allowed: "
-            + ", ".join(name for name, m in MODELS.items() if m.lora)
-        )
-    if s.sharing == "fedper" and model.lora:
-        raise SettingsError(
-            f"sharing='fedper' with model={s.model!r}: its classifier is a LoRA "
-            "head, whose sharing is lora-a (FedSA) or lora; allowed with fedper: "
-            + ", ".join(name for name, m in MODELS.items() if not m.lora)
-        )
+    if problem := model.problem(s):
+        raise SettingsError(problem)
     if s.head_epochs and s.sharing != "fedper":
         raise SettingsError(
             f"head-epochs={s.head_epochs} with sharing={s.sharing!r}: FedRep "
@@ -821,15 +812,9 @@ def _check_combination(s: Settings) -> None:
             "other than all decides every entry itself (BatchNorm included); "
             "leave bn-policy at shared"
         )
-    if s.model == "vgg16-lora" and s.cache_features and s.augment:
-        raise SettingsError(
-            "cache-features=true with augment=true: features are computed once, "
-            "from un-augmented images; set augment=false or cache-features=false"
-        )
     if problem := split_problem(data_set, s.partition, s.num_clients, s.min_size,
                                 s.classes_per_client):  # fmt: skip
         raise SettingsError(problem)
-    _check_batchnorm(s, model.batchnorm)
     _check_parts(s)
     if s.central_dp != "off" and (problem := load(CENTRAL_DP_STEP).problem(s)):
         raise SettingsError(problem)
@@ -852,30 +837,6 @@ def _check_combination(s: Settings) -> None:
             "dp=true with resume is not supported: the noise is calibrated for "
             "the run as planned, and a node without its state files would count "
             "its privacy spending from zero; start a new run instead"
-        )
-
-
-def _check_batchnorm(s: Settings, batchnorm: bool) -> None:
-    """BatchNorm mixes a batch's samples: no DP-SGD, no step on one sample,
-    and a BatchNorm policy needs BatchNorm layers."""
-    if s.dp and batchnorm:
-        raise SettingsError(
-            f"dp=true with model={s.model!r}: its BatchNorm mixes the samples of "
-            "a batch, so per-sample gradients (DP-SGD) are undefined; allowed "
-            "with dp: " + ", ".join(n for n, m in MODELS.items() if not m.batchnorm)
-        )
-    if s.bn_policy != "shared" and not batchnorm:
-        raise SettingsError(
-            f"bn-policy={s.bn_policy!r} with model={s.model!r}, which has no "
-            "BatchNorm layer to keep local (the run would be plain FedAvg); "
-            "models with BatchNorm: "
-            + ", ".join(name for name, m in MODELS.items() if m.batchnorm)
-        )
-    if batchnorm and s.batch_size == 1:
-        raise SettingsError(
-            f"batch-size=1 with model={s.model!r}: BatchNorm cannot train on one "
-            "sample, so no step would be taken; use batch-size=2 or more, or a "
-            "model without BatchNorm (mlp, cnn-gn, simple-cnn)"
         )
 
 
