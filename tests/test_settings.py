@@ -234,8 +234,8 @@ def test_explicit_parts_override_the_preset() -> None:
 
 @pytest.mark.parametrize("objective", ["sam", "prox-sam", "feddyn-sam"])
 def test_dp_refuses_every_sam_objective(objective) -> None:
-    """No per-sample clipping for SAM's second pass (the names themselves are
-    decoded in pollen.task.objectives, tested in test_local_objectives.py)."""
+    """No per-sample clipping for SAM's second pass (each objective's part,
+    pollen.task.objective_parts, says whether it takes SAM's gradient)."""
     assert Settings.from_run_config({"local-objective": objective, "sam-rho": 0.2})
     with pytest.raises(SettingsError, match=f"local-objective='{objective}'"):
         Settings.from_run_config(
