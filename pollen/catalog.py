@@ -86,7 +86,7 @@ class DataSetInfo:
 @dataclass(frozen=True)
 class ModelInfo:
     """A model's name, what it is, and what it asks of its inputs, its
-    training and its sharing (its rules, which `pollen.settings` asks)."""
+    sharing and its training (its rules, which `pollen.settings` asks)."""
 
     name: str
     summary: str
@@ -112,43 +112,51 @@ class ModelInfo:
             )
         return None
 
-    def problem(self, settings: Any) -> str | None:
-        """Why this model cannot be shared or trained as `settings` ask, or
-        None: LoRA's sharings need LoRA layers and FedPer's local classifier
-        is none; cached features are un-augmented; BatchNorm mixes a batch's
-        samples (no DP-SGD, no step on one sample) and a BatchNorm policy
-        needs it."""
-        s, name = settings, repr(self.name)
-        if s.sharing in LORA_SHARING and not self.lora:
+    def sharing_problem(self, sharing: str) -> str | None:
+        """Why this model cannot share by `sharing`, or None: LoRA's
+        sharings need LoRA layers, and FedPer's local classifier is none."""
+        if sharing in LORA_SHARING and not self.lora:
             return (
-                f"sharing={s.sharing!r} needs a model with LoRA layers; model is "
-                f"{name}; allowed: " + ", ".join(_models(lambda m: m.lora))
+                f"sharing={sharing!r} needs a model with LoRA layers; model is "
+                f"{self.name!r}; allowed: " + ", ".join(_models(lambda m: m.lora))
             )
-        if s.sharing == "fedper" and self.lora:
+        if sharing == "fedper" and self.lora:
             return (
-                f"sharing='fedper' with model={name}: its classifier is a LoRA "
-                "head, whose sharing is lora-a (FedSA) or lora; allowed with "
+                f"sharing='fedper' with model={self.name!r}: its classifier is a "
+                "LoRA head, whose sharing is lora-a (FedSA) or lora; allowed with "
                 "fedper: " + ", ".join(_models(lambda m: not m.lora))
             )
-        if self.frozen_backbone and s.cache_features and s.augment:
-            return (
-                "cache-features=true with augment=true: features are computed "
-                "once, from un-augmented images; set augment=false or "
-                "cache-features=false"
-            )
-        if s.dp and self.batchnorm:
+        return None
+
+    def cache_problem(self, cache_features: bool, augment: bool) -> str | None:
+        """A frozen backbone's cached features are computed from un-augmented
+        images, so they cannot be augmented."""
+        if not (self.frozen_backbone and cache_features and augment):
+            return None
+        return (
+            "cache-features=true with augment=true: features are computed once, "
+            "from un-augmented images; set augment=false or cache-features=false"
+        )
+
+    def batchnorm_problem(
+        self, dp: bool, bn_policy: str, batch_size: int
+    ) -> str | None:
+        """BatchNorm mixes a batch's samples: no DP-SGD, no step on one
+        sample; and a BatchNorm policy needs BatchNorm layers."""
+        name = repr(self.name)
+        if dp and self.batchnorm:
             return (
                 f"dp=true with model={name}: its BatchNorm mixes the samples of a "
                 "batch, so per-sample gradients (DP-SGD) are undefined; allowed "
                 "with dp: " + ", ".join(_models(lambda m: not m.batchnorm))
             )
-        if s.bn_policy != "shared" and not self.batchnorm:
+        if bn_policy != "shared" and not self.batchnorm:
             return (
-                f"bn-policy={s.bn_policy!r} with model={name}, which has no "
+                f"bn-policy={bn_policy!r} with model={name}, which has no "
                 "BatchNorm layer to keep local (the run would be plain FedAvg); "
                 "models with BatchNorm: " + ", ".join(_models(lambda m: m.batchnorm))
             )
-        if self.batchnorm and s.batch_size == 1:
+        if self.batchnorm and batch_size == 1:
             return (
                 f"batch-size=1 with model={name}: BatchNorm cannot train on one "
                 "sample, so no step would be taken; use batch-size=2 or more, or "

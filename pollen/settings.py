@@ -787,7 +787,7 @@ def _check_combination(s: Settings) -> None:
     data_set, model = DATA_SETS[s.data_set], MODELS[s.model]
     if problem := model.input_problem(data_set.channels, data_set.side):
         raise SettingsError(f"{problem}; data-set={s.data_set!r}")
-    if problem := model.problem(s):
+    if problem := model.sharing_problem(s.sharing):
         raise SettingsError(problem)
     if s.head_epochs and s.sharing != "fedper":
         raise SettingsError(
@@ -812,8 +812,12 @@ def _check_combination(s: Settings) -> None:
             "other than all decides every entry itself (BatchNorm included); "
             "leave bn-policy at shared"
         )
+    if problem := model.cache_problem(s.cache_features, s.augment):
+        raise SettingsError(problem)
     if problem := split_problem(data_set, s.partition, s.num_clients, s.min_size,
                                 s.classes_per_client):  # fmt: skip
+        raise SettingsError(problem)
+    if problem := model.batchnorm_problem(s.dp, s.bn_policy, s.batch_size):
         raise SettingsError(problem)
     _check_parts(s)
     if s.central_dp != "off" and (problem := load(CENTRAL_DP_STEP).problem(s)):
@@ -841,8 +845,9 @@ def _check_combination(s: Settings) -> None:
 
 
 def _check_parts(s: Settings) -> None:
-    """Ask the run's parts what they refuse: its local objective, server
-    update and aggregator, each loaded from the catalogue."""
+    """Ask the run's parts what they refuse: its local objective, the
+    aggregators its objective and server update allow, then the aggregator
+    itself, each loaded from the catalogue."""
     objective = LOCAL_OBJECTIVES[s.local_objective].load()
     if problem := objective.problem(s):
         raise SettingsError(problem)
@@ -851,16 +856,38 @@ def _check_parts(s: Settings) -> None:
             f"krum-select={s.krum_select} with aggregator={s.aggregator!r}: only "
             "multi-krum averages several replies; set aggregator='multi-krum'"
         )
+    for key, name, parts in _choosing_parts(s):
+        if (why := parts[name].load().mean_only) and s.aggregator != "mean":
+            raise SettingsError(
+                f"aggregator={s.aggregator!r} with {key}={name!r}: {why}"
+            )
     for part in (SERVER_UPDATES[s.server_update], AGGREGATORS[s.aggregator]):
         if problem := part.load().problem(s):
             raise SettingsError(problem)
 
 
+def _choosing_parts(s: Settings) -> list[tuple[str, str, dict[str, Part]]]:
+    """(key, chosen name, catalogue) of the parts that refuse aggregators
+    and modes: the run's local objective and server update."""
+    return [
+        ("local-objective", s.local_objective, LOCAL_OBJECTIVES),
+        ("server-update", s.server_update, SERVER_UPDATES),
+    ]
+
+
 def _check_async(s: Settings) -> None:
-    """Refuse what buffered asynchronous training cannot do (the parts
-    that need synchronous rounds say so themselves)."""
+    """Refuse what buffered asynchronous training cannot do: the parts that
+    need synchronous rounds (they say why), a deadline, a buffer larger
+    than the clients training at once."""
     if s.mode != "async":
         return
+    for key, name, parts in _choosing_parts(s):
+        if why := parts[name].load().synchronous_only:
+            allowed = [n for n, p in parts.items() if not p.load().synchronous_only]
+            raise SettingsError(
+                f"mode='async' with {key}={name!r}: {why}; allowed with async: "
+                + ", ".join(allowed)
+            )
     if s.round_deadline:
         raise SettingsError(
             "round-deadline with mode='async': a deadline ends a synchronous "

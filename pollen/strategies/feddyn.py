@@ -32,6 +32,11 @@ class FedDynUpdate(ServerUpdate):
         "FedDyn's server state h corrects a synchronous round's mean of one "
         "model version"
     )
+    mean_only = (
+        "FedDyn's server state h is corrected by the plain mean of the "
+        "participants' models (Acar et al. 2021, eq. 4); another aggregate "
+        "breaks that correction; allowed with feddyn: mean"
+    )
 
     def __init__(
         self, *, alpha: float, num_clients: int, h_scale: str = "num-clients",
@@ -53,18 +58,6 @@ class FedDynUpdate(ServerUpdate):
             alpha=s.dyn_alpha, num_clients=s.num_clients, h_scale=s.feddyn_h_scale,
             exclude_bn=s.feddyn_exclude_bn,
         )  # fmt: skip
-
-    @classmethod
-    def problem(cls, settings: Settings) -> str | None:
-        """h is corrected by the plain mean of one synchronous round."""
-        if settings.aggregator == "mean":
-            return super().problem(settings)
-        return (
-            f"aggregator={settings.aggregator!r} with server-update='feddyn': "
-            "FedDyn's server state h is corrected by the plain mean of the "
-            "participants' models (Acar et al. 2021, eq. 4); another aggregate "
-            "breaks that correction; allowed with feddyn: mean"
-        )
 
     def state_arrays(self) -> dict[str, np.ndarray]:
         return prefixed("h", self.h)

@@ -18,7 +18,6 @@ from typing import Any, ClassVar
 
 import numpy as np
 
-from ..catalog import SERVER_UPDATES
 from .aggregation import Aggregate, Arrays
 
 # which shared entries are trained: (exclude BatchNorm's affine entries?) -> names
@@ -34,22 +33,15 @@ class ServerUpdate:
     auto_server_lr: ClassVar[float] = 1.0
     # why it needs synchronous rounds of one model version ("": async too)
     synchronous_only: ClassVar[str] = ""
+    # why it needs the mean as the aggregator, and what is allowed ("": any)
+    mean_only: ClassVar[str] = ""
 
     @classmethod
     def problem(cls, settings: Any) -> str | None:
         """Why this update cannot run with `settings`, or None (what
-        `pollen.settings` asks of the run's server update)."""
-        if not (cls.synchronous_only and settings.mode == "async"):
-            return None
-        return (
-            f"mode='async' with server-update={settings.server_update!r}: "
-            f"{cls.synchronous_only}; allowed with async: "
-            + ", ".join(
-                name
-                for name, part in SERVER_UPDATES.items()
-                if not part.load().synchronous_only
-            )
-        )
+        `pollen.settings` asks of the run's server update beside its modes
+        and aggregators, which it reads from the two attributes)."""
+        return None
 
     def apply(
         self, current: Arrays, aggregate: Aggregate, trained: TrainedKeys

@@ -10,13 +10,12 @@ runs) without the seconds torch's import takes; the terms, which need
 torch, are named by import path and loaded by the client that trains.
 
 A plug-in objective is one such class (its term may live beside it):
-`sam`, `term`, `keeps_state`, `server_control`, `synchronous_only` and
-`problem` as below.
+`sam`, `term`, `keeps_state`, `server_control`, `synchronous_only`,
+`mean_only` and `problem` as below.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import TYPE_CHECKING, ClassVar
 
 from ..catalog import LOCAL_OBJECTIVES
@@ -43,38 +42,22 @@ class Plain:
     server_control: ClassVar[bool] = False
     # why it needs synchronous rounds of one model version ("": async too)
     synchronous_only: ClassVar[str] = ""
+    # why it needs the mean as the aggregator, and what is allowed ("": any)
+    mean_only: ClassVar[str] = ""
 
     @classmethod
     def problem(cls, settings: Settings) -> str | None:
-        """Why this objective cannot run with `settings`, or None."""
-        return _sam_problem(cls, settings) or _async_problem(cls, settings)
-
-
-def _sam_problem(part: type[Plain], settings: Settings) -> str | None:
-    """SAM's second pass cannot be clipped per sample (DP-SGD)."""
-    if not (part.sam and settings.dp):
-        return None
-    return (
-        f"dp=true with local-objective={settings.local_objective!r}: SAM's "
-        "second pass has no per-sample clipping; allowed with dp: "
-        + ", ".join(_objectives(lambda other: not other.sam))
-    )
-
-
-def _async_problem(part: type[Plain], settings: Settings) -> str | None:
-    """An objective of synchronous rounds under buffered asynchronous training."""
-    if not (part.synchronous_only and settings.mode == "async"):
-        return None
-    return (
-        f"mode='async' with local-objective={settings.local_objective!r}: "
-        f"{part.synchronous_only}; allowed with async: "
-        + ", ".join(_objectives(lambda other: not other.synchronous_only))
-    )
-
-
-def _objectives(allowed: Callable[[type[Plain]], bool]) -> list[str]:
-    """The catalogue's local objectives whose part `allowed` accepts."""
-    return [name for name, part in LOCAL_OBJECTIVES.items() if allowed(part.load())]
+        """Why this objective cannot train as `settings` ask, or None (its
+        modes and aggregators `Settings` reads from the two attributes):
+        SAM's second pass cannot be clipped per sample (DP-SGD)."""
+        if not (cls.sam and settings.dp):
+            return None
+        plain = [name for name, part in LOCAL_OBJECTIVES.items() if not part.load().sam]
+        return (
+            f"dp=true with local-objective={settings.local_objective!r}: SAM's "
+            "second pass has no per-sample clipping; allowed with dp: "
+            + ", ".join(plain)
+        )
 
 
 class Sam(Plain):
@@ -120,28 +103,24 @@ class Scaffold(Plain):
         "SCAFFOLD's control variates are defined for synchronous rounds of one "
         "model version"
     )
+    mean_only = (
+        "SCAFFOLD's server control variate moves by every accepted client's "
+        "Delta c_k while the model would follow another rule, so c would stop "
+        "tracking the clients' corrections; allowed with scaffold: mean"
+    )
 
     @classmethod
     def problem(cls, settings: Settings) -> str | None:
-        name = settings.local_objective
-        if problem := _sam_problem(cls, settings):
+        if problem := super().problem(settings):
             return problem
-        if settings.client_optimizer != "sgd":
-            return (
-                f"local-objective={name!r} with client-optimizer="
-                f"{settings.client_optimizer!r}: SCAFFOLD's c_k^+ = c_k - c + "
-                "(x - y) / (lr K) reads the round's mean gradient off SGD steps; "
-                "allowed: client-optimizer='sgd'"
-            )
-        if settings.aggregator != "mean":
-            return (
-                f"aggregator={settings.aggregator!r} with local-objective={name!r}: "
-                "SCAFFOLD's server control variate moves by every accepted "
-                "client's Delta c_k while the model would follow another rule, so "
-                "c would stop tracking the clients' corrections; allowed with "
-                "scaffold: mean"
-            )
-        return _async_problem(cls, settings)
+        if settings.client_optimizer == "sgd":
+            return None
+        return (
+            f"local-objective={settings.local_objective!r} with client-optimizer="
+            f"{settings.client_optimizer!r}: SCAFFOLD's c_k^+ = c_k - c + "
+            "(x - y) / (lr K) reads the round's mean gradient off SGD steps; "
+            "allowed: client-optimizer='sgd'"
+        )
 
 
 class ScaffoldSam(Scaffold):
