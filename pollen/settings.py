@@ -1,7 +1,8 @@
 """Every run-config key pollen understands, declared once.
 
 A key's type, default, help text and allowed values live in the field of
-`Settings` that holds it. `Settings.from_run_config` turns Flower's run config
+`Settings` that holds it (the predicates and their words:
+`pollen.common.values`). `Settings.from_run_config` turns Flower's run config
 (pyproject defaults fused with `--run-config` overrides) into a validated,
 typed, frozen object; anything invalid raises `SettingsError` with one line
 naming the key, the value and what is allowed, before any data is touched.
@@ -17,8 +18,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import difflib
-import math
-from collections.abc import Callable, Collection, Mapping
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -44,7 +44,6 @@ from .catalog import (
     SERVER_UPDATES,
     SHARING,
     TRACKERS,
-    TRACKING_STORES,
     TRAINING_KEYS,
     Part,
     Scalar,
@@ -53,7 +52,23 @@ from .catalog import (
 )
 from .common.attackers import attack_problem, attacking, parse_clients
 from .common.partition_sizes import split_problem
-from .common.webhook import check_url
+from .common.values import (
+    Rule,
+    above,
+    at_least,
+    betas_rule,
+    coerce,
+    folder_name_rule,
+    fraction,
+    in_range,
+    kind_words,
+    one_of,
+    open_fraction,
+    parse_betas,
+    part_of,
+    tracking_uri_rule,
+    webhook_rule,
+)
 from .network_profile import NetworkProfile, ProfileError
 
 AUTO = "auto"
@@ -65,83 +80,6 @@ INVOCATION_KEYS = frozenset({"run-token"})
 
 class SettingsError(ValueError):
     """An invalid run-config value; the message is one line a user can act on."""
-
-
-@dataclass(frozen=True)
-class Rule:
-    """What a key allows: a predicate and the words that describe it."""
-
-    check: Callable[[Any], bool]
-    allowed: str
-
-
-def one_of(*choices: str) -> Rule:
-    return Rule(lambda v: v in choices, "one of " + ", ".join(choices))
-
-
-def part_of(parts: Mapping[str, Part], *extra: str) -> Rule:
-    """One of `extra` or of the catalogue's `parts` as they are when the key
-    is checked, so a part added to the catalogue is allowed."""
-    return Rule(lambda v: v in extra or v in parts, one_of(*extra, *parts).allowed)
-
-
-def at_least(low: float) -> Rule:
-    return Rule(lambda v: v >= low, f">= {low:g}")
-
-
-def above(low: float) -> Rule:
-    return Rule(lambda v: v > low, f"> {low:g}")
-
-
-def in_range(low: float, high: float) -> Rule:
-    return Rule(lambda v: low < v <= high, f"in ({low:g}, {high:g}]")
-
-
-def betas_rule() -> Rule:
-    return Rule(lambda v: _parse_betas(v) is not None, "'b1,b2' with both in [0, 1)")
-
-
-def webhook_rule() -> Rule:
-    def valid(url: str) -> bool:
-        try:
-            return not url or bool(check_url(url))
-        except ValueError:
-            return False
-
-    return Rule(valid, "an http(s) URL, or empty")
-
-
-def folder_name_rule() -> Rule:
-    def valid(name: str) -> bool:
-        return not name or (
-            not any(c in name for c in "/\\") and name.strip(". ") != ""
-        )
-
-    return Rule(valid, "a name without / or \\ (it names a folder), or empty")
-
-
-def tracking_uri_rule() -> Rule:
-    def valid(uri: str) -> bool:
-        if not uri:
-            return True
-        if uri.startswith(("http://", "https://")):
-            return webhook_rule().check(uri)
-        scheme, _, rest = uri.partition("://")
-        return uri.startswith(TRACKING_STORES) and bool(rest) and "/" not in scheme
-
-    return Rule(
-        valid,
-        "empty, an http(s) URL of an MLflow tracking server, or a store URI "
-        "starting with " + ", ".join(TRACKING_STORES),
-    )
-
-
-def _parse_betas(text: str) -> tuple[float, float] | None:
-    try:
-        b1, b2 = (float(part) for part in text.split(","))
-    except ValueError:
-        return None
-    return (b1, b2) if 0 <= b1 < 1 and 0 <= b2 < 1 else None
 
 
 def key(
@@ -199,7 +137,7 @@ class Settings:
         AUTO,
         "client SGD momentum (auto: 0 for SCAFFOLD's objectives, as its paper "
         "runs it, else the data set's)",
-        Rule(lambda v: 0 <= v < 1, "in [0, 1)"),
+        fraction(),
         float,
     )
     weight_decay: float = key(5e-4, "client weight decay", at_least(0))
@@ -297,17 +235,15 @@ class Settings:
     server_momentum: float = key(
         AUTO,
         "server heavy-ball momentum for sgd (FedAvgM; auto: 0.9 for fedavgm, else 0)",
-        Rule(lambda v: 0 <= v < 1, "in [0, 1)"),
+        fraction(),
         float,
     )
     beta1: float = key(
         0.9,
         "adaptive server first-moment decay",
-        Rule(lambda v: 0 <= v < 1, "in [0, 1)"),
+        fraction(),
     )
-    beta2: float = key(
-        0.99, "adam/yogi second-moment decay", Rule(lambda v: 0 <= v < 1, "in [0, 1)")
-    )
+    beta2: float = key(0.99, "adam/yogi second-moment decay", fraction())
     tau: float = key(1e-3, "adaptive server adaptivity (denominator offset)", above(0))
     bias_correction: bool = key(
         False, "adaptive server: divide moments by 1 - beta^t (the notebook's Adam)"
@@ -328,9 +264,7 @@ class Settings:
     lora_alpha: float = key(
         8.0, "LoRA scale alpha; the update is alpha/r * B A", above(0)
     )
-    lora_dropout: float = key(
-        0.1, "dropout on the LoRA path", Rule(lambda v: 0 <= v < 1, "in [0, 1)")
-    )
+    lora_dropout: float = key(0.1, "dropout on the LoRA path", fraction())
     backbone_weights: str = key(
         "imagenet",
         "vgg16-lora backbone: imagenet (torchvision download), random, or a file path",
@@ -344,9 +278,7 @@ class Settings:
     dp_epsilon: float = key(
         10.0, "privacy budget epsilon for the whole planned run", above(0)
     )
-    dp_delta: float = key(
-        1e-5, "privacy parameter delta", Rule(lambda v: 0 < v < 1, "in (0, 1)")
-    )
+    dp_delta: float = key(1e-5, "privacy parameter delta", open_fraction())
     dp_max_grad_norm: float = key(1.0, "per-sample gradient clipping bound C", above(0))
     # Central (user-level) DP: clip each client's update, noise on the server
     central_dp: str = key(
@@ -375,7 +307,7 @@ class Settings:
     central_clip_quantile: float = key(
         0.5,
         "adaptive clipping: the share of updates C aims to leave unclipped",
-        Rule(lambda v: 0 < v < 1, "in (0, 1)"),
+        open_fraction(),
     )
     central_clip_lr: float = key(0.2, "adaptive clipping: step of log C", above(0))
     central_count_noise: float = key(
@@ -411,7 +343,7 @@ class Settings:
     attackers: float = key(
         0.0,
         "share of the clients that attack, drawn by seed (or attacker-clients)",
-        Rule(lambda v: 0 <= v < 1, "in [0, 1)"),
+        fraction(),
     )
     attacker_clients: str = key(
         "",
@@ -552,9 +484,7 @@ class Settings:
     )
     print_labels: bool = key(False, "print each client's label counts")
     # ReduceLROnPlateau on the server's test loss
-    lr_factor: float = key(
-        0.5, "lr multiplier on a plateau", Rule(lambda v: 0 < v < 1, "in (0, 1)")
-    )
+    lr_factor: float = key(0.5, "lr multiplier on a plateau", open_fraction())
     lr_patience: int = key(5, "rounds without improvement before a cut", at_least(0))
     min_lr: float = key(1e-6, "lower bound of the lr", at_least(0))
     lr_threshold: float = key(1e-4, "relative improvement that counts", at_least(0))
@@ -586,15 +516,20 @@ class Settings:
             if raw == AUTO and f.default == AUTO:
                 values[name] = AUTO
                 continue
-            value = _coerce(name, raw, f.metadata["kind"], f.default == AUTO)
+            value = coerce(raw, f.metadata["kind"])
             rule: Rule | None = f.metadata["rule"]
-            if rule is not None and not rule.check(value):
-                raise SettingsError(
-                    f"invalid value for {name!r}: {raw!r}; allowed: "
-                    + ("auto or " if f.default == AUTO else "")
-                    + rule.allowed
-                )
-            values[name] = value
+            if value is None:
+                allowed = kind_words(f.metadata["kind"])
+            elif rule is not None and not rule.check(value):
+                allowed = rule.allowed
+            else:
+                values[name] = value
+                continue
+            raise SettingsError(
+                f"invalid value for {name!r}: {raw!r}; allowed: "
+                + ("auto or " if f.default == AUTO else "")
+                + allowed
+            )
         _resolve_preset(values)
         settings = cls(**{name.replace("-", "_"): v for name, v in values.items()})
         _check_combination(settings)
@@ -633,7 +568,7 @@ class Settings:
     @property
     def client_betas(self) -> tuple[float, float]:
         """`betas` as numbers (validated when the settings were made)."""
-        return _parse_betas(self.betas) or (0.9, 0.999)
+        return parse_betas(self.betas) or (0.9, 0.999)
 
     def to_run_config(self) -> dict[str, Scalar]:
         """The settings as run-config keys (what `settings.json` holds)."""
@@ -898,36 +833,3 @@ def _check_async(s: Settings) -> None:
             f"buffer-size={s.buffer_size} above concurrency={s.concurrency}: the "
             "buffer would wait for more replies than clients train at once"
         )
-
-
-KIND_NAMES = {
-    int: "an integer",
-    float: "a finite number",
-    bool: "true or false",
-    str: "a string",
-}
-
-
-def _coerce(name: str, raw: Scalar, kind: type, auto: bool = False) -> Scalar:
-    """Give `raw` the type of the key's default, refusing lossy conversions."""
-    if kind is bool:
-        if isinstance(raw, bool):
-            return raw
-        if isinstance(raw, str) and raw.lower() in ("true", "false"):
-            return raw.lower() == "true"
-    elif kind is int:
-        if isinstance(raw, int) and not isinstance(raw, bool):
-            return raw
-        if isinstance(raw, float) and raw.is_integer():
-            return int(raw)
-    elif kind is float:
-        number = isinstance(raw, int | float) and not isinstance(raw, bool)
-        if number and math.isfinite(raw):
-            return float(raw)
-    elif isinstance(raw, str):
-        return raw
-    raise SettingsError(
-        f"invalid value for {name!r}: {raw!r}; allowed: "
-        + ("auto or " if auto else "")
-        + KIND_NAMES.get(kind, kind.__name__)
-    )
