@@ -27,7 +27,8 @@ TERMS = "pollen.task.objectives"
 
 
 class Plain:
-    """The data loss alone (FedAvg's client): no term, no state, no rule."""
+    """The data loss alone (FedAvg's client), and the defaults of every
+    objective's part: no term, no state, any aggregator and mode."""
 
     # the data gradient is taken at SAM's perturbed point (Foret et al. 2021)
     sam: ClassVar[bool] = False
