@@ -6,13 +6,15 @@ updates, aggregation rules, local objectives, sharing policies) and the
 strategy presets that combine them. `pollen.settings` validates run configs
 against this catalogue, the CLI lists it, and each implementation is named
 here by where it lives ("module:attribute"), so a new part is one entry
-here plus its own module: nothing else decodes a name.
+here plus its own module: `load` is the one place that turns a name into
+code, and a part's own rules (what it needs and refuses) travel with its
+implementation, where `pollen.settings` asks them at run time.
 """
 
 from __future__ import annotations
 
 import importlib
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -83,7 +85,8 @@ class DataSetInfo:
 
 @dataclass(frozen=True)
 class ModelInfo:
-    """A model's name, what it is, and what it asks of its inputs and data."""
+    """A model's name, what it is, and what it asks of its inputs, its
+    sharing and its training (its rules, which `pollen.settings` asks)."""
 
     name: str
     summary: str
@@ -91,6 +94,8 @@ class ModelInfo:
     lora: bool = False  # has LoRA layers: sharing lora-a / lora applies
     min_side: int = 0  # smallest image side it takes
     colour_only: bool = False
+    # a frozen backbone whose features `cache-features` computes once
+    frozen_backbone: bool = False
 
     def input_problem(self, channels: int, side: int) -> str | None:
         """Why this model cannot take `channels` x `side` x `side` images, or None."""
@@ -107,15 +112,86 @@ class ModelInfo:
             )
         return None
 
+    def sharing_problem(self, sharing: str) -> str | None:
+        """Why this model cannot share by `sharing`, or None: LoRA's
+        sharings need LoRA layers, and FedPer's local classifier is none."""
+        if sharing in LORA_SHARING and not self.lora:
+            return (
+                f"sharing={sharing!r} needs a model with LoRA layers; model is "
+                f"{self.name!r}; allowed: " + ", ".join(_models(lambda m: m.lora))
+            )
+        if sharing == "fedper" and self.lora:
+            return (
+                f"sharing='fedper' with model={self.name!r}: its classifier is a "
+                "LoRA head, whose sharing is lora-a (FedSA) or lora; allowed with "
+                "fedper: " + ", ".join(_models(lambda m: not m.lora))
+            )
+        return None
+
+    def cache_problem(self, cache_features: bool, augment: bool) -> str | None:
+        """A frozen backbone's cached features are computed from un-augmented
+        images, so they cannot be augmented."""
+        if not (self.frozen_backbone and cache_features and augment):
+            return None
+        return (
+            "cache-features=true with augment=true: features are computed once, "
+            "from un-augmented images; set augment=false or cache-features=false"
+        )
+
+    def batchnorm_problem(
+        self, dp: bool, bn_policy: str, batch_size: int
+    ) -> str | None:
+        """BatchNorm mixes a batch's samples: no DP-SGD, no step on one
+        sample; and a BatchNorm policy needs BatchNorm layers."""
+        name = repr(self.name)
+        if dp and self.batchnorm:
+            return (
+                f"dp=true with model={name}: its BatchNorm mixes the samples of a "
+                "batch, so per-sample gradients (DP-SGD) are undefined; allowed "
+                "with dp: " + ", ".join(_models(lambda m: not m.batchnorm))
+            )
+        if bn_policy != "shared" and not self.batchnorm:
+            return (
+                f"bn-policy={bn_policy!r} with model={name}, which has no "
+                "BatchNorm layer to keep local (the run would be plain FedAvg); "
+                "models with BatchNorm: " + ", ".join(_models(lambda m: m.batchnorm))
+            )
+        if self.batchnorm and batch_size == 1:
+            return (
+                f"batch-size=1 with model={name}: BatchNorm cannot train on one "
+                "sample, so no step would be taken; use batch-size=2 or more, or "
+                "a model without BatchNorm (mlp, cnn-gn, simple-cnn)"
+            )
+        return None
+
+
+def _models(has: Callable[[ModelInfo], bool]) -> list[str]:
+    """The names of the models that `has` a feature."""
+    return [name for name, info in MODELS.items() if has(info)]
+
+
+def load(path: str) -> Any:
+    """The object at `path` ("module:attribute"), its module imported on
+    first use: how every part, pollen's own or a plug-in, is reached."""
+    module, _, attribute = path.partition(":")
+    return getattr(importlib.import_module(module), attribute)
+
 
 @dataclass(frozen=True)
 class Part:
     """One composable part of an algorithm: its name, what it does and the
-    object that implements it ("module:attribute", imported on first use)."""
+    object that implements it ("module:attribute", imported on first use).
+
+    The implementation carries the part's rules: `problem(settings)` (a
+    classmethod) says why the part cannot run with a run's settings, or
+    None, and `pollen.settings` asks it of every part a run combines (the
+    fewest replies an aggregator is defined for, the modes and the other
+    parts it refuses), so no rule of a part is copied elsewhere.
+    """
 
     name: str
     summary: str
-    implementation: str = ""
+    implementation: str
     # the likely cause when a run with this part diverges ({settings attribute})
     divergence_hint: str = ""
     # client hyper-parameters (TRAINING_KEYS) the part's algorithm assumes:
@@ -126,8 +202,7 @@ class Part:
 
     def load(self) -> Any:
         """The implementing object (a class or a function)."""
-        module, _, attribute = self.implementation.partition(":")
-        return getattr(importlib.import_module(module), attribute)
+        return load(self.implementation)
 
 
 def _by_name(*items: Any) -> dict[str, Any]:
@@ -177,6 +252,7 @@ MODELS: dict[str, ModelInfo] = _by_name(
         lora=True,
         min_side=32,
         colour_only=True,
+        frozen_backbone=True,
     ),
 )
 
@@ -187,8 +263,9 @@ SERVER_UPDATES: dict[str, Part] = _by_name(
          "pollen.strategies.feddyn:FedDynUpdate", FEDDYN_HINT),
     *(
         Part(name, f"server {name} on the pseudo-gradient (FedOpt)",
-             "pollen.strategies.fedopt:FedOptUpdate", "server-lr={server_lr:g} too high")
-        for name in ("sgd", "adagrad", "adam", "yogi")
+             f"pollen.strategies.fedopt:{optimizer}", "server-lr={server_lr:g} too high")
+        for name, optimizer in (("sgd", "ServerSgd"), ("adagrad", "ServerAdagrad"),
+                                ("adam", "ServerAdam"), ("yogi", "ServerYogi"))
     ),
 )  # fmt: skip
 
@@ -202,7 +279,7 @@ AGGREGATORS: dict[str, Part] = _by_name(
     Part("krum", "the one reply closest to its n-f-2 neighbours (Blanchard "
          "et al. 2017)", f"{ROBUST}:Krum"),
     Part("multi-krum", "mean of the krum-select replies of lowest "
-         "Krum score", f"{ROBUST}:Krum"),
+         "Krum score", f"{ROBUST}:MultiKrum"),
     Part("bulyan", "recursive Krum, then a trimmed mean around the median "
          "(El Mhamdi et al. 2018)", f"{ROBUST}:Bulyan"),
     Part("fednova", "normalised averaging: each update over its effective "
@@ -226,25 +303,30 @@ SCAFFOLD_REASON = (
 )
 
 # "<regulariser>-sam": that regulariser, with the data gradient taken at SAM's
-# perturbed point (pollen.task.objectives decodes these names)
+# perturbed point
+OBJECTIVES = "pollen.task.objective_parts"
 LOCAL_OBJECTIVES: dict[str, Part] = _by_name(
-    Part("plain", "the data loss"),
-    Part("sam", "the data loss at SAM's perturbed point (FedSAM)"),
-    Part("feddyn", "FedDyn's dynamic regulariser", divergence_hint=FEDDYN_HINT),
-    Part("prox", "FedProx's proximal term"),
-    Part("feddyn-sam", "FedDyn's regulariser with SAM", divergence_hint=FEDDYN_HINT),
-    Part("prox-sam", "FedProx's term with SAM"),
+    Part("plain", "the data loss", f"{OBJECTIVES}:Plain"),
+    Part("sam", "the data loss at SAM's perturbed point (FedSAM)",
+         f"{OBJECTIVES}:Sam"),
+    Part("feddyn", "FedDyn's dynamic regulariser", f"{OBJECTIVES}:FedDyn",
+         divergence_hint=FEDDYN_HINT),
+    Part("prox", "FedProx's proximal term", f"{OBJECTIVES}:Prox"),
+    Part("feddyn-sam", "FedDyn's regulariser with SAM", f"{OBJECTIVES}:FedDynSam",
+         divergence_hint=FEDDYN_HINT),
+    Part("prox-sam", "FedProx's term with SAM", f"{OBJECTIVES}:ProxSam"),
     Part("scaffold", "SCAFFOLD's control-variate correction c - c_k",
-         training=SCAFFOLD_TRAINING, training_reason=SCAFFOLD_REASON),
+         f"{OBJECTIVES}:Scaffold", training=SCAFFOLD_TRAINING,
+         training_reason=SCAFFOLD_REASON),
     Part("scaffold-sam", "SCAFFOLD's correction with SAM",
-         training=SCAFFOLD_TRAINING, training_reason=SCAFFOLD_REASON),
+         f"{OBJECTIVES}:ScaffoldSam", training=SCAFFOLD_TRAINING,
+         training_reason=SCAFFOLD_REASON),
 )  # fmt: skip
 
-# user-level DP-FedAvg (pollen.strategies.central_dp): off, or its clipping
+# user-level DP-FedAvg: off, or its clipping, both by one aggregation step
+# (which replaces the aggregator)
 CENTRAL_DP = ("off", "fixed", "adaptive")
-
-# the objectives whose server keeps a control variate (pollen.strategies.scaffold)
-CONTROL_VARIATE_OBJECTIVES = ("scaffold", "scaffold-sam")
+CENTRAL_DP_STEP = "pollen.strategies.central_dp:CentralDP"
 
 # Which model entries travel (pollen.task.sharing): BatchNorm policies
 # under `sharing = all`, and the LoRA policies of FedSA.

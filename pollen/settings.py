@@ -1,14 +1,16 @@
 """Every run-config key pollen understands, declared once.
 
 A key's type, default, help text and allowed values live in the field of
-`Settings` that holds it. `Settings.from_run_config` turns Flower's run config
+`Settings` that holds it (the predicates and their words:
+`pollen.common.values`). `Settings.from_run_config` turns Flower's run config
 (pyproject defaults fused with `--run-config` overrides) into a validated,
 typed, frozen object; anything invalid raises `SettingsError` with one line
 naming the key, the value and what is allowed, before any data is touched.
 
-Checks that need the data (a `min-size` the data cannot meet, more
-classes per client than the data set has) live with the data, in
-`pollen.task.partition`.
+A part's own rules (an aggregator's fewest replies, the modes and other
+parts it refuses) live with the part: `Settings` asks each part the run
+combines through the catalogue's import paths (`problem(settings)`), never
+by a static import, as it will ask a user's own plug-in part.
 """
 
 from __future__ import annotations
@@ -16,9 +18,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import difflib
-import math
-import random
-from collections.abc import Callable, Collection, Mapping
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -28,9 +28,9 @@ from .catalog import (
     ATTACKS,
     BN_POLICIES,
     CENTRAL_DP,
+    CENTRAL_DP_STEP,
     CLASS_ASSIGNMENTS,
     CLIENT_OPTIMIZERS,
-    CONTROL_VARIATE_OBJECTIVES,
     DATA_SETS,
     DEVICES,
     FEDDYN_H_SCALES,
@@ -44,20 +44,34 @@ from .catalog import (
     SERVER_UPDATES,
     SHARING,
     TRACKERS,
-    TRACKING_STORES,
     TRAINING_KEYS,
     Part,
     Scalar,
     assumed_training,
+    load,
 )
-from .common.partition_sizes import PartitionError, check_min_size
-from .common.webhook import check_url
+from .common.attackers import attack_problem, attacking, parse_clients
+from .common.partition_sizes import split_problem
+from .common.values import (
+    Rule,
+    above,
+    at_least,
+    betas_rule,
+    coerce,
+    folder_name_rule,
+    fraction,
+    in_range,
+    kind_words,
+    one_of,
+    open_fraction,
+    parse_betas,
+    part_of,
+    tracking_uri_rule,
+    webhook_rule,
+)
 from .network_profile import NetworkProfile, ProfileError
 
 AUTO = "auto"
-# server-lr = "auto": 1 for a plain step (FedAvg's), 0.01 for the adaptive ones
-# (the seed notebook's value)
-AUTO_SERVER_LR = {"sgd": 1.0, "adagrad": 1e-2, "adam": 1e-2, "yogi": 1e-2}
 STRATEGIES = tuple(PRESETS)
 # Keys that name one invocation of a run, not what it computes: a resume or a
 # finished comparison cell never differs by them
@@ -66,88 +80,6 @@ INVOCATION_KEYS = frozenset({"run-token"})
 
 class SettingsError(ValueError):
     """An invalid run-config value; the message is one line a user can act on."""
-
-
-@dataclass(frozen=True)
-class Rule:
-    """What a key allows: a predicate and the words that describe it."""
-
-    check: Callable[[Any], bool]
-    allowed: str
-
-
-def one_of(*choices: str) -> Rule:
-    return Rule(lambda v: v in choices, "one of " + ", ".join(choices))
-
-
-def at_least(low: float) -> Rule:
-    return Rule(lambda v: v >= low, f">= {low:g}")
-
-
-def above(low: float) -> Rule:
-    return Rule(lambda v: v > low, f"> {low:g}")
-
-
-def in_range(low: float, high: float) -> Rule:
-    return Rule(lambda v: low < v <= high, f"in ({low:g}, {high:g}]")
-
-
-def betas_rule() -> Rule:
-    return Rule(lambda v: _parse_betas(v) is not None, "'b1,b2' with both in [0, 1)")
-
-
-def webhook_rule() -> Rule:
-    def valid(url: str) -> bool:
-        try:
-            return not url or bool(check_url(url))
-        except ValueError:
-            return False
-
-    return Rule(valid, "an http(s) URL, or empty")
-
-
-def folder_name_rule() -> Rule:
-    def valid(name: str) -> bool:
-        return not name or (
-            not any(c in name for c in "/\\") and name.strip(". ") != ""
-        )
-
-    return Rule(valid, "a name without / or \\ (it names a folder), or empty")
-
-
-def tracking_uri_rule() -> Rule:
-    def valid(uri: str) -> bool:
-        if not uri:
-            return True
-        if uri.startswith(("http://", "https://")):
-            return webhook_rule().check(uri)
-        scheme, _, rest = uri.partition("://")
-        return uri.startswith(TRACKING_STORES) and bool(rest) and "/" not in scheme
-
-    return Rule(
-        valid,
-        "empty, an http(s) URL of an MLflow tracking server, or a store URI "
-        "starting with " + ", ".join(TRACKING_STORES),
-    )
-
-
-def _parse_clients(text: str) -> tuple[int, ...] | None:
-    """'3,7' -> (3, 7); None where a part is not an integer >= 0."""
-    if not text.strip():
-        return ()
-    try:
-        clients = tuple(int(part) for part in text.split(","))
-    except ValueError:
-        return None
-    return clients if all(c >= 0 for c in clients) else None
-
-
-def _parse_betas(text: str) -> tuple[float, float] | None:
-    try:
-        b1, b2 = (float(part) for part in text.split(","))
-    except ValueError:
-        return None
-    return (b1, b2) if 0 <= b1 < 1 and 0 <= b2 < 1 else None
 
 
 def key(
@@ -205,7 +137,7 @@ class Settings:
         AUTO,
         "client SGD momentum (auto: 0 for SCAFFOLD's objectives, as its paper "
         "runs it, else the data set's)",
-        Rule(lambda v: 0 <= v < 1, "in [0, 1)"),
+        fraction(),
         float,
     )
     weight_decay: float = key(5e-4, "client weight decay", at_least(0))
@@ -219,12 +151,12 @@ class Settings:
     )
     server_update: str = key(
         AUTO, "how the server turns replies into the next model",
-        one_of(AUTO, *SERVER_UPDATES),
+        part_of(SERVER_UPDATES, AUTO),
     )  # fmt: skip
     aggregator: str = key(
         "mean",
         "how a round's replies become one aggregate, before the server update",
-        one_of(*AGGREGATORS),
+        part_of(AGGREGATORS),
     )
     trim_fraction: float = key(
         0.2,
@@ -244,7 +176,7 @@ class Settings:
         at_least(0),
     )
     local_objective: str = key(
-        AUTO, "what each client minimises", one_of(AUTO, *LOCAL_OBJECTIVES)
+        AUTO, "what each client minimises", part_of(LOCAL_OBJECTIVES, AUTO)
     )
     bn_policy: str = key(
         "shared",
@@ -303,17 +235,15 @@ class Settings:
     server_momentum: float = key(
         AUTO,
         "server heavy-ball momentum for sgd (FedAvgM; auto: 0.9 for fedavgm, else 0)",
-        Rule(lambda v: 0 <= v < 1, "in [0, 1)"),
+        fraction(),
         float,
     )
     beta1: float = key(
         0.9,
         "adaptive server first-moment decay",
-        Rule(lambda v: 0 <= v < 1, "in [0, 1)"),
+        fraction(),
     )
-    beta2: float = key(
-        0.99, "adam/yogi second-moment decay", Rule(lambda v: 0 <= v < 1, "in [0, 1)")
-    )
+    beta2: float = key(0.99, "adam/yogi second-moment decay", fraction())
     tau: float = key(1e-3, "adaptive server adaptivity (denominator offset)", above(0))
     bias_correction: bool = key(
         False, "adaptive server: divide moments by 1 - beta^t (the notebook's Adam)"
@@ -334,9 +264,7 @@ class Settings:
     lora_alpha: float = key(
         8.0, "LoRA scale alpha; the update is alpha/r * B A", above(0)
     )
-    lora_dropout: float = key(
-        0.1, "dropout on the LoRA path", Rule(lambda v: 0 <= v < 1, "in [0, 1)")
-    )
+    lora_dropout: float = key(0.1, "dropout on the LoRA path", fraction())
     backbone_weights: str = key(
         "imagenet",
         "vgg16-lora backbone: imagenet (torchvision download), random, or a file path",
@@ -350,9 +278,7 @@ class Settings:
     dp_epsilon: float = key(
         10.0, "privacy budget epsilon for the whole planned run", above(0)
     )
-    dp_delta: float = key(
-        1e-5, "privacy parameter delta", Rule(lambda v: 0 < v < 1, "in (0, 1)")
-    )
+    dp_delta: float = key(1e-5, "privacy parameter delta", open_fraction())
     dp_max_grad_norm: float = key(1.0, "per-sample gradient clipping bound C", above(0))
     # Central (user-level) DP: clip each client's update, noise on the server
     central_dp: str = key(
@@ -381,7 +307,7 @@ class Settings:
     central_clip_quantile: float = key(
         0.5,
         "adaptive clipping: the share of updates C aims to leave unclipped",
-        Rule(lambda v: 0 < v < 1, "in (0, 1)"),
+        open_fraction(),
     )
     central_clip_lr: float = key(0.2, "adaptive clipping: step of log C", above(0))
     central_count_noise: float = key(
@@ -417,12 +343,12 @@ class Settings:
     attackers: float = key(
         0.0,
         "share of the clients that attack, drawn by seed (or attacker-clients)",
-        Rule(lambda v: 0 <= v < 1, "in [0, 1)"),
+        fraction(),
     )
     attacker_clients: str = key(
         "",
         "the clients that attack, as 'i,j,...' (instead of attackers)",
-        Rule(lambda v: _parse_clients(v) is not None, "'i,j,...' of integers >= 0"),
+        Rule(lambda v: parse_clients(v) is not None, "'i,j,...' of integers >= 0"),
     )
     # Participation: who must be there, how long to wait for them
     min_available_nodes: int = key(
@@ -558,9 +484,7 @@ class Settings:
     )
     print_labels: bool = key(False, "print each client's label counts")
     # ReduceLROnPlateau on the server's test loss
-    lr_factor: float = key(
-        0.5, "lr multiplier on a plateau", Rule(lambda v: 0 < v < 1, "in (0, 1)")
-    )
+    lr_factor: float = key(0.5, "lr multiplier on a plateau", open_fraction())
     lr_patience: int = key(5, "rounds without improvement before a cut", at_least(0))
     min_lr: float = key(1e-6, "lower bound of the lr", at_least(0))
     lr_threshold: float = key(1e-4, "relative improvement that counts", at_least(0))
@@ -592,18 +516,24 @@ class Settings:
             if raw == AUTO and f.default == AUTO:
                 values[name] = AUTO
                 continue
-            value = _coerce(name, raw, f.metadata["kind"], f.default == AUTO)
+            value = coerce(raw, f.metadata["kind"])
             rule: Rule | None = f.metadata["rule"]
-            if rule is not None and not rule.check(value):
-                raise SettingsError(
-                    f"invalid value for {name!r}: {raw!r}; allowed: "
-                    + ("auto or " if f.default == AUTO else "")
-                    + rule.allowed
-                )
-            values[name] = value
+            if value is None:
+                allowed = kind_words(f.metadata["kind"])
+            elif rule is not None and not rule.check(value):
+                allowed = rule.allowed
+            else:
+                values[name] = value
+                continue
+            raise SettingsError(
+                f"invalid value for {name!r}: {raw!r}; allowed: "
+                + ("auto or " if f.default == AUTO else "")
+                + allowed
+            )
         _resolve_preset(values)
-        _check_combination(values)
-        return cls(**{name.replace("-", "_"): v for name, v in values.items()})
+        settings = cls(**{name.replace("-", "_"): v for name, v in values.items()})
+        _check_combination(settings)
+        return settings
 
     @property
     def sharing_policy(self) -> str:
@@ -620,21 +550,15 @@ class Settings:
         """Clients carry state from round to round (entries or a model of
         their own, FedDyn's h_k, SCAFFOLD's c_k), which only a run that
         checkpoints saves for a resume."""
-        return self.keeps_own_model or self.local_objective.startswith(
-            ("feddyn", "scaffold")
-        )
+        objective = LOCAL_OBJECTIVES[self.local_objective].load()
+        return self.keeps_own_model or objective.keeps_state
 
     @property
     def attacking_clients(self) -> frozenset[int]:
         """The clients that attack: `attacker-clients`, or round(attackers x
         num-clients) of them drawn by a generator seeded by `seed`."""
-        if self.attack == "none":
-            return frozenset()
-        if self.attacker_clients:
-            return frozenset(_parse_clients(self.attacker_clients) or ())
-        count = round(self.attackers * self.num_clients)
-        rng = random.Random(f"attackers-{self.seed}")
-        return frozenset(rng.sample(range(self.num_clients), count))
+        return attacking(self.attack, self.attackers, self.attacker_clients,
+                         self.num_clients, self.seed)  # fmt: skip
 
     @property
     def sample_size(self) -> int:
@@ -644,7 +568,7 @@ class Settings:
     @property
     def client_betas(self) -> tuple[float, float]:
         """`betas` as numbers (validated when the settings were made)."""
-        return _parse_betas(self.betas) or (0.9, 0.999)
+        return parse_betas(self.betas) or (0.9, 0.999)
 
     def to_run_config(self) -> dict[str, Scalar]:
         """The settings as run-config keys (what `settings.json` holds)."""
@@ -733,8 +657,9 @@ def _resolve_preset(values: dict[str, Scalar]) -> None:
         )
         own = keeps_own_model(str(policy), float(values["ditto-lambda"]))
         values["personal-eval-every"] = int(own)
-    if values["server-lr"] == AUTO:
-        values["server-lr"] = AUTO_SERVER_LR.get(str(values["server-update"]), 1.0)
+    if values["server-lr"] == AUTO:  # the server update's own default
+        update = SERVER_UPDATES[str(values["server-update"])].load()
+        values["server-lr"] = update.auto_server_lr
 
 
 def _run_parts(values: Mapping[str, Scalar]) -> tuple[Part, ...]:
@@ -789,140 +714,64 @@ def first_difference(
     return None
 
 
-def _check_combination(values: dict[str, Scalar]) -> None:
-    """Refuse combinations of valid values that cannot work together."""
-    data_set, model = DATA_SETS[str(values["data-set"])], MODELS[str(values["model"])]
+def _check_combination(s: Settings) -> None:
+    """Refuse combinations of valid values that cannot work together: the
+    model's rules, personal models, the data's split, then what the run's
+    parts refuse (asked of each), central DP, the attack and asynchronous
+    training."""
+    data_set, model = DATA_SETS[s.data_set], MODELS[s.model]
     if problem := model.input_problem(data_set.channels, data_set.side):
-        raise SettingsError(f"{problem}; data-set={values['data-set']!r}")
-    if values["sharing"] in LORA_SHARING and not model.lora:
+        raise SettingsError(f"{problem}; data-set={s.data_set!r}")
+    if problem := model.sharing_problem(s.sharing):
+        raise SettingsError(problem)
+    if s.head_epochs and s.sharing != "fedper":
         raise SettingsError(
-            f"sharing={values['sharing']!r} needs a model with LoRA layers; "
-            f"model is {values['model']!r}; allowed: "
-            + ", ".join(name for name, m in MODELS.items() if m.lora)
+            f"head-epochs={s.head_epochs} with sharing={s.sharing!r}: FedRep "
+            "trains the client's own classifier first, so the classifier must "
+            "stay local; set sharing='fedper' (or strategy='fedrep')"
         )
-    if values["sharing"] == "fedper" and model.lora:
+    if s.ditto_lambda and (s.dp or s.sharing in LORA_SHARING):
         raise SettingsError(
-            f"sharing='fedper' with model={values['model']!r}: its classifier is a "
-            "LoRA head, whose sharing is lora-a (FedSA) or lora; allowed with "
-            "fedper: " + ", ".join(name for name, m in MODELS.items() if not m.lora)
-        )
-    if values["head-epochs"] and values["sharing"] != "fedper":
-        raise SettingsError(
-            f"head-epochs={values['head-epochs']} with sharing="
-            f"{values['sharing']!r}: FedRep trains the client's own classifier "
-            "first, so the classifier must stay local; set sharing='fedper' (or "
-            "strategy='fedrep')"
-        )
-    if values["ditto-lambda"] and (values["dp"] or values["sharing"] in LORA_SHARING):
-        raise SettingsError(
-            f"ditto-lambda with {'dp=true' if values['dp'] else 'a LoRA sharing'}: "
+            f"ditto-lambda with {'dp=true' if s.dp else 'a LoRA sharing'}: "
             "Ditto's personal model trains the whole model without DP-SGD on the "
             "client's data; allowed with ditto: dp=false and sharing all or fedper"
         )
-    if values["head-epochs"] and values["dp"]:
+    if s.head_epochs and s.dp:
         raise SettingsError(
             "head-epochs with dp=true: DP-SGD's budget is planned for one "
             "training pass per round; set head-epochs=0"
         )
-    if values["sharing"] != "all" and values["bn-policy"] != "shared":
+    if s.sharing != "all" and s.bn_policy != "shared":
         raise SettingsError(
-            f"bn-policy={values['bn-policy']!r} with sharing={values['sharing']!r}: "
-            "a sharing other than all decides every entry itself (BatchNorm "
-            "included); leave bn-policy at shared"
+            f"bn-policy={s.bn_policy!r} with sharing={s.sharing!r}: a sharing "
+            "other than all decides every entry itself (BatchNorm included); "
+            "leave bn-policy at shared"
         )
-    if (
-        values["model"] == "vgg16-lora"
-        and values["cache-features"]
-        and values["augment"]
-    ):
-        raise SettingsError(
-            "cache-features=true with augment=true: features are computed once, "
-            "from un-augmented images; set augment=false or cache-features=false"
-        )
-    if data_set.generated != (values["partition"] == "natural"):
-        raise SettingsError(
-            f"partition={values['partition']!r} with data-set={values['data-set']!r}: "
-            "a generated data set (synthetic) is split by its generator, each "
-            "client its own task, and only it; allowed: partition='natural' (or "
-            "'auto') with synthetic, any other with an image data set"
-        )
-    if data_set.generated and values["num-clients"] > data_set.train_examples:
-        raise SettingsError(
-            f"num-clients={values['num-clients']} with data-set="
-            f"{values['data-set']!r}; allowed: 1 to {data_set.train_examples:,}"
-        )
-    if values["num-clients"] > data_set.train_examples:
-        raise SettingsError(
-            f"num-clients={values['num-clients']} with data-set="
-            f"{values['data-set']!r}, whose training split has "
-            f"{data_set.train_examples:,} examples: every client needs at least "
-            f"one; allowed: 1 to {data_set.train_examples}"
-        )
-    try:
-        check_min_size(values["partition"], values["num-clients"],
-                       values["min-size"], data_set.train_examples)  # fmt: skip
-    except PartitionError as err:
-        raise SettingsError(f"{err} (data-set={values['data-set']!r})") from None
-    if (
-        values["partition"] == "pathological"
-        and values["classes-per-client"] > data_set.classes
-    ):
-        raise SettingsError(
-            f"classes-per-client={values['classes-per-client']} with data-set="
-            f"{values['data-set']!r}, which has {data_set.classes} classes; "
-            f"allowed: 1 to {data_set.classes}"
-        )
-    if values["dp"] and model.batchnorm:
-        raise SettingsError(
-            f"dp=true with model={values['model']!r}: its BatchNorm mixes the "
-            "samples of a batch, so per-sample gradients (DP-SGD) are undefined; "
-            "allowed with dp: "
-            + ", ".join(n for n, m in MODELS.items() if not m.batchnorm)
-        )
-    if values["bn-policy"] != "shared" and not model.batchnorm:
-        raise SettingsError(
-            f"bn-policy={values['bn-policy']!r} with model={values['model']!r}, "
-            "which has no BatchNorm layer to keep local (the run would be plain "
-            "FedAvg); models with BatchNorm: "
-            + ", ".join(name for name, m in MODELS.items() if m.batchnorm)
-        )
-    if model.batchnorm and values["batch-size"] == 1:
-        raise SettingsError(
-            f"batch-size=1 with model={values['model']!r}: BatchNorm cannot train "
-            "on one sample, so no step would be taken; use batch-size=2 or more, "
-            "or a model without BatchNorm (mlp, cnn-gn, simple-cnn)"
-        )
-    if values["dp"] and str(values["local-objective"]).endswith("sam"):
-        raise SettingsError(
-            f"dp=true with local-objective={values['local-objective']!r}: SAM's "
-            "second pass has no per-sample clipping; allowed with dp: "
-            + ", ".join(o for o in LOCAL_OBJECTIVES if not o.endswith("sam"))
-        )
-    if (
-        values["local-objective"] in CONTROL_VARIATE_OBJECTIVES
-        and values["client-optimizer"] != "sgd"
-    ):
-        raise SettingsError(
-            f"local-objective={values['local-objective']!r} with client-optimizer="
-            f"{values['client-optimizer']!r}: SCAFFOLD's c_k^+ = c_k - c + "
-            "(x - y) / (lr K) reads the round's mean gradient off SGD steps; "
-            "allowed: client-optimizer='sgd'"
-        )
-    _check_aggregator(values)
-    _check_central_dp(values)
-    _check_attack(values)
-    _check_async(values)
-    if values["network-profile"]:
+    if problem := model.cache_problem(s.cache_features, s.augment):
+        raise SettingsError(problem)
+    if problem := split_problem(data_set, s.partition, s.num_clients, s.min_size,
+                                s.classes_per_client):  # fmt: skip
+        raise SettingsError(problem)
+    if problem := model.batchnorm_problem(s.dp, s.bn_policy, s.batch_size):
+        raise SettingsError(problem)
+    _check_parts(s)
+    if s.central_dp != "off" and (problem := load(CENTRAL_DP_STEP).problem(s)):
+        raise SettingsError(problem)
+    if problem := attack_problem(s.attack, s.attackers, s.attacker_clients,
+                                 s.num_clients):  # fmt: skip
+        raise SettingsError(problem)
+    _check_async(s)
+    if s.network_profile:
         try:
-            NetworkProfile.load(Path(str(values["network-profile"])))
+            NetworkProfile.load(Path(s.network_profile))
         except ProfileError as err:
             raise SettingsError(f"network-profile: {err}") from None
-    if values["tracking-uri"] and values["tracker"] != "mlflow":
+    if s.tracking_uri and s.tracker != "mlflow":
         raise SettingsError(
-            f"tracking-uri={values['tracking-uri']!r} with tracker="
-            f"{values['tracker']!r}: only tracker='mlflow' logs to a tracking URI"
+            f"tracking-uri={s.tracking_uri!r} with tracker={s.tracker!r}: only "
+            "tracker='mlflow' logs to a tracking URI"
         )
-    if values["dp"] and values["resume"]:
+    if s.dp and s.resume:
         raise SettingsError(
             "dp=true with resume is not supported: the noise is calibrated for "
             "the run as planned, and a node without its state files would count "
@@ -930,229 +779,57 @@ def _check_combination(values: dict[str, Scalar]) -> None:
         )
 
 
-def _check_aggregator(values: dict[str, Scalar]) -> None:
-    """Refuse an aggregator other than the mean where its result would be
-    misused or undefined for the round's sample."""
-    aggregator = values["aggregator"]
-    if values["krum-select"] and aggregator != "multi-krum":
+def _check_parts(s: Settings) -> None:
+    """Ask the run's parts what they refuse: its local objective, the
+    aggregators its objective and server update allow, then the aggregator
+    itself, each loaded from the catalogue."""
+    objective = LOCAL_OBJECTIVES[s.local_objective].load()
+    if problem := objective.problem(s):
+        raise SettingsError(problem)
+    if s.krum_select and s.aggregator != "multi-krum":
         raise SettingsError(
-            f"krum-select={values['krum-select']} with aggregator={aggregator!r}: "
-            "only multi-krum averages several replies; set aggregator='multi-krum'"
+            f"krum-select={s.krum_select} with aggregator={s.aggregator!r}: only "
+            "multi-krum averages several replies; set aggregator='multi-krum'"
         )
-    if aggregator == "mean":
-        return
-    if values["local-objective"] in CONTROL_VARIATE_OBJECTIVES:
-        raise SettingsError(
-            f"aggregator={aggregator!r} with local-objective="
-            f"{values['local-objective']!r}: SCAFFOLD's server control variate "
-            "moves by every accepted client's Delta c_k while the model would "
-            "follow another rule, so c would stop tracking the clients' "
-            "corrections; allowed with scaffold: mean"
-        )
-    if values["server-update"] == "feddyn":
-        raise SettingsError(
-            f"aggregator={aggregator!r} with server-update='feddyn': FedDyn's "
-            "server state h is corrected by the plain mean of the participants' "
-            "models (Acar et al. 2021, eq. 4); another aggregate breaks that "
-            "correction; allowed with feddyn: mean"
-        )
-    if values["mode"] == "async":
-        raise SettingsError(
-            f"aggregator={aggregator!r} with mode='async': FedBuff aggregates "
-            "its buffer by the staleness-weighted mean; allowed with async: mean"
-        )
-    if aggregator == "fednova" and values["client-optimizer"] != "sgd":
-        raise SettingsError(
-            f"aggregator='fednova' with client-optimizer="
-            f"{values['client-optimizer']!r}: FedNova's effective steps a_k are "
-            "defined for SGD (with momentum); allowed: client-optimizer='sgd'"
-        )
-    f, select = int(values["byzantine-clients"]), int(values["krum-select"])
-    n = sample_size(
-        int(values["num-clients"]), float(values["client-frac"]),
-        int(values["min-train-nodes"]),
-    )  # fmt: skip
-    needed = {"krum": 2 * f + 3, "multi-krum": 2 * f + 3, "bulyan": 4 * f + 3}.get(
-        str(aggregator), 1
-    )
-    if n < needed:
-        rule = {"bulyan": "n >= 4f + 3"}.get(str(aggregator), "n >= 2f + 3")
-        raise SettingsError(
-            f"aggregator={aggregator!r} with byzantine-clients={f} needs {rule} "
-            f"replies per round ({needed}); a round samples {n} (client-frac x "
-            "num-clients); sample more clients or lower byzantine-clients"
-        )
-    if aggregator == "trimmed-mean" and int(float(values["trim-fraction"]) * n) == 0:
-        raise SettingsError(
-            f"trim-fraction={values['trim-fraction']:g} of the {n} replies a round "
-            f"samples trims none (floor({values['trim-fraction']:g} x {n}) = 0): the "
-            f"rule would be the plain mean; allowed: at least {1 / n:g}"
-        )
-    if aggregator == "multi-krum" and select > n - f:
-        raise SettingsError(
-            f"krum-select={select} above n - f = {n - f} (a round samples {n}, "
-            f"byzantine-clients={f}): multi-Krum would average Byzantine replies "
-            "too; allowed: 1 to n - f, or 0 for n - f"
-        )
-
-
-def _check_central_dp(values: dict[str, Scalar]) -> None:
-    """Refuse what would break user-level DP or cannot be accounted for."""
-    mode = values["central-dp"]
-    if mode == "off":
-        return
-    reasons = {
-        "aggregator": (values["aggregator"] != "mean", "central DP is the "
-                       "aggregation step itself (a clipped, noised sum); leave "
-                       "aggregator at mean"),
-        "mode": (values["mode"] == "async", "FedBuff's buffer changes the sum's "
-                 "sensitivity; use mode='sync'"),
-        "local-objective": (values["local-objective"] in CONTROL_VARIATE_OBJECTIVES,
-                            "SCAFFOLD's Delta c_k would leave the clients without "
-                            "noise; use another local objective"),
-        "dp": (bool(values["dp"]), "choose example-level DP-SGD (dp=true) or "
-               "user-level central DP, not both"),
-        "update-norm-bound": (bool(values["update-norm-bound"]), "a bound relative "
-                              "to the round's median norm lets one client change "
-                              "the others' contributions; set update-norm-bound=0 "
-                              "(central DP clips every update to C)"),
-        "resume": (bool(values["resume"]), "the rounds after the checkpoint were "
-                   "released once already, and a resumed accountant would not "
-                   "count them; start a new run instead"),
-        "model": (
-            MODELS[str(values["model"])].batchnorm
-            and values["sharing"] in ("all", "fedper")
-            and values["bn-policy"] == "shared",
-            "BatchNorm's running statistics would be released with noise (a "
-            "negative variance breaks the model); set bn-policy='silobn' or "
-            "'fedbn', or use a model without BatchNorm (mlp, cnn-gn, simple-cnn)",
-        ),
-    }  # fmt: skip
-    for key, (refused, why) in reasons.items():
-        if refused:
+    for key, name, parts in _choosing_parts(s):
+        if (why := parts[name].load().mean_only) and s.aggregator != "mean":
             raise SettingsError(
-                f"central-dp={mode!r} with {key}={values[key]!r}: {why}"
+                f"aggregator={s.aggregator!r} with {key}={name!r}: {why}"
             )
-    z, count = (
-        float(values["central-noise-multiplier"]),
-        float(values["central-count-noise"]),
-    )
-    if values["central-epsilon"]:
-        from .common.noise import noise_for_epsilon  # opacus: only here
-
-        z = noise_for_epsilon(
-            float(values["central-epsilon"]),
-            int(values["rounds"]),
-            float(values["dp-delta"]),
-        )
-    if mode == "adaptive":
-        count = count or sample_size(
-            int(values["num-clients"]), float(values["client-frac"]),
-            int(values["min-train-nodes"]),
-        ) / 20  # fmt: skip
-        if 2 * count <= z:
-            raise SettingsError(
-                f"central-dp='adaptive': the count noise {count:g} must exceed "
-                f"central-noise-multiplier / 2 = {z / 2:g} (Andrew et al. 2021, "
-                "Theorem 1); raise central-count-noise or sample more clients"
-            )
+    for part in (SERVER_UPDATES[s.server_update], AGGREGATORS[s.aggregator]):
+        if problem := part.load().problem(s):
+            raise SettingsError(problem)
 
 
-def _check_attack(values: dict[str, Scalar]) -> None:
-    """An attack needs attackers, attackers need an attack, and the named
-    clients must exist."""
-    attack, share = values["attack"], values["attackers"]
-    named = _parse_clients(str(values["attacker-clients"])) or ()
-    if attack == "none":
-        if share or named:
-            raise SettingsError(
-                "attackers or attacker-clients without an attack: set attack to "
-                "one of " + ", ".join(ATTACKS[1:])
-            )
+def _choosing_parts(s: Settings) -> list[tuple[str, str, dict[str, Part]]]:
+    """(key, chosen name, catalogue) of the parts that refuse aggregators
+    and modes: the run's local objective and server update."""
+    return [
+        ("local-objective", s.local_objective, LOCAL_OBJECTIVES),
+        ("server-update", s.server_update, SERVER_UPDATES),
+    ]
+
+
+def _check_async(s: Settings) -> None:
+    """Refuse what buffered asynchronous training cannot do: the parts that
+    need synchronous rounds (they say why), a deadline, a buffer larger
+    than the clients training at once."""
+    if s.mode != "async":
         return
-    if share and named:
-        raise SettingsError(
-            "attackers and attacker-clients are both set; name the clients or "
-            "give a share, not both"
-        )
-    if not share and not named:
-        raise SettingsError(
-            f"attack={attack!r} without attackers: set attackers (a share of the "
-            "clients) or attacker-clients ('i,j,...')"
-        )
-    clients = int(values["num-clients"])
-    if any(c >= clients for c in named):
-        raise SettingsError(
-            f"attacker-clients={values['attacker-clients']!r}: clients are 0 to "
-            f"{clients - 1} (num-clients={clients})"
-        )
-    if share and round(float(share) * clients) == 0:
-        raise SettingsError(
-            f"attackers={share:g} of num-clients={clients} rounds to no client; "
-            f"allowed: at least {1 / clients:g}"
-        )
-
-
-def _check_async(values: dict[str, Scalar]) -> None:
-    """Refuse what buffered asynchronous training cannot do."""
-    if values["mode"] != "async":
-        return
-    if values["local-objective"] in CONTROL_VARIATE_OBJECTIVES:
-        raise SettingsError(
-            f"mode='async' with local-objective={values['local-objective']!r}: "
-            "SCAFFOLD's control variates are defined for synchronous rounds of "
-            "one model version; allowed with async: "
-            + ", ".join(
-                o for o in LOCAL_OBJECTIVES if o not in CONTROL_VARIATE_OBJECTIVES
+    for key, name, parts in _choosing_parts(s):
+        if why := parts[name].load().synchronous_only:
+            allowed = [n for n, p in parts.items() if not p.load().synchronous_only]
+            raise SettingsError(
+                f"mode='async' with {key}={name!r}: {why}; allowed with async: "
+                + ", ".join(allowed)
             )
-        )
-    if values["server-update"] == "feddyn":
-        raise SettingsError(
-            "mode='async' with server-update='feddyn': FedDyn's server state h "
-            "corrects a synchronous round's mean of one model version; allowed "
-            "with async: " + ", ".join(u for u in SERVER_UPDATES if u != "feddyn")
-        )
-    if values["round-deadline"]:
+    if s.round_deadline:
         raise SettingsError(
             "round-deadline with mode='async': a deadline ends a synchronous "
             "round; async mode has no rounds to end (set round-deadline=0)"
         )
-    concurrency, buffer = values["concurrency"], values["buffer-size"]
-    if concurrency and buffer and buffer > concurrency:  # type: ignore[operator]
+    if s.concurrency and s.buffer_size and s.buffer_size > s.concurrency:
         raise SettingsError(
-            f"buffer-size={buffer} above concurrency={concurrency}: the buffer "
-            "would wait for more replies than clients train at once"
+            f"buffer-size={s.buffer_size} above concurrency={s.concurrency}: the "
+            "buffer would wait for more replies than clients train at once"
         )
-
-
-KIND_NAMES = {
-    int: "an integer",
-    float: "a finite number",
-    bool: "true or false",
-    str: "a string",
-}
-
-
-def _coerce(name: str, raw: Scalar, kind: type, auto: bool = False) -> Scalar:
-    """Give `raw` the type of the key's default, refusing lossy conversions."""
-    if kind is bool:
-        if isinstance(raw, bool):
-            return raw
-        if isinstance(raw, str) and raw.lower() in ("true", "false"):
-            return raw.lower() == "true"
-    elif kind is int:
-        if isinstance(raw, int) and not isinstance(raw, bool):
-            return raw
-        if isinstance(raw, float) and raw.is_integer():
-            return int(raw)
-    elif kind is float:
-        number = isinstance(raw, int | float) and not isinstance(raw, bool)
-        if number and math.isfinite(raw):
-            return float(raw)
-    elif isinstance(raw, str):
-        return raw
-    raise SettingsError(
-        f"invalid value for {name!r}: {raw!r}; allowed: "
-        + ("auto or " if auto else "")
-        + KIND_NAMES.get(kind, kind.__name__)
-    )

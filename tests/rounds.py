@@ -13,9 +13,9 @@ from typing import Any
 
 from flwr.app import ArrayRecord, ConfigRecord, Message
 
+from pollen.catalog import SERVER_UPDATES
 from pollen.strategies.fedavg import FedAvgUpdate
 from pollen.strategies.feddyn import FedDynUpdate
-from pollen.strategies.fedopt import FedOptUpdate
 from pollen.strategies.personal import (
     EvaluateRequest,
     PersonalEvaluation,
@@ -122,9 +122,9 @@ def fedopt(
     *, optimizer: str, server_lr: float, momentum: float = 0.0, beta1: float = 0.9,
     beta2: float = 0.99, tau: float = 1e-3, bias_correction: bool = False, **kw: Any,
 ) -> Harness:  # fmt: skip
-    update = FedOptUpdate(
-        optimizer=optimizer, server_lr=server_lr, momentum=momentum, beta1=beta1,
-        beta2=beta2, tau=tau, bias_correction=bias_correction,
+    update = SERVER_UPDATES[optimizer].load()(
+        server_lr=server_lr, momentum=momentum, beta1=beta1, beta2=beta2, tau=tau,
+        bias_correction=bias_correction,
     )  # fmt: skip
     return harness(update, **kw)
 

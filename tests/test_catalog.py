@@ -9,11 +9,12 @@ import sys
 from torch.nn.modules.batchnorm import _BatchNorm
 
 from pollen import catalog
-from pollen.strategies.aggregation import Mean
+from pollen.strategies.aggregation import Mean, Rule
 from pollen.strategies.server_update import ServerUpdate
 from pollen.task.data import SPECS
 from pollen.task.lora import LoRALinear
 from pollen.task.models import LORA_MODELS, MODELS, ModelOptions, build_model
+from pollen.task.objective_parts import Plain
 from pollen.task.sharing import POLICIES
 
 
@@ -47,6 +48,16 @@ def test_every_named_part_loads_its_implementation() -> None:
     for part in catalog.SERVER_UPDATES.values():
         assert issubclass(part.load(), ServerUpdate), part.name
     assert catalog.AGGREGATORS["mean"].load() is Mean
+    for part in catalog.AGGREGATORS.values():
+        assert issubclass(part.load(), Rule), part.name
+    for part in catalog.LOCAL_OBJECTIVES.values():
+        objective = part.load()
+        assert issubclass(objective, Plain), part.name
+        assert objective.sam == part.name.endswith("sam"), part.name
+        assert not objective.term or callable(
+            catalog.load(objective.term).from_settings
+        )
+    assert issubclass(catalog.load(catalog.CENTRAL_DP_STEP), Rule)
     assert set(POLICIES) == set(catalog.SHARING_POLICIES)
     for preset in catalog.PRESETS.values():
         assert preset["server-update"] in catalog.SERVER_UPDATES

@@ -24,7 +24,7 @@ from pollen.strategies.asynchronous import BufferedAsync
 from pollen.strategies.clock import SimulatedClock
 from pollen.strategies.fedavg import FedAvgUpdate
 from pollen.strategies.fedbuff import buffered_mean, rebased, staleness_weight
-from pollen.strategies.fedopt import FedOptUpdate
+from pollen.strategies.fedopt import ServerSgd
 from pollen.strategies.sampling import Participants, Roster
 from pollen.strategies.strategy import Strategy
 from tests.conftest import client_update, reply_from
@@ -81,7 +81,7 @@ def test_the_server_learning_rate_scales_the_buffered_step() -> None:
     aggregate = buffered_mean(
         [update(0, 2.0, 2.0), update(1, 1.0, 4.0)], [0, 3], current, {"w"}
     )
-    sgd = FedOptUpdate(optimizer="sgd", server_lr=0.5)
+    sgd = ServerSgd(server_lr=0.5)
     stepped = sgd.apply(current, aggregate, lambda exclude_bn: ("w",))
     np.testing.assert_allclose(stepped["w"], [1.25, 2.25])
     assert stepped["w"].dtype == np.float32

@@ -234,8 +234,8 @@ def test_explicit_parts_override_the_preset() -> None:
 
 @pytest.mark.parametrize("objective", ["sam", "prox-sam", "feddyn-sam"])
 def test_dp_refuses_every_sam_objective(objective) -> None:
-    """No per-sample clipping for SAM's second pass (the names themselves are
-    decoded in pollen.task.objectives, tested in test_local_objectives.py)."""
+    """No per-sample clipping for SAM's second pass (each objective's part,
+    pollen.task.objective_parts, says whether it takes SAM's gradient)."""
     assert Settings.from_run_config({"local-objective": objective, "sam-rho": 0.2})
     with pytest.raises(SettingsError, match=f"local-objective='{objective}'"):
         Settings.from_run_config(
@@ -284,10 +284,11 @@ def test_a_part_brings_the_client_settings_its_paper_assumes() -> None:
 
 def test_parts_that_assume_different_client_settings_need_an_explicit_one() -> None:
     plain, heavy = (
-        Part(name, "", training={"momentum": rho})
+        Part(name, "", "pollen.task.objective_parts:Plain", training={"momentum": rho})
         for name, rho in (("plain-part", 0.0), ("heavy-part", 0.5))
     )
-    assert assumed_training(plain, Part("silent", "")) == {"momentum": 0.0}
+    silent = Part("silent", "", "pollen.task.objective_parts:Plain")
+    assert assumed_training(plain, silent) == {"momentum": 0.0}
     with pytest.raises(ValueError, match=r"heavy-part's 0\.5.*set momentum explicitly"):
         assumed_training(plain, heavy)
 

@@ -18,10 +18,12 @@ from __future__ import annotations
 
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
-from flwr.app import MetricRecord
+
+if TYPE_CHECKING:  # settings validation loads the rules without Flower
+    from flwr.app import MetricRecord
 
 Arrays = Mapping[str, np.ndarray]
 
@@ -109,7 +111,7 @@ class Aggregator(Protocol):
 class Rule:
     """Defaults of an aggregation rule: defined for one update, reads no
     metric, adds nothing to the training config, keeps no state, built from
-    settings without parameters."""
+    settings without parameters, refused by asynchronous training."""
 
     min_updates = 1
     required_metrics: tuple[str, ...] = ()
@@ -117,6 +119,30 @@ class Rule:
     @classmethod
     def from_settings(cls, settings: Any, uniform: bool = False) -> Any:
         return cls()
+
+    @classmethod
+    def problem(cls, settings: Any) -> str | None:
+        """Why this rule cannot aggregate the rounds `settings` describe, or
+        None (what `pollen.settings` asks of the run's aggregator)."""
+        if settings.mode == "async":
+            return (
+                f"aggregator={settings.aggregator!r} with mode='async': FedBuff "
+                "aggregates its buffer by the staleness-weighted mean; allowed "
+                "with async: mean"
+            )
+        return cls.round_problem(settings, settings.sample_size)
+
+    @classmethod
+    def round_problem(cls, settings: Any, n: int) -> str | None:
+        """Why a round of `n` replies is too small for this rule, or None:
+        its `min_updates` as built from `settings`."""
+        needed = cls.from_settings(settings).min_updates
+        if n >= needed:
+            return None
+        return (
+            f"aggregator={settings.aggregator!r} needs {needed} replies per round; "
+            f"a round samples {n} (client-frac x num-clients); sample more clients"
+        )
 
     def train_config(self) -> dict[str, float]:
         """Entries for every training message's config (none by default)."""
@@ -140,6 +166,11 @@ class Mean(Rule):
     def from_settings(cls, settings: Any, uniform: bool = False) -> Mean:
         """`uniform` comes from the server update (FedDyn's plain mean)."""
         return cls(uniform)
+
+    @classmethod
+    def problem(cls, settings: Any) -> str | None:
+        """None: the mean takes any round (FedBuff's buffer has its own)."""
+        return None
 
     def __call__(
         self,

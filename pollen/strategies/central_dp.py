@@ -38,7 +38,7 @@ accountants at hand assume Poisson sampling, so none is claimed.
 `tests/test_central_dp.py` checks that accountant against Opacus's PRV
 accountant and the exact epsilon of composed Gaussian mechanisms.
 
-Covered: the model's floating entries that travel (settings refuse
+Covered: the model's floating entries that travel (`problem` refuses
 BatchNorm statistics that would travel: noise would make a variance
 negative). Not covered: integer entries (averaged, unweighted), the metrics
 a reply carries (example count, training time), and personal evaluations
@@ -56,6 +56,7 @@ from typing import Any
 
 import numpy as np
 
+from ..catalog import LOCAL_OBJECTIVES, MODELS
 from ..common.clipping import clipped
 from ..common.noise import noise_for_epsilon
 from ..protocol import CLIP_NORM, UPDATE_NORM
@@ -144,6 +145,55 @@ class CentralDP(Rule):
             count_noise=settings.central_count_noise or n / 20,
             client_clips=settings.central_clip_on == "client",
         )
+
+    @classmethod
+    def problem(cls, settings: Any) -> str | None:
+        """Why user-level DP cannot be kept or accounted for with `settings`,
+        or None (what `pollen.settings` asks where `central-dp` is on)."""
+        mode = settings.central_dp
+        objective = LOCAL_OBJECTIVES[settings.local_objective].load()
+        reasons = {
+            "aggregator": (settings.aggregator != "mean", "central DP is the "
+                           "aggregation step itself (a clipped, noised sum); leave "
+                           "aggregator at mean"),
+            "mode": (settings.mode == "async", "FedBuff's buffer changes the sum's "
+                     "sensitivity; use mode='sync'"),
+            "local-objective": (objective.server_control,
+                                "SCAFFOLD's Delta c_k would leave the clients "
+                                "without noise; use another local objective"),
+            "dp": (settings.dp, "choose example-level DP-SGD (dp=true) or "
+                   "user-level central DP, not both"),
+            "update-norm-bound": (bool(settings.update_norm_bound), "a bound "
+                                  "relative to the round's median norm lets one "
+                                  "client change the others' contributions; set "
+                                  "update-norm-bound=0 (central DP clips every "
+                                  "update to C)"),
+            "resume": (bool(settings.resume), "the rounds after the checkpoint "
+                       "were released once already, and a resumed accountant "
+                       "would not count them; start a new run instead"),
+            "model": (
+                MODELS[settings.model].batchnorm
+                and settings.sharing in ("all", "fedper")
+                and settings.bn_policy == "shared",
+                "BatchNorm's running statistics would be released with noise (a "
+                "negative variance breaks the model); set bn-policy='silobn' or "
+                "'fedbn', or use a model without BatchNorm (mlp, cnn-gn, "
+                "simple-cnn)",
+            ),
+        }  # fmt: skip
+        for key, (refused, why) in reasons.items():
+            if refused:
+                value = getattr(settings, key.replace("-", "_"))
+                return f"central-dp={mode!r} with {key}={value!r}: {why}"
+        z = planned_noise(settings)
+        count = settings.central_count_noise or settings.sample_size / 20
+        if mode == "adaptive" and 2 * count <= z:
+            return (
+                f"central-dp='adaptive': the count noise {count:g} must exceed "
+                f"central-noise-multiplier / 2 = {z / 2:g} (Andrew et al. 2021, "
+                "Theorem 1); raise central-count-noise or sample more clients"
+            )
+        return None
 
     @property
     def required_metrics(self) -> tuple[str, ...]:  # type: ignore[override]

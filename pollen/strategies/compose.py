@@ -5,10 +5,15 @@ from __future__ import annotations
 
 from torch import nn
 
-from ..catalog import AGGREGATORS, CONTROL_VARIATE_OBJECTIVES, SERVER_UPDATES
+from ..catalog import (
+    AGGREGATORS,
+    CENTRAL_DP_STEP,
+    LOCAL_OBJECTIVES,
+    SERVER_UPDATES,
+    load,
+)
 from ..settings import Settings
 from ..task.sharing import Sharing
-from .central_dp import CentralDP
 from .personal import PersonalEvaluation
 from .scaffold import ServerControl
 from .strategy import Strategy
@@ -23,7 +28,7 @@ def build_strategy(
     sharing = Sharing.of(settings.sharing_policy, model)
     update = SERVER_UPDATES[settings.server_update].load().from_settings(settings)
     aggregator = (
-        CentralDP
+        load(CENTRAL_DP_STEP)
         if settings.central_dp != "off"
         else AGGREGATORS[settings.aggregator].load()
     )
@@ -48,8 +53,8 @@ def _control(
     settings: Settings, model: nn.Module, sharing: Sharing
 ) -> ServerControl | None:
     """SCAFFOLD's server control variate over the trained shared entries
-    (None for every other local objective)."""
-    if settings.local_objective not in CONTROL_VARIATE_OBJECTIVES:
+    (None where the local objective's part keeps none)."""
+    if not LOCAL_OBJECTIVES[settings.local_objective].load().server_control:
         return None
     state = model.state_dict()
     trained = sharing.trained_shared(exclude_bn=False)

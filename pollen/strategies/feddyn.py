@@ -30,6 +30,15 @@ class FedDynUpdate(ServerUpdate):
     """Uniform mean of the clients' models minus h / alpha."""
 
     uniform_mean = True
+    synchronous_only = (
+        "FedDyn's server state h corrects a synchronous round's mean of one "
+        "model version"
+    )
+    mean_only = (
+        "FedDyn's server state h is corrected by the plain mean of the "
+        "participants' models (Acar et al. 2021, eq. 4); another aggregate "
+        "breaks that correction; allowed with feddyn: mean"
+    )
 
     def __init__(
         self, *, alpha: float, num_clients: int, h_scale: str = "num-clients",

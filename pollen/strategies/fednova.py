@@ -24,6 +24,7 @@ a_k the rule is the weighted mean.
 from __future__ import annotations
 
 from collections.abc import Collection, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -36,6 +37,19 @@ class FedNova(Rule):
     weighted mean on the others."""
 
     required_metrics = (EFFECTIVE_STEPS,)
+
+    @classmethod
+    def problem(cls, settings: Any) -> str | None:
+        """a_k is defined for SGD's steps (with momentum), not Adam's."""
+        if problem := super().problem(settings):
+            return problem
+        if settings.client_optimizer != "sgd":
+            return (
+                f"aggregator='fednova' with client-optimizer="
+                f"{settings.client_optimizer!r}: FedNova's effective steps a_k are "
+                "defined for SGD (with momentum); allowed: client-optimizer='sgd'"
+            )
+        return None
 
     def __call__(
         self,

@@ -11,6 +11,7 @@ server step per round on the trained shared entries:
 and for the adaptive three x += lr m_hat / (sqrt(v_hat) + tau), where the hats
 are m / (1 - b1^t) and (adam, yogi) v / (1 - b2^t) with `bias_correction`,
 else m and v themselves. Moments start at zero, as in the seed notebook.
+Each optimiser is one class here, named in `pollen.catalog.SERVER_UPDATES`.
 
 BatchNorm statistics and other buffers never enter an optimiser: they are
 averaged. Optimiser state is float64; the model stays float32 on the wire.
@@ -21,6 +22,7 @@ and upcast to float64, hence this module.)
 from __future__ import annotations
 
 from collections.abc import Mapping
+from typing import ClassVar
 
 import numpy as np
 
@@ -28,16 +30,14 @@ from ..settings import Settings
 from .aggregation import Aggregate, Arrays, cast_like
 from .server_update import ServerUpdate, TrainedKeys, prefixed, unprefixed
 
-SERVER_OPTIMIZERS = ("sgd", "adagrad", "adam", "yogi")
-
 
 class FedOptUpdate(ServerUpdate):
-    """A server optimiser on the example-weighted pseudo-gradient."""
+    """A server optimiser on the example-weighted pseudo-gradient; each
+    subclass is one optimiser's step."""
 
     def __init__(
         self,
         *,
-        optimizer: str,
         server_lr: float,
         momentum: float = 0.0,
         beta1: float = 0.9,
@@ -45,12 +45,6 @@ class FedOptUpdate(ServerUpdate):
         tau: float = 1e-3,
         bias_correction: bool = False,
     ) -> None:
-        if optimizer not in SERVER_OPTIMIZERS:
-            raise ValueError(
-                f"unknown server optimiser {optimizer!r}; "
-                f"allowed: {', '.join(SERVER_OPTIMIZERS)}"
-            )
-        self.optimizer = optimizer
         self.server_lr = server_lr
         self.momentum = momentum
         self.beta1, self.beta2, self.tau = beta1, beta2, tau
@@ -62,9 +56,8 @@ class FedOptUpdate(ServerUpdate):
     @classmethod
     def from_settings(cls, s: Settings) -> FedOptUpdate:
         return cls(
-            optimizer=s.server_update, server_lr=s.server_lr,
-            momentum=s.server_momentum, beta1=s.beta1, beta2=s.beta2, tau=s.tau,
-            bias_correction=s.bias_correction,
+            server_lr=s.server_lr, momentum=s.server_momentum, beta1=s.beta1,
+            beta2=s.beta2, tau=s.tau, bias_correction=s.bias_correction,
         )  # fmt: skip
 
     def state_arrays(self) -> dict[str, np.ndarray]:
@@ -97,25 +90,62 @@ class FedOptUpdate(ServerUpdate):
 
     def _increment(self, key: str, delta: np.ndarray) -> np.ndarray:
         """lr times the step direction for one entry; updates the moments."""
-        if self.optimizer == "sgd":
-            if not self.momentum:
-                return self.server_lr * delta
-            v = self.momentum * self.v.get(key, 0.0) + delta
-            self.v[key] = v
-            return self.server_lr * v
+        raise NotImplementedError
+
+
+class ServerSgd(FedOptUpdate):
+    """Server SGD with heavy-ball momentum (FedAvgM; FedAvg at lr 1, mu 0)."""
+
+    def _increment(self, key: str, delta: np.ndarray) -> np.ndarray:
+        if not self.momentum:
+            return self.server_lr * delta
+        v = self.momentum * self.v.get(key, 0.0) + delta
+        self.v[key] = v
+        return self.server_lr * v
+
+
+class Adaptive(FedOptUpdate):
+    """The adaptive optimisers: m_hat / (sqrt(v_hat) + tau), each with its
+    own second moment."""
+
+    auto_server_lr = 1e-2  # the seed notebook's value
+    # bias correction divides v by 1 - b2^t (not Adagrad's running sum)
+    decaying_v: ClassVar[bool] = True
+
+    def _increment(self, key: str, delta: np.ndarray) -> np.ndarray:
         b1, b2, t = self.beta1, self.beta2, self.steps
         m = b1 * self.m.get(key, 0.0) + (1 - b1) * delta
-        v = self.v.get(key, np.zeros_like(delta))
-        square = delta * delta
-        if self.optimizer == "adagrad":
-            v = v + square
-        elif self.optimizer == "adam":
-            v = b2 * v + (1 - b2) * square
-        else:  # yogi
-            v = v - (1 - b2) * square * np.sign(v - square)
+        v = self._second_moment(self.v.get(key, np.zeros_like(delta)), delta * delta)
         self.m[key], self.v[key] = m, v
         if self.bias_correction:
             m = m / (1 - b1**t)
-            if self.optimizer != "adagrad":
+            if self.decaying_v:
                 v = v / (1 - b2**t)
         return self.server_lr * m / (np.sqrt(v) + self.tau)
+
+    def _second_moment(self, v: np.ndarray, square: np.ndarray) -> np.ndarray:
+        """The next v from the last and Delta^2."""
+        raise NotImplementedError
+
+
+class ServerAdagrad(Adaptive):
+    """v += Delta^2."""
+
+    decaying_v = False
+
+    def _second_moment(self, v: np.ndarray, square: np.ndarray) -> np.ndarray:
+        return v + square
+
+
+class ServerAdam(Adaptive):
+    """v = b2 v + (1 - b2) Delta^2."""
+
+    def _second_moment(self, v: np.ndarray, square: np.ndarray) -> np.ndarray:
+        return self.beta2 * v + (1 - self.beta2) * square
+
+
+class ServerYogi(Adaptive):
+    """v -= (1 - b2) Delta^2 sign(v - Delta^2)."""
+
+    def _second_moment(self, v: np.ndarray, square: np.ndarray) -> np.ndarray:
+        return v - (1 - self.beta2) * square * np.sign(v - square)

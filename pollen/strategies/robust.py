@@ -71,6 +71,18 @@ class TrimmedMean(Rule):
     def from_settings(cls, settings: Any, uniform: bool = False) -> TrimmedMean:
         return cls(settings.trim_fraction)
 
+    @classmethod
+    def round_problem(cls, settings: Any, n: int) -> str | None:
+        """A fraction that trims no value of `n` would be the plain mean."""
+        beta = settings.trim_fraction
+        if int(beta * n) > 0:
+            return None
+        return (
+            f"trim-fraction={beta:g} of the {n} replies a round samples trims none "
+            f"(floor({beta:g} x {n}) = 0): the rule would be the plain mean; "
+            f"allowed: at least {1 / n:g}"
+        )
+
     def __call__(
         self,
         updates: Sequence[ClientUpdate],
@@ -86,10 +98,23 @@ class TrimmedMean(Rule):
         return Aggregate(arrays, tuple(updates))
 
 
+def _byzantine_problem(settings: Any, n: int, needed: int, rule: str) -> str | None:
+    """Why a round of `n` replies is too small for a rule that needs `needed`
+    (`rule`, in terms of f = `byzantine-clients`), or None."""
+    if n >= needed:
+        return None
+    return (
+        f"aggregator={settings.aggregator!r} with byzantine-clients="
+        f"{settings.byzantine_clients} needs {rule} replies per round ({needed}); "
+        f"a round samples {n} (client-frac x num-clients); sample more clients "
+        "or lower byzantine-clients"
+    )
+
+
 class Krum(Rule):
     """Multi-Krum: the mean of the `select` replies of lowest Krum score;
-    `select` = 1 is Krum itself (its one reply, unchanged). `select` = 0
-    means n - f, Blanchard et al.'s suggestion."""
+    `select` = 1 is Krum itself (its one reply, unchanged), as `krum`
+    builds it. `select` = 0 means n - f, Blanchard et al.'s suggestion."""
 
     def __init__(self, byzantine: int, select: int = 1) -> None:
         if byzantine < 0 or select < 0:
@@ -100,15 +125,24 @@ class Krum(Rule):
         self.select = select
         self.mean = Mean(uniform=True)
 
+    @staticmethod
+    def fewest(byzantine: int) -> int:
+        """Krum's condition n > 2f + 2: the fewest replies it scores."""
+        return 2 * byzantine + 3
+
     @property
     def min_updates(self) -> int:
         """Krum's condition n > 2f + 2, and m <= n - f."""
-        return max(2 * self.byzantine + 3, self.select + self.byzantine)
+        return max(self.fewest(self.byzantine), self.select + self.byzantine)
 
     @classmethod
     def from_settings(cls, settings: Any, uniform: bool = False) -> Krum:
-        select = 1 if settings.aggregator == "krum" else settings.krum_select
-        return cls(settings.byzantine_clients, select)
+        return cls(settings.byzantine_clients)
+
+    @classmethod
+    def round_problem(cls, settings: Any, n: int) -> str | None:
+        f = settings.byzantine_clients
+        return _byzantine_problem(settings, n, cls.fewest(f), "n >= 2f + 3")
 
     def __call__(
         self,
@@ -120,6 +154,29 @@ class Krum(Rule):
         distances = squared_distances(updates, keys)
         chosen = lowest_scores(distances, self.byzantine, select)
         return self.mean([updates[i] for i in sorted(chosen)], keys)
+
+
+class MultiKrum(Krum):
+    """Multi-Krum as `multi-krum` builds it: `krum-select` replies."""
+
+    @classmethod
+    def from_settings(cls, settings: Any, uniform: bool = False) -> MultiKrum:
+        return cls(settings.byzantine_clients, settings.krum_select)
+
+    @classmethod
+    def round_problem(cls, settings: Any, n: int) -> str | None:
+        """Krum's condition, and m <= n - f: more would average Byzantine
+        replies too."""
+        if problem := super().round_problem(settings, n):
+            return problem
+        f, select = settings.byzantine_clients, settings.krum_select
+        if select <= n - f:
+            return None
+        return (
+            f"krum-select={select} above n - f = {n - f} (a round samples {n}, "
+            f"byzantine-clients={f}): multi-Krum would average Byzantine replies "
+            "too; allowed: 1 to n - f, or 0 for n - f"
+        )
 
 
 class Bulyan(Rule):
@@ -139,6 +196,11 @@ class Bulyan(Rule):
     @classmethod
     def from_settings(cls, settings: Any, uniform: bool = False) -> Bulyan:
         return cls(settings.byzantine_clients)
+
+    @classmethod
+    def round_problem(cls, settings: Any, n: int) -> str | None:
+        needed = cls.from_settings(settings).min_updates
+        return _byzantine_problem(settings, n, needed, "n >= 4f + 3")
 
     def __call__(
         self,

@@ -7,13 +7,14 @@ aggregate of the clients' entries, and which shared entries are trained
 or other buffers, which are simply averaged). What it keeps between rounds
 (moments, FedDyn's h) it exports as plain arrays for checkpoints.
 
-Implementations: `fedavg.FedAvgUpdate`, `fedopt.FedOptUpdate`,
+Implementations: `fedavg.FedAvgUpdate`, the FedOpt optimisers in `fedopt`,
 `feddyn.FedDynUpdate`, each named in `pollen.catalog.SERVER_UPDATES`.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
+from typing import Any, ClassVar
 
 import numpy as np
 
@@ -28,6 +29,19 @@ class ServerUpdate:
 
     # the aggregation step weights replies by example count unless this is set
     uniform_mean: bool = False
+    # the server learning rate `server-lr = "auto"` stands for
+    auto_server_lr: ClassVar[float] = 1.0
+    # why it needs synchronous rounds of one model version ("": async too)
+    synchronous_only: ClassVar[str] = ""
+    # why it needs the mean as the aggregator, and what is allowed ("": any)
+    mean_only: ClassVar[str] = ""
+
+    @classmethod
+    def problem(cls, settings: Any) -> str | None:
+        """Why this update cannot run with `settings`, or None (what
+        `pollen.settings` asks of the run's server update beside its modes
+        and aggregators, which it reads from the two attributes)."""
+        return None
 
     def apply(
         self, current: Arrays, aggregate: Aggregate, trained: TrainedKeys

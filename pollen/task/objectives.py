@@ -32,9 +32,10 @@ regulariser around the received model, its anchor:
 The anchor is the received model's trained shared entries (a sharing
 policy's local entries are not the server's; BatchNorm statistics are not
 parameters); with `feddyn-exclude-bn` FedDyn also leaves BatchNorm's scale
-and shift out, as the server's correction does. This module is the one place
-that decodes a `local-objective` name; `pollen.task.train` calls its two
-hooks once per step.
+and shift out, as the server's correction does. Which of these a
+`local-objective` name combines, and what it refuses, its part says
+(`pollen.task.objective_parts`, reached through the catalogue);
+`pollen.task.train` calls `LocalObjective`'s two hooks once per step.
 """
 
 from __future__ import annotations
@@ -49,6 +50,7 @@ from flwr.app import ArrayRecord, Context, RecordDict
 from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
+from ..catalog import LOCAL_OBJECTIVES, load
 from ..common.steps import effective_steps
 from ..protocol import CONFIG, CONTROL, LR, feddyn_state_key, scaffold_state_key
 
@@ -56,7 +58,6 @@ if TYPE_CHECKING:
     from ..settings import Settings
     from .sharing import Sharing
 
-SAM_SUFFIX = "-sam"
 Parameters = dict[str, nn.Parameter]
 
 
@@ -108,6 +109,10 @@ class ProxTerm:
     anchor: dict[str, torch.Tensor] = field(default_factory=dict)
     exclude_bn: ClassVar[bool] = False  # BatchNorm's scale and shift are anchored
 
+    @classmethod
+    def from_settings(cls, settings: Settings) -> ProxTerm:
+        return cls(settings.prox_mu)
+
     @property
     def pull(self) -> float:
         return self.mu
@@ -146,6 +151,10 @@ class DynTerm:
     anchor: dict[str, torch.Tensor] = field(default_factory=dict)
     h: dict[str, torch.Tensor] = field(default_factory=dict)
     exclude_bn: bool = True  # anchor no BatchNorm entries (`feddyn-exclude-bn`)
+
+    @classmethod
+    def from_settings(cls, settings: Settings) -> DynTerm:
+        return cls(settings.dyn_alpha, exclude_bn=settings.feddyn_exclude_bn)
 
     @property
     def pull(self) -> float:
@@ -216,6 +225,10 @@ class ControlTerm:
     delta: dict[str, torch.Tensor] = field(default_factory=dict)
     exclude_bn: ClassVar[bool] = False
     pull: ClassVar[float] = 0.0
+
+    @classmethod
+    def from_settings(cls, settings: Settings) -> ControlTerm:
+        return cls(settings.momentum)
 
     def load(
         self, context: Context, client: int, anchor: Parameters, content: RecordDict
@@ -298,19 +311,6 @@ def sam_perturb(params: list[nn.Parameter], rho: float) -> list[torch.Tensor]:
     return eps
 
 
-def _regularizer(settings: Settings, name: str) -> Regularizer | None:
-    """The regulariser a `local-objective` name's base part names."""
-    if name == "prox":
-        return ProxTerm(settings.prox_mu)
-    if name == "feddyn":
-        return DynTerm(settings.dyn_alpha, exclude_bn=settings.feddyn_exclude_bn)
-    if name == "scaffold":
-        return ControlTerm(settings.momentum)
-    if name == "plain":
-        return None
-    raise ValueError(f"unknown local objective regulariser {name!r}")
-
-
 @dataclass
 class LocalObjective:
     """One client's objective for one round: SAM's radius (0: no SAM) and
@@ -327,12 +327,11 @@ class LocalObjective:
 
     @classmethod
     def from_settings(cls, settings: Settings) -> LocalObjective:
-        """Decode `local-objective`: `plain`, `sam`, `<regulariser>` or
-        `<regulariser>-sam`."""
-        name = settings.local_objective
-        sam = name == "sam" or name.endswith(SAM_SUFFIX)
-        base = "plain" if name == "sam" else name.removesuffix(SAM_SUFFIX)
-        return cls(settings.sam_rho if sam else 0.0, _regularizer(settings, base))
+        """The objective `local-objective` names: its part says whether SAM
+        takes the data gradient and which term (if any) it adds."""
+        part = LOCAL_OBJECTIVES[settings.local_objective].load()
+        term = load(part.term).from_settings(settings) if part.term else None
+        return cls(settings.sam_rho if part.sam else 0.0, term)
 
     def load(
         self,

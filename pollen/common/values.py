@@ -1,0 +1,141 @@
+"""What one run-config value may be: its type, and a predicate with the
+words that describe it.
+
+`pollen.settings` declares each key with a `Rule` from here and gives every
+raw value its key's type with `coerce`; the words of a rule are what an
+error message and the reference (docs/configuration.md) say is allowed.
+Rules across keys (combinations, and what each part refuses) are not here.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from ..catalog import TRACKING_STORES, Part, Scalar
+from .webhook import check_url
+
+
+@dataclass(frozen=True)
+class Rule:
+    """What a key allows: a predicate and the words that describe it."""
+
+    check: Callable[[Any], bool]
+    allowed: str
+
+
+def one_of(*choices: str) -> Rule:
+    return Rule(lambda v: v in choices, "one of " + ", ".join(choices))
+
+
+def part_of(parts: Mapping[str, Part], *extra: str) -> Rule:
+    """One of `extra` or of the catalogue's `parts` as they are when the key
+    is checked, so a part added to the catalogue is allowed."""
+    return Rule(lambda v: v in extra or v in parts, one_of(*extra, *parts).allowed)
+
+
+def at_least(low: float) -> Rule:
+    return Rule(lambda v: v >= low, f">= {low:g}")
+
+
+def above(low: float) -> Rule:
+    return Rule(lambda v: v > low, f"> {low:g}")
+
+
+def in_range(low: float, high: float) -> Rule:
+    return Rule(lambda v: low < v <= high, f"in ({low:g}, {high:g}]")
+
+
+def fraction() -> Rule:
+    """A share that may be 0 and stays below 1 (a decay, a dropout)."""
+    return Rule(lambda v: 0 <= v < 1, "in [0, 1)")
+
+
+def open_fraction() -> Rule:
+    """A share strictly between 0 and 1 (a probability, a quantile)."""
+    return Rule(lambda v: 0 < v < 1, "in (0, 1)")
+
+
+def betas_rule() -> Rule:
+    return Rule(lambda v: parse_betas(v) is not None, "'b1,b2' with both in [0, 1)")
+
+
+def parse_betas(text: str) -> tuple[float, float] | None:
+    """'0.9,0.999' -> (0.9, 0.999); None unless two numbers in [0, 1)."""
+    try:
+        b1, b2 = (float(part) for part in text.split(","))
+    except ValueError:
+        return None
+    return (b1, b2) if 0 <= b1 < 1 and 0 <= b2 < 1 else None
+
+
+def webhook_rule() -> Rule:
+    def valid(url: str) -> bool:
+        try:
+            return not url or bool(check_url(url))
+        except ValueError:
+            return False
+
+    return Rule(valid, "an http(s) URL, or empty")
+
+
+def folder_name_rule() -> Rule:
+    def valid(name: str) -> bool:
+        return not name or (
+            not any(c in name for c in "/\\") and name.strip(". ") != ""
+        )
+
+    return Rule(valid, "a name without / or \\ (it names a folder), or empty")
+
+
+def tracking_uri_rule() -> Rule:
+    def valid(uri: str) -> bool:
+        if not uri:
+            return True
+        if uri.startswith(("http://", "https://")):
+            return webhook_rule().check(uri)
+        scheme, _, rest = uri.partition("://")
+        return uri.startswith(TRACKING_STORES) and bool(rest) and "/" not in scheme
+
+    return Rule(
+        valid,
+        "empty, an http(s) URL of an MLflow tracking server, or a store URI "
+        "starting with " + ", ".join(TRACKING_STORES),
+    )
+
+
+KIND_NAMES = {
+    int: "an integer",
+    float: "a finite number",
+    bool: "true or false",
+    str: "a string",
+}
+
+
+def coerce(raw: Scalar, kind: type) -> Scalar | None:
+    """`raw` in the type of the key's default, or None where that would
+    lose something (3.5 as an integer, "yes" as a boolean, infinity)."""
+    if kind is bool:
+        if isinstance(raw, bool):
+            return raw
+        if isinstance(raw, str) and raw.lower() in ("true", "false"):
+            return raw.lower() == "true"
+    elif kind is int:
+        if isinstance(raw, int) and not isinstance(raw, bool):
+            return raw
+        if isinstance(raw, float) and raw.is_integer():
+            return int(raw)
+    elif kind is float:
+        number = isinstance(raw, int | float) and not isinstance(raw, bool)
+        if number and math.isfinite(raw):
+            return float(raw)
+    elif isinstance(raw, str):
+        return raw
+    return None
+
+
+def kind_words(kind: type) -> str:
+    """What a value of `kind` is, in an error message ("an integer")."""
+    return KIND_NAMES.get(kind, kind.__name__)

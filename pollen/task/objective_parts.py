@@ -1,0 +1,130 @@
+"""The local objectives as parts: what each needs and refuses, and its term.
+
+Each `local-objective` name in `pollen.catalog.LOCAL_OBJECTIVES` points to a
+class here. The class says whether the data gradient is taken at SAM's
+perturbed point, which regulariser term (`pollen.task.objectives`) the
+client adds, what the client keeps between rounds, and its rules:
+`problem(settings)` is what `pollen.settings` asks of it. The classes are
+torch-free, so a run config is validated (by the CLI, before anything
+runs) without the seconds torch's import takes; the terms, which need
+torch, are named by import path and loaded by the client that trains.
+
+A plug-in objective is one such class (its term may live beside it):
+`sam`, `term`, `keeps_state`, `server_control`, `synchronous_only`,
+`mean_only` and `problem` as below.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, ClassVar
+
+from ..catalog import LOCAL_OBJECTIVES
+
+if TYPE_CHECKING:
+    from ..settings import Settings
+
+TERMS = "pollen.task.objectives"
+
+
+class Plain:
+    """The data loss alone (FedAvg's client), and the defaults of every
+    objective's part: no term, no state, any aggregator and mode."""
+
+    # the data gradient is taken at SAM's perturbed point (Foret et al. 2021)
+    sam: ClassVar[bool] = False
+    # the regulariser's class ("module:attribute", built by its
+    # `from_settings`), or "" for none
+    term: ClassVar[str] = ""
+    # the client keeps state between rounds (FedDyn's h_k, SCAFFOLD's c_k),
+    # which only a run that checkpoints saves for a resume
+    keeps_state: ClassVar[bool] = False
+    # the server keeps a control variate the replies move
+    # (pollen.strategies.scaffold)
+    server_control: ClassVar[bool] = False
+    # why it needs synchronous rounds of one model version ("": async too)
+    synchronous_only: ClassVar[str] = ""
+    # why it needs the mean as the aggregator, and what is allowed ("": any)
+    mean_only: ClassVar[str] = ""
+
+    @classmethod
+    def problem(cls, settings: Settings) -> str | None:
+        """Why this objective cannot train as `settings` ask, or None (its
+        modes and aggregators `Settings` reads from the two attributes):
+        SAM's second pass cannot be clipped per sample (DP-SGD)."""
+        if not (cls.sam and settings.dp):
+            return None
+        plain = [name for name, part in LOCAL_OBJECTIVES.items() if not part.load().sam]
+        return (
+            f"dp=true with local-objective={settings.local_objective!r}: SAM's "
+            "second pass has no per-sample clipping; allowed with dp: "
+            + ", ".join(plain)
+        )
+
+
+class Sam(Plain):
+    """The data loss at SAM's perturbed point (FedSAM)."""
+
+    sam = True
+
+
+class Prox(Plain):
+    """FedProx's proximal term (stateless)."""
+
+    term = f"{TERMS}:ProxTerm"
+
+
+class ProxSam(Prox):
+    """FedProx's term, the data gradient at SAM's point."""
+
+    sam = True
+
+
+class FedDyn(Plain):
+    """FedDyn's dynamic regulariser; the client keeps h_k."""
+
+    term = f"{TERMS}:DynTerm"
+    keeps_state = True
+
+
+class FedDynSam(FedDyn):
+    """FedDyn's regulariser, the data gradient at SAM's point."""
+
+    sam = True
+
+
+class Scaffold(Plain):
+    """SCAFFOLD's correction c - c_k: the client keeps c_k, the server c;
+    the update of c_k reads the round's mean gradient off SGD steps, and c
+    must move with the aggregate of the same round's replies."""
+
+    term = f"{TERMS}:ControlTerm"
+    keeps_state = True
+    server_control = True
+    synchronous_only = (
+        "SCAFFOLD's control variates are defined for synchronous rounds of one "
+        "model version"
+    )
+    mean_only = (
+        "SCAFFOLD's server control variate moves by every accepted client's "
+        "Delta c_k while the model would follow another rule, so c would stop "
+        "tracking the clients' corrections; allowed with scaffold: mean"
+    )
+
+    @classmethod
+    def problem(cls, settings: Settings) -> str | None:
+        if problem := super().problem(settings):
+            return problem
+        if settings.client_optimizer == "sgd":
+            return None
+        return (
+            f"local-objective={settings.local_objective!r} with client-optimizer="
+            f"{settings.client_optimizer!r}: SCAFFOLD's c_k^+ = c_k - c + "
+            "(x - y) / (lr K) reads the round's mean gradient off SGD steps; "
+            "allowed: client-optimizer='sgd'"
+        )
+
+
+class ScaffoldSam(Scaffold):
+    """SCAFFOLD's correction, the data gradient at SAM's point."""
+
+    sam = True
