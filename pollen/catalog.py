@@ -108,6 +108,13 @@ class ModelInfo:
         return None
 
 
+def load(path: str) -> Any:
+    """The object at `path` ("module:attribute"), its module imported on
+    first use: how every part, pollen's own or a plug-in, is reached."""
+    module, _, attribute = path.partition(":")
+    return getattr(importlib.import_module(module), attribute)
+
+
 @dataclass(frozen=True)
 class Part:
     """One composable part of an algorithm: its name, what it does and the
@@ -126,8 +133,7 @@ class Part:
 
     def load(self) -> Any:
         """The implementing object (a class or a function)."""
-        module, _, attribute = self.implementation.partition(":")
-        return getattr(importlib.import_module(module), attribute)
+        return load(self.implementation)
 
 
 def _by_name(*items: Any) -> dict[str, Any]:

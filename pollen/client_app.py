@@ -42,10 +42,11 @@ from flwr.app import (
 )
 from flwr.clientapp import ClientApp
 
-from .catalog import DATA_SETS, MODEL_POISONING
+from .catalog import MODEL_POISONING
 from .common.clipping import clipped_reply
 from .common.steps import effective_steps
 from .deployment.warm_hint import hint_mod
+from .extensions import data_set_info
 from .protocol import (
     ARRAYS,
     CLIENT,
@@ -319,7 +320,7 @@ def train(msg: Message, context: Context) -> Message:
     images, y = cm.data.train_shard(cm.client, cm.device)
     attacking = cm.client in s.attacking_clients
     if attacking and s.attack == "label-flip":
-        y = flipped_labels(y, DATA_SETS[s.data_set].classes)
+        y = flipped_labels(y, data_set_info(s.data_set).classes)
     x, prep = cm.inputs(cm.data.split_key("train", cm.client), images, s.augment)
     objective = LocalObjective.from_settings(s)
     objective.load(context, cm.client, cm.model, cm.sharing, msg.content)

@@ -46,12 +46,22 @@ from .catalog import (
     TRACKERS,
     TRACKING_STORES,
     TRAINING_KEYS,
+    DataSetInfo,
+    ModelInfo,
     Part,
     Scalar,
     assumed_training,
 )
 from .common.partition_sizes import PartitionError, check_min_size
 from .common.webhook import check_url
+from .extensions import (
+    DATA_SET_GROUP,
+    MODEL_GROUP,
+    ExtensionError,
+    data_set_info,
+    model_info,
+    names_user_part,
+)
 from .network_profile import NetworkProfile, ProfileError
 
 AUTO = "auto"
@@ -90,6 +100,16 @@ def above(low: float) -> Rule:
 
 def in_range(low: float, high: float) -> Rule:
     return Rule(lambda v: low < v <= high, f"in ({low:g}, {high:g}]")
+
+
+def part_rule(built_in: Collection[str], group: str) -> Rule:
+    """A built-in name, or a user's part (`pollen.extensions`)."""
+    return Rule(
+        lambda v: v in built_in or names_user_part(v, group),
+        "one of " + ", ".join(built_in) + ", or a user's: an import path "
+        f"'module:function' or a name registered under entry-point group {group} "
+        "(docs/extending.md)",
+    )
 
 
 def betas_rule() -> Rule:
@@ -173,7 +193,9 @@ class Settings:
     )
     device: str = key("auto", "auto picks CUDA, then MPS, then CPU", one_of(*DEVICES))
     # Data
-    data_set: str = key("digits", "data set to train on", one_of(*DATA_SETS))
+    data_set: str = key(
+        "digits", "data set to train on", part_rule(DATA_SETS, DATA_SET_GROUP)
+    )
     data_root: str = key(
         "data", "folder with <name>.npz / image folders; decoded cache goes here"
     )
@@ -210,7 +232,7 @@ class Settings:
     )
     weight_decay: float = key(5e-4, "client weight decay", at_least(0))
     rounds: int = key(10, "communication rounds", at_least(1))
-    model: str = key("mlp", "model architecture", one_of(*MODELS))
+    model: str = key("mlp", "model architecture", part_rule(MODELS, MODEL_GROUP))
     # Algorithm: a preset, and the three parts it combines
     strategy: str = key(
         "fedavg",
@@ -703,7 +725,7 @@ def _resolve_preset(values: dict[str, Scalar]) -> None:
     """Replace every "auto" with the value the strategy preset gives it, or
     for the client's hyper-parameters the data set's defaults for the client
     optimiser."""
-    data_set = DATA_SETS[str(values["data-set"])]
+    data_set = _data_set(values)
     preset = PRESETS[str(values["strategy"])]
     for name in ("server-update", "local-objective"):
         if values[name] == AUTO:
@@ -735,6 +757,22 @@ def _resolve_preset(values: dict[str, Scalar]) -> None:
         values["personal-eval-every"] = int(own)
     if values["server-lr"] == AUTO:
         values["server-lr"] = AUTO_SERVER_LR.get(str(values["server-update"]), 1.0)
+
+
+def _data_set(values: Mapping[str, Scalar]) -> DataSetInfo:
+    """The run's data set: a built-in's entry, or a user's, loaded."""
+    try:
+        return data_set_info(str(values["data-set"]))
+    except ExtensionError as err:
+        raise SettingsError(str(err)) from None
+
+
+def _model(values: Mapping[str, Scalar]) -> ModelInfo:
+    """The run's model: a built-in's entry, or a user's, built on the data."""
+    try:
+        return model_info(str(values["model"]), str(values["data-set"]))
+    except ExtensionError as err:
+        raise SettingsError(str(err)) from None
 
 
 def _run_parts(values: Mapping[str, Scalar]) -> tuple[Part, ...]:
@@ -791,7 +829,7 @@ def first_difference(
 
 def _check_combination(values: dict[str, Scalar]) -> None:
     """Refuse combinations of valid values that cannot work together."""
-    data_set, model = DATA_SETS[str(values["data-set"])], MODELS[str(values["model"])]
+    data_set, model = _data_set(values), _model(values)
     if problem := model.input_problem(data_set.channels, data_set.side):
         raise SettingsError(f"{problem}; data-set={values['data-set']!r}")
     if values["sharing"] in LORA_SHARING and not model.lora:
@@ -1020,7 +1058,7 @@ def _check_central_dp(values: dict[str, Scalar]) -> None:
                    "released once already, and a resumed accountant would not "
                    "count them; start a new run instead"),
         "model": (
-            MODELS[str(values["model"])].batchnorm
+            _model(values).batchnorm
             and values["sharing"] in ("all", "fedper")
             and values["bn-policy"] == "shared",
             "BatchNorm's running statistics would be released with noise (a "
