@@ -30,6 +30,7 @@ from .catalog import (
     Scalar,
     assumed_training,
 )
+from .extensions import DATA_SET_GROUP, MODEL_GROUP, USER_TRAINING, registered
 from .settings import Settings, SettingsError
 
 
@@ -81,8 +82,21 @@ def _model_notes(info: ModelInfo) -> str:
     return f" ({', '.join(marked)})" if marked else ""
 
 
+def _user_rows(group: str, what: str) -> list[tuple[str, str]]:
+    """The names installed packages register under `group`, then the import
+    path form: read from the packages' metadata, nothing imported."""
+    return [
+        *((name, f"{path} (an installed package's)") for name, path in
+          sorted(registered(group).items())),
+        ("module:function", f"{what} of your own (docs/extending.md)"),
+    ]  # fmt: skip
+
+
 def models() -> str:
-    return _rows([(m.name, m.summary + _model_notes(m)) for m in MODELS.values()])
+    return _rows(
+        [(m.name, m.summary + _model_notes(m)) for m in MODELS.values()]
+        + _user_rows(MODEL_GROUP, "a model factory")
+    )
 
 
 def datasets() -> str:
@@ -94,6 +108,7 @@ def datasets() -> str:
             )
             for d in DATA_SETS.values()
         ]
+        + _user_rows(DATA_SET_GROUP, "a data-set loader")
     )
 
 
@@ -160,5 +175,6 @@ def describe_key(name: str) -> str:
                 f"{data_set} {info.training.describe(name)}"
                 for data_set, info in DATA_SETS.items()
             )
+            + f", a user's {USER_TRAINING.describe(name)}"
         )
     return "\n".join(lines)

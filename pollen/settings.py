@@ -45,6 +45,8 @@ from .catalog import (
     SHARING,
     TRACKERS,
     TRAINING_KEYS,
+    DataSetInfo,
+    ModelInfo,
     Part,
     Scalar,
     assumed_training,
@@ -66,8 +68,16 @@ from .common.values import (
     open_fraction,
     parse_betas,
     part_of,
+    part_rule,
     tracking_uri_rule,
     webhook_rule,
+)
+from .extensions import (
+    DATA_SET_GROUP,
+    MODEL_GROUP,
+    ExtensionError,
+    data_set_info,
+    model_info,
 )
 from .network_profile import NetworkProfile, ProfileError
 
@@ -105,7 +115,9 @@ class Settings:
     )
     device: str = key("auto", "auto picks CUDA, then MPS, then CPU", one_of(*DEVICES))
     # Data
-    data_set: str = key("digits", "data set to train on", one_of(*DATA_SETS))
+    data_set: str = key(
+        "digits", "data set to train on", part_rule(DATA_SETS, DATA_SET_GROUP)
+    )
     data_root: str = key(
         "data", "folder with <name>.npz / image folders; decoded cache goes here"
     )
@@ -142,7 +154,7 @@ class Settings:
     )
     weight_decay: float = key(5e-4, "client weight decay", at_least(0))
     rounds: int = key(10, "communication rounds", at_least(1))
-    model: str = key("mlp", "model architecture", one_of(*MODELS))
+    model: str = key("mlp", "model architecture", part_rule(MODELS, MODEL_GROUP))
     # Algorithm: a preset, and the three parts it combines
     strategy: str = key(
         "fedavg",
@@ -627,7 +639,7 @@ def _resolve_preset(values: dict[str, Scalar]) -> None:
     """Replace every "auto" with the value the strategy preset gives it, or
     for the client's hyper-parameters the data set's defaults for the client
     optimiser."""
-    data_set = DATA_SETS[str(values["data-set"])]
+    data_set = _data_set(str(values["data-set"]))
     preset = PRESETS[str(values["strategy"])]
     for name in ("server-update", "local-objective"):
         if values[name] == AUTO:
@@ -660,6 +672,22 @@ def _resolve_preset(values: dict[str, Scalar]) -> None:
     if values["server-lr"] == AUTO:  # the server update's own default
         update = SERVER_UPDATES[str(values["server-update"])].load()
         values["server-lr"] = update.auto_server_lr
+
+
+def _data_set(name: str) -> DataSetInfo:
+    """The run's data set: a built-in's entry, or a user's, loaded."""
+    try:
+        return data_set_info(name)
+    except ExtensionError as err:
+        raise SettingsError(str(err)) from None
+
+
+def _model(name: str, data_set: str) -> ModelInfo:
+    """The run's model: a built-in's entry, or a user's, built on the data."""
+    try:
+        return model_info(name, data_set)
+    except ExtensionError as err:
+        raise SettingsError(str(err)) from None
 
 
 def _run_parts(values: Mapping[str, Scalar]) -> tuple[Part, ...]:
@@ -719,7 +747,7 @@ def _check_combination(s: Settings) -> None:
     model's rules, personal models, the data's split, then what the run's
     parts refuse (asked of each), central DP, the attack and asynchronous
     training."""
-    data_set, model = DATA_SETS[s.data_set], MODELS[s.model]
+    data_set, model = _data_set(s.data_set), _model(s.model, s.data_set)
     if problem := model.input_problem(data_set.channels, data_set.side):
         raise SettingsError(f"{problem}; data-set={s.data_set!r}")
     if problem := model.sharing_problem(s.sharing):

@@ -21,6 +21,7 @@ from pollen.runs.checkpoints import read_npz
 from tests.conftest import PROJECT, SHARED_DATA, write_mnist_slices
 from tests.deployed import BIN, finish, history, wait_for_rounds
 from tests.deployed import submit as submit_to
+from tests.user_package import PACKAGE, write_user_package
 
 NODES = 3
 OWN = 2  # node 2 trains on a data file of its own, not on a shard
@@ -35,20 +36,26 @@ pytestmark = [
 
 @pytest.fixture(scope="module")
 def deployment(tmp_path_factory) -> Iterator[cluster.Deployment]:
-    """3 SuperNodes on a real MNIST subset; node 2 holds its own examples."""
+    """3 SuperNodes on a real MNIST subset; node 2 holds its own examples.
+    `pollen deploy up` and the runs submitted to it have a user's package
+    (tests/user_package.py) on their PYTHONPATH, as docs/extending.md says."""
     root = tmp_path_factory.mktemp("deploy")
     data = root / "data"
     write_mnist_slices(data, root / "own.npz")
     site = root / "site"
-    started = cluster.up(
-        site, NODES, port=processes.free_port(), data_root=str(data),
-        node_extra={OWN: {"data-file": str(root / "own.npz")}},
-    )  # fmt: skip
-    try:
-        yield started
-    finally:
-        cluster.down(site)
-        assert not cluster.Deployment.load(site).running()
+    user = write_user_package(root / "user")
+    path = os.pathsep.join(filter(None, [str(user), os.environ.get("PYTHONPATH")]))
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("PYTHONPATH", path)
+        started = cluster.up(
+            site, NODES, port=processes.free_port(), data_root=str(data),
+            node_extra={OWN: {"data-file": str(root / "own.npz")}},
+        )  # fmt: skip
+        try:
+            yield started
+        finally:
+            cluster.down(site)
+            assert not cluster.Deployment.load(site).running()
 
 
 def submit(deployment: cluster.Deployment, out: Path, config: str) -> subprocess.Popen:
@@ -81,6 +88,22 @@ def test_fedavg_and_feddyn_train_on_real_processes(
         assert h_keys
         assert all(np.abs(first[n]).sum() > 0 for n in h_keys)
         assert any(not np.array_equal(first[n], second[n]) for n in h_keys)
+
+
+@pytest.mark.xdist_group("deployment")
+def test_a_users_model_trains_on_the_deployed_nodes(
+    deployment: cluster.Deployment, tmp_path: Path
+) -> None:
+    """A model factory of a user's package: the deployed ServerApp and every
+    node's ClientApp processes import it from the PYTHONPATH `pollen deploy
+    up` started them with (node 2 on its own data file too)."""
+    model = f"{PACKAGE}.nets:tiny_net"
+    finish(submit(deployment, tmp_path, f"model='{model}' rounds=2 run-name='user'"))
+    rows = history(tmp_path / "user")
+    assert [r["clients"] for r in rows] == [[0, 1, 2], [0, 1, 2]]
+    assert not any(r["failures"] for r in rows) and rows[-1]["accuracy"] > 0.5
+    settings = json.loads((tmp_path / "user" / "settings.json").read_text())
+    assert settings["model"] == model
 
 
 def node_id(node: cluster.Node) -> int:

@@ -33,6 +33,7 @@ from pollen.task.client_state import SPILLED_LINE
 from pollen.task.models import build_model
 from pollen.task.sharing import Sharing
 from tests.conftest import PROJECT, WORKER
+from tests.user_package import PACKAGE, write_user_package
 
 pytestmark = pytest.mark.integration
 BIN = Path(sys.executable).parent
@@ -121,16 +122,24 @@ def pollen_run(
     timeout: float = 600,
     cwd: Path | None = None,
     warm: Path | None = None,
+    env: dict[str, str] | None = None,
 ) -> subprocess.CompletedProcess[str]:
     """`pollen run` of the project with `config`, on the warm federation in
-    `warm` when given, else on a SuperLink and Ray of its own."""
+    `warm` when given, else on a SuperLink and Ray of its own, in the
+    environment `env` (default: this one)."""
     args = [str(BIN / "pollen"), "run", str(PROJECT)]
     if warm is not None:
         args += ["--warm-simulation", str(warm)]
     for value in config:
         args += ["-c", value]
     return subprocess.run(
-        args, capture_output=True, text=True, timeout=timeout, check=False, cwd=cwd
+        args,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        check=False,
+        cwd=cwd,
+        env=env,
     )
 
 
@@ -689,3 +698,28 @@ def test_sign_flip_attack_breaks_the_mean_not_multi_krum(
         assert rows[-1]["accuracy"] < 0.3
     else:
         assert "DivergenceError" in mean.stderr, mean.stderr[-2000:]
+
+
+def test_a_users_model_and_data_set_train_from_their_package_on_pythonpath(
+    tmp_path: Path,
+) -> None:
+    """A model factory and a data-set loader of a package pollen knows
+    nothing of, named by import path: `pollen run` validates them, and its
+    PYTHONPATH reaches the ServerApp and the ClientApp actors, which import
+    them. A federation of its own: the warm one's actors started without
+    the package on their path."""
+    root = write_user_package(tmp_path / "package")
+    path = os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH")]))
+    model, data = f"{PACKAGE}.nets:tiny_net", f"{PACKAGE}.data:blobs"
+    run = pollen_run(
+        f"model='{model}' data-set='{data}' rounds=2 num-clients=4 "
+        f"output-dir='{tmp_path}' run-name='user'",
+        env={**os.environ, "PYTHONPATH": path},
+    )
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    assert f"pollen: {data} from a user's loader: 160 train / 60 test" in run.stdout
+    assert [r["round"] for r in history(tmp_path / "user")] == [1, 2]
+    settings = json.loads((tmp_path / "user" / "settings.json").read_text())
+    assert (settings["model"], settings["data-set"]) == (model, data)
+    summary = json.loads((tmp_path / "user" / "summary.json").read_text())
+    assert summary["status"] == "completed" and summary["final-accuracy"] > 0.5

@@ -10,11 +10,12 @@ Rules across keys (combinations, and what each part refuses) are not here.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 from ..catalog import TRACKING_STORES, Part, Scalar
+from ..extensions import names_user_part
 from .webhook import check_url
 
 
@@ -34,6 +35,16 @@ def part_of(parts: Mapping[str, Part], *extra: str) -> Rule:
     """One of `extra` or of the catalogue's `parts` as they are when the key
     is checked, so a part added to the catalogue is allowed."""
     return Rule(lambda v: v in extra or v in parts, one_of(*extra, *parts).allowed)
+
+
+def part_rule(built_in: Collection[str], group: str) -> Rule:
+    """A built-in name, or a user's part (`pollen.extensions`)."""
+    return Rule(
+        lambda v: v in built_in or names_user_part(v, group),
+        "one of " + ", ".join(built_in) + ", or a user's: an import path "
+        f"'module:function' or a name registered under entry-point group {group} "
+        "(docs/extending.md)",
+    )
 
 
 def at_least(low: float) -> Rule:

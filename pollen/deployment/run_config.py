@@ -123,9 +123,11 @@ def check_local_data(settings: Settings) -> None:
     """Read the data set a run on this machine names, before Flower starts: a
     missing, truncated or malformed file (or image folder) stops the command
     in seconds, not after start-up. The decoded copy stays in the disk cache
-    the run then reads; digits ships with scikit-learn and synthetic is
-    generated, so neither needs a check."""
-    if settings.data_set == "digits" or DATA_SETS[settings.data_set].generated:
+    the run then reads; digits ships with scikit-learn, synthetic is
+    generated and a user's data set was loaded when the settings were
+    validated, so none of them needs a check."""
+    built_in = DATA_SETS.get(settings.data_set)
+    if built_in is None or built_in.generated or built_in.name == "digits":
         return
     root = Path(settings.data_root)
     if problem := readable_folder_problem(root, "data-root"):  # before torch loads

@@ -21,13 +21,13 @@ from pathlib import Path
 
 import torch
 
-from ..catalog import DATA_SETS
 from ..deployment.run_config import (
     RunConfigError,
     check_local_device,
     pin_paths,
     resolve_settings,
 )
+from ..extensions import data_set_info
 from ..files import write_atomic, write_json
 from ..runs.results import (
     RoundRecord,
@@ -69,7 +69,7 @@ def train_centrally(
     settings: Settings, epochs: int, echo=print
 ) -> tuple[Path, dict[str, object]]:
     """Train and write the run directory; its path and summary."""
-    if DATA_SETS[settings.data_set].generated:
+    if data_set_info(settings.data_set).generated:
         raise RunConfigError(
             f"data-set={settings.data_set!r} has no centralised baseline: its "
             "examples are generated per client where the client trains, never "

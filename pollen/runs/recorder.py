@@ -20,7 +20,7 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-from ..catalog import DATA_SETS
+from ..extensions import data_set_info
 from ..protocol import DP_EPSILON
 from ..settings import Settings
 from ..strategies.round import RoundOutcome
@@ -137,7 +137,7 @@ class RoundRecorder:
         Not where clients keep entries of their own: the server then tests a
         model whose local entries are still initial, which may sit at chance
         in a healthy run."""
-        classes = DATA_SETS[self.settings.data_set].classes
+        classes = data_set_info(self.settings.data_set).classes
         if (
             self._warned_stall
             or self.settings.keeps_own_model  # the server's model lacks their part

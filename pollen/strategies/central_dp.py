@@ -56,9 +56,10 @@ from typing import Any
 
 import numpy as np
 
-from ..catalog import LOCAL_OBJECTIVES, MODELS
+from ..catalog import LOCAL_OBJECTIVES
 from ..common.clipping import clipped
 from ..common.noise import noise_for_epsilon
+from ..extensions import model_info
 from ..protocol import CLIP_NORM, UPDATE_NORM
 from .aggregation import Aggregate, Arrays, ClientUpdate, Rule, mean64, normalized
 
@@ -172,7 +173,7 @@ class CentralDP(Rule):
                        "were released once already, and a resumed accountant "
                        "would not count them; start a new run instead"),
             "model": (
-                MODELS[settings.model].batchnorm
+                model_info(settings.model, settings.data_set).batchnorm
                 and settings.sharing in ("all", "fedper")
                 and settings.bn_policy == "shared",
                 "BatchNorm's running statistics would be released with noise (a "

@@ -31,7 +31,8 @@ import torch
 from flwr.app import Array, ArrayRecord, Context, Message
 from flwr.clientapp.typing import ClientAppCallable
 
-from ..catalog import DATA_SETS, MODEL_POISONING
+from ..catalog import MODEL_POISONING
+from ..extensions import data_set_info
 from ..protocol import ARRAYS, CLIENT, CONFIG, SERVER_ROUND
 from ..settings import Settings
 from .node_data import node_settings
@@ -46,7 +47,7 @@ def flipped_labels(y: torch.Tensor, classes: int) -> torch.Tensor:
 def trained_labels(settings: Settings, client: int, y: torch.Tensor) -> torch.Tensor:
     """The labels `client` trains on: flipped where it attacks by `label-flip`."""
     if settings.attack == "label-flip" and client in settings.attacking_clients:
-        return flipped_labels(y, DATA_SETS[settings.data_set].classes)
+        return flipped_labels(y, data_set_info(settings.data_set).classes)
     return y
 
 

@@ -19,6 +19,10 @@ so that it needs no copy of the data set.
 `digits` is scikit-learn's handwritten digits (8x8, 1,797 images): it ships
 with a dependency, so the default run needs neither files nor internet.
 
+A user's data set (`data-set = "module:function"` or a name an installed
+package registers, `pollen.extensions`) is what its loader returns
+(`user_dataset`), checked and kept once per process.
+
 Whatever the source, the result is validated (dtype, shape, label range) and
 returned as tensors `x` uint8 `[N, C, H, W]` and `y` int64 `[N]`. Images may
 come as `[N, H, W]` (grey), `[N, H, W, C]` or `[N, C, H, W]`.
@@ -34,7 +38,7 @@ import shutil
 import tarfile
 import warnings
 import zlib
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
@@ -43,7 +47,15 @@ import numpy as np
 import torch
 from PIL import Image
 
-from ..catalog import DATA_SETS
+from ..catalog import DATA_SETS, DataSetInfo
+from ..extensions import (
+    DATA_SET_GROUP,
+    USER_TRAINING,
+    ExtensionError,
+    import_path,
+    summary,
+    user_function,
+)
 from ..files import NpzError, read_npz, readable_folder_problem
 
 SPLITS = ("x_train", "y_train", "x_test", "y_test")
@@ -136,7 +148,10 @@ def load_dataset(name: str, data_root: str | Path, download: bool) -> Dataset:
     """Load `name` from the first source that has it (see module docstring).
 
     Loaded once per process, and again only when the source file changes.
+    A user's data set (`pollen.extensions`) comes from its loader instead.
     """
+    if name not in DATA_SETS and import_path(name, DATA_SET_GROUP):
+        return user_dataset(name)
     spec = _spec(name)
     if name == "digits":
         return _digits_dataset()
@@ -193,6 +208,136 @@ def read_node_file(name: str, path: Path) -> Dataset:
         spec, arrays, str(path), splits=("train", "test") if present else ("train",)
     )
     return _to_dataset(spec, arrays, str(path), spec_stats=True)
+
+
+USER_SPLITS = (*SPLITS, "classes")
+
+
+@cache
+def user_dataset(name: str) -> Dataset:
+    """A user's data set (`pollen.extensions`): what its loader returns,
+    checked and made a `Dataset` once per process.
+
+    The loader takes no argument and returns a mapping of `x_train`,
+    `y_train`, `x_test`, `y_test` (numpy arrays or torch tensors) and
+    `classes` (how many). Images are uint8 `[N, H, W]` or `[N, C, H, W]`,
+    normalised with the training split's statistics as pollen's own data
+    sets are; features are floats `[N, F]` (seen as F channels of one
+    pixel, as `synthetic`'s) or `[N, C, H, W]`, used as given. Labels are
+    integers 0..classes-1. Every process that needs the data calls it, so
+    it must return the same examples each time (seeded).
+    """
+    loader = user_function("data-set", name, DATA_SET_GROUP)
+    try:
+        returned = loader()
+    except Exception as err:
+        raise ExtensionError(
+            f"data-set={name!r}: its loader raised {type(err).__name__}: {err}"
+        ) from err
+    try:
+        arrays, classes = _user_arrays(returned)
+    except DataError as err:
+        raise ExtensionError(
+            f"data-set={name!r}: {err}; a loader returns a mapping of "
+            + ", ".join(USER_SPLITS)
+            + " (docs/extending.md)"
+        ) from None
+    x_train = torch.from_numpy(arrays["x_train"])
+    channels = x_train.shape[1]
+    mean, std = (
+        _channel_stats(x_train)
+        if x_train.dtype == torch.uint8
+        else ((0.0,) * channels, (1.0,) * channels)
+    )
+    return Dataset(
+        name=name,
+        num_classes=classes,
+        x_train=x_train,
+        y_train=torch.from_numpy(arrays["y_train"]),
+        x_test=torch.from_numpy(arrays["x_test"]),
+        y_test=torch.from_numpy(arrays["y_test"]),
+        mean=mean,
+        std=std,
+        source=_user_source(name),
+    )
+
+
+def _user_source(name: str) -> str:
+    """Where a user's data set came from, its import path where `name` is
+    a registered name."""
+    path = import_path(name, DATA_SET_GROUP)
+    return "a user's loader" if path == name else f"a user's loader, {path}"
+
+
+@cache
+def user_data_set_info(name: str) -> DataSetInfo:
+    """What the catalogue says of a user's data set, from what its loader
+    returns (`pollen.extensions.data_set_info` asks this at run time)."""
+    dataset = user_dataset(name)
+    channels, height, width = dataset.input_shape
+    path = str(import_path(name, DATA_SET_GROUP))
+    return DataSetInfo(
+        name=name,
+        channels=channels,
+        side=min(height, width),
+        classes=dataset.num_classes,
+        train_examples=len(dataset.y_train),
+        summary=summary(user_function("data-set", name, DATA_SET_GROUP), path),
+        training=USER_TRAINING,
+    )
+
+
+def _user_arrays(returned: object) -> tuple[dict[str, np.ndarray], int]:
+    """A user loader's result as contiguous arrays (inputs `[N, C, H, W]`,
+    labels int64) and its number of classes; `DataError` says what is wrong."""
+    if not isinstance(returned, Mapping):
+        raise DataError(f"its loader returned a {type(returned).__name__}")
+    missing = [k for k in USER_SPLITS if k not in returned]
+    if missing:
+        raise DataError(f"its loader's mapping lacks {', '.join(missing)}")
+    classes = returned["classes"]
+    if isinstance(classes, bool) or not isinstance(classes, int) or classes < 2:
+        raise DataError(f"classes is {classes!r}; expected an integer >= 2")
+    arrays = {}
+    for split in ("train", "test"):
+        x = np.asarray(returned[f"x_{split}"])
+        y = np.asarray(returned[f"y_{split}"])
+        if x.dtype == np.uint8 and x.ndim == 3:
+            x = x[:, None]
+        elif np.issubdtype(x.dtype, np.floating) and x.ndim == 2:
+            x = x[:, :, None, None]
+        if x.ndim != 4 or not (
+            x.dtype == np.uint8 or np.issubdtype(x.dtype, np.floating)
+        ):
+            raise DataError(
+                f"x_{split} is {x.dtype} of shape {list(x.shape)}; expected uint8 "
+                "images [N, H, W] or [N, C, H, W], or float features [N, F] or "
+                "[N, C, H, W]"
+            )
+        if x.dtype != np.uint8 and not np.isfinite(x).all():
+            raise DataError(f"x_{split} holds values that are not finite")
+        if y.ndim != 1 or len(y) != len(x) or not np.issubdtype(y.dtype, np.integer):
+            raise DataError(
+                f"y_{split} is {y.dtype} of shape {list(y.shape)}; expected "
+                f"integer labels [{len(x)}], one per example of x_{split}"
+            )
+        if len(y) == 0:
+            raise DataError(f"the {split} split is empty")
+        if y.min() < 0 or y.max() >= classes:
+            raise DataError(
+                f"y_{split} has labels {y.min()}..{y.max()}; classes={classes} "
+                f"allows 0..{classes - 1}"
+            )
+        dtype = np.uint8 if x.dtype == np.uint8 else np.float32
+        arrays[f"x_{split}"] = np.ascontiguousarray(x, dtype=dtype)
+        arrays[f"y_{split}"] = np.ascontiguousarray(y, dtype=np.int64)
+    train, test = arrays["x_train"], arrays["x_test"]
+    if (train.dtype, train.shape[1:]) != (test.dtype, test.shape[1:]):
+        raise DataError(
+            f"x_train is {train.dtype} {list(train.shape[1:])} per example, x_test "
+            f"{test.dtype} {list(test.shape[1:])}; both splits need the same"
+        )
+    return arrays, classes
 
 
 def _spec(name: str) -> DataSpec:

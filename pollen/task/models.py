@@ -1,4 +1,10 @@
-"""Model architectures. Input shape and class count come from the data set."""
+"""Model architectures. Input shape and class count come from the data set.
+
+A user's model (`model = "module:function"` or a name an installed package
+registers, `pollen.extensions`) is a factory with the signature of `mlp`;
+`user_model_info` builds it once to find what the catalogue declares of
+pollen's own (BatchNorm, LoRA layers).
+"""
 
 from __future__ import annotations
 
@@ -9,8 +15,17 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from ..catalog import DATA_SETS, ModelInfo
 from ..catalog import MODELS as CATALOG
-from .lora import FrozenBackboneClassifier, lora_head
+from ..extensions import (
+    MODEL_GROUP,
+    ExtensionError,
+    import_path,
+    summary,
+    user_function,
+)
+from .data import user_dataset
+from .lora import FrozenBackboneClassifier, LoRALinear, lora_head
 
 Shape = tuple[int, int, int]
 
@@ -232,14 +247,73 @@ def build_model(
     seed: int,
     options: ModelOptions | None = None,
 ) -> nn.Module:
-    """A freshly initialised model; the same seed gives the same weights."""
-    if name not in MODELS and name not in LORA_MODELS:
-        allowed = ", ".join([*MODELS, *LORA_MODELS])
-        raise ValueError(f"unknown model {name!r}; allowed: {allowed}")
+    """A freshly initialised model; the same seed gives the same weights.
+
+    `name` is a built-in's, or a user's model (`pollen.extensions`): a
+    factory `(input_shape, num_classes) -> nn.Module`, as `mlp` is.
+    """
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         if name in LORA_MODELS:
             return LORA_MODELS[name](
                 input_shape, num_classes, options or ModelOptions()
             )
-        return MODELS[name](input_shape, num_classes)
+        if name in MODELS:
+            return MODELS[name](input_shape, num_classes)
+        return user_function("model", name, MODEL_GROUP)(input_shape, num_classes)
+
+
+@cache
+def user_model_info(name: str, data_set: str) -> ModelInfo:
+    """What the catalogue says of a user's model, found by building it on
+    `data_set`'s input shape and passing a batch of two through it: its
+    BatchNorm and LoRA layers (what DP-SGD, the BatchNorm policies and the
+    LoRA sharings ask of a model). `ExtensionError` when the factory fails,
+    returns no `nn.Module`, or the model cannot take the data or gives
+    other than one output per class (`pollen.extensions.model_info` asks
+    this at run time)."""
+    if data_set in DATA_SETS:
+        info = DATA_SETS[data_set]
+        shape, classes = (info.channels, info.side, info.side), info.classes
+    else:
+        dataset = user_dataset(data_set)
+        shape, classes = dataset.input_shape, dataset.num_classes
+    given = (
+        f"for data-set {data_set!r} ({'x'.join(map(str, shape))}, {classes} classes)"
+    )
+    try:
+        model = build_model(name, shape, classes, seed=0)
+    except ExtensionError:
+        raise
+    except Exception as err:
+        raise ExtensionError(
+            f"model={name!r}: its factory raised {type(err).__name__}: {err} {given}"
+        ) from err
+    if not isinstance(model, nn.Module):
+        raise ExtensionError(
+            f"model={name!r}: its factory returned a {type(model).__name__}, not "
+            "a torch.nn.Module"
+        )
+    try:
+        with torch.no_grad():
+            output = model.eval()(torch.zeros(2, *shape))
+    except Exception as err:
+        raise ExtensionError(
+            f"model={name!r} cannot take a batch of inputs {given}: "
+            f"{type(err).__name__}: {err}"
+        ) from err
+    expected = (2, classes)
+    if not isinstance(output, torch.Tensor) or tuple(output.shape) != expected:
+        got = list(output.shape) if isinstance(output, torch.Tensor) else output
+        raise ExtensionError(
+            f"model={name!r} gives {got} for a batch of 2 {given}; expected "
+            f"logits {list(expected)}, one per class"
+        )
+    modules = list(model.modules())
+    path = str(import_path(name, MODEL_GROUP))
+    return ModelInfo(
+        name=name,
+        summary=summary(user_function("model", name, MODEL_GROUP), path),
+        batchnorm=any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in modules),
+        lora=any(isinstance(m, LoRALinear) for m in modules),
+    )

@@ -20,7 +20,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from ..catalog import DATA_SETS
+from ..extensions import data_set_info
 from ..settings import Settings
 from .data import Dataset, cache_root, load_dataset
 from .partition import (
@@ -85,7 +85,7 @@ class ServerData:
 
 def synthetic_key(settings: Settings) -> SyntheticKey | None:
     """The generator's settings when the run's data set is generated."""
-    if not DATA_SETS[settings.data_set].generated:
+    if not data_set_info(settings.data_set).generated:
         return None
     return SyntheticKey(
         settings.synthetic_alpha, settings.synthetic_beta, settings.seed

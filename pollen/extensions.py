@@ -1,0 +1,108 @@
+"""A user's own models and data sets, named by import path or entry point.
+
+pollen is installed and extended, not forked: `model = "mypkg.nets:make_net"`
+names a model factory and `data-set = "mypkg.data:load"` a data-set loader
+(docs/extending.md gives their signatures), and an installed package may
+register either under a short name in the entry-point groups `pollen.models`
+and `pollen.data_sets` of its pyproject.toml. This module decodes such a
+name: the function it points at, and what the catalogue says of it (a
+`DataSetInfo`, a `ModelInfo`). Only the user's code can tell that, so
+`pollen.task` runs it (loads the data set, builds the model on the data
+set's input shape) and is reached here at run time through its import path,
+as `pollen.settings` reaches every part above it. Importable without torch.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable
+from importlib.metadata import entry_points
+from typing import Any
+
+from .catalog import DATA_SETS, MODELS, DataSetInfo, ModelInfo, TrainingDefaults, load
+
+MODEL_GROUP = "pollen.models"
+DATA_SET_GROUP = "pollen.data_sets"
+# "package.module:function"
+IMPORT_PATH = re.compile(r"[A-Za-z_][\w.]*:[A-Za-z_]\w*")
+# what "auto" takes for a user's data set: mnist's and fashion-mnist's measured
+# defaults (catalog.TrainingDefaults), a fair start for a small image task
+USER_TRAINING = TrainingDefaults(lr=0.01)
+# where pollen.task describes a user's part (floor 5, reached at run time)
+_DESCRIBE_DATA_SET = "pollen.task.data:user_data_set_info"
+_DESCRIBE_MODEL = "pollen.task.models:user_model_info"
+
+
+class ExtensionError(ValueError):
+    """A user's model or data set pollen cannot use; one line naming the key."""
+
+
+def registered(group: str) -> dict[str, str]:
+    """The names installed packages register under entry-point `group`
+    (`pollen.models`, `pollen.data_sets`), each with the import path it names."""
+    return {point.name: point.value for point in entry_points(group=group)}
+
+
+def import_path(name: str, group: str) -> str | None:
+    """The import path that a user's part `name` stands for: `name` itself
+    ("module:function"), or what an installed package registers under
+    `group`; None for any other name."""
+    if IMPORT_PATH.fullmatch(name):
+        return name
+    return registered(group).get(name)
+
+
+def names_user_part(name: str, group: str) -> bool:
+    """Whether `name` is an import path or a name registered under `group`."""
+    return import_path(name, group) is not None
+
+
+def user_function(key: str, name: str, group: str) -> Callable[..., Any]:
+    """The function a user's part `name` (run-config key `key`) names,
+    imported; `ExtensionError` when it cannot be imported or called."""
+    path = import_path(name, group)
+    if path is None:
+        raise ExtensionError(
+            f"{key}={name!r} is neither built in, nor an import path "
+            f"'module:function', nor a name registered under the entry-point "
+            f"group {group}"
+        )
+    try:
+        found = load(path)
+    except Exception as err:  # the user's module runs on import: anything ends here
+        raise ExtensionError(
+            f"{key}={name!r}: cannot import {path!r} ({type(err).__name__}: {err}); "
+            "it must be importable where pollen runs: installed, or its folder "
+            "on PYTHONPATH (docs/extending.md)"
+        ) from None
+    if not callable(found):
+        raise ExtensionError(
+            f"{key}={name!r}: {path!r} is a {type(found).__name__}, not a function "
+            "(docs/extending.md gives the signature)"
+        )
+    return found
+
+
+def summary(function: Callable[..., Any], path: str) -> str:
+    """The first line of a user function's docstring, or its import path."""
+    doc = (function.__doc__ or "").strip()
+    return doc.splitlines()[0] if doc else path
+
+
+def data_set_info(name: str) -> DataSetInfo:
+    """What the catalogue says of data set `name`: a built-in's entry, or
+    what a user's loader returns (loaded once per process);
+    `ExtensionError` for a user's data set pollen cannot use."""
+    if name in DATA_SETS:
+        return DATA_SETS[name]
+    return load(_DESCRIBE_DATA_SET)(name)
+
+
+def model_info(name: str, data_set: str) -> ModelInfo:
+    """What the catalogue says of model `name` for data set `data_set`: a
+    built-in's entry, or what a user's model is when built on the data
+    set's input shape (BatchNorm, LoRA layers; once per process);
+    `ExtensionError` for a user's model that cannot take that data."""
+    if name in MODELS:
+        return MODELS[name]
+    return load(_DESCRIBE_MODEL)(name, data_set)

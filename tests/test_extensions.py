@@ -1,0 +1,157 @@
+"""A user's own models and data sets (`pollen.extensions`): named by import
+path or by an installed package's entry point, validated as a built-in one
+is before anything runs, refused with one line naming the key otherwise.
+(A real run of them: tests/test_simulation.py.)"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+from pollen.catalog import DATA_SETS, MODELS
+from pollen.extensions import data_set_info, model_info
+from pollen.listing import datasets, models
+from pollen.settings import Settings, SettingsError
+from pollen.task.data import load_dataset
+from pollen.task.models import build_model
+from tests.user_package import PACKAGE, write_user_package
+
+NET, DATA = f"{PACKAGE}.nets", f"{PACKAGE}.data"
+
+
+@pytest.fixture(scope="module", autouse=True)
+def user_package(tmp_path_factory) -> Iterator[Path]:
+    """The user's package on the path, registered as an installed one."""
+    root = write_user_package(tmp_path_factory.mktemp("user"), entry_points=True)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.syspath_prepend(str(root))
+        yield root
+
+
+def settings(**values: object) -> Settings:
+    return Settings.from_run_config(
+        {key.replace("_", "-"): value for key, value in values.items()}
+    )
+
+
+def test_an_import_path_names_a_model_and_a_data_set_which_the_settings_record() -> (
+    None
+):
+    s = settings(model=f"{NET}:tiny_net", data_set=f"{DATA}:blobs", num_clients=4)
+    assert (s.model, s.data_set) == (f"{NET}:tiny_net", f"{DATA}:blobs")
+    assert s.to_run_config()["model"] == f"{NET}:tiny_net"  # settings.json
+    info = data_set_info(s.data_set)
+    assert (info.channels, info.side, info.classes, info.train_examples) == (
+        1,
+        6,
+        3,
+        160,
+    )
+    assert info.summary.startswith("Three classes of 6x6 grey images")
+    # "auto" takes the defaults for a user's data set
+    assert (s.lr, s.momentum, s.batch_size, s.local_epochs, s.partition) == (
+        0.01, 0.9, 16, 2, "iid",
+    )  # fmt: skip
+    net = model_info(s.model, s.data_set)
+    assert (net.batchnorm, net.lora, net.summary) == (
+        False, False, "A perceptron with one hidden layer of 16.",
+    )  # fmt: skip
+
+
+def test_a_user_model_trains_on_a_built_in_data_set_and_the_reverse() -> None:
+    settings(model=f"{NET}:tiny_net", data_set="digits")
+    settings(model="cnn", data_set=f"{DATA}:blobs")
+    with pytest.raises(SettingsError, match=r"'simple-cnn' needs images of at least"):
+        settings(model="simple-cnn", data_set=f"{DATA}:blobs")
+
+
+def test_an_installed_packages_entry_points_name_parts_and_are_listed() -> None:
+    s = settings(model="tiny", data_set="blobs", num_clients=4)
+    assert data_set_info("blobs").classes == 3
+    assert model_info(s.model, s.data_set).name == "tiny"
+    assert f"tiny             {NET}:tiny_net (an installed package's)" in models()
+    assert f"{DATA}:blobs (an installed package's)" in datasets()
+
+
+def test_built_in_names_are_the_catalogues_entries() -> None:
+    assert data_set_info("digits") is DATA_SETS["digits"]
+    assert model_info("mlp-bn", "digits") is MODELS["mlp-bn"]
+
+
+def test_a_user_model_is_built_from_the_seed_and_a_data_set_loaded_once() -> None:
+    a, b = (build_model(f"{NET}:tiny_net", (1, 6, 6), 3, seed=5) for _ in "ab")
+    first, second = a.state_dict(), b.state_dict()
+    assert all(torch.equal(first[k], second[k]) for k in first)
+    images = load_dataset(f"{DATA}:blobs", "nowhere", download=False)
+    assert images is load_dataset(f"{DATA}:blobs", "nowhere", download=False)
+    assert images.x_train.dtype == torch.uint8 and images.input_shape == (1, 6, 6)
+    assert images.mean[0] > 0.2  # normalised with its training split's statistics
+    features = load_dataset(f"{DATA}:features", "nowhere", download=False)
+    assert features.x_train.shape == (40, 5, 1, 1)  # features: channels of a pixel
+    assert (features.mean, features.std) == ((0.0,) * 5, (1.0,) * 5)  # as given
+
+
+def test_model_features_come_from_the_built_module() -> None:
+    assert model_info(f"{NET}:bn_net", f"{DATA}:blobs").batchnorm
+    assert model_info(f"{NET}:lora_net", f"{DATA}:blobs").lora
+    settings(model=f"{NET}:lora_net", data_set=f"{DATA}:blobs", sharing="lora-a")
+    with pytest.raises(SettingsError, match=r"dp=true with model='userparts.nets:bn"):
+        settings(model=f"{NET}:bn_net", data_set=f"{DATA}:blobs", dp=True)
+    with pytest.raises(SettingsError, match=r"bn-policy='fedbn' with model='userp"):
+        settings(model=f"{NET}:tiny_net", bn_policy="fedbn")
+    with pytest.raises(SettingsError, match=r"sharing='lora-a' needs a model with"):
+        settings(model=f"{NET}:tiny_net", sharing="lora-a")
+
+
+@pytest.mark.parametrize(
+    ("name", "message"),
+    [
+        ("nowhere.nets:tiny_net", r"^model='nowhere.nets:tiny_net': cannot import "
+         r"'nowhere.nets:tiny_net' \(ModuleNotFoundError: No module named "
+         r"'nowhere'\); it must be importable where pollen runs"),
+        (f"{NET}:absent", r"^model='userparts.nets:absent': cannot import .*"
+         r"\(AttributeError: module 'userparts.nets' has no attribute 'absent'\)"),
+        (f"{NET}:NOT_CALLABLE", r"'userparts.nets:NOT_CALLABLE' is a int, not a "
+         r"function"),
+        (f"{NET}:raises", r"its factory raised RuntimeError: needs a GPU for "
+         r"data-set 'digits' \(1x8x8, 10 classes\)"),
+        (f"{NET}:not_a_module", r"its factory returned a str, not a torch.nn.Module"),
+        (f"{NET}:wrong_input", r"cannot take a batch of inputs for data-set "
+         r"'digits' \(1x8x8, 10 classes\): RuntimeError"),
+        (f"{NET}:wrong_outputs", r"gives \[2, 11\] for a batch of 2 for data-set "
+         r"'digits' \(1x8x8, 10 classes\); expected logits \[2, 10\], one per class"),
+        ("no-such-net", r"^invalid value for 'model': 'no-such-net'; allowed: one of "
+         r"mlp, .*, or a user's: an import path 'module:function' or a name "
+         r"registered under entry-point group pollen.models"),
+    ],
+)  # fmt: skip
+def test_a_model_pollen_cannot_use_is_refused_naming_key_and_cause(
+    name: str, message: str
+) -> None:
+    with pytest.raises(SettingsError, match=message) as refused:
+        settings(model=name)
+    assert "\n" not in str(refused.value)
+
+
+@pytest.mark.parametrize(
+    ("loader", "message"),
+    [
+        ("raises", r"its loader raised FileNotFoundError: blobs.npz"),
+        ("not_a_mapping", r"its loader returned a tuple; a loader returns a mapping "
+         r"of x_train, y_train, x_test, y_test, classes"),
+        ("without_classes", r"its loader's mapping lacks classes"),
+        ("float_labels", r"y_train is float32 of shape \[160\]; expected integer "
+         r"labels \[160\]"),
+        ("labels_beyond_classes", r"y_train has labels 0..2; classes=2 allows 0..1"),
+        ("int_images", r"x_train is int64 of shape \[160, 6, 6\]; expected uint8 "
+         r"images"),
+    ],
+)  # fmt: skip
+def test_a_data_set_loader_returning_the_wrong_form_is_refused(
+    loader: str, message: str
+) -> None:
+    with pytest.raises(SettingsError, match=rf"^data-set='{DATA}:{loader}': {message}"):
+        settings(data_set=f"{DATA}:{loader}")
