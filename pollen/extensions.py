@@ -1,10 +1,14 @@
-"""A user's own models and data sets, named by import path or entry point.
+"""A user's own parts: models, data sets, aggregators, server updates, objectives.
 
 pollen is installed and extended, not forked: `model = "mypkg.nets:make_net"`
 names a model factory and `data-set = "mypkg.data:load"` a data-set loader
-(docs/extending.md gives their signatures), and an installed package may
-register either under a short name in the entry-point groups `pollen.models`
-and `pollen.data_sets` of its pyproject.toml. This module decodes such a
+(docs/extending.md gives their signatures); `aggregator`, `server-update`
+and `local-objective` take a class by import path the same way, written as
+pollen's own parts are (a `Rule`, a `ServerUpdate`, an objective part) and
+loaded like them (`part`). An installed package may register any of them
+under a short name in the entry-point groups `pollen.models`,
+`pollen.data_sets`, `pollen.aggregators`, `pollen.server_updates` and
+`pollen.local_objectives` of its pyproject.toml. This module decodes such a
 name: the function it points at, and what the catalogue says of it (a
 `DataSetInfo`, a `ModelInfo`). Only the user's code can tell that, so
 `pollen.task` runs it (loads the data set, builds the model on the data
@@ -19,10 +23,27 @@ from collections.abc import Callable
 from importlib.metadata import entry_points
 from typing import Any
 
-from .catalog import DATA_SETS, MODELS, DataSetInfo, ModelInfo, TrainingDefaults, load
+from .catalog import (
+    AGGREGATORS,
+    DATA_SETS,
+    LOCAL_OBJECTIVES,
+    MODELS,
+    SERVER_UPDATES,
+    DataSetInfo,
+    ModelInfo,
+    Part,
+    TrainingDefaults,
+    load,
+)
 
 MODEL_GROUP = "pollen.models"
 DATA_SET_GROUP = "pollen.data_sets"
+# run-config key -> (the catalogue's parts, the entry-point group of a user's)
+PART_KEYS: dict[str, tuple[dict[str, Part], str]] = {
+    "aggregator": (AGGREGATORS, "pollen.aggregators"),
+    "server-update": (SERVER_UPDATES, "pollen.server_updates"),
+    "local-objective": (LOCAL_OBJECTIVES, "pollen.local_objectives"),
+}
 # "package.module:function"
 IMPORT_PATH = re.compile(r"[A-Za-z_][\w.]*:[A-Za-z_]\w*")
 # what "auto" takes for a user's data set: mnist's and fashion-mnist's measured
@@ -106,3 +127,14 @@ def model_info(name: str, data_set: str) -> ModelInfo:
     if name in MODELS:
         return MODELS[name]
     return load(_DESCRIBE_MODEL)(name, data_set)
+
+
+def part(key: str, name: str) -> Part:
+    """The part run-config `key` (aggregator, server-update, local-objective)
+    names: the catalogue's, or a user's class named by import path or entry
+    point, imported (`ExtensionError` where it cannot be)."""
+    parts, group = PART_KEYS[key]
+    if name in parts:
+        return parts[name]
+    implementation = user_function(key, name, group)
+    return Part(name, summary(implementation, name), str(import_path(name, group)))

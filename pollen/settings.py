@@ -24,7 +24,6 @@ from pathlib import Path
 from typing import Any
 
 from .catalog import (
-    AGGREGATORS,
     ATTACKS,
     BN_POLICIES,
     CENTRAL_DP,
@@ -34,14 +33,12 @@ from .catalog import (
     DATA_SETS,
     DEVICES,
     FEDDYN_H_SCALES,
-    LOCAL_OBJECTIVES,
     LORA_SHARING,
     MODELS,
     MODES,
     NORM_ACTIONS,
     PARTITIONS,
     PRESETS,
-    SERVER_UPDATES,
     SHARING,
     TRACKERS,
     TRAINING_KEYS,
@@ -75,9 +72,11 @@ from .common.values import (
 from .extensions import (
     DATA_SET_GROUP,
     MODEL_GROUP,
+    PART_KEYS,
     ExtensionError,
     data_set_info,
     model_info,
+    part,
 )
 from .network_profile import NetworkProfile, ProfileError
 
@@ -163,12 +162,12 @@ class Settings:
     )
     server_update: str = key(
         AUTO, "how the server turns replies into the next model",
-        part_of(SERVER_UPDATES, AUTO),
+        part_of("server-update", AUTO),
     )  # fmt: skip
     aggregator: str = key(
         "mean",
         "how a round's replies become one aggregate, before the server update",
-        part_of(AGGREGATORS),
+        part_of("aggregator"),
     )
     trim_fraction: float = key(
         0.2,
@@ -188,7 +187,9 @@ class Settings:
         at_least(0),
     )
     local_objective: str = key(
-        AUTO, "what each client minimises", part_of(LOCAL_OBJECTIVES, AUTO)
+        AUTO,
+        "what each client minimises",
+        part_of("local-objective", AUTO),
     )
     bn_policy: str = key(
         "shared",
@@ -562,7 +563,7 @@ class Settings:
         """Clients carry state from round to round (entries or a model of
         their own, FedDyn's h_k, SCAFFOLD's c_k), which only a run that
         checkpoints saves for a resume."""
-        objective = LOCAL_OBJECTIVES[self.local_objective].load()
+        objective = _part("local-objective", self.local_objective).load()
         return self.keeps_own_model or objective.keeps_state
 
     @property
@@ -670,7 +671,7 @@ def _resolve_preset(values: dict[str, Scalar]) -> None:
         own = keeps_own_model(str(policy), float(values["ditto-lambda"]))
         values["personal-eval-every"] = int(own)
     if values["server-lr"] == AUTO:  # the server update's own default
-        update = SERVER_UPDATES[str(values["server-update"])].load()
+        update = _part("server-update", str(values["server-update"])).load()
         values["server-lr"] = update.auto_server_lr
 
 
@@ -690,13 +691,21 @@ def _model(name: str, data_set: str) -> ModelInfo:
         raise SettingsError(str(err)) from None
 
 
+def _part(key: str, name: str) -> Part:
+    """The part `key` names: the catalogue's, or a user's, imported."""
+    try:
+        return part(key, name)
+    except ExtensionError as err:
+        raise SettingsError(str(err)) from None
+
+
 def _run_parts(values: Mapping[str, Scalar]) -> tuple[Part, ...]:
     """The parts a run combines (its server update, aggregator and local
     objective resolved)."""
     return (
-        SERVER_UPDATES[str(values["server-update"])],
-        AGGREGATORS[str(values["aggregator"])],
-        LOCAL_OBJECTIVES[str(values["local-objective"])],
+        _part("server-update", str(values["server-update"])),
+        _part("aggregator", str(values["aggregator"])),
+        _part("local-objective", str(values["local-objective"])),
     )
 
 
@@ -713,13 +722,13 @@ def departures(run_config: Mapping[str, Scalar], settings: Settings) -> list[str
     plain SGD): pollen runs what was asked, and says so once."""
     values = settings.to_run_config()
     lines = []
-    for part in _run_parts(values):
-        for key, assumed in part.training.items():
+    for run_part in _run_parts(values):
+        for key, assumed in run_part.training.items():
             given = run_config.get(key, AUTO)
             if given != AUTO and values[key] != assumed:
                 lines.append(
-                    f"{key}={values[key]:g} as asked, though {part.name} assumes "
-                    f"{key}={assumed:g}: {part.training_reason}"
+                    f"{key}={values[key]:g} as asked, though {run_part.name} assumes "
+                    f"{key}={assumed:g}: {run_part.training_reason}"
                 )
     return lines
 
@@ -811,7 +820,7 @@ def _check_parts(s: Settings) -> None:
     """Ask the run's parts what they refuse: its local objective, the
     aggregators its objective and server update allow, then the aggregator
     itself, each loaded from the catalogue."""
-    objective = LOCAL_OBJECTIVES[s.local_objective].load()
+    objective = _part("local-objective", s.local_objective).load()
     if problem := objective.problem(s):
         raise SettingsError(problem)
     if s.krum_select and s.aggregator != "multi-krum":
@@ -819,22 +828,22 @@ def _check_parts(s: Settings) -> None:
             f"krum-select={s.krum_select} with aggregator={s.aggregator!r}: only "
             "multi-krum averages several replies; set aggregator='multi-krum'"
         )
-    for key, name, parts in _choosing_parts(s):
-        if (why := parts[name].load().mean_only) and s.aggregator != "mean":
+    for key, name in _choosing_parts(s):
+        if (why := _part(key, name).load().mean_only) and s.aggregator != "mean":
             raise SettingsError(
                 f"aggregator={s.aggregator!r} with {key}={name!r}: {why}"
             )
-    for part in (SERVER_UPDATES[s.server_update], AGGREGATORS[s.aggregator]):
-        if problem := part.load().problem(s):
+    for key, name in (("server-update", s.server_update), ("aggregator", s.aggregator)):
+        if problem := _part(key, name).load().problem(s):
             raise SettingsError(problem)
 
 
-def _choosing_parts(s: Settings) -> list[tuple[str, str, dict[str, Part]]]:
-    """(key, chosen name, catalogue) of the parts that refuse aggregators
-    and modes: the run's local objective and server update."""
+def _choosing_parts(s: Settings) -> list[tuple[str, str]]:
+    """(key, chosen name) of the parts that refuse aggregators and modes:
+    the run's local objective and server update."""
     return [
-        ("local-objective", s.local_objective, LOCAL_OBJECTIVES),
-        ("server-update", s.server_update, SERVER_UPDATES),
+        ("local-objective", s.local_objective),
+        ("server-update", s.server_update),
     ]
 
 
@@ -844,8 +853,9 @@ def _check_async(s: Settings) -> None:
     than the clients training at once."""
     if s.mode != "async":
         return
-    for key, name, parts in _choosing_parts(s):
-        if why := parts[name].load().synchronous_only:
+    for key, name in _choosing_parts(s):
+        if why := _part(key, name).load().synchronous_only:
+            parts = PART_KEYS[key][0]
             allowed = [n for n, p in parts.items() if not p.load().synchronous_only]
             raise SettingsError(
                 f"mode='async' with {key}={name!r}: {why}; allowed with async: "

@@ -19,7 +19,7 @@ from pollen.task.data import load_dataset
 from pollen.task.models import build_model
 from tests.user_package import PACKAGE, write_user_package
 
-NET, DATA = f"{PACKAGE}.nets", f"{PACKAGE}.data"
+NET, DATA, RULES = f"{PACKAGE}.nets", f"{PACKAGE}.data", f"{PACKAGE}.rules"
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -155,3 +155,37 @@ def test_a_data_set_loader_returning_the_wrong_form_is_refused(
 ) -> None:
     with pytest.raises(SettingsError, match=rf"^data-set='{DATA}:{loader}': {message}"):
         settings(data_set=f"{DATA}:{loader}")
+
+
+def test_a_users_aggregator_is_checked_by_its_own_rules_and_composed() -> None:
+    """`aggregator` takes a `Rule` subclass by import path or entry point;
+    `Settings` asks it what it refuses (here its fewest replies, 2), and the
+    strategy aggregates with it."""
+    from pollen.strategies.compose import build_strategy
+
+    s = settings(aggregator=f"{RULES}:UniformMean", num_clients=4, client_frac=0.5)
+    assert s.to_run_config()["aggregator"] == f"{RULES}:UniformMean"
+    uniform = settings(aggregator="uniform", num_clients=4, client_frac=0.5)
+    assert uniform.aggregator == "uniform"
+    with pytest.raises(SettingsError, match=r"needs 2 replies per round; a round "):
+        settings(aggregator=f"{RULES}:UniformMean", num_clients=4, client_frac=0.25)
+    strategy, _ = build_strategy(s, build_model("mlp", (1, 8, 8), 10, 0))
+    assert type(strategy.aggregator).__name__ == "UniformMean"
+
+
+@pytest.mark.parametrize(
+    ("key", "value", "message"),
+    [
+        ("aggregator", f"{RULES}:Missing", r"aggregator='userparts.rules:Missing': "
+         r"cannot import 'userparts.rules:Missing' \(AttributeError"),
+        ("server-update", "nomodule.here:Update", r"server-update='nomodule.here:"
+         r"Update': cannot import .*ModuleNotFoundError"),
+        ("local-objective", "median", r"invalid value for 'local-objective': "
+         r"'median'; allowed: .*import path 'module:Class'"),
+    ],
+)  # fmt: skip
+def test_a_part_pollen_cannot_import_is_refused_naming_key_and_cause(
+    key: str, value: str, message: str
+) -> None:
+    with pytest.raises(SettingsError, match=message):
+        Settings.from_run_config({key: value})

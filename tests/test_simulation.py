@@ -700,19 +700,20 @@ def test_sign_flip_attack_breaks_the_mean_not_multi_krum(
         assert "DivergenceError" in mean.stderr, mean.stderr[-2000:]
 
 
-def test_a_users_model_and_data_set_train_from_their_package_on_pythonpath(
+def test_a_users_model_data_set_and_aggregator_run_from_their_package_on_pythonpath(
     tmp_path: Path,
 ) -> None:
-    """A model factory and a data-set loader of a package pollen knows
-    nothing of, named by import path: `pollen run` validates them, and its
+    """A model factory, a data-set loader and an aggregation rule of a
+    package pollen knows nothing of, named by import path: `pollen run` validates them, and its
     PYTHONPATH reaches the ServerApp and the ClientApp actors, which import
     them. A federation of its own: the warm one's actors started without
     the package on their path."""
     root = write_user_package(tmp_path / "package")
     path = os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH")]))
     model, data = f"{PACKAGE}.nets:tiny_net", f"{PACKAGE}.data:blobs"
+    rule = f"{PACKAGE}.rules:UniformMean"
     run = pollen_run(
-        f"model='{model}' data-set='{data}' rounds=2 num-clients=4 "
+        f"model='{model}' data-set='{data}' aggregator='{rule}' rounds=2 num-clients=4 "
         f"output-dir='{tmp_path}' run-name='user'",
         env={**os.environ, "PYTHONPATH": path},
     )
@@ -720,6 +721,8 @@ def test_a_users_model_and_data_set_train_from_their_package_on_pythonpath(
     assert f"pollen: {data} from a user's loader: 160 train / 60 test" in run.stdout
     assert [r["round"] for r in history(tmp_path / "user")] == [1, 2]
     settings = json.loads((tmp_path / "user" / "settings.json").read_text())
-    assert (settings["model"], settings["data-set"]) == (model, data)
+    assert (settings["model"], settings["data-set"], settings["aggregator"]) == (
+        model, data, rule,
+    )  # fmt: skip
     summary = json.loads((tmp_path / "user" / "summary.json").read_text())
     assert summary["status"] == "completed" and summary["final-accuracy"] > 0.5

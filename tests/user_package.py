@@ -1,6 +1,7 @@
-"""A user's package of models and data sets, as docs/extending.md describes
-one, written where a test wants it: a model factory and a seeded data-set
-loader that a run can train, and the wrong ones each refusal is tested on.
+"""A user's package of models, data sets and an aggregator, as
+docs/extending.md describes one, written where a test wants it: a model
+factory, a seeded data-set loader and an aggregation rule that a run can
+use, and the wrong ones each refusal is tested on.
 """
 
 from __future__ import annotations
@@ -110,9 +111,33 @@ def raises():
     raise FileNotFoundError("blobs.npz")
 '''
 
+RULES = '''
+"""Aggregation rules: subclasses of pollen.strategies.aggregation.Rule."""
+
+import numpy as np
+
+from pollen.strategies.aggregation import Aggregate, Rule
+
+
+class UniformMean(Rule):
+    """The unweighted mean of the replies: every client counts once."""
+
+    min_updates = 2
+
+    def __call__(self, updates, keys, trained=()):
+        arrays = {
+            key: np.mean([u.arrays[key].astype(np.float64) for u in updates], axis=0)
+            for key in keys
+        }
+        return Aggregate(arrays, tuple(updates))
+'''
+
 ENTRY_POINTS = f"""
 [pollen.models]
 tiny = {PACKAGE}.nets:tiny_net
+
+[pollen.aggregators]
+uniform = {PACKAGE}.rules:UniformMean
 
 [pollen.data_sets]
 blobs = {PACKAGE}.data:blobs
@@ -120,14 +145,15 @@ blobs = {PACKAGE}.data:blobs
 
 
 def write_user_package(root: Path, entry_points: bool = False) -> Path:
-    """Write the package `userparts` (modules `nets`, `data`) into `root`,
+    """Write the package `userparts` (modules `nets`, `data`, `rules`) into `root`,
     with, given `entry_points`, the metadata of an installed distribution
-    that registers `tiny` and `blobs`; `root` is what goes on the path."""
+    that registers `tiny`, `blobs` and `uniform`; `root` is what goes on the path."""
     package = root / PACKAGE
     package.mkdir(parents=True)
     (package / "__init__.py").write_text("")
     (package / "nets.py").write_text(NETS)
     (package / "data.py").write_text(DATA)
+    (package / "rules.py").write_text(RULES)
     if entry_points:
         info = root / f"{PACKAGE}-0.1.dist-info"
         info.mkdir()

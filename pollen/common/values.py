@@ -10,13 +10,19 @@ Rules across keys (combinations, and what each part refuses) are not here.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Collection, Mapping
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from typing import Any
 
-from ..catalog import TRACKING_STORES, Part, Scalar
-from ..extensions import names_user_part
+from ..catalog import TRACKING_STORES, Scalar
+from ..extensions import PART_KEYS, names_user_part
 from .webhook import check_url
+
+# how a key's allowed values end where a user's own part is accepted
+_USER_PART = (
+    ", or a user's: an import path 'module:{what}' or a name registered under "
+    "entry-point group {group} (docs/extending.md)"
+)
 
 
 @dataclass(frozen=True)
@@ -31,19 +37,25 @@ def one_of(*choices: str) -> Rule:
     return Rule(lambda v: v in choices, "one of " + ", ".join(choices))
 
 
-def part_of(parts: Mapping[str, Part], *extra: str) -> Rule:
-    """One of `extra` or of the catalogue's `parts` as they are when the key
-    is checked, so a part added to the catalogue is allowed."""
-    return Rule(lambda v: v in extra or v in parts, one_of(*extra, *parts).allowed)
+def part_of(key: str, *extra: str) -> Rule:
+    """For the part-naming `key` (`extensions.PART_KEYS`): one of `extra` or
+    of the catalogue's parts as they are when the key is checked (so a part
+    added to the catalogue is allowed), or a user's class by import path or
+    entry point (`pollen.extensions`)."""
+    parts, group = PART_KEYS[key]
+    return Rule(
+        lambda v: v in extra or v in parts or names_user_part(v, group),
+        one_of(*extra, *parts).allowed + _USER_PART.format(what="Class", group=group),
+    )
 
 
 def part_rule(built_in: Collection[str], group: str) -> Rule:
     """A built-in name, or a user's part (`pollen.extensions`)."""
     return Rule(
         lambda v: v in built_in or names_user_part(v, group),
-        "one of " + ", ".join(built_in) + ", or a user's: an import path "
-        f"'module:function' or a name registered under entry-point group {group} "
-        "(docs/extending.md)",
+        "one of "
+        + ", ".join(built_in)
+        + _USER_PART.format(what="function", group=group),
     )
 
 

@@ -16,7 +16,7 @@ import math
 import torch
 from flwr.app import ArrayRecord
 
-from ..catalog import LOCAL_OBJECTIVES, SERVER_UPDATES
+from ..extensions import part
 from ..settings import Settings
 from ..task.data import Dataset
 from ..task.inputs import model_inputs
@@ -98,7 +98,10 @@ def check_clients_finite(server_round: int, diverged: bool, settings: Settings) 
 def divergence_hint(s: Settings) -> str:
     """The parts' own hints (pollen.catalog), then the client learning rate."""
     values = dataclasses.asdict(s)
-    parts = (SERVER_UPDATES[s.server_update], LOCAL_OBJECTIVES[s.local_objective])
+    parts = (
+        part("server-update", s.server_update),
+        part("local-objective", s.local_objective),
+    )
     hints = [p.divergence_hint.format(**values) for p in parts if p.divergence_hint]
     hints.append(f"lr={s.lr:g} too high (max-grad-norm={s.max_grad_norm:g})")
     return "; or ".join(dict.fromkeys(hints))

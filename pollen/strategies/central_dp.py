@@ -56,10 +56,9 @@ from typing import Any
 
 import numpy as np
 
-from ..catalog import LOCAL_OBJECTIVES
 from ..common.clipping import clipped
 from ..common.noise import noise_for_epsilon
-from ..extensions import model_info
+from ..extensions import model_info, part
 from ..protocol import CLIP_NORM, UPDATE_NORM
 from .aggregation import Aggregate, Arrays, ClientUpdate, Rule, mean64, normalized
 
@@ -152,7 +151,7 @@ class CentralDP(Rule):
         """Why user-level DP cannot be kept or accounted for with `settings`,
         or None (what `pollen.settings` asks where `central-dp` is on)."""
         mode = settings.central_dp
-        objective = LOCAL_OBJECTIVES[settings.local_objective].load()
+        objective = part("local-objective", settings.local_objective).load()
         reasons = {
             "aggregator": (settings.aggregator != "mean", "central DP is the "
                            "aggregation step itself (a clipped, noised sum); leave "

@@ -6,12 +6,10 @@ from __future__ import annotations
 from torch import nn
 
 from ..catalog import (
-    AGGREGATORS,
     CENTRAL_DP_STEP,
-    LOCAL_OBJECTIVES,
-    SERVER_UPDATES,
     load,
 )
+from ..extensions import part
 from ..settings import Settings
 from ..task.sharing import Sharing
 from .personal import PersonalEvaluation
@@ -26,11 +24,12 @@ def build_strategy(
     aggregation step named by `aggregator`, and the personal evaluation, both
     sharing by `sharing` and `bn-policy`."""
     sharing = Sharing.of(settings.sharing_policy, model)
-    update = SERVER_UPDATES[settings.server_update].load().from_settings(settings)
+    update = part("server-update", settings.server_update).load()
+    update = update.from_settings(settings)
     aggregator = (
         load(CENTRAL_DP_STEP)
         if settings.central_dp != "off"
-        else AGGREGATORS[settings.aggregator].load()
+        else part("aggregator", settings.aggregator).load()
     )
     strategy = Strategy(
         num_clients=settings.num_clients,
@@ -54,7 +53,7 @@ def _control(
 ) -> ServerControl | None:
     """SCAFFOLD's server control variate over the trained shared entries
     (None where the local objective's part keeps none)."""
-    if not LOCAL_OBJECTIVES[settings.local_objective].load().server_control:
+    if not part("local-objective", settings.local_objective).load().server_control:
         return None
     state = model.state_dict()
     trained = sharing.trained_shared(exclude_bn=False)

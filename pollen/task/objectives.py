@@ -50,7 +50,8 @@ from flwr.app import ArrayRecord, Context, RecordDict
 from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
-from ..catalog import LOCAL_OBJECTIVES, load
+from .. import extensions
+from ..catalog import load
 from ..common.steps import effective_steps
 from ..protocol import CONFIG, CONTROL, LR, feddyn_state_key, scaffold_state_key
 
@@ -329,7 +330,7 @@ class LocalObjective:
     def from_settings(cls, settings: Settings) -> LocalObjective:
         """The objective `local-objective` names: its part says whether SAM
         takes the data gradient and which term (if any) it adds."""
-        part = LOCAL_OBJECTIVES[settings.local_objective].load()
+        part = extensions.part("local-objective", settings.local_objective).load()
         term = load(part.term).from_settings(settings) if part.term else None
         return cls(settings.sam_rho if part.sam else 0.0, term)
 
