@@ -761,23 +761,7 @@ def _check_combination(s: Settings) -> None:
         raise SettingsError(f"{problem}; data-set={s.data_set!r}")
     if problem := model.sharing_problem(s.sharing):
         raise SettingsError(problem)
-    if s.head_epochs and s.sharing != "fedper":
-        raise SettingsError(
-            f"head-epochs={s.head_epochs} with sharing={s.sharing!r}: FedRep "
-            "trains the client's own classifier first, so the classifier must "
-            "stay local; set sharing='fedper' (or strategy='fedrep')"
-        )
-    if s.ditto_lambda and (s.dp or s.sharing in LORA_SHARING):
-        raise SettingsError(
-            f"ditto-lambda with {'dp=true' if s.dp else 'a LoRA sharing'}: "
-            "Ditto's personal model trains the whole model without DP-SGD on the "
-            "client's data; allowed with ditto: dp=false and sharing all or fedper"
-        )
-    if s.head_epochs and s.dp:
-        raise SettingsError(
-            "head-epochs with dp=true: DP-SGD's budget is planned for one "
-            "training pass per round; set head-epochs=0"
-        )
+    _check_personal(s)
     if s.sharing != "all" and s.bn_policy != "shared":
         raise SettingsError(
             f"bn-policy={s.bn_policy!r} with sharing={s.sharing!r}: a sharing "
@@ -813,6 +797,28 @@ def _check_combination(s: Settings) -> None:
             "dp=true with resume is not supported: the noise is calibrated for "
             "the run as planned, and a node without its state files would count "
             "its privacy spending from zero; start a new run instead"
+        )
+
+
+def _check_personal(s: Settings) -> None:
+    """Refuse what FedRep's head-first schedule and Ditto's personal model
+    cannot train with: a shared classifier, DP-SGD, LoRA sharing."""
+    if s.head_epochs and s.sharing != "fedper":
+        raise SettingsError(
+            f"head-epochs={s.head_epochs} with sharing={s.sharing!r}: FedRep "
+            "trains the client's own classifier first, so the classifier must "
+            "stay local; set sharing='fedper' (or strategy='fedrep')"
+        )
+    if s.ditto_lambda and (s.dp or s.sharing in LORA_SHARING):
+        raise SettingsError(
+            f"ditto-lambda with {'dp=true' if s.dp else 'a LoRA sharing'}: "
+            "Ditto's personal model trains the whole model without DP-SGD on the "
+            "client's data; allowed with ditto: dp=false and sharing all or fedper"
+        )
+    if s.head_epochs and s.dp:
+        raise SettingsError(
+            "head-epochs with dp=true: DP-SGD's budget is planned for one "
+            "training pass per round; set head-epochs=0"
         )
 
 
