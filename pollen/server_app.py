@@ -48,10 +48,10 @@ from .runs.results import (
     create_run_dir,
     default_run_name,
     plot_curves,
-    plot_label_heatmap,
     read_history,
     summarize,
 )
+from .runs.start import load_data, load_model
 from .runs.tracking import NoTracker, Tracker, open_tracker
 from .settings import Settings
 from .strategies.clock import SimulatedClock
@@ -59,13 +59,7 @@ from .strategies.compose import build_strategy
 from .strategies.membership import Membership
 from .strategies.sampling import OneMessagePerNode
 from .task import client_state
-from .task.data import Dataset
-from .task.inputs import settings_model
-from .task.lora import FrozenBackboneClassifier
-from .task.partition import format_label_counts
-from .task.privacy import check_private_model
-from .task.shards import ServerData, server_data, shard_fingerprints
-from .task.sharing import count_parameters
+from .task.shards import ServerData, shard_fingerprints
 from .task.train import pick_device
 
 app = ServerApp()
@@ -220,10 +214,9 @@ def _train(grid: Grid, run: _OpenRun, tracker: Tracker, stop: StopSignal) -> Non
     settings, run_dir = run.settings, run.run_dir
     simulation = isinstance(grid, InMemoryGrid)  # no public API tells: see docs
     grid = InterruptibleGrid(grid, stop)  # Ctrl-C stops the next exchange
-    data = server_data(settings)
-    _describe_data(settings, data, run_dir)
+    data = load_data(settings, run_dir)
     device = pick_device(settings.device)
-    model = _model(settings, data.dataset)
+    model = load_model(settings, data.dataset)
     client_config, state_store = _client_state(run, grid.run.run_id, simulation)
     membership = _membership(grid, settings, data, client_config, simulation)
     strategy, personal = build_strategy(settings, model)
@@ -266,22 +259,6 @@ def _client_state(
     return client_config, state_store
 
 
-def _model(settings: Settings, dataset: Dataset) -> torch.nn.Module:
-    """The run's model, described on the console (and checked for DP-SGD)."""
-    model = settings_model(settings, dataset)
-    print(_model_line(settings, model), flush=True)
-    if settings.sharing != "all":
-        print(
-            f"pollen: sharing {settings.sharing} keeps every other trained entry on "
-            "the clients; the global model's accuracy below uses their initial "
-            "values, the personal-model lines are the ones to read",
-            flush=True,
-        )
-    if settings.dp:
-        check_private_model(model, settings.model)
-    return model
-
-
 def _membership(
     grid: Grid,
     settings: Settings,
@@ -312,49 +289,9 @@ def _save_model(arrays: ArrayRecord, run_dir: Path) -> None:
     write_atomic(run_dir / "model.pt", buffer.getvalue())
 
 
-def _describe_data(settings: Settings, data: ServerData, run_dir: Path) -> None:
-    """The console's data line and, for an image data set, the clients'
-    label counts (labels.png; printed with print-labels)."""
-    dataset, counts = data.dataset, data.label_counts
-    if counts is None:  # generated: the examples exist only where clients train
-        print(
-            f"pollen: {dataset.name}: {dataset.source}, {settings.num_clients} "
-            f"clients ({settings.partition}), {sum(data.sizes)} training samples, "
-            f"{len(dataset.y_test)} test samples of the first clients",
-            flush=True,
-        )
-        return
-    print(
-        f"pollen: {dataset.name} from {dataset.source}: {len(dataset.y_train)} train / "
-        f"{len(dataset.y_test)} test, {settings.num_clients} clients "
-        f"({settings.partition}), {int(counts.sum())} training samples used",
-        flush=True,
-    )
-    if settings.print_labels:
-        print(format_label_counts(counts), flush=True)
-    plot_label_heatmap(
-        counts,
-        run_dir / "labels.png",
-        f"{dataset.name}: {settings.partition} partition",
-    )
-
-
 def _clock(settings: Settings) -> SimulatedClock | None:
     """The simulated clock of the run's network profile (None without one)."""
     if not settings.network_profile:
         return None
     profile = NetworkProfile.load(Path(settings.network_profile))
     return SimulatedClock(profile, settings.num_clients)
-
-
-def _model_line(settings: Settings, model: torch.nn.Module) -> str:
-    counts = count_parameters(model)
-    line = (
-        f"pollen: model {settings.model}: {counts['total']:,} parameters, "
-        f"{counts['trainable']:,} trainable"
-    )
-    if counts["lora-a"]:
-        line += f", LoRA A {counts['lora-a']:,}, LoRA B {counts['lora-b']:,}"
-    if isinstance(model, FrozenBackboneClassifier):
-        line += f"; backbone weights: {model.source}"
-    return line
