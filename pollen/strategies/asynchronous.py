@@ -6,7 +6,7 @@ the buffer, and the freed slot goes at once to an idle client (seeded
 draw) with the current model. Every `buffer-size` accepted replies the
 server rebases them onto the current model, applies the norm bound among
 them, aggregates them with FedBuff's staleness weights (`fedbuff`) and
-steps the server update: one new model version, which the loop yields as a
+steps the server update: one new model version, which it returns as a
 `RoundOutcome` (a history row per version) for evaluation, recording and
 checkpoints. `rounds` counts versions: the server loop asks for one
 version at a time (`BufferedAsync.next_version`), passing in the model, the
