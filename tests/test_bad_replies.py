@@ -23,6 +23,7 @@ from flwr.app import (
 from flwr.supercore.task_identity import TaskIdentity
 
 from pollen.protocol import CLIENT as CLIENT_KEY
+from pollen.strategies.aggregation import ClientUpdate
 from pollen.strategies.replies import bound_update_norms, update_norm
 from pollen.strategies.sampling import Roster
 from tests.conftest import reply_from
@@ -246,6 +247,29 @@ def test_clipping_keeps_direction_and_dtypes() -> None:
     assert note_big and update_norm(current, kept_big) == pytest.approx(1.0, rel=1e-6)
     np.testing.assert_allclose(kept_big["w"] - 1, np.array([3, 4, 0, 0]) / 5, rtol=1e-6)
     assert kept_big["w"].dtype == np.float32 and int(kept_big["n"]) == 9
+
+
+def test_the_norm_bound_returns_what_it_kept_and_leaves_its_input_alone() -> None:
+    """Norms 1, 1 and 5 (median 1), bound 2: clipped, then dropped; the
+    kept updates, the clip note and the failure come back as a value."""
+    current = {"w": np.ones(4, np.float32)}
+    moves = [[1, 1, 1, 2], [2, 1, 1, 1], [4, 5, 1, 1]]
+    updates = [
+        ClientUpdate(c, {"w": np.array(m, np.float32)}, MetricRecord(), 1.0)
+        for c, m in enumerate(moves)
+    ]
+    owner = {c: c + 1 for c in range(3)}
+    clipped = build("fedavg", norm_bound=2.0).strategy.bounded(updates, current, owner)
+    assert [u.client for u in clipped.updates] == [0, 1, 2] and not clipped.failures
+    (note,) = clipped.clipped
+    assert note.startswith("node 3: client 2: ")
+    assert update_norm(current, clipped.updates[2].arrays) == pytest.approx(2.0)
+    dropping = build("fedavg", norm_bound=2.0, norm_action="drop").strategy
+    dropped = dropping.bounded(updates, current, owner)
+    assert [u.client for u in dropped.updates] == [0, 1] and not dropped.clipped
+    (failure,) = dropped.failures
+    assert failure.startswith("node 3: client 2: ")
+    assert updates[2].arrays["w"].tolist() == [4, 5, 1, 1]  # the input is unchanged
 
 
 def test_a_failed_node_is_recorded_and_the_round_goes_on() -> None:

@@ -20,11 +20,12 @@ from pollen.protocol import (
     TRAIN_SECONDS,
 )
 from pollen.strategies.aggregation import ClientUpdate
-from pollen.strategies.asynchronous import BufferedAsync
+from pollen.strategies.asynchronous import AsyncOptions, BufferedAsync
 from pollen.strategies.clock import SimulatedClock
 from pollen.strategies.fedavg import FedAvgUpdate
 from pollen.strategies.fedbuff import buffered_mean, rebased, staleness_weight
 from pollen.strategies.fedopt import ServerSgd
+from pollen.strategies.round import RoundOutcome
 from pollen.strategies.sampling import Participants, Roster
 from pollen.strategies.strategy import Strategy
 from tests.conftest import client_update, reply_from
@@ -163,10 +164,26 @@ def engine(grid, clock=None, concurrency=2, buffer_size=2) -> BufferedAsync:
     strategy = Strategy(
         num_clients=3, client_frac=1.0, seed=0, server_update=FedAvgUpdate()
     )
-    return BufferedAsync(
-        grid, strategy, concurrency=concurrency, buffer_size=buffer_size, seed=0,
-        timeout=30.0, clock=clock,
-    )  # fmt: skip
+    options = AsyncOptions(concurrency, buffer_size, seed=0, timeout=30.0)
+    return BufferedAsync(grid, strategy, options, first=1, clock=clock)
+
+
+def play_versions(
+    loop: BufferedAsync, start: ArrayRecord, last: int
+) -> list[RoundOutcome]:
+    """Versions 1 to `last`, each trained from the one before, as the server
+    loop asks for them (none after one marked diverged: the run stops)."""
+    outcomes: list[RoundOutcome] = []
+    arrays = start
+    for version in range(1, last + 1):
+        outcome = loop.next_version(
+            arrays, version, ConfigRecord(), Participants(ROSTER)
+        )
+        outcomes.append(outcome)
+        if outcome.diverged:
+            break
+        arrays = outcome.arrays
+    return outcomes
 
 
 @pytest.mark.usefixtures("task_identity")
@@ -177,9 +194,7 @@ def test_the_loop_buffers_replies_and_counts_staleness_in_versions() -> None:
     grid = ScriptedGrid(order=[], train_seconds=dict.fromkeys(range(3), 0.0))
     loop = engine(grid, buffer_size=1)
     start = ArrayRecord({"w": Array(np.zeros(1, np.float32))})
-    versions = list(
-        loop.versions(start, 1, 3, ConfigRecord, lambda: Participants(ROSTER))
-    )
+    versions = play_versions(loop, start, 3)
     assert versions[0].staleness == [0]
     assert versions[1].staleness == [1]  # the second of the first wave
     expected = np.cumsum([staleness_weight(v.staleness[0]) for v in versions])
@@ -200,9 +215,7 @@ def test_replies_all_non_finite_end_the_versions_as_diverged(
     grid = ScriptedGrid([], dict.fromkeys(range(3), 0.0), non_finite=frozenset(bad))
     loop = engine(grid, concurrency=2, buffer_size=1)
     start = ArrayRecord({"w": Array(np.zeros(1, np.float32))})
-    versions = list(
-        loop.versions(start, 1, 4, ConfigRecord, lambda: Participants(ROSTER))
-    )
+    versions = play_versions(loop, start, 4)
     assert [v.diverged for v in versions] == [False] * (len(versions) - 1) + [diverged]
     if diverged:
         assert len(versions) == 1 and versions[0].skipped
@@ -218,9 +231,7 @@ def test_a_message_the_grid_could_not_store_leaves_its_client_idle() -> None:
     grid = ScriptedGrid([], dict.fromkeys(range(3), 0.0), refused=frozenset({0}))
     loop = engine(grid, concurrency=2, buffer_size=1)
     start = ArrayRecord({"w": Array(np.zeros(1, np.float32))})
-    versions = list(
-        loop.versions(start, 1, 4, ConfigRecord, lambda: Participants(ROSTER))
-    )
+    versions = play_versions(loop, start, 4)
     assert len(versions) == 4
     assert {u.client for v in versions for u in v.updates} <= {1, 2}
     assert 0 in {client for client, _ in grid.sent}  # it was asked, and refused
@@ -240,9 +251,7 @@ def test_the_simulated_clock_orders_replies_by_simulated_arrival() -> None:
     grid = ScriptedGrid(order=[2], train_seconds=dict.fromkeys(range(3), 1.0))
     loop = engine(grid, clock=clock, concurrency=3, buffer_size=2)
     start = ArrayRecord({"w": Array(np.zeros(1, np.float32))})
-    versions = list(
-        loop.versions(start, 1, 10, ConfigRecord, lambda: Participants(ROSTER))
-    )
+    versions = play_versions(loop, start, 10)
     loop.drain()
     assert sorted(u.client for u in versions[0].updates) == [0, 1]
     assert versions[0].staleness == [0, 0]

@@ -49,7 +49,7 @@ def test_the_recorder_warns_once_with_the_likely_cause(tmp_path: Path, capsys) -
         personal={},
     )  # fmt: skip
     for server_round in range(1, 8):  # chance accuracy, the loss rising every round
-        recorder.record(server_round, outcome, float(server_round), 0.1)
+        recorder.record(server_round, outcome, float(server_round), 0.1, settings.lr)
     out = capsys.readouterr().out
     assert out.count("pollen: warning: accuracy has stayed at chance") == 1
     warning = next(line for line in out.splitlines() if "warning" in line)

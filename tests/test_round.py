@@ -8,7 +8,7 @@ from flwr.app import Array, ArrayRecord, ConfigRecord, Message, MetricRecord, Re
 
 from pollen.protocol import ARRAYS, CLIENT, CLIENT_RECORD, CONFIG, METRICS
 from pollen.strategies.fedavg import FedAvgUpdate
-from pollen.strategies.personal import PersonalEvaluation
+from pollen.strategies.personal import PersonalEvaluation, PersonalOutcome
 from pollen.strategies.round import play_round
 from pollen.strategies.sampling import Participants, Roster
 from pollen.strategies.strategy import Strategy
@@ -114,3 +114,16 @@ def test_a_skipped_round_keeps_the_model_and_trains_no_one() -> None:
         "node 22: no reply for 1 of clients [1] within round-timeout"
     ]
     assert not personal.trained_clients and not outcome.personal
+
+
+def test_personal_metrics_are_asked_for_only_when_due() -> None:
+    """`PersonalEvaluation.run`, the step a round and the last async version
+    share: every 2 rounds here, and only clients that have trained."""
+    personal = PersonalEvaluation(LocalBias(), every=2)
+    personal.record_trained([1])
+    grid = EchoGrid()
+    args = (model(), ConfigRecord(), Participants(ROSTER), 10.0)
+    assert personal.run(grid, 1, *args) == PersonalOutcome() and not grid.sent
+    evaluated = personal.run(grid, 2, *args)
+    assert evaluated.clients == [1] and set(evaluated.results) == {1}
+    assert [int(m.content[CONFIG][CLIENT]) for m in grid.sent] == [1]

@@ -50,7 +50,8 @@ def recorder_for(
 
 def play(recorder: RoundRecorder, accuracies: dict[int, float]) -> None:
     for server_round, accuracy in accuracies.items():
-        recorder.record(server_round, outcome(1_000_000), 1 - accuracy, accuracy)
+        lr = recorder.settings.lr  # the schedule's rate: unchanged on a rising accuracy
+        recorder.record(server_round, outcome(1_000_000), 1 - accuracy, accuracy, lr)
 
 
 def scalars(run_dir: Path) -> event_accumulator.EventAccumulator:

@@ -16,6 +16,8 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
+from ..settings import Settings
+
 # the state a checkpoint keeps; the rest comes from the run's settings
 _STATE_KEYS = ("best", "num_bad_epochs", "cooldown_counter")
 
@@ -36,6 +38,14 @@ class PlateauSchedule:
     best: float = math.inf
     num_bad_epochs: int = 0
     cooldown_counter: int = 0
+
+    @classmethod
+    def from_settings(cls, settings: Settings) -> PlateauSchedule:
+        """The run's schedule: `lr` and the `lr-*` keys, `min-lr`."""
+        s = settings
+        return cls(
+            s.lr, s.lr_factor, s.lr_patience, s.lr_threshold, s.lr_cooldown, s.min_lr
+        )
 
     def step(self, loss: float) -> float:
         """Record one round's loss; return the learning rate for the next."""

@@ -1,13 +1,12 @@
-"""After each round: record it, print it, step the learning rate, notify.
+"""After each round: record it, print it, notify.
 
-The recorder turns a round's outcome and the global model's test numbers
-into a history row (`results.RoundRecord`), rewrites the history (a run that
-dies keeps every finished round), prints the round's console lines, steps
-the plateau rule on the test loss (the next round's learning rate, which the
-server loop puts into that round's config) and sends a notification when
-one is due, and hands the row to the run's tracker (`pollen.runs.tracking`:
-TensorBoard or MLflow, when asked for). Under DP-SGD it keeps each client's reported
-epsilon and records
+The recorder turns a round's outcome, the global model's test numbers and
+the learning rate the round trained with (the server loop's schedule steps
+it, `runs.lr_schedule`) into a history row (`results.RoundRecord`), rewrites
+the history (a run that dies keeps every finished round), prints the round's
+console lines, sends a notification when one is due, and hands the row to
+the run's tracker (`pollen.runs.tracking`: TensorBoard or MLflow, when
+asked for). Under DP-SGD it keeps each client's reported epsilon and records
 the largest: the privacy the federation has spent so far. A run that stays
 at chance accuracy while its test loss rises is warned once, with the
 likely cause (before anything is non-finite, which stops the run).
@@ -25,7 +24,6 @@ from ..protocol import DP_EPSILON
 from ..settings import Settings
 from ..strategies.round import RoundOutcome
 from .evaluation import divergence_hint
-from .lr_schedule import PlateauSchedule
 from .notify import Notifier
 from .results import RoundRecord, round_lines, write_history
 from .tracking import NoTracker, Tracker
@@ -47,7 +45,7 @@ def stalled_at_chance(history: Sequence[RoundRecord], classes: int) -> bool:
 
 
 class RoundRecorder:
-    """History, console, learning rate and notifications of one run."""
+    """History, console, tracking and notifications of one run."""
 
     def __init__(
         self,
@@ -63,23 +61,10 @@ class RoundRecorder:
         self.run_dir = run_dir
         self.notifier = notifier
         self.run_name = run_name
-        self.scheduler = PlateauSchedule(
-            lr=settings.lr,
-            factor=settings.lr_factor,
-            patience=settings.lr_patience,
-            threshold=settings.lr_threshold,
-            cooldown=settings.lr_cooldown,
-            min_lr=settings.min_lr,
-        )
         self.dp_epsilon: dict[int, float] = {}
         self._last = time.monotonic()
         self._warned_stall = False
         self.tracker = tracker or NoTracker()
-
-    @property
-    def lr(self) -> float:
-        """The client learning rate of the next round."""
-        return self.scheduler.lr
 
     def start_clock(self) -> None:
         """Round times count from here (after set-up and any resume)."""
@@ -91,15 +76,20 @@ class RoundRecorder:
         self._last += seconds
 
     def record(
-        self, server_round: int, outcome: RoundOutcome, loss: float, accuracy: float
+        self,
+        server_round: int,
+        outcome: RoundOutcome,
+        loss: float,
+        accuracy: float,
+        lr: float,
     ) -> RoundRecord:
-        """Write, print and notify round `server_round`; step the lr on its loss."""
+        """Write, print and notify round `server_round`, trained with `lr`."""
         now = time.monotonic()
         record = RoundRecord(
             round=server_round,
             accuracy=accuracy,
             loss=loss,
-            lr=self.lr,
+            lr=lr,
             seconds=round(now - self._last, 4),
             bytes_up=outcome.bytes_up,
             bytes_down=outcome.bytes_down,
@@ -125,7 +115,6 @@ class RoundRecorder:
         print(round_lines(record, self.settings.rounds, left), flush=True)
         self.tracker.round(record)
         self._warn_if_stalled()
-        self.scheduler.step(loss)
         self.notifier.round_finished(
             self.run_name, server_round, self.settings.rounds, record.accuracy,
             record.loss, record.dp_epsilon,

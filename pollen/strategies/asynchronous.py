@@ -6,9 +6,11 @@ the buffer, and the freed slot goes at once to an idle client (seeded
 draw) with the current model. Every `buffer-size` accepted replies the
 server rebases them onto the current model, applies the norm bound among
 them, aggregates them with FedBuff's staleness weights (`fedbuff`) and
-steps the server update: one new model version, which the loop yields as a
+steps the server update: one new model version, which it returns as a
 `RoundOutcome` (a history row per version) for evaluation, recording and
-checkpoints. `rounds` counts versions.
+checkpoints. `rounds` counts versions: the server loop asks for one
+version at a time (`BufferedAsync.next_version`), passing in the model, the
+training config (its learning rate) and who can take part.
 
 Replies are taken in one of two orders:
 
@@ -33,7 +35,6 @@ of the run is left running.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, replace
 from logging import INFO
 
@@ -42,22 +43,39 @@ from flwr.app import ArrayRecord, ConfigRecord, Message, MessageType
 from flwr.common.logger import log
 
 from .. import protocol
+from ..settings import Settings
 from .aggregation import ClientUpdate
 from .clock import SimulatedClock
 from .fedbuff import buffered_mean, rebased
 from .replies import reported_seconds
 from .round import RoundOutcome, message_bytes
 from .sampling import Participants
-from .strategy import (
-    Strategy,
-    TrainOutcome,
-    TrainRequest,
-    addressed,
-    reject,
-    to_numpy,
-)
+from .strategy import Strategy, TrainRequest, addressed, rejected, to_numpy
 
 POLL_SECONDS = 0.05  # how often the real-time loop asks for replies
+
+
+@dataclass(frozen=True)
+class AsyncOptions:
+    """How FedBuff's loop runs: clients training at once, replies per
+    version, the seed of its draws, and how long a client may stay silent."""
+
+    concurrency: int
+    buffer_size: int
+    seed: int
+    timeout: float  # real seconds
+
+    @classmethod
+    def from_settings(cls, settings: Settings) -> AsyncOptions:
+        """`concurrency` (or as many as a synchronous round samples) and
+        `buffer-size` (or half of them, one at least)."""
+        concurrency = settings.concurrency or settings.sample_size
+        return cls(
+            concurrency=concurrency,
+            buffer_size=settings.buffer_size or max(1, concurrency // 2),
+            seed=settings.seed,
+            timeout=settings.round_timeout,
+        )
 
 
 @dataclass(frozen=True)
@@ -99,62 +117,51 @@ class BufferedAsync:
         self,
         grid,
         strategy: Strategy,
-        *,
-        concurrency: int,
-        buffer_size: int,
-        seed: int,
-        timeout: float,
+        options: AsyncOptions,
+        first: int,
         clock: SimulatedClock | None = None,
     ) -> None:
+        """A loop whose first version is `first` (after a resume: the one
+        after the checkpoint's), its draws seeded by the seed and `first`."""
         self.grid = grid
         self.strategy = strategy
-        self.concurrency = concurrency
-        self.buffer_size = buffer_size
-        self.seed = seed
-        self.timeout = timeout
+        self.concurrency = options.concurrency
+        self.buffer_size = options.buffer_size
+        self.timeout = options.timeout
         self.clock = clock
+        self.rng = np.random.default_rng([options.seed, first, 0xA5])
         self.in_flight: dict[str, Dispatch] = {}
         self.arrived: dict[str, tuple[Message, float]] = {}  # simulated order
         self.buffer: list[Buffered] = []
         self.snapshots: dict[int, dict[str, np.ndarray]] = {}  # version -> sent
         self.now = 0.0  # simulated seconds
         self.lost_nodes: set[int] = set()
+        self.pending = _Pending()  # what the version in the making accumulates
 
-    def versions(
+    def next_version(
         self,
         arrays: ArrayRecord,
-        first: int,
-        last: int,
-        config: Callable[[], ConfigRecord],
-        participants: Callable[[], Participants],
-    ) -> Iterator[RoundOutcome]:
-        """Train from `arrays` (version first - 1) until version `last`,
-        yielding each new version's outcome; `config()` is the training
-        config of a new dispatch (its learning rate), `participants()` who
-        can take part (asked again after every version)."""
-        rng = np.random.default_rng([self.seed, first, 0xA5])
-        version, pending = first - 1, _Pending()
-        who = participants()
-        version_started = self.now
-        while version < last:
-            self._fill(arrays, version, config(), who, rng, pending)
+        version: int,
+        config: ConfigRecord,
+        participants: Participants,
+    ) -> RoundOutcome:
+        """Train from `arrays` (version `version` - 1) until the buffer makes
+        version `version`: its outcome. New dispatches carry `config` and go
+        to `participants`. An outcome marked diverged (no new model) when the
+        replies show the clients' training diverged: the run stops there."""
+        self.pending, started = _Pending(), self.now
+        while len(self.buffer) < self.buffer_size:
+            self._fill(arrays, version - 1, config, participants)
             if not self.in_flight:
                 raise RuntimeError(
                     "async: no client can train (every node is lost or busy)"
                 )
-            self._take(*self._next_reply(pending), pending)
-            if pending.non_finite >= max(2, self.concurrency):
-                yield self._diverged(arrays, pending)  # the run stops there
-                return
-            if len(self.buffer) < self.buffer_size:
-                continue
-            arrays, outcome = self._flush(arrays, version, pending)
-            version += 1
-            log_version(version, outcome)
-            sim = self.now - version_started if self.clock else None
-            version_started = self.now
-            yield replace(outcome, sim_seconds=sim)
-            pending, who = _Pending(), participants()
+            self._take(*self._next_reply())
+            if self.pending.non_finite >= max(2, self.concurrency):
+                return self._diverged(arrays)
+        outcome = self._flush(arrays, version - 1)
+        log_version(version, outcome)
+        return replace(outcome, sim_seconds=self.now - started if self.clock else None)
 
     def drain(self) -> list[int]:
         """Wait for every client still in flight (up to `timeout`); their
@@ -179,8 +186,6 @@ class BufferedAsync:
         version: int,
         config: ConfigRecord,
         participants: Participants,
-        rng: np.random.Generator,
-        pending: _Pending,
     ) -> None:
         """Send the current model to idle clients until `concurrency` train."""
         owner = participants.roster.owner
@@ -194,7 +199,7 @@ class BufferedAsync:
             return
         chosen: list[int] = []
         for _ in range(free):  # one client per node, as OneMessagePerNode does
-            client = int(rng.choice(idle))
+            client = int(self.rng.choice(idle))
             chosen.append(client)
             idle = [c for c in idle if owner[c] != owner[client]]
             if not idle:
@@ -216,7 +221,7 @@ class BufferedAsync:
             message_id = message.metadata.message_id
             if message_id not in pushed:
                 continue
-            pending.bytes_down += bytes_down
+            self.pending.bytes_down += bytes_down
             request = TrainRequest(
                 server_round=version + 1, messages=[message], clients=[client],
                 model=model, shared=shared, participants=participants,
@@ -226,7 +231,7 @@ class BufferedAsync:
 
     # ---- receiving ------------------------------------------------------
 
-    def _next_reply(self, pending: _Pending) -> tuple[Message, Dispatch]:
+    def _next_reply(self) -> tuple[Message, Dispatch]:
         """The next reply to take, in real or simulated order."""
         while True:
             waiting = [m for m in self.in_flight if m not in self.arrived]
@@ -235,7 +240,7 @@ class BufferedAsync:
                 message_id = reply.metadata.reply_to_message_id
                 if message_id in self.in_flight:
                     self.arrived[message_id] = (reply, self._arrival(reply, message_id))
-            self._expire(pending)
+            self._expire()
             if not self.in_flight:
                 raise RuntimeError(
                     "async: every client in flight went silent for round-timeout "
@@ -273,7 +278,7 @@ class BufferedAsync:
             dispatch.client, dispatch.request.bytes_down, seconds, message_bytes(reply)
         )
 
-    def _expire(self, pending: _Pending) -> None:
+    def _expire(self) -> None:
         """Give up on clients in flight for longer than `timeout` (real s):
         a failure, and their node is sent nothing more (it may be gone, or
         still busy with the message)."""
@@ -283,36 +288,35 @@ class BufferedAsync:
                 del self.in_flight[message_id]
                 node = dispatch.request.participants.roster.owner[dispatch.client]
                 self.lost_nodes.add(node)
-                reject(pending.failures, node, f"client {dispatch.client}: no reply "
-                       f"within round-timeout ({self.timeout:g} s)")  # fmt: skip
+                self.pending.failures.append(rejected(
+                    node, f"client {dispatch.client}: no reply within round-timeout "
+                    f"({self.timeout:g} s)"))  # fmt: skip
 
-    def _take(self, reply: Message, dispatch: Dispatch, pending: _Pending) -> None:
+    def _take(self, reply: Message, dispatch: Dispatch) -> None:
         """Check one reply; a valid one goes into the buffer."""
-        checked: TrainOutcome = self.strategy.check_replies(
-            dispatch.request, [reply], bound=False
-        )
-        pending.bytes_up += checked.bytes_up
-        pending.failures += checked.failures
+        checked = self.strategy.check_replies(dispatch.request, [reply])
+        self.pending.bytes_up += checked.bytes_up
+        self.pending.failures += checked.failures
         self.buffer += [Buffered(u, dispatch) for u in checked.updates]
         if checked.updates:
-            pending.non_finite = 0
+            self.pending.non_finite = 0
         else:
-            pending.non_finite += checked.non_finite
+            self.pending.non_finite += checked.non_finite
 
-    def _diverged(self, arrays: ArrayRecord, pending: _Pending) -> RoundOutcome:
+    def _diverged(self, arrays: ArrayRecord) -> RoundOutcome:
         """No new version: as many replies in a row as train at once (two at
         least) carried NaN or infinity and none was valid, so the clients'
         training diverged, which the server loop stops the run for."""
+        pending = self.pending
         return RoundOutcome(
             arrays=arrays, clients=[], updates=[], bytes_down=pending.bytes_down,
             bytes_up=pending.bytes_up, skipped=True, failures=pending.failures,
             clipped=[], evaluating=[], eval_bytes=0, personal={}, diverged=True,
         )  # fmt: skip
 
-    def _flush(
-        self, arrays: ArrayRecord, version: int, pending: _Pending
-    ) -> tuple[ArrayRecord, RoundOutcome]:
-        """Rebase, bound, aggregate and step the buffer: the next version."""
+    def _flush(self, arrays: ArrayRecord, version: int) -> RoundOutcome:
+        """Rebase, bound, aggregate and step the buffer: the next version
+        (the model unchanged when the bound dropped every update)."""
         batch, self.buffer = self.buffer, []
         model = self.snapshots.get(version) or to_numpy(arrays)  # sent as version
         shared = self.strategy.shared_keys(arrays)
@@ -323,28 +327,27 @@ class BufferedAsync:
             for b in batch
         ]
         owner = batch[0].dispatch.request.participants.roster.owner
-        outcome = TrainOutcome(bytes_up=pending.bytes_up, failures=pending.failures)
-        kept = self.strategy.bounded(updates, current, owner, outcome)
+        kept = self.strategy.bounded(updates, current, owner)
         staleness = _aligned(
             [u.client for u in updates],
-            [u.client for u in kept],
+            [u.client for u in kept.updates],
             [version - b.dispatch.version for b in batch],
         )
-        if kept:
+        if kept.updates:
             arrays = self.strategy.step(
-                model, shared, buffered_mean(kept, staleness, current, trained)
+                model, shared, buffered_mean(kept.updates, staleness, current, trained)
             )
         in_use = {d.version for d in self.in_flight.values()}
         self.snapshots = {v: s for v, s in self.snapshots.items() if v in in_use}
-        return arrays, RoundOutcome(
+        return RoundOutcome(
             arrays=arrays,
-            clients=[u.client for u in kept],
-            updates=kept,
-            bytes_down=pending.bytes_down,
-            bytes_up=pending.bytes_up,
-            skipped=not kept,
-            failures=outcome.failures,
-            clipped=outcome.clipped,
+            clients=[u.client for u in kept.updates],
+            updates=kept.updates,
+            bytes_down=self.pending.bytes_down,
+            bytes_up=self.pending.bytes_up,
+            skipped=not kept.updates,
+            failures=self.pending.failures + kept.failures,
+            clipped=kept.clipped,
             evaluating=[],
             eval_bytes=0,
             personal={},

@@ -20,12 +20,13 @@ from dataclasses import dataclass, field
 
 import numpy as np
 from flwr.app import ArrayRecord, ConfigRecord, Message, MessageType
+from flwr.serverapp import Grid
 
 from ..protocol import EVAL_SECONDS, METRICS
 from ..task.sharing import Sharing
 from .replies import ReplyError, checked_personal_reply, reported_seconds
 from .sampling import Participants
-from .strategy import addressed, reject
+from .strategy import addressed, rejected
 
 TRAINED_CLIENTS = "trained-clients"  # checkpoint state key
 
@@ -95,6 +96,24 @@ class PersonalEvaluation:
             messages, clients, owner, payload.count_bytes() * len(clients)
         )
 
+    def run(
+        self,
+        grid: Grid,
+        server_round: int,
+        arrays: ArrayRecord,
+        config: ConfigRecord,
+        participants: Participants,
+        timeout: float,
+    ) -> PersonalOutcome:
+        """Ask the clients for their personal metrics and wait for them (up
+        to `timeout` s) when due; an empty outcome when not."""
+        asked = self.configure(server_round, arrays, config, participants)
+        if asked is None:
+            return PersonalOutcome()
+        return self.aggregate(
+            asked, grid.send_and_receive(asked.messages, timeout=timeout)
+        )
+
     def aggregate(
         self, request: EvaluateRequest, replies: Iterable[Message]
     ) -> PersonalOutcome:
@@ -118,7 +137,7 @@ class PersonalEvaluation:
                     msg, request.owner, request.clients, set(outcome.results)
                 )
             except ReplyError as problem:
-                reject(outcome.failures, node, str(problem), what="evaluate, ")
+                outcome.failures.append(rejected(node, str(problem), what="evaluate, "))
                 continue
             outcome.results[client] = values
             outcome.seconds[client] = reported_seconds(

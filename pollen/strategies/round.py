@@ -91,6 +91,18 @@ class RoundTiming:
             for u in updates
         }  # fmt: skip
 
+    def round_seconds(
+        self, times: dict[int, float], evaluated: PersonalOutcome
+    ) -> float | None:
+        """The round's simulated seconds, training and personal evaluation
+        (None without a clock); a real deadline is no simulated cut-off."""
+        if self.clock is None:
+            return None
+        deadline = self.deadline if self.simulated else 0.0
+        seconds = self.clock.round_seconds(times, deadline)
+        per_client = evaluated.bytes_down // max(len(evaluated.clients), 1)
+        return seconds + self.clock.evaluation_seconds(per_client, evaluated.seconds)
+
 
 def message_bytes(message: Message) -> int:
     """The bytes of a message's arrays (0 for an error reply)."""
@@ -123,31 +135,19 @@ def play_round(
         request = replace(
             request, clients=[c for c in request.clients if c not in late]
         )
-    trained = strategy.check_replies(request, replies, bound=False)
-    times = timing.client_times(request, trained.updates)
+    checked = strategy.check_replies(request, replies)
+    times = timing.client_times(request, checked.updates)
     if timing.simulated and timing.deadline and timing.clock is not None:
         late = timing.clock.late(times, timing.deadline)
-        trained.updates = [u for u in trained.updates if u.client not in late]
-    owner = participants.roster.owner
-    trained.updates = strategy.bounded(trained.updates, request.current, owner, trained)
-    trained = strategy.finish(request, trained)
+        in_time = [u for u in checked.updates if u.client not in late]
+        checked = replace(checked, updates=in_time)
+    trained = strategy.finish(request, strategy.bound(request, checked))
     if not trained.skipped:
         personal.record_trained(update.client for update in trained.updates)
     arrays = trained.arrays if trained.arrays is not None else arrays
-    asked = personal.configure(server_round, arrays, eval_config, participants)
-    evaluated = (
-        PersonalOutcome()
-        if asked is None
-        else personal.aggregate(
-            asked, grid.send_and_receive(asked.messages, timeout=timeout)
-        )
+    evaluated = personal.run(
+        grid, server_round, arrays, eval_config, participants, timeout
     )
-    sim_seconds = None
-    if timing.clock is not None:
-        deadline = timing.deadline if timing.simulated else 0.0
-        sim_seconds = timing.clock.round_seconds(times, deadline)
-        per_client = evaluated.bytes_down // max(len(evaluated.clients), 1)
-        sim_seconds += timing.clock.evaluation_seconds(per_client, evaluated.seconds)
     return RoundOutcome(
         arrays=arrays,
         clients=request.clients + sorted(set(late) - set(request.clients)),
@@ -161,7 +161,7 @@ def play_round(
         eval_bytes=evaluated.bytes_down,
         personal=evaluated.results,
         late=late,
-        sim_seconds=sim_seconds,
+        sim_seconds=timing.round_seconds(times, evaluated),
         unselected=trained.unselected,
         aggregation=trained.report,
         diverged=trained.diverged,

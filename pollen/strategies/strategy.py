@@ -17,7 +17,8 @@ A round's training half, as `pollen.strategies.round.play_round` drives it:
    into the next shared entries.
 
 Everything a round did (who was asked, bytes down and up, failures, clipped
-updates, the accepted updates) comes back in a `TrainOutcome`; the strategy
+updates, the accepted updates) comes back in a `TrainOutcome`, each step
+returning a new one rather than writing into the one it was given; the strategy
 keeps only what must outlive a round (the server update's state), exported
 for checkpoints by `state_arrays`. Compared with Flower's `FedAvg`, for
 exact and comparable runs: seeded sampling over partitions instead of node
@@ -82,7 +83,18 @@ class TrainRequest:
         return {key: self.model[key] for key in self.shared}
 
 
-@dataclass
+@dataclass(frozen=True)
+class Kept:
+    """The updates a check kept, and what it noted about the others."""
+
+    updates: list[ClientUpdate]  # in client order
+    failures: list[str] = field(default_factory=list)  # dropped, and why
+    clipped: list[str] = field(default_factory=list)  # scaled back by the bound
+    bytes_up: int = 0  # what the checked replies carried
+    non_finite: int = 0  # dropped for carrying NaN or infinity
+
+
+@dataclass(frozen=True)
 class TrainOutcome:
     """What a round's training half did; `arrays` is None when it was skipped."""
 
@@ -237,35 +249,48 @@ class Strategy:
     def aggregate_train(
         self, request: TrainRequest, replies: Iterable[Message]
     ) -> TrainOutcome:
-        """Check the replies, aggregate the valid ones in client order and
-        apply the server update (no new arrays when too few are valid)."""
-        return self.finish(request, self.check_replies(request, replies))
+        """Check the replies, apply the norm bound among the valid ones,
+        aggregate them in client order and apply the server update (no new
+        arrays when too few are valid)."""
+        return self.finish(
+            request, self.bound(request, self.check_replies(request, replies))
+        )
 
     def check_replies(
-        self, request: TrainRequest, replies: Iterable[Message], bound: bool = True
+        self, request: TrainRequest, replies: Iterable[Message]
     ) -> TrainOutcome:
-        """The valid replies as updates in client order (with the norm bound
-        applied among them unless `bound` is False), the bytes they carried
-        and why the others were dropped; no arrays yet."""
+        """The valid replies as updates in client order, the bytes they
+        carried and why the others were dropped; no norm bound, no arrays yet."""
         replies = list(replies)
-        outcome = TrainOutcome()
         failed = [msg for msg in replies if msg.has_error()]
         valid = [msg for msg in replies if not msg.has_error()]
-        outcome.failures = reply_failures(
-            request.clients, request.participants.roster.owner, valid, failed
+        owner = request.participants.roster.owner
+        failures = reply_failures(request.clients, owner, valid, failed)
+        kept = self._checked(request, valid)
+        return TrainOutcome(
+            updates=kept.updates,
+            bytes_up=kept.bytes_up,
+            failures=failures + kept.failures,
+            answered=len(valid),
+            non_finite=kept.non_finite,
         )
-        outcome.answered = len(valid)
-        updates = self._checked(request, valid, outcome)
-        if bound:
-            owner = request.participants.roster.owner
-            updates = self.bounded(updates, request.current, owner, outcome)
-        outcome.updates = updates
-        return outcome
+
+    def bound(self, request: TrainRequest, outcome: TrainOutcome) -> TrainOutcome:
+        """`outcome` with the norm bound applied among its updates, relative
+        to the shared entries `request` sent."""
+        owner = request.participants.roster.owner
+        kept = self.bounded(outcome.updates, request.current, owner)
+        return dataclasses.replace(
+            outcome,
+            updates=kept.updates,
+            failures=outcome.failures + kept.failures,
+            clipped=outcome.clipped + kept.clipped,
+        )
 
     def finish(self, request: TrainRequest, outcome: TrainOutcome) -> TrainOutcome:
-        """Aggregate the outcome's updates and step the server update into
-        its arrays, or leave it skipped with fewer than `min_replies` or than
-        the aggregation step is defined for."""
+        """`outcome` with its updates aggregated and the server update stepped
+        into its arrays, or as it is (skipped) with fewer than `min_replies`
+        or than the aggregation step is defined for."""
         if self.control:  # the clients kept their c_k^+: c follows, skipped or not
             self.control.update(outcome.updates)
         needed = self.min_updates
@@ -279,11 +304,13 @@ class Strategy:
         aggregate = self.aggregator(
             outcome.updates, current, self.trained_keys(current)
         )
-        outcome.report = dict(aggregate.report)
         used = {update.client for update in aggregate.updates}
-        outcome.unselected = [u.client for u in outcome.updates if u.client not in used]
-        outcome.arrays = self.step(request.model, request.shared, aggregate)
-        return outcome
+        return dataclasses.replace(
+            outcome,
+            report=dict(aggregate.report),
+            unselected=[u.client for u in outcome.updates if u.client not in used],
+            arrays=self.step(request.model, request.shared, aggregate),
+        )
 
     def step(
         self, model: Arrays, shared: tuple[str, ...], aggregate: Aggregate
@@ -309,11 +336,9 @@ class Strategy:
             k for k, v in current.items() if np.issubdtype(v.dtype, np.floating)
         )
 
-    def _checked(
-        self, request: TrainRequest, replies: list[Message], outcome: TrainOutcome
-    ) -> list[ClientUpdate]:
+    def _checked(self, request: TrainRequest, replies: list[Message]) -> Kept:
         """The replies that pass every check against the shared entries sent,
-        as updates in client order."""
+        as updates in client order; the bytes every reply carried."""
         expected = Expectation(
             arrays=request.current,
             owner=request.participants.roster.owner,
@@ -323,53 +348,52 @@ class Strategy:
             records=self.control.expected() if self.control else {},
         )
         accepted: list[ClientUpdate] = []
+        failures: list[str] = []
         seen: set[int] = set()
+        bytes_up = non_finite = 0
         for msg in replies:
             for name in (protocol.ARRAYS, *expected.records):
                 record = msg.content.get(name)
                 if isinstance(record, ArrayRecord):
-                    outcome.bytes_up += record.count_bytes()
+                    bytes_up += record.count_bytes()
             try:
                 client, metrics, decoded, records = checked_reply(msg, expected, seen)
             except ReplyError as problem:
-                reject(outcome.failures, msg.metadata.src_node_id, str(problem))
-                outcome.non_finite += isinstance(problem, NonFiniteReply)
+                failures.append(rejected(msg.metadata.src_node_id, str(problem)))
+                non_finite += isinstance(problem, NonFiniteReply)
                 continue
             seen.add(client)
             weight = float(metrics[protocol.NUM_EXAMPLES])
             accepted.append(ClientUpdate(client, decoded, metrics, weight, records))
         accepted.sort(key=lambda update: update.client)
-        return accepted
+        return Kept(accepted, failures, bytes_up=bytes_up, non_finite=non_finite)
 
     def bounded(
-        self,
-        updates: list[ClientUpdate],
-        current: Arrays,
-        owner: Mapping[int, int],
-        outcome: TrainOutcome,
-    ) -> list[ClientUpdate]:
+        self, updates: list[ClientUpdate], current: Arrays, owner: Mapping[int, int]
+    ) -> Kept:
         """`updates` with the norm bound applied among them (relative to
-        `current`): clipped ones noted, dropped ones recorded as failures."""
+        `current`): the kept ones, the clipped ones noted, the dropped ones
+        as failures."""
         if not self.norm_bound or not updates:
-            return updates
+            return Kept(updates)
         bounded = bound_update_norms(
             current, [u.arrays for u in updates], self.norm_bound, self.norm_action
         )
-        kept = []
+        kept, failures, clipped = [], [], []
         for update, (arrays, note) in zip(updates, bounded, strict=True):
             node = owner[update.client]
             if arrays is None:
-                reject(outcome.failures, node, f"client {update.client}: {note}")
+                failures.append(rejected(node, f"client {update.client}: {note}"))
                 continue
             if note:
-                outcome.clipped.append(f"node {node}: client {update.client}: {note}")
+                clipped.append(f"node {node}: client {update.client}: {note}")
                 log(WARNING, "pollen: clipped update: client %d: %s",
                     update.client, note)  # fmt: skip
             kept.append(dataclasses.replace(update, arrays=arrays))
-        return kept
+        return Kept(kept, failures, clipped)
 
 
-def reject(failures: list[str], node: int, problem: str, what: str = "") -> None:
-    """Record and log a reply that is dropped."""
-    failures.append(f"{what}node {node}: {problem}")
+def rejected(node: int, problem: str, what: str = "") -> str:
+    """Log a reply that is dropped; the failure line that records it."""
     log(WARNING, "pollen: rejected %sreply from node %d: %s", what, node, problem)
+    return f"{what}node {node}: {problem}"
