@@ -1,9 +1,14 @@
-"""Driving pollen's strategy round by round in unit tests, without a Grid.
+"""Driving pollen's strategy round by round in unit tests, through the
+production round (`pollen.strategies.round.play_round`) on a scripted grid.
 
 `Harness` holds a `Strategy`, its `PersonalEvaluation` and the round's
-`Participants`, and plays the two halves of a round the way
-`pollen.strategies.round.play_round` does, keeping each round's outcome so
-tests can read what it did (`traffic[r]`, `personal[r]`).
+`Participants`. A test asks for a round's training messages
+(`configure_train`), writes the replies it wants (honest, hostile, broken),
+and `aggregate_train` plays the round with `play_round` on a grid that
+answers with exactly those replies: the same reply checks, norm bound,
+aggregation and server update, in the same order, as a run. Each round's
+`RoundOutcome` is kept so tests can read what it did (`traffic[r]`,
+`personal[r]`).
 """
 
 from __future__ import annotations
@@ -21,10 +26,23 @@ from pollen.strategies.personal import (
     PersonalEvaluation,
     PersonalOutcome,
 )
+from pollen.strategies.round import RoundOutcome, play_round
 from pollen.strategies.sampling import Participants, Roster
 from pollen.strategies.server_update import ServerUpdate
-from pollen.strategies.strategy import Strategy, TrainOutcome, TrainRequest
+from pollen.strategies.strategy import Strategy, TrainRequest
 from pollen.task.sharing import Sharing
+
+
+class ScriptedGrid:
+    """A grid whose training messages are answered by the replies a test
+    wrote (evaluation messages by none: tests evaluate apart)."""
+
+    def __init__(self, replies: Iterable[Message]) -> None:
+        self.replies = list(replies)
+
+    def send_and_receive(self, messages, *, timeout=None) -> list[Message]:
+        train = [m for m in messages if m.metadata.message_type == "train"]
+        return self.replies if train else []
 
 
 class Harness:
@@ -41,9 +59,10 @@ class Harness:
         self.roster = roster
         self.max_examples = dict(max_examples or {})
         self.evaluation = PersonalEvaluation(strategy.sharing, personal_eval_every)
-        self.traffic: dict[int, TrainOutcome] = {}
+        self.traffic: dict[int, RoundOutcome] = {}
         self.personal: dict[int, dict[int, dict[str, float]]] = {}
         self.evaluated: dict[int, PersonalOutcome] = {}
+        self.asked: dict[int, tuple[ArrayRecord, ConfigRecord]] = {}
         self.sent: dict[int, TrainRequest] = {}
         self._evaluate: dict[int, EvaluateRequest] = {}
 
@@ -65,6 +84,8 @@ class Harness:
     def configure_train(
         self, server_round: int, arrays: ArrayRecord, config: ConfigRecord
     ) -> list[Message]:
+        """The round's training messages, as `play_round` will send them."""
+        self.asked[server_round] = (arrays, config)
         request = self.strategy.configure_train(
             server_round, arrays, config, self.participants
         )
@@ -74,11 +95,15 @@ class Harness:
     def aggregate_train(
         self, server_round: int, replies: Iterable[Message]
     ) -> ArrayRecord | None:
-        outcome = self.strategy.aggregate_train(self.sent[server_round], replies)
+        """Play the round through `play_round`, the clients answering with
+        `replies`; the next model, or None where the round was skipped."""
+        arrays, config = self.asked[server_round]
+        outcome = play_round(
+            ScriptedGrid(replies), self.strategy, self.evaluation, server_round,
+            arrays, (config, config), self.participants, timeout=1.0,
+        )  # fmt: skip
         self.traffic[server_round] = outcome
-        if not outcome.skipped:
-            self.evaluation.record_trained(u.client for u in outcome.updates)
-        return outcome.arrays
+        return None if outcome.skipped else outcome.arrays
 
     def configure_evaluate(
         self, server_round: int, arrays: ArrayRecord, config: ConfigRecord

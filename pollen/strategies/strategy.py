@@ -6,11 +6,11 @@ A round's training half, as `pollen.strategies.round.play_round` drives it:
    round) among those whose node is connected (the round's `Participants`,
    passed in), and addresses one message per client to the node that serves
    it, carrying only the entries the sharing policy lets travel;
-2. `aggregate_train` checks every reply (`replies.checked_reply`: its
+2. `check_replies` checks every reply (`replies.checked_reply`: its
    client, entries, dtypes, finite values, example count, metrics) and
-   turns the valid ones, in client order, into typed `ClientUpdate`s; an
-   optional norm bound clips or drops an update far above the round's
-   median; with fewer than `min_replies` the round is skipped;
+   turns the valid ones, in client order, into typed `ClientUpdate`s;
+   `bound` (an optional norm bound) clips or drops an update far above the
+   round's median; `finish` skips a round with fewer than `min_replies`;
 3. the **aggregation step** (`aggregation.Mean`, or a robust rule of
    `robust`) reduces the updates to one float64 aggregate per entry;
 4. the **server update** (`fedavg`, `fedopt`, `feddyn`) turns the aggregate
@@ -244,16 +244,6 @@ class Strategy:
             shared=self.shared_keys(arrays),
             participants=participants,
             bytes_down=per_client * len(clients),
-        )
-
-    def aggregate_train(
-        self, request: TrainRequest, replies: Iterable[Message]
-    ) -> TrainOutcome:
-        """Check the replies, apply the norm bound among the valid ones,
-        aggregate them in client order and apply the server update (no new
-        arrays when too few are valid)."""
-        return self.finish(
-            request, self.bound(request, self.check_replies(request, replies))
         )
 
     def check_replies(
