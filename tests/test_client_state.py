@@ -61,6 +61,15 @@ def test_records_round_trip_with_dtypes() -> None:
     assert restored.dtype == np.float32 and restored.tolist() == [0, 1, 2]
 
 
+def test_a_scalar_entry_round_trips_as_a_scalar() -> None:
+    """FedBN keeps BatchNorm's 0-d `num_batches_tracked` on the client: it
+    must come back 0-d, as the model's state dict holds it."""
+    counter = ArrayRecord({"bn.num_batches_tracked": Array(np.array(5, np.int64))})
+    back = import_state(export_state({"local-3": counter}, 3), 3)
+    restored = back["local-3"]["bn.num_batches_tracked"].numpy()
+    assert restored.shape == () and restored.dtype == np.int64 and restored == 5
+
+
 def test_a_resumed_run_never_reads_the_abandoned_future(tmp_path: Path) -> None:
     store = ClientStateStore(tmp_path)
     for r in (1, 2, 3, 4):  # run 7 trained rounds 1-4, checkpointed round 2, died

@@ -123,6 +123,22 @@ def test_a_checkpointed_progress_restores_the_server_parts(tmp_path: Path) -> No
         fresh.restore(load_checkpoint(tmp_path), {"w", "b"}, "mlp")
 
 
+def test_a_restored_model_keeps_scalar_entries_scalar(tmp_path: Path) -> None:
+    """BatchNorm's `num_batches_tracked` is a 0-d integer: restored as a 1-d
+    array, every reply of a resumed run would be refused as the wrong shape
+    (`np.ascontiguousarray` returns at least one dimension)."""
+    loop = make_loop({**PLATEAU, "rounds": 2}, tmp_path)
+    counter = np.array(7, np.int64)
+    arrays = ArrayRecord({"w": Array(np.ones(2, np.float32)), "n": Array(counter)})
+    progress = finish_round(loop, 1, outcome(arrays), start(loop))
+    save_progress(loop.settings, tmp_path, progress, 3.0)
+    restored = parts(loop.settings).restore(
+        load_checkpoint(tmp_path), {"w", "n"}, "mlp"
+    )
+    assert restored["n"].numpy().shape == () and restored["n"].numpy() == 7
+    assert restored["w"].numpy().flags.c_contiguous
+
+
 def test_the_server_state_is_a_copy(tmp_path: Path) -> None:
     loop = make_loop(PLATEAU, tmp_path)
     state = loop.parts.state()

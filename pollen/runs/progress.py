@@ -79,7 +79,7 @@ class ServerParts:
         self.schedule.load_state_dict(checkpoint.extra[LR_SCHEDULER])
         print(f"pollen: resuming after round {checkpoint.round}", flush=True)
         return ArrayRecord(
-            {k: Array(np.ascontiguousarray(v)) for k, v in checkpoint.model.items()}
+            {k: Array(np.asarray(v, order="C")) for k, v in checkpoint.model.items()}
         )
 
 

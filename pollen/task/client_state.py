@@ -223,7 +223,9 @@ def import_state(
     records: dict[str, ArrayRecord | ConfigRecord] = {}
     for (name, kind), entries in grouped.items():
         records[f"{name}-{client}"] = (
-            ArrayRecord({k: Array(np.ascontiguousarray(v)) for k, v in entries.items()})
+            ArrayRecord(
+                {k: Array(np.asarray(v, order="C")) for k, v in entries.items()}
+            )
             if kind == "array"
             else ConfigRecord({k: v.item() for k, v in entries.items()})
         )
