@@ -91,19 +91,21 @@ def test_fedavg_and_feddyn_train_on_real_processes(
 
 
 @pytest.mark.xdist_group("deployment")
-def test_a_users_model_trains_on_the_deployed_nodes(
+def test_a_users_model_and_aggregator_run_on_the_deployed_nodes(
     deployment: cluster.Deployment, tmp_path: Path
 ) -> None:
-    """A model factory of a user's package: the deployed ServerApp and every
-    node's ClientApp processes import it from the PYTHONPATH `pollen deploy
-    up` started them with (node 2 on its own data file too)."""
-    model = f"{PACKAGE}.nets:tiny_net"
-    finish(submit(deployment, tmp_path, f"model='{model}' rounds=2 run-name='user'"))
+    """A model factory and an aggregation rule of a user's package: the
+    deployed ServerApp and every node's ClientApp processes import them from
+    the PYTHONPATH `pollen deploy up` started them with (node 2 on its own
+    data file too, so the data set is a built-in one)."""
+    model, rule = f"{PACKAGE}.nets:tiny_net", f"{PACKAGE}.rules:UniformMean"
+    config = f"model='{model}' aggregator='{rule}' rounds=2 run-name='user'"
+    finish(submit(deployment, tmp_path, config))
     rows = history(tmp_path / "user")
     assert [r["clients"] for r in rows] == [[0, 1, 2], [0, 1, 2]]
     assert not any(r["failures"] for r in rows) and rows[-1]["accuracy"] > 0.5
     settings = json.loads((tmp_path / "user" / "settings.json").read_text())
-    assert settings["model"] == model
+    assert (settings["model"], settings["aggregator"]) == (model, rule)
 
 
 def node_id(node: cluster.Node) -> int:
