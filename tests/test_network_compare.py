@@ -14,6 +14,7 @@ import os
 import signal
 import subprocess
 import time
+from collections.abc import Collection
 from pathlib import Path
 
 import pytest
@@ -72,16 +73,19 @@ def namespaces(prefix: str) -> list[str]:
     return [line.split()[0] for line in listed.splitlines() if line.startswith(prefix)]
 
 
-def deployment_processes(pid: int) -> list[int]:
+def deployment_processes(pid: int, besides: Collection[int] = ()) -> list[int]:
     """Descendants of `pid` that belong to a deployment or a network: Flower's
-    processes, pollen's executors and runs, the links' relays."""
+    processes, pollen's executors and runs, the links' relays; `besides`
+    those running before (a warm federation this test worker started for
+    other tests)."""
     found = []
     for child in processes.descendants(pid):
         try:
             argv = Path(f"/proc/{child}/cmdline").read_bytes().replace(b"\0", b" ")
         except OSError:
             continue
-        if any(word in argv for word in (b"flower", b"pollen", b"network.py")):
+        ours = any(word in argv for word in (b"flower", b"pollen", b"network.py"))
+        if ours and child not in besides:
             found.append(child)
     return found
 
@@ -97,6 +101,7 @@ def test_cells_run_as_deployments_record_the_wire_and_leave_nothing(
     out = tmp_path / "cmp"
     argv = ["compare", str(grid), str(PROJECT), "--out", str(out),
             "--network", str(profile)]  # fmt: skip
+    before = deployment_processes(os.getpid())
     assert main([*argv, "--only", "strategy=fedavg"]) == 0
     assert "[1/1] strategy-fedavg: final" in capsys.readouterr().out
     run_dir = out / "runs" / "strategy-fedavg"
@@ -114,7 +119,7 @@ def test_cells_run_as_deployments_record_the_wire_and_leave_nothing(
     assert namespaces(prefix) == []
     site = out / network_cells.DEPLOYMENTS / "strategy-fedavg"
     assert not cluster.Deployment.load(site).running()
-    assert deployment_processes(os.getpid()) == []
+    assert deployment_processes(os.getpid(), besides=before) == []
 
     # a second compare in the same directory keeps the finished cell
     assert main([*argv, "--only", "strategy=fedavg"]) == 0
@@ -268,6 +273,7 @@ def test_fedbuff_deployed_over_shaped_links_survives_a_killed_node(
     (tmp_path / "grid.toml").write_text(ASYNC_GRID)
     (tmp_path / "profile.toml").write_text(ASYNC_PROFILE)
     out = tmp_path / "cmp"
+    before = deployment_processes(os.getpid())
     compare = subprocess.Popen(
         [str(BIN / "pollen"), "compare", str(tmp_path / "grid.toml"), str(PROJECT),
          "--out", str(out), "--network", str(tmp_path / "profile.toml")],
@@ -297,7 +303,7 @@ def test_fedbuff_deployed_over_shaped_links_survives_a_killed_node(
     failures = [f for r in rows for f in r["failures"]]
     # within round-timeout a failure, or unused when the run ends before that
     assert any("client 1: " in f for f in failures)
-    assert deployment_processes(os.getpid()) == []
+    assert deployment_processes(os.getpid(), besides=before) == []
 
 
 def _versions(run_dir: Path) -> int:
