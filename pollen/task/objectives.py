@@ -87,6 +87,22 @@ class Regularizer(Protocol):
         """Array records the reply carries for the server (after `save`)."""
 
 
+@dataclass(frozen=True)
+class AffineGradient:
+    """A regulariser's gradient as the cohort trainer applies it to
+    parameters stacked over clients (`pollen.task.cohort`), entry by entry:
+
+        grad R_k(theta) = pull (theta - anchor) + offset
+
+    over the anchored entries (`offset` empty: 0). Every built-in term has
+    this form; a user's term that offers it (`affine`, and `count_steps`
+    for what it counts per step) trains in a cohort too."""
+
+    pull: float
+    anchor: dict[str, torch.Tensor]
+    offset: dict[str, torch.Tensor]
+
+
 def _add_gradient(param: nn.Parameter, term: torch.Tensor) -> None:
     if param.grad is None:
         param.grad = term.clone()
@@ -128,6 +144,12 @@ class ProxTerm:
         for name, anchor in self.anchor.items():
             param = named[name]
             _add_gradient(param, (param - anchor).mul_(self.mu))
+
+    def affine(self) -> AffineGradient:
+        return AffineGradient(self.mu, self.anchor, {})
+
+    def count_steps(self, steps: int) -> None:
+        """Nothing counted."""
 
     def save(self, context: Context, client: int, named: Parameters) -> None:
         """Nothing to keep."""
@@ -177,6 +199,14 @@ class DynTerm:
         for name, anchor in self.anchor.items():
             param = named[name]
             _add_gradient(param, (param - anchor).mul_(self.alpha).sub_(self.h[name]))
+
+    def affine(self) -> AffineGradient:
+        return AffineGradient(
+            self.alpha, self.anchor, {name: -h for name, h in self.h.items()}
+        )
+
+    def count_steps(self, steps: int) -> None:
+        """Nothing counted."""
 
     @torch.no_grad()
     def next_h(self, named: Parameters) -> dict[str, torch.Tensor]:
@@ -261,6 +291,14 @@ class ControlTerm:
         self.steps += 1
         for name, correction in self.correction.items():
             _add_gradient(named[name], correction)
+
+    def affine(self) -> AffineGradient:
+        return AffineGradient(0.0, self.anchor, self.correction)
+
+    def count_steps(self, steps: int) -> None:
+        """The steps a cohort took with the correction (`add_gradients`
+        counts them one by one)."""
+        self.steps += steps
 
     @torch.no_grad()
     def save(self, context: Context, client: int, named: Parameters) -> None:

@@ -1,0 +1,498 @@
+"""The cohort trainer: K clients' local epochs as one vectorised computation.
+
+Cross-device rounds train many clients, each a small model on a few small
+batches; one client after another, that is mostly per-step overhead. Here
+the trainable parameters of K clients are stacked on a leading client
+dimension, and each local step is one `torch.func.vmap` of
+`grad_and_value(functional_call(model, ...))` over every client's batch
+(Flower-free, model-agnostic; torch.func:
+https://pytorch.org/docs/stable/func.html). The optimiser's and the
+objective's updates are elementwise on the stacked tensors.
+
+Each client trains exactly as `pollen.task.train.train_local` trains it:
+
+- its batches are those its own `ShuffledBatches` draws (same seeds, order
+  and augmentation). At step t the clients that still have a batch are
+  grouped by that batch's length and each group is one vmapped step, so a
+  short last batch (or a client with fewer batches) is neither padded into
+  a gradient nor stepped when it has no batch;
+- per step, as the sequential loop: g = grad F_k on the batch (with SAM, at
+  theta + rho g / (||g|| + 1e-12) instead, Foret et al. 2021), plus the
+  regulariser's gradient in its affine form pull (theta - anchor) + offset
+  (`objectives.AffineGradient`: FedProx, FedDyn, SCAFFOLD), the client's
+  total norm clipped to `max-grad-norm` as `clip_grad_norm_` does, then
+  torch's SGD (momentum, weight decay), Adam or AdamW update;
+- the reported loss is the mean clean-pass loss over its steps.
+
+Afterwards each client's model holds its trained parameters, so the
+objective's `save` and the ClientApp's reply read them as they would after
+`train_local`. What a cohort cannot reproduce it refuses (`cohort_problem`):
+BatchNorm (running statistics would need stacked buffers written per step),
+dropout (vmap cannot draw each client's masks), a regulariser without the
+affine form, an optimiser other than sgd/adam/adamw.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.func import functional_call, grad_and_value, vmap
+from torch.nn.modules.batchnorm import _BatchNorm
+
+from .objectives import LocalObjective
+from .train import (
+    Batch,
+    Batches,
+    ClientOptimizer,
+    OptimizerStep,
+    ShuffledBatches,
+    TrainResult,
+    Transform,
+    train_loop,
+    trainable,
+)
+
+Stacked = dict[str, torch.Tensor]  # entry name -> [clients, ...]
+# when no more clients than this still train, each finishes alone
+SOLO_CLIENTS = 2
+ADAM_EPS = 1e-8  # torch.optim.Adam's and AdamW's default
+
+
+def cohort_problem(
+    model: nn.Module, objective: LocalObjective, optimizer: ClientOptimizer
+) -> str | None:
+    """Why the cohort trainer cannot train this combination, or None."""
+    modules = list(model.modules())
+    refused = "; allowed: client-execution='sequential'"
+    if any(isinstance(m, _BatchNorm) for m in modules):
+        return (
+            "client-execution='cohort': the model has BatchNorm, whose running "
+            "statistics the cohort trainer does not stack" + refused
+        )
+    if any(isinstance(m, nn.modules.dropout._DropoutNd) and m.p > 0 for m in modules):
+        return (
+            "client-execution='cohort': the model has dropout, and a vectorised "
+            "cohort cannot draw each client's own masks" + refused
+        )
+    if optimizer.name not in ("sgd", "adam", "adamw"):
+        return (
+            f"client-execution='cohort': client-optimizer={optimizer.name!r}{refused}"
+        )
+    term = objective.regularizer
+    if term is not None and not callable(getattr(term, "affine", None)):
+        return (
+            f"client-execution='cohort': the local objective's term "
+            f"{type(term).__name__} has no affine() gradient form "
+            "(pollen.task.objectives.AffineGradient)" + refused
+        )
+    return None
+
+
+def client_bytes(
+    model: nn.Module,
+    sample: torch.Tensor,
+    batch_size: int,
+    optimizer: ClientOptimizer,
+    objective: LocalObjective,
+) -> int:
+    """Estimated memory of one client in a vectorised chunk: its trainable
+    parameters with their gradient, optimiser and objective copies, and the
+    activations autograd saves for a batch (measured on `sample`, one input
+    batch, and scaled to `batch_size`)."""
+    params = trainable(model).values()
+    param_bytes = sum(p.numel() * p.element_size() for p in params)
+    copies = 2  # the parameters and their gradient
+    copies += {"sgd": int(optimizer.momentum > 0), "adam": 2, "adamw": 2}.get(
+        optimizer.name, 2
+    )
+    copies += 2 if objective.regularizer is not None else 0  # anchor, offset
+    copies += 1 if objective.sam_rho > 0 else 0  # SAM's perturbed point
+    saved = 0
+
+    def count(tensor: torch.Tensor) -> torch.Tensor:
+        nonlocal saved
+        saved += tensor.numel() * tensor.element_size()
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(count, lambda t: t):
+        F.cross_entropy(
+            model(sample),
+            torch.zeros(len(sample), dtype=torch.long, device=sample.device),
+        ).backward()
+    model.zero_grad(set_to_none=True)
+    return copies * param_bytes + saved * batch_size // max(len(sample), 1)
+
+
+@dataclass
+class _Client:
+    """One member: its steps' batches (all epochs, in order), its objective."""
+
+    shard: tuple[torch.Tensor, torch.Tensor]
+    steps: list[Batch]
+    objective: LocalObjective
+
+
+class _Cohort:
+    """A chunk of clients' stacked parameters, optimiser and objective state.
+
+    The clients are ordered by their number of steps, most first, so the
+    clients that still train at step t are always a prefix of the stack:
+    each step works on leading slices, in place, with no gather or scatter.
+    """
+
+    def __init__(
+        self,
+        models: Sequence[nn.Module],
+        clients: Sequence[_Client],
+        optimizer: ClientOptimizer,
+        max_grad_norm: float,
+    ) -> None:
+        self.template = models[0]
+        self.clients = clients
+        names = list(trainable(models[0]))
+        self.params: Stacked = {
+            n: torch.stack([trainable(m)[n].detach() for m in models]) for n in names
+        }
+        self.fixed = _fixed_entries(models, set(names))
+        self.optimizer, self.max_grad_norm = optimizer, max_grad_norm
+        self.state = _optimizer_state(optimizer, self.params)
+        self.sam_rho = clients[0].objective.sam_rho
+        self.terms = _stacked_terms([c.objective for c in clients])
+        device = next(iter(self.params.values())).device
+        self.loss_sum = torch.zeros(len(clients), device=device)
+        # params, per-client fixed entries, inputs, targets, sample weights
+        self.gradient = vmap(grad_and_value(self._loss))
+
+    def _loss(
+        self,
+        params: Stacked,
+        fixed: Stacked,
+        inputs: torch.Tensor,
+        targets: torch.Tensor,
+        weights: torch.Tensor,
+    ) -> torch.Tensor:
+        """The mean cross-entropy over the batch's real samples (weight 1;
+        padding weighs 0, so it adds exact zeros to the sum)."""
+        entries = {**self.fixed.shared, **fixed, **params}
+        logits = functional_call(self.template, entries, (inputs,))
+        losses = F.cross_entropy(logits, targets, reduction="none")
+        return (losses * weights).sum() / weights.sum()
+
+    def step(self, n: int, t: int) -> None:
+        """Step `t` (0-based) of the first `n` clients, each on its own batch."""
+        params = {name: v[:n] for name, v in self.params.items()}
+        fixed = {name: v[:n] for name, v in self.fixed.stacked.items()}
+        batch = _padded([c.steps[t] for c in self.clients[:n]])
+        grads, loss = self.gradient(params, fixed, *batch)
+        if self.sam_rho > 0:
+            grads = self._sam_gradient(params, fixed, batch, grads)
+        self.loss_sum[:n] += loss.detach()
+        self._add_regularizer(grads, params, n)
+        if self.max_grad_norm > 0:
+            _clip(grads, self.max_grad_norm)
+        state = {
+            k: {name: v[:n] for name, v in s.items()} for k, s in self.state.items()
+        }
+        _optimizer_step(self.optimizer, params, grads, state, t + 1)
+
+    def _sam_gradient(
+        self, params: Stacked, fixed: Stacked, batch: tuple, grads: Stacked
+    ) -> Stacked:
+        """The data gradient at theta + eps, eps = rho g / (||g|| + 1e-12)."""
+        scale = self.sam_rho / (_client_norms(grads) + 1e-12)
+        moved = {n: p + grads[n] * _per_client(scale, p) for n, p in params.items()}
+        again, _ = self.gradient(moved, fixed, *batch)
+        return again
+
+    def _add_regularizer(self, grads: Stacked, params: Stacked, n: int) -> None:
+        """g += pull (theta - anchor) + offset over the anchored entries."""
+        if self.terms is None:
+            return
+        pull, anchor, offset = self.terms
+        for name in anchor:
+            term = (params[name] - anchor[name][:n]).mul_(pull) if pull else None
+            if name in offset:
+                term = offset[name][:n] if term is None else term.add_(offset[name][:n])
+            if term is not None:
+                grads[name].add_(term)
+
+    def write_back(self, models: Sequence[nn.Module]) -> None:
+        with torch.no_grad():
+            for k, model in enumerate(models):
+                for name, param in trainable(model).items():
+                    param.copy_(self.params[name][k])
+
+
+def _padded(batches: list[Batch]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Inputs [n, B, ...], targets [n, B] and sample weights [n, B] of the
+    clients' batches, a shorter batch padded to the longest with zeros that
+    weigh nothing."""
+    longest = max(len(y) for _, y in batches)
+    inputs, targets, weights = [], [], []
+    for x, y in batches:
+        short = longest - len(y)
+        weight = torch.ones(len(y), device=y.device)
+        if short:
+            x = torch.cat([x, x.new_zeros(short, *x.shape[1:])])
+            y = torch.cat([y, y.new_zeros(short)])
+            weight = torch.cat([weight, weight.new_zeros(short)])
+        inputs.append(x), targets.append(y), weights.append(weight)
+    return torch.stack(inputs), torch.stack(targets), torch.stack(weights)
+
+
+@dataclass
+class _Fixed:
+    """The entries no step moves: those equal on every client (`shared`),
+    the others stacked over clients."""
+
+    shared: dict[str, torch.Tensor]
+    stacked: Stacked
+
+
+def _fixed_entries(models: Sequence[nn.Module], moved: set[str]) -> _Fixed:
+    states = [{**dict(m.named_parameters()), **dict(m.named_buffers())} for m in models]
+    shared, stacked = {}, {}
+    for name in states[0]:
+        if name in moved:
+            continue
+        values = [s[name].detach() for s in states]
+        if all(torch.equal(v, values[0]) for v in values[1:]):
+            shared[name] = values[0]
+        else:
+            stacked[name] = torch.stack(values)
+    return _Fixed(shared, stacked)
+
+
+def _per_client(values: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """[clients] -> broadcastable against `like` ([clients, ...])."""
+    return values.view(-1, *([1] * (like.dim() - 1)))
+
+
+def _client_norms(tensors: Stacked) -> torch.Tensor:
+    """Each client's norm over all its entries, as torch's total norm."""
+    norms = [torch.linalg.vector_norm(t.flatten(1), dim=1) for t in tensors.values()]
+    return torch.linalg.vector_norm(torch.stack(norms, dim=1), dim=1)
+
+
+def _clip(grads: Stacked, max_norm: float) -> None:
+    """`nn.utils.clip_grad_norm_` per client: g *= min(1, C / (||g|| + 1e-6))."""
+    coef = (max_norm / (_client_norms(grads) + 1e-6)).clamp(max=1.0)
+    for g in grads.values():
+        g.mul_(_per_client(coef, g))
+
+
+def _optimizer_state(optimizer: ClientOptimizer, params: Stacked) -> dict[str, Stacked]:
+    """Zeroed per-client optimiser state: SGD's momentum buffer (rho * 0 + g
+    is g exactly, torch's first step), Adam's two moments."""
+    if optimizer.name == "sgd":
+        if not optimizer.momentum:
+            return {}
+        return {"momentum": {n: torch.zeros_like(p) for n, p in params.items()}}
+    return {
+        key: {n: torch.zeros_like(p) for n, p in params.items()}
+        for key in ("exp_avg", "exp_avg_sq")
+    }
+
+
+def _optimizer_step(
+    optimizer: ClientOptimizer,
+    params: Stacked,
+    grads: Stacked,
+    state: dict[str, Stacked],
+    step: int,
+) -> None:
+    """torch.optim's update, in place on the (sliced) stacked parameters and
+    state; `step` is the 1-based step of every client stepped here."""
+    lr, wd = optimizer.lr, optimizer.weight_decay
+    for n, p in params.items():
+        g = grads[n]
+        if optimizer.name == "sgd":
+            if wd:
+                g.add_(p, alpha=wd)
+            if optimizer.momentum:
+                g = state["momentum"][n].mul_(optimizer.momentum).add_(g)
+            p.add_(g, alpha=-lr)
+            continue
+        if optimizer.name == "adamw":
+            p.mul_(1 - lr * wd)
+        elif wd:
+            g.add_(p, alpha=wd)
+        _adam(optimizer, p, g, state["exp_avg"][n], state["exp_avg_sq"][n], step)
+
+
+def _adam(
+    optimizer: ClientOptimizer,
+    p: torch.Tensor,
+    g: torch.Tensor,
+    exp_avg: torch.Tensor,
+    exp_avg_sq: torch.Tensor,
+    step: int,
+) -> None:
+    beta1, beta2 = optimizer.betas
+    exp_avg.lerp_(g, 1 - beta1)
+    exp_avg_sq.mul_(beta2).addcmul_(g, g, value=1 - beta2)
+    step_size = optimizer.lr / (1 - beta1**step)
+    denom = (exp_avg_sq.sqrt() / (1 - beta2**step) ** 0.5).add_(ADAM_EPS)
+    p.addcdiv_(exp_avg, denom, value=-step_size)
+
+
+def _stacked_terms(
+    objectives: Sequence[LocalObjective],
+) -> tuple[float, Stacked, Stacked] | None:
+    """The regularisers' affine forms, stacked over clients (None without one)."""
+    if objectives[0].regularizer is None:
+        return None
+    forms = [o.regularizer.affine() for o in objectives]  # type: ignore[union-attr]
+    anchor = {n: torch.stack([f.anchor[n] for f in forms]) for n in forms[0].anchor}
+    offset = {n: torch.stack([f.offset[n] for f in forms]) for n in forms[0].offset}
+    return forms[0].pull, anchor, offset
+
+
+def _client_steps(
+    x: torch.Tensor,
+    y: torch.Tensor,
+    prep: Transform,
+    batch_size: int,
+    epochs: int,
+    seed: int,
+    skip_single: bool,
+) -> list[Batch]:
+    """Every batch the client's sequential training takes, in order."""
+    batches = ShuffledBatches(
+        x, y, prep, batch_size=batch_size, num_epochs=epochs, seed=seed,
+        skip_single=skip_single,
+    )  # fmt: skip
+    return [batch for epoch in batches.epochs() for batch in epoch]
+
+
+def _train_chunk(
+    models: Sequence[nn.Module],
+    clients: Sequence[_Client],
+    optimizer: ClientOptimizer,
+    max_grad_norm: float,
+) -> list[TrainResult]:
+    """One vectorised cohort of `clients` (results in their order): stacked
+    steps while more than `SOLO_CLIENTS` clients still train, then each
+    remaining client's last steps by the sequential loop."""
+    order = sorted(range(len(clients)), key=lambda k: -len(clients[k].steps))
+    ordered = [clients[k] for k in order]
+    ordered_models = [models[k] for k in order]
+    cohort = _Cohort(ordered_models, ordered, optimizer, max_grad_norm)
+    lengths = [len(c.steps) for c in ordered]
+    t = 0
+    while t < lengths[0] and (n := sum(1 for s in lengths if s > t)) > SOLO_CLIENTS:
+        cohort.step(n, t)
+        t += 1
+    cohort.write_back(ordered_models)
+    loss_sums = cohort.loss_sum.tolist()
+    for i, client in enumerate(ordered):
+        stacked = min(t, len(client.steps))
+        if client.objective.regularizer is not None:
+            client.objective.regularizer.count_steps(stacked)
+        if stacked < len(client.steps):
+            state = {
+                k: {n: v[i] for n, v in s.items()} for k, s in cohort.state.items()
+            }
+            loss_sums[i] += _finish_alone(
+                ordered_models[i], client, state, stacked, optimizer, max_grad_norm
+            )
+    by_client = dict(zip(order, loss_sums, strict=True))
+    return [
+        TrainResult(by_client[k] / len(c.steps), len(c.shard[1]), len(c.steps))
+        for k, c in enumerate(clients)
+    ]
+
+
+@dataclass
+class _Remaining(Batches):
+    """A client's steps after the first `done`, as one pass."""
+
+    rest: list[Batch] = field(default_factory=list)
+
+    def epochs(self) -> Iterator[Iterator[Batch]]:
+        yield iter(self.rest)
+
+
+def _finish_alone(
+    model: nn.Module,
+    client: _Client,
+    state: dict[str, dict[str, torch.Tensor]],
+    done: int,
+    optimizer: ClientOptimizer,
+    max_grad_norm: float,
+) -> float:
+    """The client's steps from step `done` on, by the sequential loop
+    (`train.train_loop`) with the optimiser state its stacked steps left;
+    the sum of their losses. Once a cohort has shrunk to a few clients, a
+    plain step costs less than a vectorised one."""
+    rule = OptimizerStep(model, optimizer, max_grad_norm)
+    if done:
+        _carry_state(rule.optimizer, trainable(model), state, done)
+    x, y = client.shard
+    rest = _Remaining(x, y, lambda b, g: b, client.steps[done:])
+    result = train_loop(model, rest, rule, client.objective)
+    return result.loss * result.steps
+
+
+def _carry_state(
+    optimizer: torch.optim.Optimizer,
+    params: dict[str, nn.Parameter],
+    state: dict[str, dict[str, torch.Tensor]],
+    done: int,
+) -> None:
+    """Give torch's optimiser the state `done` stacked steps left."""
+    for name, param in params.items():
+        if "momentum" in state:
+            optimizer.state[param]["momentum_buffer"] = state["momentum"][name].clone()
+        if "exp_avg" in state:
+            optimizer.state[param].update(
+                step=torch.tensor(float(done)),
+                exp_avg=state["exp_avg"][name].clone(),
+                exp_avg_sq=state["exp_avg_sq"][name].clone(),
+            )
+
+
+def train_cohort(
+    models: Sequence[nn.Module],
+    shards: Sequence[tuple[torch.Tensor, torch.Tensor]],
+    *,
+    epochs: int,
+    batch_size: int,
+    optimizer: ClientOptimizer,
+    preprocess: Sequence[Transform],
+    seeds: Sequence[int],
+    objectives: Sequence[LocalObjective],
+    max_grad_norm: float = 0.0,
+    memory_bytes: int = 0,
+) -> list[TrainResult]:
+    """`train_local` of every `models[k]` on `shards[k]` (its `preprocess`,
+    `seeds` and loaded `objectives`), as one vectorised computation per
+    chunk of clients; each model is trained in place. With `memory_bytes`
+    (> 0) the clients train in consecutive chunks of as many as
+    `client_bytes` says fit (at least one)."""
+    skip_single = any(isinstance(m, _BatchNorm) for m in models[0].modules())
+    clients = []
+    for (x, y), prep, seed, objective in zip(
+        shards, preprocess, seeds, objectives, strict=True
+    ):
+        steps = _client_steps(x, y, prep, batch_size, epochs, seed, skip_single)
+        if not steps:
+            raise ValueError(f"a shard of {len(y)} samples gives no training step")
+        clients.append(_Client((x, y), steps, objective))
+    chunk = len(clients)
+    if memory_bytes > 0:
+        sample = clients[0].steps[0][0]
+        per_client = client_bytes(
+            models[0], sample, batch_size, optimizer, objectives[0]
+        )
+        chunk = max(1, memory_bytes // max(per_client, 1))
+    results: list[TrainResult] = []
+    for start in range(0, len(clients), chunk):
+        end = start + chunk
+        results += _train_chunk(models[start:end], clients[start:end], optimizer,
+                                max_grad_norm)  # fmt: skip
+    return results

@@ -1,0 +1,239 @@
+"""The cohort trainer against K sequential trainings on the same batches
+(every objective and optimiser, unequal shards, chunks) and against a
+gradient step computed by hand."""
+
+from __future__ import annotations
+
+import copy
+
+import numpy as np
+import pytest
+import torch
+from flwr.app import ArrayRecord, ConfigRecord, Context, RecordDict
+from torch import nn
+
+from pollen.protocol import CONFIG, CONTROL, LR, feddyn_state_key, scaffold_state_key
+from pollen.task.cohort import (
+    SOLO_CLIENTS,
+    client_bytes,
+    cohort_problem,
+    train_cohort,
+)
+from pollen.task.models import build_model
+from pollen.task.objectives import ControlTerm, DynTerm, LocalObjective, ProxTerm
+from pollen.task.sharing import Sharing
+from pollen.task.train import ClientOptimizer, Preprocess, train_local
+
+PREP = Preprocess((0.5,), (0.25,))
+SIZES = (37, 16, 9, 40)  # short last batches, and one client with fewer batches
+
+
+def shards(sizes=SIZES, shape=(1, 28, 28), seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    return [
+        (
+            torch.randint(0, 256, (n, *shape), generator=g, dtype=torch.uint8),
+            torch.randint(0, 10, (n,), generator=g),
+        )
+        for n in sizes
+    ]
+
+
+def objective_for(
+    kind: str, sam: float, client: int, model: nn.Module
+) -> LocalObjective:
+    """A loaded objective of `kind`, its client state non-zero."""
+    terms = {"plain": None, "prox": ProxTerm(0.1), "feddyn": DynTerm(0.05),
+             "scaffold": ControlTerm(0.0)}  # fmt: skip
+    objective = LocalObjective(sam, terms[kind])
+    params = dict(model.named_parameters())
+    g = torch.Generator().manual_seed(100 + client)
+    state = {n: torch.randn(p.shape, generator=g) * 0.01 for n, p in params.items()}
+    context = Context(1, 1, {}, RecordDict(), {})
+    context.state[feddyn_state_key(client)] = ArrayRecord(state)
+    context.state[scaffold_state_key(client)] = ArrayRecord(state)
+    control = {n: torch.full(p.shape, 0.02) for n, p in params.items()}
+    content = RecordDict(
+        {CONTROL: ArrayRecord(control), CONFIG: ConfigRecord({LR: 0.05})}
+    )
+    objective.load(context, client, model, Sharing.of("shared", model), content)
+    return objective
+
+
+def both_ways(
+    model_name: str,
+    optimizer: ClientOptimizer,
+    kind: str = "plain",
+    sam: float = 0.0,
+    max_grad_norm: float = 0.0,
+    memory_bytes: int = 0,
+    epochs: int = 2,
+):
+    """(sequential models, results, objectives), (cohort models, results, objectives)."""
+    data = shards()
+    base = build_model(model_name, (1, 28, 28), 10, seed=3)
+    seeds = [11, 12, 13, 14]
+    arms = []
+    for arm in ("sequential", "cohort"):
+        models = [copy.deepcopy(base) for _ in data]
+        objectives = [objective_for(kind, sam, k, m) for k, m in enumerate(models)]
+        common = dict(epochs=epochs, batch_size=8, optimizer=optimizer,
+                      max_grad_norm=max_grad_norm)  # fmt: skip
+        if arm == "sequential":
+            results = [
+                train_local(m, x, y, preprocess=PREP, seed=s, objective=o, **common)
+                for m, (x, y), s, o in zip(models, data, seeds, objectives, strict=True)
+            ]
+        else:
+            results = train_cohort(
+                models, data, preprocess=[PREP] * len(data), seeds=seeds,
+                objectives=objectives, memory_bytes=memory_bytes, **common,
+            )  # fmt: skip
+        arms.append((models, results, objectives))
+    return arms
+
+
+def assert_same(arms, lr_noise: float = 0.0) -> None:
+    """Equal steps, examples, losses (relative 1e-5) and parameters
+    (relative 1e-5, absolute 1e-6). With `lr_noise`, Adam's: it divides each
+    entry's step by that entry's own gradient size, so an entry whose
+    gradient is float noise (both ways it sums the batch in its own order)
+    may move up to lr either way; at most 1 in 10,000 entries may then
+    differ, by at most `lr_noise`."""
+    (seq_models, seq_results, _), (coh_models, coh_results, _) = arms
+    for seq, coh in zip(seq_results, coh_results, strict=True):
+        assert (coh.steps, coh.num_examples) == (seq.steps, seq.num_examples)
+        assert coh.loss == pytest.approx(seq.loss, rel=1e-5)
+    for seq, coh in zip(seq_models, coh_models, strict=True):
+        pairs = zip(seq.state_dict().items(), coh.state_dict().values(), strict=True)
+        for (name, a), b in pairs:
+            if not lr_noise:
+                torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-6, msg=name)
+                continue
+            off = ~torch.isclose(b, a, rtol=1e-5, atol=1e-6)
+            assert int(off.sum()) <= max(1, a.numel() // 10_000), name
+            assert float((b - a).abs().max()) <= lr_noise, name
+
+
+SGD = ClientOptimizer("sgd", 0.05, momentum=0.9, weight_decay=5e-4)
+
+
+@pytest.mark.parametrize(
+    "optimizer",
+    [
+        SGD,
+        ClientOptimizer("sgd", 0.05, momentum=0.0),
+        ClientOptimizer("adam", 1e-3, weight_decay=1e-4),
+        ClientOptimizer("adamw", 1e-3, weight_decay=1e-2),
+    ],
+    ids=["sgd-momentum-wd", "sgd", "adam", "adamw"],
+)
+def test_a_cohort_trains_as_its_clients_do_one_by_one(optimizer) -> None:
+    noise = 0.05 * optimizer.lr if optimizer.name != "sgd" else 0.0
+    assert_same(both_ways("mlp", optimizer), noise)
+
+
+@pytest.mark.parametrize(
+    ("kind", "sam"),
+    [
+        ("prox", 0.0),
+        ("feddyn", 0.0),
+        ("scaffold", 0.0),
+        ("plain", 0.05),
+        ("prox", 0.05),
+    ],
+    ids=["fedprox", "feddyn", "scaffold", "sam", "prox-sam"],
+)
+def test_every_objective_trains_as_it_does_alone(kind: str, sam: float) -> None:
+    optimizer = ClientOptimizer(
+        "sgd", 0.05, momentum=0.0 if kind == "scaffold" else 0.9
+    )
+    arms = both_ways("logreg", optimizer, kind, sam)
+    assert_same(arms)
+    (seq_models, _, seq_objectives), (coh_models, _, coh_objectives) = arms
+    for k, (seq, coh) in enumerate(zip(seq_objectives, coh_objectives, strict=True)):
+        seq_context = Context(1, 1, {}, RecordDict(), {})
+        coh_context = Context(1, 1, {}, RecordDict(), {})
+        seq.save(seq_context, k, seq_models[k])
+        coh.save(coh_context, k, coh_models[k])
+        assert set(coh_context.state) == set(seq_context.state)
+        for key in seq_context.state:  # FedDyn's h_k+, SCAFFOLD's c_k+
+            for name, array in seq_context.state[key].items():
+                np.testing.assert_allclose(
+                    coh_context.state[key][name].numpy(), array.numpy(),
+                    rtol=1e-4, atol=1e-5,
+                )  # fmt: skip
+
+
+@pytest.mark.parametrize("model", ["simple-cnn", "cnn-gn"])
+def test_convolutional_models_train_as_alone_with_clipping(model: str) -> None:
+    assert_same(both_ways(model, SGD, "prox", max_grad_norm=1.0, epochs=1))
+
+
+def test_chunks_train_as_one_cohort() -> None:
+    model = build_model("mlp", (1, 28, 28), 10, seed=3)
+    sample = PREP(shards()[0][0][:8], None)
+    per_client = client_bytes(model, sample, 8, SGD, LocalObjective(0.0, DynTerm(0.05)))
+    whole = both_ways("mlp", SGD, "feddyn")
+    for clients in (1, 3):  # chunks of 1 (each alone), of 3 and 1
+        chunked = both_ways("mlp", SGD, "feddyn", memory_bytes=clients * per_client)
+        assert_same([whole[1], chunked[1]])
+
+
+def test_one_step_matches_the_gradient_by_hand() -> None:
+    """Three clients (a stacked step: more than `SOLO_CLIENTS`), logistic
+    regression on two examples each, one SGD step:
+    theta - lr (softmax(z) - onehot(y)) x^T / n, by hand."""
+    model = nn.Sequential(nn.Flatten(), nn.Linear(2, 3))
+    with torch.no_grad():
+        model[1].weight.copy_(torch.tensor([[0.1, -0.2], [0.0, 0.3], [0.2, 0.1]]))
+        model[1].bias.zero_()
+    xs = [torch.tensor([[1.0, 2.0], [0.0, 1.0]]), torch.tensor([[3.0, 0.0], [1.0, 1.0]]),
+          torch.tensor([[0.5, -1.0], [2.0, 2.0]])]  # fmt: skip
+    ys = [torch.tensor([0, 2]), torch.tensor([1, 1]), torch.tensor([2, 0])]
+    assert len(xs) > SOLO_CLIENTS
+    identity = lambda x, g: x  # noqa: E731
+    models = [copy.deepcopy(model) for _ in xs]
+    train_cohort(
+        models, [(x.view(2, 1, 1, 2), y) for x, y in zip(xs, ys, strict=True)],
+        epochs=1, batch_size=2, optimizer=ClientOptimizer("sgd", 0.5, momentum=0.0),
+        preprocess=[identity] * 3, seeds=[0, 1, 2],
+        objectives=[LocalObjective() for _ in xs],
+    )  # fmt: skip
+    for trained, x, y in zip(models, xs, ys, strict=True):
+        w = model[1].weight.detach().numpy().astype(np.float64)
+        z = x.numpy() @ w.T
+        p = np.exp(z) / np.exp(z).sum(1, keepdims=True)
+        residual = (p - np.eye(3)[y.numpy()]) / 2
+        expected_w = w - 0.5 * residual.T @ x.numpy()
+        expected_b = -0.5 * residual.sum(0)
+        np.testing.assert_allclose(
+            trained[1].weight.detach().numpy(), expected_w, rtol=1e-5
+        )
+        np.testing.assert_allclose(
+            trained[1].bias.detach().numpy(), expected_b, rtol=1e-5, atol=1e-7
+        )
+    assert not torch.equal(models[0][1].weight, models[1][1].weight)
+
+
+def test_what_a_cohort_refuses_and_what_it_takes() -> None:
+    plain = LocalObjective()
+    assert cohort_problem(build_model("mlp", (1, 28, 28), 10, 0), plain, SGD) is None
+    bn = build_model("mlp-bn", (1, 28, 28), 10, 0)
+    assert "BatchNorm" in cohort_problem(bn, plain, SGD)
+    dropout = nn.Sequential(nn.Flatten(), nn.Dropout(0.2), nn.Linear(784, 10))
+    assert "dropout" in cohort_problem(dropout, plain, SGD)
+
+    class Opaque:  # a user's term without the affine form
+        exclude_bn = False
+
+    assert "affine" in cohort_problem(dropout[::2], LocalObjective(0.0, Opaque()), SGD)
+
+
+def test_a_clients_memory_estimate_grows_with_its_batch() -> None:
+    model = build_model("cnn-gn", (1, 28, 28), 10, 0)
+    sample = PREP(shards(sizes=(4,))[0][0], None)
+    small = client_bytes(model, sample, 8, SGD, LocalObjective())
+    large = client_bytes(model, sample, 64, SGD, LocalObjective())
+    params = sum(p.numel() * 4 for p in model.parameters())
+    assert 3 * params < small < large
