@@ -390,6 +390,19 @@ PARTITIONS = ("iid", "niid", "niid-client", "pathological", "silos", "natural")
 CLASS_ASSIGNMENTS = ("first-deterministic", "deterministic", "random")
 CLIENT_OPTIMIZERS = ("sgd", *ADAPTIVE_OPTIMIZERS)
 DEVICES = ("auto", "cpu", "cuda", "mps")
+# how a node trains the clients it serves in a round: one after another, or
+# together as one vectorised cohort (pollen.task.cohort); what a cohort
+# refuses, its rules say (pollen.task.cohort_rules)
+CLIENT_EXECUTIONS = {
+    "sequential": "one client after another: every model, objective and schedule",
+    "cohort": (
+        "a node's clients of a round trained together, vectorised with "
+        "torch.func: every local objective (plain, prox, feddyn, scaffold, "
+        "SAM and the -sam ones), sgd/adam/adamw, models without BatchNorm "
+        "or dropout; refused: DP-SGD, FedRep, Ditto, mode async"
+    ),
+}
+COHORT_RULES = "pollen.task.cohort_rules:cohort_problem"
 TRACKERS = ("none", "tensorboard", "mlflow")
 # MLflow stores a run may name besides an http(s) tracking server
 # (a database URI may name its driver: postgresql+psycopg2://)

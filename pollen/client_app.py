@@ -29,7 +29,7 @@ from __future__ import annotations
 import time
 from collections.abc import Hashable
 from dataclasses import dataclass
-from functools import cache
+from functools import cache, partial
 from pathlib import Path
 
 import torch
@@ -42,7 +42,9 @@ from flwr.app import (
     RecordDict,
 )
 from flwr.clientapp import ClientApp
+from flwr.clientapp.typing import ClientAppCallable, Mod
 
+from .common.cohorts import member_views, packed_reply
 from .common.steps import effective_steps
 from .deployment.warm_hint import hint_mod
 from .protocol import (
@@ -62,6 +64,7 @@ from .protocol import (
     PERSONAL_METRICS,
     SERVER_ROUND,
     SHARD_FINGERPRINT,
+    TRAIN_LOSS,
     TRAIN_SECONDS,
     local_entries_key,
 )
@@ -72,7 +75,7 @@ from .task.client_clip import clipping_mod
 from .task.data import Dataset
 from .task.ditto import personal_state
 from .task.inputs import model_inputs, settings_model
-from .task.local_run import LocalRun
+from .task.local_run import LocalRun, cohort_epochs
 from .task.node_data import NodeData, node_data, node_partition
 from .task.objectives import LocalObjective
 from .task.schedule import local_training
@@ -81,6 +84,7 @@ from .task.straggler import straggler_mod
 from .task.train import (
     ClientOptimizer,
     Preprocess,
+    TrainResult,
     Transform,
     client_seed,
     evaluate,
@@ -270,23 +274,71 @@ class ClientModel:
 
 
 # Mods run outermost first: the reply is clipped, then poisoned, then slowed.
-@app.train(mods=[straggler_mod(TRAIN_SECONDS), poisoning_mod, clipping_mod])
+TRAIN_MODS: list[Mod] = [straggler_mod(TRAIN_SECONDS), poisoning_mod, clipping_mod]
+
+
+@app.train(mods=TRAIN_MODS)
 def train(msg: Message, context: Context) -> Message:
     """The round's training (`pollen.task.schedule`) of this client's model
     for its local objective, from the global model."""
     cm = ClientModel.assemble(msg, context)
-    s, config = cm.settings, msg.content[CONFIG]
-    run = cm.local_run(float(config[LR]))
-    objective = LocalObjective.from_settings(s)
+    run = cm.local_run(float(msg.content[CONFIG][LR]))
+    objective = LocalObjective.from_settings(cm.settings)
     objective.load(context, cm.client, cm.model, cm.sharing, msg.content)
-    training = local_training(s, cm.dataset)
-    _load_optimizer_modules(s.client_optimizer)
+    training = local_training(cm.settings, cm.dataset)
+    _load_optimizer_modules(cm.settings.client_optimizer)
     started = time.perf_counter()
     result, metrics = training(run, objective, context)
     seconds = time.perf_counter() - started
+    return trained_reply(msg, context, cm, objective, result, seconds, metrics)
+
+
+@app.train("cohort")
+def train_cohort(msg: Message, context: Context) -> Message:
+    """The round's training of every client this node serves in it, as one
+    vectorised cohort (`pollen.task.cohort`): each member's message and
+    reply are the ones `train` would take and give, through the same mods;
+    each member's `train-seconds` is its share (by steps) of the cohort's."""
+    views = member_views(msg)
+    members = [ClientModel.assemble(view, context) for view in views]
+    runs = [cm.local_run(float(msg.content[CONFIG][LR])) for cm in members]
+    objectives = []
+    for cm, view in zip(members, views, strict=True):
+        objectives.append(LocalObjective.from_settings(cm.settings))
+        objectives[-1].load(context, cm.client, cm.model, cm.sharing, view.content)
+    _load_optimizer_modules(members[0].settings.client_optimizer)
+    started = time.perf_counter()
+    results = cohort_epochs(runs, objectives)
+    seconds = time.perf_counter() - started
+    total_steps = sum(result.steps for result in results)
+    answered = []
+    for view, cm, objective, result in zip(
+        views, members, objectives, results, strict=True
+    ):
+        share = seconds * result.steps / total_steps
+        trained = partial(
+            trained_reply, cm=cm, objective=objective, result=result, seconds=share,
+            metrics={TRAIN_LOSS: result.loss},
+        )  # fmt: skip
+        answered.append((view, through_mods(TRAIN_MODS, trained)(view, context)))
+    return packed_reply(msg, answered)
+
+
+def trained_reply(
+    msg: Message,
+    context: Context,
+    cm: ClientModel,
+    objective: LocalObjective,
+    result: TrainResult,
+    seconds: float,
+    metrics: dict[str, float],
+) -> Message:
+    """After training: the objective's and the client's state kept, and the
+    reply (shared entries, the objective's records, the round's metrics)."""
+    s, config = cm.settings, msg.content[CONFIG]
     objective.save(context, cm.client, cm.model)
     cm.keep(context, config)
-    metrics = MetricRecord(
+    record = MetricRecord(
         {
             NUM_EXAMPLES: result.num_examples,
             TRAIN_SECONDS: seconds,
@@ -295,7 +347,14 @@ def train(msg: Message, context: Context) -> Message:
         }
     )
     shared = cm.entries(cm.sharing.shared)
-    return cm.reply(msg, metrics, shared, objective.reply_records())
+    return cm.reply(msg, record, shared, objective.reply_records())
+
+
+def through_mods(mods: list[Mod], handler: ClientAppCallable) -> ClientAppCallable:
+    """`handler` wrapped in `mods` as a ClientApp wraps it (the first outermost)."""
+    for mod in reversed(mods):
+        handler = partial(mod, call_next=handler)
+    return handler
 
 
 def step_metrics(

@@ -18,6 +18,7 @@ from .catalog import (
     AGGREGATORS,
     ATTACKS,
     CENTRAL_DP,
+    CLIENT_EXECUTIONS,
     DATA_SETS,
     LOCAL_OBJECTIVES,
     MODELS,
@@ -67,13 +68,14 @@ def parts() -> str:
         ("bn-policy / sharing", [(name, "") for name in SHARING_POLICIES]),
         ("central-dp", [(name, "") for name in CENTRAL_DP]),
         ("attack", [(name, "") for name in ATTACKS]),
+        ("client-execution", list(CLIENT_EXECUTIONS.items())),
     ]
     return "\n".join(f"  {key}:\n{_rows(pairs, 4)}" for key, pairs in sections)
 
 
 def _model_notes(info: ModelInfo) -> str:
     flags = [
-        ("BatchNorm", info.batchnorm),
+        ("BatchNorm: no cohorts", info.batchnorm),
         ("LoRA", info.lora),
         (f"images of at least {info.min_side}px", info.min_side > 0),
         ("colour only", info.colour_only),

@@ -55,6 +55,7 @@ from .runs.start import load_data, load_model
 from .runs.tracking import NoTracker, Tracker, open_tracker
 from .settings import Settings
 from .strategies.clock import SimulatedClock
+from .strategies.cohort_grid import CohortGrid
 from .strategies.compose import build_strategy
 from .strategies.membership import Membership
 from .strategies.sampling import OneMessagePerNode
@@ -231,6 +232,8 @@ def _train(grid: Grid, run: _OpenRun, tracker: Tracker, stop: StopSignal) -> Non
     done = run.resumed_round  # the rounds a resumed run's checkpoint holds
     progress = Progress(done, arrays, client_config, done, parts.state())
     polled = OneMessagePerNode(grid, REPLY_POLL_SECONDS)
+    if settings.client_execution == "cohort":
+        polled = CohortGrid(polled)  # one training message per node
     federation = Federation(polled, membership, _clock(settings), simulation)
     records = Records(evaluation, recorder, run_dir, run.elapsed)
     play = asynchronous if settings.mode == "async" else synchronous

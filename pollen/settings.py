@@ -29,7 +29,9 @@ from .catalog import (
     CENTRAL_DP,
     CENTRAL_DP_STEP,
     CLASS_ASSIGNMENTS,
+    CLIENT_EXECUTIONS,
     CLIENT_OPTIMIZERS,
+    COHORT_RULES,
     DATA_SETS,
     DEVICES,
     FEDDYN_H_SCALES,
@@ -113,6 +115,18 @@ class Settings:
         845, "seed for partitions, client sampling and training", at_least(0)
     )
     device: str = key("auto", "auto picks CUDA, then MPS, then CPU", one_of(*DEVICES))
+    client_execution: str = key(
+        "sequential",
+        "how a simulated node trains the clients it serves in a round: one "
+        "after another, or as one vectorised cohort (docs/cohorts.md)",
+        one_of(*CLIENT_EXECUTIONS),
+    )
+    cohort_memory_mib: float = key(
+        1024.0,
+        "cohort: MiB one vectorised chunk of a node's cohort may take; a larger "
+        "cohort trains in consecutive chunks (0: no bound)",
+        at_least(0),
+    )
     # Data
     data_set: str = key(
         "digits", "data set to train on", part_rule(DATA_SETS, DATA_SET_GROUP)
@@ -782,6 +796,8 @@ def _check_combination(s: Settings) -> None:
                                  s.num_clients):  # fmt: skip
         raise SettingsError(problem)
     _check_async(s)
+    if s.client_execution == "cohort" and (problem := load(COHORT_RULES)(s)):
+        raise SettingsError(problem)
     if s.network_profile:
         try:
             NetworkProfile.load(Path(s.network_profile))

@@ -264,6 +264,32 @@ def test_ten_thousand_clients_share_a_hundred_nodes(
     assert not list((tmp_path / "many").rglob("*.npz"))  # spills go at the end
 
 
+def test_cohorts_train_the_rounds_sequential_training_does(
+    tmp_path: Path, warm_federation: Path
+) -> None:
+    """FedProx on 10 clients, 5 rounds, with and without cohorts: each node
+    trains its sampled clients as one vectorised cohort and the history is
+    the sequential one (accuracy and loss within 1e-4)."""
+    common = (
+        "strategy='fedprox' num-clients=10 client-frac=0.6 rounds=5 local-epochs=2 "
+        "partition='niid' alpha=0.5 min-size=5 "
+        f"output-dir='{tmp_path}'"
+    )
+    for name, execution in (("seq", "sequential"), ("cohort", "cohort")):
+        run = pollen_run(
+            f"{common} run-name='{name}' client-execution='{execution}'",
+            warm=warm_federation,
+        )
+        assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    sequential, cohort = history(tmp_path / "seq"), history(tmp_path / "cohort")
+    assert [r["clients"] for r in cohort] == [r["clients"] for r in sequential]
+    for key in ("accuracy", "loss"):
+        assert [r[key] for r in cohort] == pytest.approx(
+            [r[key] for r in sequential], abs=1e-4
+        ), key
+    assert cohort[-1]["accuracy"] > 0.8
+
+
 def test_failed_run_exits_non_zero_with_the_reason(tmp_path: Path) -> None:
     """A run that fails inside the ServerApp (here it diverges in round 1;
     missing data is caught before Flower starts): exit 1, the reason in

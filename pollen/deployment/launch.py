@@ -184,8 +184,9 @@ def run(
     if connection is None and deployment is None:  # a simulation, on this machine
         check_local_device(settings.device)
         federation = simulation_federation(
-            federation, settings.num_clients, settings.device
-        )
+            federation, settings.num_clients, settings.device,
+            cohorts=settings.client_execution == "cohort",
+        )  # fmt: skip
         check_local_gpus(federation)
     if connection is None:  # the ServerApp reads the data on this machine
         check_local_data(settings)
@@ -346,11 +347,13 @@ def report_interrupted(run_dir: Path, settings: Settings, command: str) -> None:
 
 
 def simulation_federation(
-    federation: list[str], num_clients: int, device: str = "auto"
+    federation: list[str], num_clients: int, device: str = "auto", cohorts: bool = False
 ) -> list[str]:
     """The `--federation-config` values of a simulation, with pollen's defaults
     for the keys the user did not set: one SuperNode per client up to
-    `SIMULATED_NODES`, and one CPU per ClientApp actor. Flower's default of 2 CPUs runs one client at a time
+    `SIMULATED_NODES` (with `cohorts`, one per ClientApp actor the cores
+    hold: each node then trains its share of a round as one cohort), and one
+    CPU per ClientApp actor. Flower's default of 2 CPUs runs one client at a time
     with two torch threads; with one CPU each, Ray runs as many actors as
     there are cores, each with one thread (Ray sets `OMP_NUM_THREADS` from
     the actor's CPUs), which on 2 cores trains the `mlp` workload's rounds
@@ -366,8 +369,9 @@ def simulation_federation(
             f'give the ClientApps one, e.g. --federation-config "{GPU_SHARE}=0.25" '
             "(without it Ray hides the GPU from them), or use device='auto'"
         )
+    actors = max(1, (os.cpu_count() or 1) // CLIENT_CPUS)
     defaults = {
-        "num-supernodes": min(num_clients, SIMULATED_NODES),
+        "num-supernodes": min(num_clients, actors if cohorts else SIMULATED_NODES),
         "client-resources-num-cpus": CLIENT_CPUS,
     }
     return federation + [f"{k}={v}" for k, v in defaults.items() if k not in given]

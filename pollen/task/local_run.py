@@ -24,6 +24,7 @@ from torch import nn
 
 from ..protocol import TRAIN_LOSS
 from ..settings import Settings
+from .cohort import cohort_problem, train_cohort
 from .objectives import LocalObjective
 from .sharing import Sharing
 from .train import ClientOptimizer, TrainResult, Transform, train_local
@@ -71,6 +72,26 @@ class Training(Protocol):
     def __call__(
         self, run: LocalRun, objective: LocalObjective, context: Context
     ) -> Outcome: ...
+
+
+def cohort_epochs(
+    runs: list[LocalRun], objectives: list[LocalObjective]
+) -> list[TrainResult]:
+    """`local-epochs` of every run's model for its objective, trained together
+    as one vectorised cohort (`pollen.task.cohort`): the results `plain`
+    gives each run, in one computation. The runs share the settings and the
+    optimiser; a model or objective the cohort trainer cannot reproduce is
+    refused with the reason."""
+    first, s = runs[0], runs[0].settings
+    if problem := cohort_problem(first.model, objectives[0], first.optimizer):
+        raise ValueError(problem)
+    return train_cohort(
+        [run.model for run in runs], [(run.x, run.y) for run in runs],
+        epochs=s.local_epochs, batch_size=s.batch_size, optimizer=first.optimizer,
+        preprocess=[run.prep for run in runs], seeds=[run.seed for run in runs],
+        objectives=objectives, max_grad_norm=s.max_grad_norm,
+        memory_bytes=int(s.cohort_memory_mib * 2**20),
+    )  # fmt: skip
 
 
 def plain(run: LocalRun, objective: LocalObjective, context: Context) -> Outcome:

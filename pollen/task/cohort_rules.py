@@ -1,0 +1,70 @@
+"""What `client-execution = "cohort"` refuses, asked by `Settings` before
+anything starts (torch-free: it reads the settings and the catalogue only).
+
+A cohort trains a node's clients of one round as one vectorised computation
+(`pollen.task.cohort`): the same batches, the same optimiser and objective
+arithmetic on parameters stacked over clients. It refuses what that
+computation cannot reproduce exactly:
+
+- models with BatchNorm: their running statistics are per-client buffers that
+  a functional forward pass would have to stack and write back per step;
+  not built yet (use `cnn-gn`, `mlp`, `logreg` or `simple-cnn`);
+- dropout (LoRA's `lora-dropout`): `vmap` draws one mask tensor for the
+  cohort, so no client would see the masks its sequential training draws;
+- DP-SGD, FedRep's two phases and Ditto's personal model: trainings of more
+  than one pass per round, each built around one client's model;
+- asynchronous FedBuff: clients start one at a time as the buffer asks, so
+  a round has no cohort to train together.
+
+A user's local objective is asked at run time whether its term has the
+affine gradient the cohort trainer applies (`pollen.task.cohort`).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from ..extensions import model_info
+
+if TYPE_CHECKING:
+    from ..settings import Settings
+
+ALLOWED = "client-execution='sequential'"
+
+
+def cohort_problem(s: Settings) -> str | None:
+    """Why `s` cannot train its clients as cohorts, or None."""
+    info = model_info(s.model, s.data_set)
+    if info.batchnorm:
+        return (
+            f"client-execution='cohort' with model={s.model!r}: its BatchNorm "
+            "running statistics are per-client buffers the cohort trainer does "
+            "not stack yet; allowed with cohorts: models without BatchNorm "
+            f"(cnn-gn, mlp, logreg, simple-cnn), or {ALLOWED}"
+        )
+    if info.lora and s.lora_dropout > 0:
+        return (
+            f"client-execution='cohort' with lora-dropout={s.lora_dropout:g}: a "
+            "vectorised cohort cannot draw each client's own dropout masks; "
+            f"allowed: lora-dropout=0, or {ALLOWED}"
+        )
+    trainings = [
+        ("dp=true", s.dp),
+        (f"head-epochs={s.head_epochs}", s.head_epochs),
+        (f"ditto-lambda={s.ditto_lambda:g}", s.ditto_lambda),
+    ]
+    for given, on in trainings:
+        if on:
+            return (
+                f"client-execution='cohort' with {given}: that training runs "
+                "passes built around one client's model (DP-SGD's per-sample "
+                "clipping, FedRep's phases, Ditto's personal model); the cohort "
+                f"trainer runs plain local epochs; use {ALLOWED}"
+            )
+    if s.mode == "async":
+        return (
+            "client-execution='cohort' with mode='async': FedBuff starts clients "
+            "one at a time as its buffer asks, so no round has a cohort to train "
+            f"together; use mode='sync' or {ALLOWED}"
+        )
+    return None
