@@ -98,11 +98,13 @@ def client_bytes(
     batch_size: int,
     optimizer: ClientOptimizer,
     objective: LocalObjective,
+    examples: int = 0,
 ) -> int:
     """Estimated memory of one client in a vectorised chunk: its trainable
-    parameters with their gradient, optimiser and objective copies, and the
+    parameters with their gradient, optimiser and objective copies, the
     activations autograd saves for a batch (measured on `sample`, one input
-    batch, and scaled to `batch_size`)."""
+    batch, and scaled to `batch_size`), and its `examples` inputs of the
+    round (every epoch's batches are made before the chunk trains)."""
     params = trainable(model).values()
     param_bytes = sum(p.numel() * p.element_size() for p in params)
     copies = 2  # the parameters and their gradient
@@ -124,7 +126,9 @@ def client_bytes(
             torch.zeros(len(sample), dtype=torch.long, device=sample.device),
         ).backward()
     model.zero_grad(set_to_none=True)
-    return copies * param_bytes + saved * batch_size // max(len(sample), 1)
+    per_sample = sample[0].numel() * sample.element_size()
+    activations = saved * batch_size // max(len(sample), 1)
+    return copies * param_bytes + activations + examples * per_sample
 
 
 @dataclass
@@ -475,24 +479,27 @@ def train_cohort(
     (> 0) the clients train in consecutive chunks of as many as
     `client_bytes` says fit (at least one)."""
     skip_single = any(isinstance(m, _BatchNorm) for m in models[0].modules())
-    clients = []
-    for (x, y), prep, seed, objective in zip(
-        shards, preprocess, seeds, objectives, strict=True
-    ):
-        steps = _client_steps(x, y, prep, batch_size, epochs, seed, skip_single)
-        if not steps:
-            raise ValueError(f"a shard of {len(y)} samples gives no training step")
-        clients.append(_Client((x, y), steps, objective))
-    chunk = len(clients)
+    chunk = len(models)
     if memory_bytes > 0:
-        sample = clients[0].steps[0][0]
+        x, _ = shards[0]
+        sample = preprocess[0](x[:batch_size], None)
+        examples = epochs * sum(len(y) for _, y in shards) // len(shards)
         per_client = client_bytes(
-            models[0], sample, batch_size, optimizer, objectives[0]
+            models[0], sample, batch_size, optimizer, objectives[0], examples
         )
         chunk = max(1, memory_bytes // max(per_client, 1))
     results: list[TrainResult] = []
-    for start in range(0, len(clients), chunk):
-        end = start + chunk
-        results += _train_chunk(models[start:end], clients[start:end], optimizer,
-                                max_grad_norm)  # fmt: skip
+    for start in range(0, len(models), chunk):
+        members = range(start, min(start + chunk, len(models)))
+        clients = []
+        for k in members:  # a chunk's batches are made when it trains
+            x, y = shards[k]
+            steps = _client_steps(
+                x, y, preprocess[k], batch_size, epochs, seeds[k], skip_single
+            )
+            if not steps:
+                raise ValueError(f"a shard of {len(y)} samples gives no training step")
+            clients.append(_Client((x, y), steps, objectives[k]))
+        chunk_models = [models[k] for k in members]
+        results += _train_chunk(chunk_models, clients, optimizer, max_grad_norm)
     return results
