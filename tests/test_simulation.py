@@ -123,15 +123,19 @@ def pollen_run(
     cwd: Path | None = None,
     warm: Path | None = None,
     env: dict[str, str] | None = None,
+    federation: tuple[str, ...] = (),
 ) -> subprocess.CompletedProcess[str]:
-    """`pollen run` of the project with `config`, on the warm federation in
-    `warm` when given, else on a SuperLink and Ray of its own, in the
-    environment `env` (default: this one)."""
+    """`pollen run` of the project with `config` (and `--federation-config`
+    values `federation`), on the warm federation in `warm` when given, else
+    on a SuperLink and Ray of its own, in the environment `env` (default:
+    this one)."""
     args = [str(BIN / "pollen"), "run", str(PROJECT)]
     if warm is not None:
         args += ["--warm-simulation", str(warm)]
     for value in config:
         args += ["-c", value]
+    for value in federation:
+        args += ["--federation-config", value]
     return subprocess.run(
         args,
         capture_output=True,
@@ -267,20 +271,22 @@ def test_ten_thousand_clients_share_a_hundred_nodes(
 def test_cohorts_train_the_rounds_sequential_training_does(
     tmp_path: Path, warm_federation: Path
 ) -> None:
-    """FedProx on 10 clients, 5 rounds, with and without cohorts: each node
-    trains its sampled clients as one vectorised cohort and the history is
-    the sequential one (accuracy and loss within 1e-4)."""
+    """FedProx on 10 clients, 5 rounds, with and without cohorts: each of
+    the two nodes trains its sampled clients as one vectorised cohort and
+    the history is the sequential one (accuracy and loss within 1e-4)."""
     common = (
-        "strategy='fedprox' num-clients=10 client-frac=0.6 rounds=5 local-epochs=2 "
+        "strategy='fedprox' num-clients=10 client-frac=0.8 rounds=5 local-epochs=2 "
         "partition='niid' alpha=0.5 min-size=5 "
         f"output-dir='{tmp_path}'"
     )
     for name, execution in (("seq", "sequential"), ("cohort", "cohort")):
         run = pollen_run(
             f"{common} run-name='{name}' client-execution='{execution}'",
-            warm=warm_federation,
-        )
+            warm=warm_federation, federation=("num-supernodes=2",),
+        )  # fmt: skip
         assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    log = (tmp_path / "cohort" / "flower.log").read_text()
+    assert "pollen: 10 clients on 2 nodes" in log
     sequential, cohort = history(tmp_path / "seq"), history(tmp_path / "cohort")
     assert [r["clients"] for r in cohort] == [r["clients"] for r in sequential]
     for key in ("accuracy", "loss"):
