@@ -36,6 +36,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
+from functools import partial
 
 import torch
 import torch.nn.functional as F
@@ -168,23 +169,11 @@ class _Cohort:
         self.terms = _stacked_terms([c.objective for c in clients])
         device = next(iter(self.params.values())).device
         self.loss_sum = torch.zeros(len(clients), device=device)
-        # params, per-client fixed entries, inputs, targets, sample weights
-        self.gradient = vmap(grad_and_value(self._loss))
-
-    def _loss(
-        self,
-        params: Stacked,
-        fixed: Stacked,
-        inputs: torch.Tensor,
-        targets: torch.Tensor,
-        weights: torch.Tensor,
-    ) -> torch.Tensor:
-        """The mean cross-entropy over the batch's real samples (weight 1;
-        padding weighs 0, so it adds exact zeros to the sum)."""
-        entries = {**self.fixed.shared, **fixed, **params}
-        logits = functional_call(self.template, entries, (inputs,))
-        losses = F.cross_entropy(logits, targets, reduction="none")
-        return (losses * weights).sum() / weights.sum()
+        # over params, per-client fixed entries, inputs, targets, sample
+        # weights; a function of the template, not of self: no reference
+        # cycle keeps a finished chunk's tensors alive until the next GC
+        loss = partial(_masked_loss, self.template, self.fixed.shared)
+        self.gradient = vmap(grad_and_value(loss))
 
     def step(self, n: int, t: int) -> None:
         """Step `t` (0-based) of the first `n` clients, each on its own batch."""
@@ -229,6 +218,23 @@ class _Cohort:
             for k, model in enumerate(models):
                 for name, param in trainable(model).items():
                     param.copy_(self.params[name][k])
+
+
+def _masked_loss(
+    template: nn.Module,
+    shared: dict[str, torch.Tensor],
+    params: Stacked,
+    fixed: Stacked,
+    inputs: torch.Tensor,
+    targets: torch.Tensor,
+    weights: torch.Tensor,
+) -> torch.Tensor:
+    """One client's mean cross-entropy over its batch's real samples (weight
+    1; padding weighs 0, so it adds exact zeros to the sum)."""
+    entries = {**shared, **fixed, **params}
+    logits = functional_call(template, entries, (inputs,))
+    losses = F.cross_entropy(logits, targets, reduction="none")
+    return (losses * weights).sum() / weights.sum()
 
 
 def _padded(batches: list[Batch]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
