@@ -64,6 +64,11 @@ EXAMPLES = {
     '''-c "data-set='synthetic' model='logreg' num-clients=100000 client-frac=0.001"''': Example(
         covered_by="tests/test_simulation.py::test_ten_thousand_clients_share_a_hundred_nodes",
     ),
+    # the same with cohorts (run whole by benchmarks/cohort.py --end-to-end); the
+    # cohort test holds a cohort run's history to the sequential one
+    '''-c "data-set='synthetic' model='logreg' num-clients=100000 client-frac=0.001 client-execution='cohort'"''': Example(
+        covered_by="tests/test_simulation.py::test_cohorts_train_the_rounds_sequential_training_does",
+    ),
     '''-c "tracker='mlflow'"''': Example(accuracy=0.8),
     '''-c "model='mlp-bn' strategy='fedyogi' bn-policy='fedbn'"''': Example(
         accuracy=0.8, personal=True
