@@ -438,7 +438,7 @@ def test_a_changed_app_runs_its_own_code_not_the_preloaded(
     source = client_app.read_text()
     anchor = (
         "    cm = ClientModel.assemble(msg, context)\n"
-        "    s, config = cm.settings, msg.content[CONFIG]\n"
+        "    run = cm.local_run(float(msg.content[CONFIG][LR]))\n"
     )
     assert anchor in source
     client_app.write_text(source.replace(anchor, anchor + (
