@@ -12,10 +12,12 @@ objective's updates are elementwise on the stacked tensors.
 Each client trains exactly as `pollen.task.train.train_local` trains it:
 
 - its batches are those its own `ShuffledBatches` draws (same seeds, order
-  and augmentation). At step t the clients that still have a batch are
-  grouped by that batch's length and each group is one vmapped step, so a
-  short last batch (or a client with fewer batches) is neither padded into
-  a gradient nor stepped when it has no batch;
+  and augmentation). Clients are ordered by their number of steps, so at
+  step t those that still train are a prefix of the stack, stepped in
+  place; a short last batch is padded with samples of weight 0 (masked:
+  they add exact zeros to the loss and its gradient), and a client without
+  a batch is not stepped. Once no more than `SOLO_CLIENTS` still train,
+  each finishes alone on `train_loop`, its optimiser state carried over;
 - per step, as the sequential loop: g = grad F_k on the batch (with SAM, at
   theta + rho g / (||g|| + 1e-12) instead, Foret et al. 2021), plus the
   regulariser's gradient in its affine form pull (theta - anchor) + offset
@@ -53,6 +55,7 @@ from .train import (
     ShuffledBatches,
     TrainResult,
     Transform,
+    no_preprocess,
     train_loop,
     trainable,
 )
@@ -443,7 +446,7 @@ def _finish_alone(
     if done:
         _carry_state(rule.optimizer, trainable(model), state, done)
     x, y = client.shard
-    rest = _Remaining(x, y, lambda b, g: b, client.steps[done:])
+    rest = _Remaining(x, y, no_preprocess, client.steps[done:])
     result = train_loop(model, rest, rule, client.objective)
     return result.loss * result.steps
 
