@@ -403,6 +403,19 @@ CLIENT_EXECUTIONS = {
     ),
 }
 COHORT_RULES = "pollen.task.cohort_rules:cohort_problem"
+# secure aggregation: the server learns only a round's sum
+# (pollen.strategies.secure_round); what it refuses, its rules say
+SECURE_AGGREGATIONS = {
+    "off": "the server sees each client's update (TLS protects only the link)",
+    "secagg+": (
+        "SecAgg+ masks: the server unmasks only the round's sum; with the mean "
+        "and every server update on it (fedavg, fedopt, feddyn), any sharing, "
+        "local objective (scaffold's c summed too), DP-SGD, attacks; refused: "
+        "robust aggregators, fednova, central-dp, update-norm-bound, "
+        "round-deadline, mode async, cohorts"
+    ),
+}
+SECAGG_RULES = "pollen.strategies.secagg_rules:secagg_problem"
 TRACKERS = ("none", "tensorboard", "mlflow")
 # MLflow stores a run may name besides an http(s) tracking server
 # (a database URI may name its driver: postgresql+psycopg2://)

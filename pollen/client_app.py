@@ -62,6 +62,9 @@ from .protocol import (
     NUM_PARTITIONS,
     OWN_DATA,
     PERSONAL_METRICS,
+    SECAGG_KEYS,
+    SECAGG_SHARES,
+    SECAGG_UNMASK,
     SERVER_ROUND,
     SHARD_FINGERPRINT,
     TRAIN_LOSS,
@@ -79,6 +82,12 @@ from .task.local_run import LocalRun, cohort_epochs
 from .task.node_data import NodeData, node_data, node_partition
 from .task.objectives import LocalObjective
 from .task.schedule import local_training
+from .task.secagg_client import (
+    advertise_keys,
+    reveal_shares,
+    secagg_mod,
+    share_keys,
+)
 from .task.sharing import Sharing
 from .task.straggler import straggler_mod
 from .task.train import (
@@ -273,8 +282,11 @@ class ClientModel:
         return Message(content, reply_to=msg)
 
 
-# Mods run outermost first: the reply is clipped, then poisoned, then slowed.
-TRAIN_MODS: list[Mod] = [straggler_mod(TRAIN_SECONDS), poisoning_mod, clipping_mod]
+# Mods run outermost first: the reply is clipped, then poisoned, then (in a
+# secure round) masked, then slowed.
+TRAIN_MODS: list[Mod] = [
+    straggler_mod(TRAIN_SECONDS), secagg_mod, poisoning_mod, clipping_mod,
+]  # fmt: skip
 
 
 @app.train(mods=TRAIN_MODS)
@@ -405,6 +417,13 @@ def evaluate_personal(msg: Message, context: Context) -> Message:
         context, msg.content[CONFIG], _state_limit(cm.settings), cm.client
     )
     return cm.reply(msg, metrics)
+
+
+# SecAgg+'s query stages (pollen.task.secagg_client); its training stage is
+# the train handler above, through secagg_mod
+app.query(SECAGG_KEYS)(advertise_keys)
+app.query(SECAGG_SHARES)(share_keys)
+app.query(SECAGG_UNMASK)(reveal_shares)
 
 
 def _state_limit(settings: Settings) -> int:

@@ -21,6 +21,15 @@ CLIENT_RECORD = "client"  # ConfigRecord {CLIENT: k} in a reply
 # the server's c in a training message, the client's change Delta c_k in its reply
 CONTROL = "control"
 NODE_RECORD = "node"  # ConfigRecord: a node's answer to the start-up query
+# secure aggregation (pollen.common.secagg): the protocol's own values in every
+# stage's message and reply, and the masked vector of a secure training reply
+SECAGG = "secagg"  # ConfigRecord
+MASKED = "masked"  # ArrayRecord {MASKED: uint32 vector}
+# the actions of the protocol's query messages ("query.<action>"), in order;
+# its third stage is the training message itself, carrying a SECAGG record
+SECAGG_KEYS = "secagg_keys"  # advertise two public keys
+SECAGG_SHARES = "secagg_shares"  # share the two secrets, encrypted per holder
+SECAGG_UNMASK = "secagg_unmask"  # reveal the shares that unmask the sum
 
 # ---- config keys (server -> client) -----------------------------------------
 CLIENT = "partition-id"  # the client (data partition) a message is for
@@ -73,6 +82,11 @@ def scaffold_state_key(client: int) -> str:
 def feddyn_state_key(client: int) -> str:
     """FedDyn's gradient state h_k."""
     return f"feddyn-h-{client}"
+
+
+def secagg_state_key(client: int) -> str:
+    """A secure round's secrets and the shares a client holds (one round)."""
+    return f"secagg-{client}"
 
 
 def dp_steps_key(client: int) -> str:

@@ -41,6 +41,8 @@ from .catalog import (
     NORM_ACTIONS,
     PARTITIONS,
     PRESETS,
+    SECAGG_RULES,
+    SECURE_AGGREGATIONS,
     SHARING,
     TRACKERS,
     TRAINING_KEYS,
@@ -342,6 +344,37 @@ class Settings:
         "adaptive clipping: std of the noise on the unclipped count (0: clients "
         "per round / 20)",
         at_least(0),
+    )
+    # Secure aggregation (SecAgg+): the server learns only each round's sum
+    secure_aggregation: str = key(
+        "off",
+        "secagg+: clients mask their quantised updates so the server unmasks only "
+        "the round's sum (docs/secure-aggregation.md)",
+        one_of(*SECURE_AGGREGATIONS),
+    )
+    secagg_threshold: float = key(
+        0.6,
+        "secagg+: share of a client's holders (itself and its neighbours) that "
+        "must survive to unmask it; above half",
+        in_range(0.5, 1),
+    )
+    secagg_neighbours: float = key(
+        1.0,
+        "secagg+: share of the round's other clients each client masks with and "
+        "shares its secrets with (1: all, as the original SecAgg)",
+        in_range(0, 1),
+    )
+    secagg_clip: float = key(
+        1.0,
+        "secagg+: each entry of a weighted update (the change from the global "
+        "model times n_k / the round's largest shard) is clipped to +-this",
+        above(0),
+    )
+    secagg_bits: int = key(
+        20,
+        "secagg+: quantisation steps 2^bits over [-clip, clip]; a round's sum "
+        "must fit 32 bits, so bits + log2(clients per round) <= 32",
+        Rule(lambda v: 8 <= v <= 30, "in [8, 30]"),
     )
     # Untrusted clients: what the server does with replies it cannot use
     min_train_replies: int = key(
@@ -797,6 +830,8 @@ def _check_combination(s: Settings) -> None:
         raise SettingsError(problem)
     _check_async(s)
     if s.client_execution == "cohort" and (problem := load(COHORT_RULES)(s)):
+        raise SettingsError(problem)
+    if s.secure_aggregation != "off" and (problem := load(SECAGG_RULES)(s)):
         raise SettingsError(problem)
     if s.network_profile:
         try:

@@ -14,6 +14,7 @@ from ..settings import Settings
 from ..task.sharing import Sharing
 from .personal import PersonalEvaluation
 from .scaffold import ServerControl
+from .secure_round import SecureAggregation
 from .strategy import Strategy
 
 
@@ -43,6 +44,11 @@ def build_strategy(
         norm_bound=settings.update_norm_bound,
         norm_action=settings.update_norm_action,
         control=_control(settings, model, sharing),
+        secure=(
+            SecureAggregation.from_settings(settings, update.uniform_mean)
+            if settings.secure_aggregation != "off"
+            else None
+        ),
     )
     personal = PersonalEvaluation(sharing, settings.personal_eval_every)
     return strategy, personal

@@ -68,7 +68,7 @@ def checked_reply(
     arrays, metrics = msg.content.get(ARRAYS), msg.content.get(METRICS)
     if not isinstance(arrays, ArrayRecord) or not isinstance(metrics, MetricRecord):
         raise ReplyError(f"reply lacks its {ARRAYS!r} or {METRICS!r} record")
-    client = _named_client(msg, expected.owner, expected.sampled, seen, "train")
+    client = named_client(msg, expected.owner, expected.sampled, seen, "train")
     _check_metrics(metrics, client, expected)
     records = {}
     for name, entries in expected.records.items():
@@ -89,7 +89,7 @@ def checked_personal_reply(
     metrics = msg.content.get(METRICS)
     if not isinstance(metrics, MetricRecord):
         raise ReplyError(f"reply lacks its {METRICS!r} record")
-    client = _named_client(msg, owner, asked, seen, "evaluate")
+    client = named_client(msg, owner, asked, seen, "evaluate")
     values = {}
     for name in PERSONAL_METRICS:
         value = metrics.get(name)
@@ -152,7 +152,7 @@ def reply_failures(
     return lines
 
 
-def _named_client(
+def named_client(
     msg: Message,
     owner: Mapping[int, int],
     asked: Collection[int],

@@ -30,7 +30,7 @@ from .clock import SimulatedClock
 from .personal import PersonalEvaluation, PersonalOutcome
 from .replies import reported_seconds
 from .sampling import Participants
-from .strategy import Strategy, TrainRequest
+from .strategy import Strategy, TrainOutcome, TrainRequest
 
 
 @dataclass(frozen=True)
@@ -128,20 +128,13 @@ def play_round(
     log(INFO, "[ROUND %d]", server_round)
     train_config, eval_config = configs
     request = strategy.configure_train(server_round, arrays, train_config, participants)
-    replies = grid.send_and_receive(request.messages, timeout=timing.wait(timeout))
-    real_deadline = timing.deadline and not timing.simulated
-    late = _late_in_real_time(request, replies) if real_deadline else []
-    if late:
-        request = replace(
-            request, clients=[c for c in request.clients if c not in late]
+    if strategy.secure is not None:  # SecAgg+: no deadline, no norm bound
+        trained = strategy.secure.train(grid, strategy, request, timeout)
+        late, times = [], timing.client_times(request, trained.updates)
+    else:
+        request, trained, late, times = _train_in_clear(
+            grid, strategy, request, timeout, timing
         )
-    checked = strategy.check_replies(request, replies)
-    times = timing.client_times(request, checked.updates)
-    if timing.simulated and timing.deadline and timing.clock is not None:
-        late = timing.clock.late(times, timing.deadline)
-        in_time = [u for u in checked.updates if u.client not in late]
-        checked = replace(checked, updates=in_time)
-    trained = strategy.finish(request, strategy.bound(request, checked))
     if not trained.skipped:
         personal.record_trained(update.client for update in trained.updates)
     arrays = trained.arrays if trained.arrays is not None else arrays
@@ -165,6 +158,37 @@ def play_round(
         unselected=trained.unselected,
         aggregation=trained.report,
         diverged=trained.diverged,
+    )
+
+
+def _train_in_clear(
+    grid: Grid,
+    strategy: Strategy,
+    request: TrainRequest,
+    timeout: float,
+    timing: RoundTiming,
+) -> tuple[TrainRequest, TrainOutcome, list[int], dict[int, float]]:
+    """The training half with every update seen: send, wait (to the
+    deadline), check, bound and aggregate; the request less the clients that
+    were late, the outcome, the late and each accepted client's time."""
+    replies = grid.send_and_receive(request.messages, timeout=timing.wait(timeout))
+    real_deadline = timing.deadline and not timing.simulated
+    late = _late_in_real_time(request, replies) if real_deadline else []
+    if late:
+        request = replace(
+            request, clients=[c for c in request.clients if c not in late]
+        )
+    checked = strategy.check_replies(request, replies)
+    times = timing.client_times(request, checked.updates)
+    if timing.simulated and timing.deadline and timing.clock is not None:
+        late = timing.clock.late(times, timing.deadline)
+        in_time = [u for u in checked.updates if u.client not in late]
+        checked = replace(checked, updates=in_time)
+    return (
+        request,
+        strategy.finish(request, strategy.bound(request, checked)),
+        late,
+        times,
     )
 
 

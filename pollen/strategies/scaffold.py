@@ -46,12 +46,20 @@ class ServerControl:
 
     def update(self, updates: Sequence[ClientUpdate]) -> None:
         """c <- c + (1/N) sum_k Delta c_k over the accepted updates, in float64."""
+        self.add(
+            {
+                key: sum(
+                    (u.records[CONTROL][key].astype(np.float64) for u in updates),
+                    start=np.zeros(value.shape),
+                )
+                for key, value in self.c.items()
+            }
+        )
+
+    def add(self, total: Arrays) -> None:
+        """c <- c + total / N, given sum_k Delta c_k (a secure round's sum)."""
         for key, value in self.c.items():
-            total = sum(
-                (u.records[CONTROL][key].astype(np.float64) for u in updates),
-                start=np.zeros(value.shape),
-            )
-            self.c[key] = (value + total / self.num_clients).astype(value.dtype)
+            self.c[key] = (value + total[key] / self.num_clients).astype(value.dtype)
 
     def state_arrays(self) -> dict[str, np.ndarray]:
         return prefixed("scaffold-c", self.c)

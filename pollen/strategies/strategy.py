@@ -33,6 +33,7 @@ import dataclasses
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from logging import WARNING
+from typing import Protocol
 
 import numpy as np
 from flwr.app import (
@@ -44,6 +45,7 @@ from flwr.app import (
     RecordDict,
 )
 from flwr.common.logger import log
+from flwr.serverapp import Grid
 
 from .. import protocol
 from ..task.sharing import Sharing
@@ -149,6 +151,15 @@ def addressed(
     return messages
 
 
+class SecureTraining(Protocol):
+    """A round's training half in which the server sees only the sum of the
+    updates (`secure_round.SecureAggregation`)."""
+
+    def train(
+        self, grid: Grid, strategy: Strategy, request: TrainRequest, timeout: float
+    ) -> TrainOutcome: ...
+
+
 class Strategy:
     """Seeded sampling, checked replies, an aggregation step and a server update."""
 
@@ -166,6 +177,7 @@ class Strategy:
         norm_bound: float = 0.0,
         norm_action: str = "clip",
         control: ServerControl | None = None,
+        secure: SecureTraining | None = None,
     ) -> None:
         self.num_clients = num_clients
         self.client_frac = client_frac
@@ -178,6 +190,7 @@ class Strategy:
         self.norm_bound = norm_bound
         self.norm_action = norm_action
         self.control = control
+        self.secure = secure  # SecAgg+: the round learns only the sum
 
     @property
     def min_updates(self) -> int:

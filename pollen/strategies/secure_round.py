@@ -1,0 +1,462 @@
+"""A round's training half under SecAgg+: the server learns only the sum.
+
+`play_round` hands a round to `SecureAggregation.train` when the run sets
+`secure-aggregation = "secagg+"`. Between sampling (`configure_train`) and
+the server update (`Strategy.step`) the protocol runs four Message-API
+exchanges with the sampled clients (`pollen.task.secagg_client` answers):
+
+1. keys: each client advertises two public keys and a commitment to its seed;
+2. shares: each gets its neighbours' keys (SecAgg+'s ring graph,
+   `pollen.common.secagg.ring_neighbours`) and returns its secrets' Shamir
+   shares, encrypted per neighbour, which the server only relays;
+3. training: the round's training message, with the shares relayed to the
+   client; the reply holds one masked, quantised vector instead of entries;
+4. unmask: the survivors reveal the shares that remove the masks
+   (`pollen.strategies.unmask`).
+
+The sum then gives the weighted mean of the clients' shared entries,
+
+    x_bar = x + (S / sum_k n_k) * sum_k (n_k / S) (x_k - x),
+
+with S the largest shard of the round (uniform means use weight 1), and
+SCAFFOLD's sum of Delta c_k; the server update steps from that mean as it
+steps from a plain one. A client that fails any stage drops out; the round
+goes on while every survivor's secrets can be rebuilt from `threshold` of
+their holders and at least `min_updates` vectors arrived, and is skipped
+otherwise (said in its failures). Bytes and seconds per stage, the
+survivors, the clipped entries and the bound on the quantisation error of
+the mean go into the history (the round's `aggregation` columns).
+
+Compared with Flower's `SecAggPlusWorkflow` (its legacy API): the same
+primitives and stages, run inside pollen's round for any server update that
+consumes a weighted mean; the update quantised is the change from the
+global model, not the model, so the clipping range bounds a step.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from logging import WARNING
+
+import numpy as np
+from flwr.app import (
+    ArrayRecord,
+    ConfigRecord,
+    Message,
+    MessageType,
+    MetricRecord,
+    RecordDict,
+)
+from flwr.common.logger import log
+from flwr.serverapp import Grid
+
+from ..common import secagg
+from ..protocol import (
+    CLIENT,
+    CONFIG,
+    MASKED,
+    METRICS,
+    SECAGG,
+    SECAGG_KEYS,
+    SECAGG_SHARES,
+    SECAGG_UNMASK,
+    SERVER_ROUND,
+)
+from ..settings import Settings
+from .aggregation import Aggregate, ClientUpdate
+from .replies import ReplyError, named_client, reply_failures
+from .strategy import Strategy, TrainOutcome, TrainRequest, rejected
+from .unmask import Committed, Revealed, UnmaskError, unmasked_sum
+
+TAIL = 2  # integers after the quantised values: the example weight, clipped
+
+
+@dataclass
+class Stages:
+    """What the protocol's exchanges cost and dropped, stage by stage."""
+
+    seconds: dict[str, float] = field(default_factory=dict)
+    bytes_down: dict[str, int] = field(default_factory=dict)
+    bytes_up: dict[str, int] = field(default_factory=dict)
+    failures: list[str] = field(default_factory=list)
+
+    def report(self) -> dict[str, float]:
+        out = {}
+        for stage, seconds in self.seconds.items():
+            out[f"secagg-{stage}-seconds"] = round(seconds, 4)
+            out[f"secagg-{stage}-bytes-down"] = self.bytes_down.get(stage, 0)
+            out[f"secagg-{stage}-bytes-up"] = self.bytes_up.get(stage, 0)
+        return out
+
+
+@dataclass(frozen=True)
+class SecureAggregation:
+    """SecAgg+ for a strategy whose aggregation step is the (weighted) mean."""
+
+    params: secagg.SecAggParams
+    seed: int
+    uniform: bool  # every client weighs 1 (FedDyn's mean)
+
+    @classmethod
+    def from_settings(cls, s: Settings, uniform: bool) -> SecureAggregation:
+        params = secagg.SecAggParams(
+            s.secagg_threshold, s.secagg_neighbours, s.secagg_clip, s.secagg_bits
+        )
+        return cls(params, s.seed, uniform)
+
+    def train(
+        self, grid: Grid, strategy: Strategy, request: TrainRequest, timeout: float
+    ) -> TrainOutcome:
+        """The round's training half: the four stages, then the mean's step
+        (or a skipped outcome naming why)."""
+        run = _SecureRun(self, grid, strategy, request, timeout)
+        return run.play()
+
+
+class _SecureRun:
+    """One round of the protocol (its state lives only for that round)."""
+
+    def __init__(
+        self,
+        options: SecureAggregation,
+        grid: Grid,
+        strategy: Strategy,
+        request: TrainRequest,
+        timeout: float,
+    ) -> None:
+        self.options, self.grid, self.strategy = options, grid, strategy
+        self.request, self.timeout = request, timeout
+        self.ids = {client: i for i, client in enumerate(request.clients, start=1)}
+        self.client_of = {i: client for client, i in self.ids.items()}
+        self.graph = secagg.ring_neighbours(
+            len(request.clients), options.params.neighbours
+        )
+        self.stages = Stages()
+        current = request.current
+        self.entries = sorted(k for k in strategy.trained_keys(current) if k in current)
+        control = strategy.control
+        self.control_entries = sorted(control.c) if control else []
+
+    # ---- the stages ----------------------------------------------------------
+
+    def play(self) -> TrainOutcome:
+        keys = self._advertised()
+        shared = self._shared(keys)
+        updates, vectors = self._trained(shared)
+        outcome = TrainOutcome(
+            updates=updates, failures=self.stages.failures, answered=len(updates)
+        )
+        needed = self.strategy.min_updates
+        if len(vectors) < needed:
+            return self._skipped(
+                outcome, f"{len(vectors)} masked vectors arrived, it needs {needed}"
+            )
+        revealed = self._revealed(vectors, shared)
+        committed = Committed(
+            {self.ids[c]: bytes(r["seed-hash"]) for c, r in keys.items()},
+            {self.ids[c]: bytes(r["mask-public"]) for c, r in keys.items()},
+            {self.ids[c]: t for c, (t, _) in shared.items()},
+        )
+        started = time.perf_counter()
+        dropped = sorted(self.ids[c] for c in shared if c not in vectors)
+        try:
+            total, wrong = unmasked_sum(
+                {self.ids[c]: v for c, v in vectors.items()}, dropped, self.graph,
+                {self.ids[c] for c in shared}, revealed, committed,
+            )  # fmt: skip
+        except UnmaskError as err:
+            return self._skipped(outcome, f"the sum cannot be unmasked: {err}")
+        self.stages.seconds["unmask-compute"] = time.perf_counter() - started
+        for holder in wrong:
+            self.stages.failures.append(
+                rejected(self._node(self.client_of[holder]),
+                         f"client {self.client_of[holder]}: a revealed share "
+                         "is inconsistent with its owner's commitment", "unmask ")
+            )  # fmt: skip
+        return self._stepped(outcome, total, len(vectors), len(dropped))
+
+    def _advertised(self) -> dict[int, ConfigRecord]:
+        """Stage 1: who advertised well-formed keys, with them."""
+        asked = {c: _lists(id=self.ids[c]) for c in self.request.clients}
+        answers = self._exchange(SECAGG_KEYS, asked, "keys")
+        good = {}
+        for client, record in answers.items():
+            try:
+                secagg.load_public(bytes(record["mask-public"]))
+                secagg.load_public(bytes(record["share-public"]))
+                if len(bytes(record["seed-hash"])) != 32:
+                    raise ValueError("a seed commitment is 32 bytes")
+            except (KeyError, TypeError, ValueError) as err:
+                self._drop(client, "keys", f"malformed keys ({err})")
+                continue
+            good[client] = record
+        return good
+
+    def _shared(
+        self, keys: dict[int, ConfigRecord]
+    ) -> dict[int, tuple[int, dict[int, bytes]]]:
+        """Stage 2: who shared, with its threshold and ciphertexts by holder."""
+        asked = {}
+        for client in keys:
+            neighbours = [v for v in self.graph[self.ids[client]]
+                          if self.client_of[v] in keys]  # fmt: skip
+            holders = 1 + len(neighbours)
+            asked[client] = _lists(
+                neighbours=neighbours,
+                **{"share-publics": [keys[self.client_of[v]]["share-public"]
+                                     for v in neighbours],
+                   "mask-publics": [keys[self.client_of[v]]["mask-public"]
+                                    for v in neighbours]},
+                threshold=secagg.threshold_for(holders, self.options.params.threshold),
+            )  # fmt: skip
+        answers = self._exchange(SECAGG_SHARES, asked, "shares")
+        shared = {}
+        for client, record in answers.items():
+            to = [int(v) for v in record.get("to", [])]
+            ciphertexts = [bytes(c) for c in record.get("ciphertexts", [])]
+            if to != list(asked[client].get("neighbours", [])) or len(
+                ciphertexts
+            ) != len(to):
+                self._drop(client, "shares", "its shares do not match its holders")
+                continue
+            shared[client] = (
+                int(asked[client]["threshold"]), dict(zip(to, ciphertexts, strict=True))
+            )  # fmt: skip
+        return shared
+
+    def _trained(
+        self, shared: dict[int, tuple[int, dict[int, bytes]]]
+    ) -> tuple[list[ClientUpdate], dict[int, np.ndarray]]:
+        """Stage 3: the training messages with the relayed shares; the
+        survivors' updates (metrics only) and masked vectors."""
+        request, params = self.request, self.options.params
+        bounds = [request.participants.max_examples.get(c, 0) for c in shared]
+        self.scale = 0 if self.options.uniform else max(bounds, default=0)
+        messages = []
+        for message in request.messages:
+            client = int(message.content[CONFIG][CLIENT])
+            if client not in shared:
+                continue
+            me = self.ids[client]
+            relayed = {v: cts[me] for c, (_, cts) in shared.items()
+                       if me in cts and (v := self.ids[c])}  # fmt: skip
+            record = _lists(
+                **{"from": sorted(relayed),
+                   "ciphertexts": [relayed[v] for v in sorted(relayed)],
+                   "entries": self.entries,
+                   "control-entries": self.control_entries,
+                   "weight-scale": float(self.scale)},
+                clip=params.clip, bits=params.bits, seed=self.options.seed,
+            )  # fmt: skip
+            content = RecordDict({**message.content, SECAGG: record})
+            messages.append(
+                Message(content, dst_node_id=message.metadata.dst_node_id,
+                        message_type=message.metadata.message_type)
+            )  # fmt: skip
+        length = self._length() + TAIL
+        replies = self._send(messages, "train", list(shared))
+        updates, vectors = [], {}
+        seen: set[int] = set()
+        for reply in replies:
+            try:
+                client, metrics, vector = self._checked_vector(reply, length, seen)
+            except ReplyError as err:
+                self.stages.failures.append(
+                    rejected(reply.metadata.src_node_id, str(err))
+                )
+                continue
+            seen.add(client)
+            vectors[client] = vector
+            updates.append(ClientUpdate(client, {}, metrics, 0.0))
+        updates.sort(key=lambda u: u.client)
+        return updates, vectors
+
+    def _revealed(self, vectors: Mapping[int, np.ndarray], shared: Mapping) -> Revealed:
+        """Stage 4: the survivors' revealed shares, by owner."""
+        survived = sorted(self.ids[c] for c in vectors)
+        dropped = sorted(self.ids[c] for c in shared if c not in vectors)
+        asked = {c: _lists(survived=survived, dropped=dropped) for c in vectors}
+        answers = self._exchange(SECAGG_UNMASK, asked, "unmask")
+        seeds: dict[int, list[tuple[int, bytes]]] = {}
+        keys: dict[int, list[tuple[int, bytes]]] = {}
+        for client, record in answers.items():
+            holder = self.ids[client]
+            for owner, share in zip(record.get("seed-of", []),
+                                    record.get("seeds", []), strict=False):  # fmt: skip
+                if owner in survived:
+                    seeds.setdefault(int(owner), []).append((holder, bytes(share)))
+            for owner, share in zip(record.get("key-of", []),
+                                    record.get("keys", []), strict=False):  # fmt: skip
+                if owner in dropped:
+                    keys.setdefault(int(owner), []).append((holder, bytes(share)))
+        return Revealed(seeds, keys)
+
+    # ---- the mean ------------------------------------------------------------
+
+    def _stepped(
+        self, outcome: TrainOutcome, total: np.ndarray, count: int, dropped: int
+    ) -> TrainOutcome:
+        """The outcome with the server update stepped from the unmasked mean."""
+        params, request = self.options.params, self.request
+        weight, clipped = int(total[-2]), int(total[-1])
+        possible = count if self.options.uniform else count * self.scale
+        if not (
+            0 < weight <= possible and (weight == count or not self.options.uniform)
+        ):
+            return self._skipped(outcome, f"the unmasked example weight {weight} "
+                                 "is impossible: inconsistent vectors")  # fmt: skip
+        sums = iter(self._split(secagg.dequantize(
+            total[:-TAIL], count, params.clip, params.bits
+        )))  # fmt: skip
+        # sum_k (n_k / S) d_k times S / sum_k n_k; uniform: sum_k d_k / m
+        factor = 1.0 / count if self.options.uniform else self.scale / weight
+        current = request.current
+        mean = {k: v.astype(np.float64) for k, v in current.items()}
+        for key in self.entries:
+            mean[key] = mean[key] + factor * next(sums)
+        if self.strategy.control:
+            self.strategy.control.add({key: next(sums) for key in self.control_entries})
+        report = {
+            **self.stages.report(),
+            "secagg-survivors": count,
+            "secagg-dropped": len(request.clients) - count,
+            "secagg-dropped-after-sharing": dropped,
+            "secagg-clipped": clipped,
+            "secagg-error-bound": count * params.quantum * factor,
+        }
+        aggregate = Aggregate(mean, tuple(outcome.updates), report)
+        return dataclasses.replace(
+            outcome,
+            report=report,
+            bytes_up=sum(self.stages.bytes_up.values()),
+            arrays=self.strategy.step(request.model, request.shared, aggregate),
+        )
+
+    def _split(self, values: np.ndarray) -> list[np.ndarray]:
+        """The flat values as the entries, then the control entries, shaped."""
+        out, offset = [], 0
+        for shape in self._shapes():
+            size = int(np.prod(shape))
+            out.append(values[offset : offset + size].reshape(shape))
+            offset += size
+        return out
+
+    def _skipped(self, outcome: TrainOutcome, why: str) -> TrainOutcome:
+        log(WARNING, "pollen: secure round %d skipped, the model is unchanged: %s",
+            self.request.server_round, why)  # fmt: skip
+        self.stages.failures.append(f"secure round skipped: {why}")
+        return dataclasses.replace(
+            outcome,
+            failures=self.stages.failures,
+            report=self.stages.report(),
+            bytes_up=sum(self.stages.bytes_up.values()),
+        )
+
+    # ---- messages ------------------------------------------------------------
+
+    def _exchange(
+        self, action: str, asked: Mapping[int, ConfigRecord], stage: str
+    ) -> dict[int, ConfigRecord]:
+        """One query per client in `asked`; the valid answers by client."""
+        owner = self.request.participants.roster.owner
+        messages = [
+            Message(
+                RecordDict({
+                    CONFIG: ConfigRecord({
+                        CLIENT: client, SERVER_ROUND: self.request.server_round,
+                    }),
+                    SECAGG: record,
+                }),
+                dst_node_id=owner[client],
+                message_type=f"{MessageType.QUERY}.{action}",
+            )
+            for client, record in asked.items()
+        ]  # fmt: skip
+        answers: dict[int, ConfigRecord] = {}
+        for reply in self._send(messages, stage, list(asked)):
+            record = reply.content.get(SECAGG)
+            try:
+                client = named_client(reply, owner, asked, set(answers), stage)
+            except ReplyError as err:
+                self.stages.failures.append(
+                    rejected(reply.metadata.src_node_id, str(err), f"{stage} ")
+                )
+                continue
+            if isinstance(record, ConfigRecord):
+                answers[client] = record
+            else:
+                self._drop(client, stage, f"reply lacks its {SECAGG!r} record")
+        return answers
+
+    def _send(
+        self, messages: list[Message], stage: str, clients: list[int]
+    ) -> list[Message]:
+        """The valid replies to `messages`; the stage's cost and the failed
+        clients noted."""
+        started = time.perf_counter()
+        replies = list(self.grid.send_and_receive(messages, timeout=self.timeout))
+        self.stages.seconds[stage] = time.perf_counter() - started
+        self.stages.bytes_down[stage] = sum(_bytes(m.content) for m in messages)
+        valid = [r for r in replies if not r.has_error()]
+        self.stages.bytes_up[stage] = sum(_bytes(r.content) for r in valid)
+        owner = self.request.participants.roster.owner
+        failed = [r for r in replies if r.has_error()]
+        for line in reply_failures(clients, owner, valid, failed):
+            self.stages.failures.append(f"secagg {stage}: {line}")
+        return valid
+
+    def _checked_vector(
+        self, reply: Message, length: int, seen: set[int]
+    ) -> tuple[int, MetricRecord, np.ndarray]:
+        owner = self.request.participants.roster.owner
+        client = named_client(reply, owner, set(self.request.clients), seen, "train")
+        record, metrics = reply.content.get(MASKED), reply.content.get(METRICS)
+        if not isinstance(record, ArrayRecord) or not isinstance(metrics, MetricRecord):
+            raise ReplyError(f"reply lacks its {MASKED!r} or {METRICS!r} record")
+        if set(record) != {MASKED}:
+            raise ReplyError(f"a secure reply carries only {MASKED!r}")
+        vector = record[MASKED].numpy()
+        if vector.dtype != np.uint32 or vector.shape != (length,):
+            raise ReplyError(
+                f"masked vector is {vector.dtype}{list(vector.shape)}, expected "
+                f"uint32[{length}]"
+            )
+        for name, value in metrics.items():
+            if isinstance(value, list) or not np.isfinite(value):
+                raise ReplyError(f"metric {name!r} must be a finite number")
+        return client, metrics, vector
+
+    def _shapes(self) -> list[tuple[int, ...]]:
+        """The shapes of the values a vector carries: the entries, then the
+        control entries."""
+        shapes = [self.request.current[k].shape for k in self.entries]
+        if self.strategy.control:
+            shapes += [self.strategy.control.c[k].shape for k in self.control_entries]
+        return shapes
+
+    def _length(self) -> int:
+        return sum(int(np.prod(shape)) for shape in self._shapes())
+
+    def _drop(self, client: int, stage: str, why: str) -> None:
+        node = self._node(client)
+        self.stages.failures.append(
+            rejected(node, f"client {client}: {why}", f"secagg {stage} ")
+        )
+
+    def _node(self, client: int) -> int:
+        return self.request.participants.roster.owner[client]
+
+
+def _lists(**values: object) -> ConfigRecord:
+    """A ConfigRecord of `values`, empty lists left out (Flower cannot size them)."""
+    return ConfigRecord({k: v for k, v in values.items() if v != []})
+
+
+def _bytes(content: RecordDict) -> int:
+    total = 0
+    for record in content.values():
+        total += record.count_bytes() if hasattr(record, "count_bytes") else 0
+    return total

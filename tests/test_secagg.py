@@ -1,0 +1,376 @@
+"""SecAgg+: the arithmetic by hand and against Flower's, and whole rounds of
+the protocol between the server's half and the ClientApp's stage handlers
+(in this process), with dropouts, a wrong share and too few survivors."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+from flwr.app import (
+    Array,
+    ArrayRecord,
+    ConfigRecord,
+    Context,
+    Error,
+    Message,
+    MessageType,
+    MetricRecord,
+    RecordDict,
+)
+from flwr.common.secure_aggregation import quantization as flower_quantization
+
+from pollen import client_app
+from pollen.common import secagg
+from pollen.protocol import (
+    ARRAYS,
+    CLIENT,
+    CLIENT_RECORD,
+    CONFIG,
+    CONTROL,
+    LR,
+    MASKED,
+    METRICS,
+    NUM_EXAMPLES,
+    SECAGG,
+    SECAGG_KEYS,
+    SECAGG_SHARES,
+    SECAGG_UNMASK,
+)
+from pollen.settings import Settings, SettingsError
+from pollen.strategies.fedavg import FedAvgUpdate
+from pollen.strategies.sampling import Participants, Roster
+from pollen.strategies.scaffold import ServerControl
+from pollen.strategies.secure_round import SecureAggregation
+from pollen.strategies.strategy import Strategy
+from pollen.task import secagg_client
+
+pytestmark = pytest.mark.usefixtures("task_identity")
+
+PARAMS = secagg.SecAggParams(threshold=0.6, neighbours=1.0, clip=1.0, bits=16)
+GLOBAL = {"w": np.array([0.5, -0.25, 0.0, 1.0], np.float32)}
+
+
+# ---- the arithmetic --------------------------------------------------------
+
+
+def test_quantize_is_within_one_step_and_dequantize_sums_exactly() -> None:
+    rng = np.random.default_rng(0)
+    values = [np.array([0.3, -0.7, 0.0]), np.array([0.1, 0.2, -0.9])]
+    quanta = [secagg.quantize(v, 1.0, 8, rng)[0] for v in values]
+    step = 2 / 2**8  # 2c / 2^bits
+    for v, q in zip(values, quanta, strict=True):
+        assert np.all(np.abs(secagg.dequantize(q, 1, 1.0, 8) - v) <= step)
+    total = secagg.dequantize(quanta[0] + quanta[1], 2, 1.0, 8)
+    assert np.all(np.abs(total - (values[0] + values[1])) <= 2 * step)
+
+
+def test_quantize_counts_and_clips_values_outside_the_range() -> None:
+    q, clipped = secagg.quantize(
+        np.array([2.0, -3.0, 0.5]), 1.0, 8, np.random.default_rng(0)
+    )
+    assert clipped == 2
+    assert q[0] == 2**8 and q[1] == 0  # +c and -c exactly
+
+
+def test_quantize_on_the_grid_equals_flowers() -> None:
+    """On values on the quantisation grid rounding is exact, so pollen's
+    quanta and Flower's (`flwr.common.secure_aggregation.quantization`, its
+    target range 2^bits) agree, and so do both dequantisations."""
+    bits, clip = 10, 0.5
+    grid_values = (np.arange(0, 2**bits + 1, 37) * (2 * clip / 2**bits)) - clip
+    ours, _ = secagg.quantize(grid_values, clip, bits, np.random.default_rng(0))
+    theirs = flower_quantization.quantize([grid_values], clip, 2**bits)[0]
+    assert np.array_equal(ours.astype(np.int64), theirs.astype(np.int64))
+    back = flower_quantization.dequantize([theirs], clip, 2**bits)[0]
+    assert np.allclose(secagg.dequantize(ours, 1, clip, bits), back)
+
+
+def test_the_ring_graph_is_symmetric_and_sized_by_the_share() -> None:
+    full = secagg.ring_neighbours(5, 1.0)
+    assert full[3] == (1, 2, 4, 5)
+    sparse = secagg.ring_neighbours(10, 0.3)  # 2 ceil(0.3 * 9 / 2) = 4 each
+    assert sparse[1] == (2, 3, 9, 10)
+    for u, around in sparse.items():
+        assert all(u in sparse[v] for v in around)
+    assert secagg.threshold_for(5, 0.6) == 3 and secagg.threshold_for(2, 0.6) == 2
+
+
+def test_pairwise_masks_cancel_and_wrap_modulo_2_32() -> None:
+    a, b = secagg.new_private_key(), secagg.new_private_key()
+    s_ab = secagg.pairwise_seed(a, secagg.public_bytes(b))
+    assert s_ab == secagg.pairwise_seed(b, secagg.public_bytes(a))
+    x = np.array([0, 2**32 - 1, 7], np.uint32)
+    y = np.array([5, 1, 2**31], np.uint32)
+    masked_x = secagg.add_mask(x, s_ab, secagg.pairwise_sign(1, 2))
+    masked_y = secagg.add_mask(y, s_ab, secagg.pairwise_sign(2, 1))
+    assert not np.array_equal(masked_x, x)
+    assert np.array_equal(masked_x + masked_y, x + y)
+
+
+# ---- rounds of the protocol -------------------------------------------------
+
+
+def update_reply(msg: Message, arrays: dict, examples: int, records=None) -> Message:
+    client = int(msg.content[CONFIG][CLIENT])
+    content = RecordDict(
+        {
+            ARRAYS: ArrayRecord({k: Array(v) for k, v in arrays.items()}),
+            METRICS: MetricRecord({NUM_EXAMPLES: examples, "train-loss": 0.5}),
+            CLIENT_RECORD: ConfigRecord({CLIENT: client}),
+            **(records or {}),
+        }
+    )
+    return Message(content, reply_to=msg)
+
+
+class Federation:
+    """Nodes answering in this process through the ClientApp's SecAgg+
+    handlers; `train` replies with each client's given update. `silent`
+    names the clients that stop answering from a stage on (a killed node);
+    `tamper` may rewrite a reply. Keeps the masked vectors the server got."""
+
+    def __init__(self, updates, examples, controls=None, silent=None, tamper=None):
+        self.updates, self.examples, self.controls = updates, examples, controls
+        self.silent = silent or {}
+        self.tamper = tamper or (lambda stage, client, reply: reply)
+        self.contexts: dict[int, Context] = {}
+        self.vectors: dict[int, np.ndarray] = {}
+
+    def context(self, node: int) -> Context:
+        return self.contexts.setdefault(
+            node, Context(1, node, {}, RecordDict(), {})
+        )  # fmt: skip
+
+    def train(self, msg: Message, context: Context) -> Message:
+        client = int(msg.content[CONFIG][CLIENT])
+        records = {}
+        if self.controls is not None:
+            delta = {k: Array(v) for k, v in self.controls[client].items()}
+            records[CONTROL] = ArrayRecord(delta)
+        return update_reply(msg, self.updates[client], self.examples[client], records)
+
+    def send_and_receive(self, messages, *, timeout=None) -> list[Message]:
+        handlers = {
+            f"{MessageType.QUERY}.{SECAGG_KEYS}": secagg_client.advertise_keys,
+            f"{MessageType.QUERY}.{SECAGG_SHARES}": secagg_client.share_keys,
+            f"{MessageType.QUERY}.{SECAGG_UNMASK}": secagg_client.reveal_shares,
+            MessageType.TRAIN: lambda m, c: secagg_client.secagg_mod(m, c, self.train),
+        }
+        replies = []
+        for msg in messages:
+            stage = msg.metadata.message_type
+            client = int(msg.content[CONFIG][CLIENT])
+            if client in self.silent.get(stage, ()):
+                continue
+            try:
+                reply = handlers[stage](msg, self.context(msg.metadata.dst_node_id))
+            except ValueError as err:  # as Flower answers a handler's exception
+                replies.append(Message(Error(0, str(err)), reply_to=msg))
+                continue
+            reply = self.tamper(stage, client, reply)
+            if stage == MessageType.TRAIN:
+                self.vectors[client] = reply.content[MASKED][MASKED].numpy()
+            replies.append(reply)
+        return replies
+
+
+def silent_from(stage: str, clients: set[int]) -> dict[str, set[int]]:
+    """The clients that stop answering at `stage` and every stage after it."""
+    order = [f"{MessageType.QUERY}.{SECAGG_KEYS}", f"{MessageType.QUERY}.{SECAGG_SHARES}",
+             MessageType.TRAIN, f"{MessageType.QUERY}.{SECAGG_UNMASK}"]  # fmt: skip
+    return {s: clients for s in order[order.index(stage) :]}
+
+
+def secure_round(federation: Federation, count: int, control=None, uniform=False):
+    owner = {c: 100 + c % 2 for c in range(count)}  # two nodes serve them
+    strategy = Strategy(
+        num_clients=count, client_frac=1.0, seed=7, server_update=FedAvgUpdate(),
+        control=control, secure=SecureAggregation(PARAMS, 7, uniform),
+    )  # fmt: skip
+    participants = Participants(Roster(owner), {c: 40 for c in range(count)})
+    arrays = ArrayRecord({k: Array(v) for k, v in GLOBAL.items()})
+    request = strategy.configure_train(1, arrays, ConfigRecord({LR: 0.1}), participants)
+    return strategy, strategy.secure.train(federation, strategy, request, 5.0)
+
+
+def client_updates(count: int) -> dict[int, dict[str, np.ndarray]]:
+    rng = np.random.default_rng(3)
+    return {
+        c: {"w": (GLOBAL["w"] + rng.uniform(-0.2, 0.2, 4)).astype(np.float32)}
+        for c in range(count)
+    }
+
+
+def weighted_mean(updates, examples, clients) -> np.ndarray:
+    total = sum(examples[c] for c in clients)
+    return (
+        sum(examples[c] * updates[c]["w"].astype(np.float64) for c in clients) / total
+    )
+
+
+def test_three_clients_unmask_to_the_weighted_mean_within_the_bound() -> None:
+    updates, examples = client_updates(3), {0: 10, 1: 20, 2: 30}
+    _, outcome = secure_round(Federation(updates, examples), 3)
+    # by hand: 3 quanta of 2 / 2^16 each, times S / sum n_k = 40 / 60
+    bound = 3 * (2 / 2**16) * 40 / 60
+    assert outcome.report["secagg-error-bound"] == pytest.approx(bound)
+    got = outcome.arrays["w"].numpy().astype(np.float64)
+    assert np.all(np.abs(got - weighted_mean(updates, examples, [0, 1, 2])) <= bound)
+    assert outcome.report["secagg-survivors"] == 3
+    assert outcome.report["secagg-clipped"] == 0
+    assert [u.client for u in outcome.updates] == [0, 1, 2]
+    assert outcome.failures == []
+
+
+def test_a_client_dropped_after_sharing_leaves_the_survivors_mean() -> None:
+    updates, examples = client_updates(3), {0: 10, 1: 20, 2: 30}
+    federation = Federation(updates, examples, silent=silent_from("train", {2}))
+    _, outcome = secure_round(federation, 3)
+    bound = 2 * (2 / 2**16) * 40 / 30
+    got = outcome.arrays["w"].numpy().astype(np.float64)
+    assert np.all(np.abs(got - weighted_mean(updates, examples, [0, 1])) <= bound)
+    assert outcome.report["secagg-dropped-after-sharing"] == 1
+    assert any("no reply" in line for line in outcome.failures)
+
+
+def test_a_client_lost_before_sharing_takes_no_part() -> None:
+    updates, examples = client_updates(4), {c: 40 for c in range(4)}
+    silent = silent_from(f"{MessageType.QUERY}.{SECAGG_SHARES}", {1})
+    _, outcome = secure_round(Federation(updates, examples, silent=silent), 4)
+    got = outcome.arrays["w"].numpy().astype(np.float64)
+    assert np.allclose(got, weighted_mean(updates, examples, [0, 2, 3]), atol=1e-4)
+
+
+def test_the_server_never_receives_an_update_unmasked(monkeypatch) -> None:
+    """Every vector the server receives differs, in almost every entry, from
+    the quantised update its client would send; the same check catches a
+    client that skips the masks."""
+    updates, examples = client_updates(3), {0: 10, 1: 20, 2: 30}
+
+    def check(federation: Federation) -> None:
+        for client, vector in federation.vectors.items():
+            values = (updates[client]["w"].astype(np.float64) - GLOBAL["w"]) * (
+                examples[client] / 40
+            )
+            rng = np.random.default_rng(np.random.SeedSequence([7, 1, client]))
+            plain, _ = secagg.quantize(values, PARAMS.clip, PARAMS.bits, rng)
+            plain = np.concatenate([plain, [examples[client], 0]]).astype(np.uint32)
+            assert np.count_nonzero(vector == plain) <= 1, f"client {client} unmasked"
+
+    honest = Federation(updates, examples)
+    secure_round(honest, 3)
+    assert len(honest.vectors) == 3
+    check(honest)
+    monkeypatch.setattr(secagg_client.secagg, "add_mask", lambda v, seed, sign: v)
+    careless = Federation(updates, examples)
+    secure_round(careless, 3)
+    with pytest.raises(AssertionError, match="unmasked"):
+        check(careless)
+
+
+def test_a_wrong_share_is_found_and_left_out() -> None:
+    updates, examples = client_updates(4), {c: 40 for c in range(4)}
+
+    def corrupt(stage: str, client: int, reply: Message) -> Message:
+        if stage.endswith(SECAGG_UNMASK) and client == 3:
+            record = reply.content[SECAGG]
+            seeds = list(record["seeds"])
+            seeds[0] = seeds[0][:4] + bytes(len(seeds[0]) - 4)
+            record["seeds"] = seeds
+        return reply
+
+    _, outcome = secure_round(Federation(updates, examples, tamper=corrupt), 4)
+    got = outcome.arrays["w"].numpy().astype(np.float64)
+    assert np.allclose(got, weighted_mean(updates, examples, range(4)), atol=1e-4)
+    assert any("client 3: a revealed share is inconsistent" in f
+               for f in outcome.failures)  # fmt: skip
+
+
+def test_below_the_threshold_the_round_is_skipped_never_wrong() -> None:
+    updates, examples = client_updates(4), {c: 40 for c in range(4)}
+    federation = Federation(updates, examples, silent=silent_from("train", {1, 2}))
+    _, outcome = secure_round(federation, 4)
+    assert outcome.skipped
+    assert any("secure round skipped" in line and "cannot be unmasked" in line
+               for line in outcome.failures)  # fmt: skip
+
+
+def test_a_malformed_vector_drops_its_client_and_the_round_goes_on() -> None:
+    updates, examples = client_updates(4), {c: 40 for c in range(4)}
+
+    def truncate(stage: str, client: int, reply: Message) -> Message:
+        if stage == MessageType.TRAIN and client == 0:
+            vector = reply.content[MASKED][MASKED].numpy()[:-1]
+            reply.content[MASKED] = ArrayRecord({MASKED: Array(vector)})
+        return reply
+
+    _, outcome = secure_round(Federation(updates, examples, tamper=truncate), 4)
+    got = outcome.arrays["w"].numpy().astype(np.float64)
+    assert np.allclose(got, weighted_mean(updates, examples, [1, 2, 3]), atol=1e-4)
+    assert any("expected uint32[6]" in line for line in outcome.failures)
+
+
+def test_scaffolds_control_deltas_are_summed_securely() -> None:
+    updates, examples = client_updates(3), {0: 10, 1: 20, 2: 30}
+    deltas = {c: {"w": np.full(4, 0.1 * (c + 1), np.float32)} for c in range(3)}
+    control = ServerControl({"w": GLOBAL["w"]}, num_clients=6)
+    secure_round(Federation(updates, examples, controls=deltas), 3, control)
+    # c = 0 + (0.1 + 0.2 + 0.3) / 6, within 3 quanta / 6
+    assert np.allclose(control.c["w"], 0.1, atol=3 * PARAMS.quantum / 6 + 1e-7)
+
+
+def test_a_uniform_mean_weighs_every_client_once() -> None:
+    updates, examples = client_updates(3), {0: 10, 1: 20, 2: 30}
+    _, outcome = secure_round(Federation(updates, examples), 3, uniform=True)
+    plain = np.mean([updates[c]["w"].astype(np.float64) for c in range(3)], axis=0)
+    got = outcome.arrays["w"].numpy().astype(np.float64)
+    assert np.all(np.abs(got - plain) <= outcome.report["secagg-error-bound"])
+
+
+def test_the_clientapp_answers_every_stage() -> None:
+    registered = {f"{MessageType.QUERY}.{a}" for a in
+                  (SECAGG_KEYS, SECAGG_SHARES, SECAGG_UNMASK)}  # fmt: skip
+    assert registered <= set(client_app.app._registered_funcs)
+    assert secagg_client.secagg_mod in client_app.TRAIN_MODS
+
+
+# ---- settings ----------------------------------------------------------------
+
+
+def settings(**values) -> Settings:
+    base = {"secure-aggregation": "secagg+", "num-clients": 10, "client-frac": 0.5}
+    return Settings.from_run_config({**base, **values})
+
+
+@pytest.mark.parametrize(
+    ("values", "reason"),
+    [
+        ({"aggregator": "median"}, "needs each client's update"),
+        ({"aggregator": "fednova"}, "needs each client's update"),
+        ({"central-dp": "fixed"}, "needs each client's update"),
+        ({"update-norm-bound": 2.0}, "needs each client's update"),
+        ({"round-deadline": 30.0}, "cut the protocol between its stages"),
+        ({"mode": "async"}, "no round whose clients mask together"),
+        ({"client-execution": "cohort"}, "packs a node's clients"),
+        ({"client-frac": 0.2}, "needs at least 3"),
+        ({"secagg-bits": 30}, "overflows the 32-bit modulus"),
+        ({"secagg-threshold": 0.5}, "secagg-threshold"),
+    ],
+)
+def test_every_refused_combination_names_its_reason(values, reason) -> None:
+    with pytest.raises(SettingsError, match=reason):
+        settings(**values)
+
+
+@pytest.mark.parametrize("strategy", ["fedavg", "fedadam", "feddyn", "scaffold",
+                                      "fedprox", "fedper"])  # fmt: skip
+def test_secagg_composes_with_the_mean_strategies(strategy: str) -> None:
+    assert settings(strategy=strategy).secure_aggregation == "secagg+"
+
+
+def test_bits_and_clients_fit_the_modulus_by_hand() -> None:
+    # 5 clients a round: ceil(log2(6)) = 3 bits of headroom, so 29 fit
+    assert settings(**{"secagg-bits": 29}).secagg_bits == 29
+    assert math.ceil(math.log2(6)) == 3
