@@ -165,6 +165,27 @@ class Run:
         values = [v["local-accuracy"] for v in last.values()]
         return [v for v in values if v is not None] or None
 
+    def protocol_seconds(self) -> float | None:
+        """Under SecAgg+: the protocol's mean seconds a round beyond the
+        training exchange (keys, shares, unmask and its compute); None
+        for a run that did not aggregate securely."""
+        rounds = [r["aggregation"] for r in self.history
+                  if "secagg-keys-seconds" in r.get("aggregation", {})]  # fmt: skip
+        if not rounds:
+            return None
+        stages = ("keys", "shares", "unmask", "unmask-compute")
+        return statistics.fmean(
+            sum(a.get(f"secagg-{stage}-seconds", 0.0) for stage in stages)
+            for a in rounds
+        )
+
+    def error_bound(self) -> float | None:
+        """Under SecAgg+: the largest bound on an entry's quantisation error
+        in a round's mean; None for a run that did not aggregate securely."""
+        bounds = [r["aggregation"]["secagg-error-bound"] for r in self.history
+                  if "secagg-error-bound" in r.get("aggregation", {})]  # fmt: skip
+        return max(bounds) if bounds else None
+
     def link_mb(self) -> float | None:
         """MB the shaped links carried both ways (network.json), if measured."""
         if self.network is None:
@@ -338,6 +359,11 @@ def summarize_groups(runs: Sequence[Run], target: float | None) -> list[dict[str
         if owns is not None:  # clients' own shards: their mean, and their spread
             row["own-accuracy"] = _stats([statistics.fmean(o) for o in owns])
             row["own-spread"] = _stats([statistics.pstdev(o) for o in owns])
+        protocol = _of_every_seed([m.protocol_seconds() for m in members])
+        if protocol is not None:
+            row["secagg-seconds"] = _stats(protocol)
+            bounds = [m.error_bound() for m in members]
+            row["secagg-error"] = max(b for b in bounds if b is not None)
         links = _of_every_seed([m.link_mb() for m in members])
         if links is not None:
             row["link-mb"] = _stats(links)
@@ -401,6 +427,13 @@ def markdown_table(rows: Sequence[Mapping[str, Any]], target: float | None) -> s
     totals = [(f"{m.key}-total", m.total) for m in MEASURES if m.total]
     columns += present([
         (key, head, _stat_cell(key)) for key, head in [*totals, ("link-mb", "link MB")]
+    ])  # fmt: skip
+    columns += present([
+        ("secagg-seconds", "secagg s/round",
+         lambda row: _pm(row["secagg-seconds"], 1, 2) if "secagg-seconds" in row
+         else "n/a"),
+        ("secagg-error", "secagg error bound",
+         lambda row: f"{row['secagg-error']:.1e}" if "secagg-error" in row else "n/a"),
     ])  # fmt: skip
     lines = [
         "| " + " | ".join(head for head, _ in columns) + " |",

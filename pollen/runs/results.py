@@ -244,6 +244,7 @@ def round_lines(record: RoundRecord, total_rounds: int, seconds_left: float) -> 
         f"~{seconds_left:.0f} s left"
         + (f", dp epsilon {record.dp_epsilon:.2f}" if record.dp_epsilon else "")
         + _central_dp_text(record.aggregation)
+        + _secagg_text(record.aggregation)
         + (
             f", simulated {record.sim_seconds:.2f} s"
             if record.sim_seconds is not None
@@ -260,6 +261,19 @@ def round_lines(record: RoundRecord, total_rounds: int, seconds_left: float) -> 
         + _fault_line(record)
         + _personal_line(record)
     )
+
+
+def _secagg_text(report: dict[str, float]) -> str:
+    if "secagg-survivors" not in report:
+        return ""
+    asked = report["secagg-survivors"] + report["secagg-dropped"]
+    return (
+        f", secagg+ sum of {report['secagg-survivors']:g}/{asked:g} clients "
+        f"(error <= {report['secagg-error-bound']:.1e}"
+        + (f", {report['secagg-clipped']:g} entries clipped" if report["secagg-clipped"]
+           else "")
+        + ")"
+    )  # fmt: skip
 
 
 def _central_dp_text(report: dict[str, float]) -> str:

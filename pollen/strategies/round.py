@@ -145,7 +145,9 @@ def play_round(
         arrays=arrays,
         clients=request.clients + sorted(set(late) - set(request.clients)),
         updates=trained.updates,
-        bytes_down=request.bytes_down,
+        bytes_down=(
+            request.bytes_down if trained.bytes_down is None else trained.bytes_down
+        ),
         bytes_up=trained.bytes_up,
         skipped=trained.skipped,
         failures=trained.failures + evaluated.failures,

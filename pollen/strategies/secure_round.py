@@ -87,8 +87,9 @@ class Stages:
         out = {}
         for stage, seconds in self.seconds.items():
             out[f"secagg-{stage}-seconds"] = round(seconds, 4)
-            out[f"secagg-{stage}-bytes-down"] = self.bytes_down.get(stage, 0)
-            out[f"secagg-{stage}-bytes-up"] = self.bytes_up.get(stage, 0)
+            if stage in self.bytes_down:  # an exchange (not the server's compute)
+                out[f"secagg-{stage}-bytes-down"] = self.bytes_down[stage]
+                out[f"secagg-{stage}-bytes-up"] = self.bytes_up[stage]
         return out
 
 
@@ -332,6 +333,7 @@ class _SecureRun:
             outcome,
             report=report,
             bytes_up=sum(self.stages.bytes_up.values()),
+            bytes_down=sum(self.stages.bytes_down.values()),
             arrays=self.strategy.step(request.model, request.shared, aggregate),
         )
 
@@ -353,6 +355,7 @@ class _SecureRun:
             failures=self.stages.failures,
             report=self.stages.report(),
             bytes_up=sum(self.stages.bytes_up.values()),
+            bytes_down=sum(self.stages.bytes_down.values()),
         )
 
     # ---- messages ------------------------------------------------------------

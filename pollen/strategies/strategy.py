@@ -109,6 +109,8 @@ class TrainOutcome:
     report: dict[str, float] = field(default_factory=dict)  # the aggregation step's
     answered: int = 0  # replies that arrived (not a Flower error)
     non_finite: int = 0  # of those, dropped for carrying NaN or infinity
+    # all the half sent, where it sent more than the request (SecAgg+'s stages)
+    bytes_down: int | None = None
 
     @property
     def skipped(self) -> bool:
