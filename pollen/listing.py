@@ -24,6 +24,7 @@ from .catalog import (
     MODELS,
     PARTITIONS,
     PRESETS,
+    SECURE_AGGREGATIONS,
     SERVER_UPDATES,
     SHARING_POLICIES,
     TRAINING_KEYS,
@@ -69,6 +70,7 @@ def parts() -> str:
         ("central-dp", [(name, "") for name in CENTRAL_DP]),
         ("attack", [(name, "") for name in ATTACKS]),
         ("client-execution", list(CLIENT_EXECUTIONS.items())),
+        ("secure-aggregation", list(SECURE_AGGREGATIONS.items())),
     ]
     return "\n".join(f"  {key}:\n{_rows(pairs, 4)}" for key, pairs in sections)
 

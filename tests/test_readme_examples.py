@@ -69,6 +69,11 @@ EXAMPLES = {
     '''-c "data-set='synthetic' model='logreg' num-clients=100000 client-frac=0.001 client-execution='cohort'"''': Example(
         covered_by="tests/test_simulation.py::test_cohorts_train_the_rounds_sequential_training_does",
     ),
+    # SecAgg+ on the default digits run: the secure-aggregation test runs
+    # these settings and holds them to the plain run's history
+    '''-c "secure-aggregation='secagg+' num-clients=6 client-frac=1.0"''': Example(
+        covered_by="tests/test_simulation.py::test_secure_aggregation_trains_the_rounds_plain_aggregation_does",
+    ),
     '''-c "tracker='mlflow'"''': Example(accuracy=0.8),
     '''-c "model='mlp-bn' strategy='fedyogi' bn-policy='fedbn'"''': Example(
         accuracy=0.8, personal=True

@@ -8,6 +8,11 @@ outside writes into the strategy; the loop passes in who can take part.
 The same calls Flower's `Strategy.start` makes, in its order, so that a
 round can start anywhere (a resumed run starts after its checkpoint).
 
+Under SecAgg+ (`secure-aggregation`) the training half is the protocol's
+(`secure_round.SecureAggregation`): the server learns only the sum of the
+updates and steps the server update from its mean, with no deadline and no
+norm bound (both need each update).
+
 With a `RoundTiming` the round has a deadline (replies after it are
 discarded and recorded as late) and, under a network profile, a simulated
 time (`strategies.clock`). The asynchronous loop, FedBuff's, sits beside this one

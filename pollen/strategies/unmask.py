@@ -89,17 +89,20 @@ def _rebuilt(
     wrong: set[int],
     verified: Callable[[bytes], bool],
 ) -> bytes:
-    """The secret `shares` rebuild and `verified` accepts: from all of them
-    (Lagrange interpolation through more than `threshold` consistent points
-    still gives the secret, and one wrong point changes it), or, where one
-    is wrong, from the others (its holder added to `wrong`)."""
+    """The secret `shares` rebuild and `verified` accepts: from the first
+    `threshold` of them (interpolation is quadratic in the shares used), or,
+    where that fails, from all of them (more than `threshold` consistent
+    points still give the secret) or all but one, the one left out being
+    wrong (its holder added to `wrong`)."""
     if len(shares) < threshold:
         raise UnmaskError(
             f"client {owner}: {len(shares)} shares revealed, {threshold} needed"
         )
-    attempts: list[tuple[int | None, list[tuple[int, bytes]]]] = [(None, shares)]
+    attempts: list[tuple[int | None, list[tuple[int, bytes]]]] = [
+        (None, shares[:threshold])
+    ]
     if len(shares) > threshold:
-        attempts += [
+        attempts += [(None, shares)] + [
             (holder, [s for s in shares if s[0] != holder]) for holder, _ in shares
         ]
     for left_out, chosen in attempts:
