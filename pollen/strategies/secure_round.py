@@ -140,6 +140,7 @@ class _SecureRun:
         self.entries = sorted(k for k in strategy.trained_keys(current) if k in current)
         control = strategy.control
         self.control_entries = sorted(control.c) if control else []
+        self.scale = 0  # S, the round's largest shard (0: a uniform mean)
 
     # ---- the stages ----------------------------------------------------------
 
@@ -233,30 +234,9 @@ class _SecureRun:
     ) -> tuple[list[ClientUpdate], dict[int, np.ndarray]]:
         """Stage 3: the training messages with the relayed shares; the
         survivors' updates (metrics only) and masked vectors."""
-        request, params = self.request, self.options.params
-        bounds = [request.participants.max_examples.get(c, 0) for c in shared]
+        bounds = [self.request.participants.max_examples.get(c, 0) for c in shared]
         self.scale = 0 if self.options.uniform else max(bounds, default=0)
-        messages = []
-        for message in request.messages:
-            client = int(message.content[CONFIG][CLIENT])
-            if client not in shared:
-                continue
-            me = self.ids[client]
-            relayed = {v: cts[me] for c, (_, cts) in shared.items()
-                       if me in cts and (v := self.ids[c])}  # fmt: skip
-            record = _lists(
-                **{"from": sorted(relayed),
-                   "ciphertexts": [relayed[v] for v in sorted(relayed)],
-                   "entries": self.entries,
-                   "control-entries": self.control_entries,
-                   "weight-scale": float(self.scale)},
-                clip=params.clip, bits=params.bits, seed=self.options.seed,
-            )  # fmt: skip
-            content = RecordDict({**message.content, SECAGG: record})
-            messages.append(
-                Message(content, dst_node_id=message.metadata.dst_node_id,
-                        message_type=message.metadata.message_type)
-            )  # fmt: skip
+        messages = self._training_messages(shared)
         length = self._length() + TAIL
         replies = self._send(messages, "train", list(shared))
         updates, vectors = [], {}
@@ -274,6 +254,36 @@ class _SecureRun:
             updates.append(ClientUpdate(client, {}, metrics, 0.0))
         updates.sort(key=lambda u: u.client)
         return updates, vectors
+
+    def _training_messages(
+        self, shared: dict[int, tuple[int, dict[int, bytes]]]
+    ) -> list[Message]:
+        """The round's training message of each client that shared, with the
+        shares relayed to it and what its vector holds."""
+        params = self.options.params
+        messages = []
+        for message in self.request.messages:
+            client = int(message.content[CONFIG][CLIENT])
+            if client not in shared:
+                continue
+            me = self.ids[client]
+            relayed = {
+                self.ids[c]: cts[me] for c, (_, cts) in shared.items() if me in cts
+            }
+            record = _lists(
+                **{"from": sorted(relayed),
+                   "ciphertexts": [relayed[v] for v in sorted(relayed)],
+                   "entries": self.entries,
+                   "control-entries": self.control_entries,
+                   "weight-scale": float(self.scale)},
+                clip=params.clip, bits=params.bits, seed=self.options.seed,
+            )  # fmt: skip
+            content = RecordDict({**message.content, SECAGG: record})
+            messages.append(
+                Message(content, dst_node_id=message.metadata.dst_node_id,
+                        message_type=message.metadata.message_type)
+            )  # fmt: skip
+        return messages
 
     def _revealed(self, vectors: Mapping[int, np.ndarray], shared: Mapping) -> Revealed:
         """Stage 4: the survivors' revealed shares, by owner."""
@@ -303,10 +313,11 @@ class _SecureRun:
         """The outcome with the server update stepped from the unmasked mean."""
         params, request = self.options.params, self.request
         weight, clipped = int(total[-2]), int(total[-1])
-        possible = count if self.options.uniform else count * self.scale
-        if not (
-            0 < weight <= possible and (weight == count or not self.options.uniform)
-        ):
+        # each survivor adds 1 (uniform) or its n_k in [1, S]
+        possible = weight == count if self.options.uniform else (
+            count <= weight <= count * self.scale
+        )  # fmt: skip
+        if not possible:
             return self._skipped(outcome, f"the unmasked example weight {weight} "
                                  "is impossible: inconsistent vectors")  # fmt: skip
         sums = iter(self._split(secagg.dequantize(
@@ -459,7 +470,4 @@ def _lists(**values: object) -> ConfigRecord:
 
 
 def _bytes(content: RecordDict) -> int:
-    total = 0
-    for record in content.values():
-        total += record.count_bytes() if hasattr(record, "count_bytes") else 0
-    return total
+    return sum(record.count_bytes() for record in content.values())
