@@ -85,8 +85,10 @@ def feddyn_state_key(client: int) -> str:
 
 
 def secagg_state_key(client: int) -> str:
-    """A secure round's secrets and the shares a client holds (one round)."""
-    return f"secagg-{client}"
+    """A secure round's secrets and the shares a client holds, for that round
+    only: named outside the `<name>-<client>` form, so the client-state store
+    (`pollen.task.client_state`) never writes, spills or restores them."""
+    return f"secagg/{client}"
 
 
 def dp_steps_key(client: int) -> str:

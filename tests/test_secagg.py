@@ -383,3 +383,21 @@ def test_pollen_list_shows_the_option_and_what_it_composes_with() -> None:
     assert "secure-aggregation:" in text
     line = next(row for row in text.splitlines() if "secagg+" in row)
     assert "fedavg, fedopt, feddyn" in line and "refused: robust" in line
+
+
+def test_a_rounds_secrets_never_reach_the_client_state_store() -> None:
+    """The keys and shares a client holds between stages are not client
+    state: a checkpoint or a spill never writes them to disk."""
+    from pollen.protocol import secagg_state_key
+    from pollen.task.client_state import export_state, held_bytes
+
+    context = Context(1, 5, {}, RecordDict(), {})
+    message = Message(
+        RecordDict({CONFIG: ConfigRecord({CLIENT: 3, "server-round": 2}),
+                    SECAGG: ConfigRecord({"id": 1})}),
+        dst_node_id=5, message_type=f"{MessageType.QUERY}.{SECAGG_KEYS}",
+    )  # fmt: skip
+    secagg_client.advertise_keys(message, context)
+    assert secagg_state_key(3) in context.state
+    assert export_state(dict(context.state.items()), 3) == {}
+    assert held_bytes(context) == {}
