@@ -401,3 +401,27 @@ def test_a_rounds_secrets_never_reach_the_client_state_store() -> None:
     assert secagg_state_key(3) in context.state
     assert export_state(dict(context.state.items()), 3) == {}
     assert held_bytes(context) == {}
+
+
+def test_pollen_report_shows_the_protocols_seconds_and_error_bound(tmp_path) -> None:
+    from pollen.experiments import report
+    from tests.test_compare import write_run
+
+    secure = {"secagg-keys-seconds": 1.0, "secagg-shares-seconds": 2.0,
+              "secagg-train-seconds": 9.0, "secagg-unmask-seconds": 0.5,
+              "secagg-unmask-compute-seconds": 0.1, "secagg-error-bound": 2e-6}  # fmt: skip
+    rows = [
+        {"round": r, "accuracy": 0.9, "bytes-up": 1, "bytes-down": 1,
+         "aggregation": {**secure, "secagg-error-bound": 1e-6 * r}}
+        for r in (1, 2)
+    ]  # fmt: skip
+    write_run(tmp_path, "on", {"secure-aggregation": "secagg+"}, [0.9, 0.9],
+              history=rows)  # fmt: skip
+    write_run(tmp_path, "off", {"secure-aggregation": "off"}, [0.9, 0.9])
+    runs = report.read_runs(tmp_path)
+    table = report.markdown_table(report.summarize_groups(runs, None), None)
+    head, _, off, on = table.splitlines()
+    assert head.endswith("| secagg s/round | secagg error bound |")
+    assert off.endswith("| n/a | n/a |")
+    # keys + shares + unmask + its compute, not the training: 3.6 s a round
+    assert on.endswith("| 3.60 | 2.0e-06 |")
