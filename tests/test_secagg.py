@@ -425,3 +425,45 @@ def test_pollen_report_shows_the_protocols_seconds_and_error_bound(tmp_path) -> 
     assert off.endswith("| n/a | n/a |")
     # keys + shares + unmask + its compute, not the training: 3.6 s a round
     assert on.endswith("| 3.60 | 2.0e-06 |")
+
+
+def test_batchnorm_statistics_are_averaged_like_the_weights(monkeypatch) -> None:
+    """Running means and variances are shared floating entries the clients'
+    training changes without a gradient: the secure mean averages them as
+    the plain mean does (a round that kept them would test with the
+    initial statistics)."""
+    from pollen.task.models import build_model
+    from pollen.task.sharing import Sharing
+
+    net = build_model("mlp-bn", (1, 8, 8), 10, 1)
+    model = {k: v.detach().numpy().copy() for k, v in net.state_dict().items()}
+    monkeypatch.setattr("tests.test_secagg.GLOBAL", {k: v for k, v in model.items()})
+    rng = np.random.default_rng(0)
+    updates = {
+        c: {k: (v + rng.uniform(-0.1, 0.1, v.shape)).astype(v.dtype)
+            if np.issubdtype(v.dtype, np.floating) else np.asarray(v + 7)
+            for k, v in model.items()}
+        for c in range(3)
+    }  # fmt: skip
+    examples = {0: 10, 1: 20, 2: 30}
+    sharing = Sharing.of("shared", net)
+    running = next(k for k in model if k.endswith("running_mean"))
+    assert running not in sharing.trained_shared(exclude_bn=False)
+    owner = {c: 100 for c in range(3)}
+    strategy = Strategy(
+        num_clients=3, client_frac=1.0, seed=7, server_update=FedAvgUpdate(),
+        sharing=sharing, secure=SecureAggregation(PARAMS, 7, False),
+    )  # fmt: skip
+    request = strategy.configure_train(
+        1, ArrayRecord({k: Array(v) for k, v in model.items()}),
+        ConfigRecord({LR: 0.1}), Participants(Roster(owner), dict.fromkeys(owner, 40)),
+    )  # fmt: skip
+    outcome = strategy.secure.train(Federation(updates, examples), strategy, request, 5)
+    bound = outcome.report["secagg-error-bound"]
+    for key in (running, next(k for k in model if k.endswith("weight"))):
+        expected = sum(examples[c] * updates[c][key].astype(np.float64)
+                       for c in range(3)) / 60  # fmt: skip
+        got = outcome.arrays[key].numpy().astype(np.float64)
+        assert np.all(np.abs(got - expected) <= bound + 1e-7), key
+    counter = next(k for k in model if k.endswith("num_batches_tracked"))
+    assert outcome.arrays[counter].numpy() == model[counter]  # kept, not averaged

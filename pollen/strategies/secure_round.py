@@ -137,7 +137,11 @@ class _SecureRun:
         )
         self.stages = Stages()
         current = request.current
-        self.entries = sorted(k for k in strategy.trained_keys(current) if k in current)
+        # every floating shared entry (BatchNorm's running statistics too, as
+        # the mean in the clear averages them); integer ones keep their value
+        self.entries = sorted(
+            k for k, v in current.items() if np.issubdtype(v.dtype, np.floating)
+        )
         control = strategy.control
         self.control_entries = sorted(control.c) if control else []
         self.scale = 0  # S, the round's largest shard (0: a uniform mean)
