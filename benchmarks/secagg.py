@@ -109,7 +109,7 @@ def one_round(
         c: {k: v + rng.normal(0, 0.01, v.shape).astype(v.dtype) for k, v in model.items()}
         for c in range(count)
     }  # fmt: skip
-    params = secagg.SecAggParams(0.6, neighbours, 1.0, 20)
+    params = secagg.SecAggParams(0.6, neighbours, 1.0, 20)  # clip, bits: no cost
     strategy = Strategy(
         num_clients=count, client_frac=1.0, seed=1, server_update=FedAvgUpdate(),
         secure=SecureAggregation(params, 1, uniform=False),

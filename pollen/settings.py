@@ -365,13 +365,13 @@ class Settings:
         in_range(0, 1),
     )
     secagg_clip: float = key(
-        1.0,
+        8.0,
         "secagg+: each entry of a weighted update (the change from the global "
         "model times n_k / the round's largest shard) is clipped to +-this",
         above(0),
     )
     secagg_bits: int = key(
-        20,
+        24,
         "secagg+: quantisation steps 2^bits over [-clip, clip]; a round's sum "
         "must fit 32 bits, so bits + log2(clients per round) <= 32",
         Rule(lambda v: 8 <= v <= 30, "in [8, 30]"),
