@@ -41,7 +41,7 @@ def wait_until_sent(log: Path, line: str, count: int, timeout: float = 120) -> N
     raise AssertionError(f"{log} never sent {line!r} {count} times")
 
 
-@pytest.mark.xdist_group("secagg-deployment")
+@pytest.mark.xdist_group("deployment")  # not beside the timed shaped-link round
 def test_a_node_killed_after_sharing_keys_leaves_a_complete_secure_round(
     tmp_path: Path,
 ) -> None:
