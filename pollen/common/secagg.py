@@ -47,7 +47,6 @@ from flwr.common.secure_aggregation.crypto.symmetric_encryption import (
     generate_shared_key,
 )
 
-MODULUS_BITS = 32
 SEED_BYTES = 32  # b_u, and a pairwise mask key
 
 
@@ -64,11 +63,6 @@ class SecAggParams:
     def quantum(self) -> float:
         """The width of one quantisation step."""
         return 2 * self.clip / 2**self.bits
-
-
-def max_clients(bits: int) -> int:
-    """The most vectors of `bits`-bit quanta whose sum fits in 2^32."""
-    return 2 ** (MODULUS_BITS - bits) - 1
 
 
 def ring_neighbours(n: int, share: float) -> dict[int, tuple[int, ...]]:
