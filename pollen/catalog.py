@@ -334,6 +334,8 @@ BN_POLICIES = ("shared", "fedbn", "silobn")
 SHARING = ("all", "lora-a", "lora", "fedper")
 LORA_SHARING = ("lora-a", "lora")
 SHARING_POLICIES = (*BN_POLICIES, *SHARING[1:])
+# what sharing, FedRep's schedule and Ditto's personal model refuse
+PERSONAL_RULES = "pollen.task.personal_rules:personal_problem"
 
 # A strategy preset is a default combination of parts (explicit keys win):
 # a server update and a local objective, plus the server momentum that makes
@@ -380,6 +382,7 @@ def assumed_training(*parts: Part) -> dict[str, Scalar]:
 # how the server drives training: synchronous rounds, or FedBuff's buffered
 # asynchronous aggregation (pollen.strategies.asynchronous)
 MODES = ("sync", "async")
+ASYNC_RULES = "pollen.strategies.async_rules:async_problem"
 
 # what `update-norm-bound` does to a larger update (pollen.strategies.replies)
 NORM_ACTIONS = ("clip", "drop")

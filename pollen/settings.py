@@ -1,29 +1,31 @@
 """Every run-config key pollen understands, declared once.
 
 A key's type, default, help text and allowed values live in the field of
-`Settings` that holds it (the predicates and their words:
-`pollen.common.values`). `Settings.from_run_config` turns Flower's run config
+`Settings` that holds it (how a key is declared and checked on its own:
+`pollen.keys`). `Settings.from_run_config` turns Flower's run config
 (pyproject defaults fused with `--run-config` overrides) into a validated,
-typed, frozen object; anything invalid raises `SettingsError` with one line
-naming the key, the value and what is allowed, before any data is touched.
+typed, frozen object: each value checked, every "auto" resolved
+(`pollen.presets`), then the combination; anything invalid raises
+`SettingsError` with one line naming the key, the value and what is
+allowed, before any data is touched.
 
 A part's own rules (an aggregator's fewest replies, the modes and other
 parts it refuses) live with the part: `Settings` asks each part the run
-combines through the catalogue's import paths (`problem(settings)`), never
-by a static import, as it will ask a user's own plug-in part.
+combines through the catalogue's import paths (`problem(settings)`), and
+each mode its rules module (FedBuff's, cohorts', SecAgg+'s, personal
+training's), never by a static import, as it will ask a user's own
+plug-in part.
 """
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-import difflib
-from collections.abc import Collection, Mapping
-from dataclasses import dataclass, field
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 from .catalog import (
+    ASYNC_RULES,
     ATTACKS,
     BN_POLICIES,
     CENTRAL_DP,
@@ -35,36 +37,43 @@ from .catalog import (
     DATA_SETS,
     DEVICES,
     FEDDYN_H_SCALES,
-    LORA_SHARING,
     MODELS,
     MODES,
     NORM_ACTIONS,
     PARTITIONS,
+    PERSONAL_RULES,
     PRESETS,
     SECAGG_RULES,
     SECURE_AGGREGATIONS,
     SHARING,
     TRACKERS,
-    TRAINING_KEYS,
-    DataSetInfo,
-    ModelInfo,
-    Part,
     Scalar,
-    assumed_training,
     load,
 )
 from .common.attackers import attack_problem, attacking, parse_clients
 from .common.partition_sizes import split_problem
-from .common.values import (
+from .extensions import (
+    DATA_SET_GROUP,
+    MODEL_GROUP,
+    ExtensionError,
+    data_set_info,
+    model_info,
+    part,
+)
+from .keys import (
+    AUTO,
     Rule,
+    SettingsError,
     above,
+    allowed_text,
     at_least,
     betas_rule,
-    coerce,
+    checked_values,
     folder_name_rule,
     fraction,
     in_range,
-    kind_words,
+    key,
+    key_name,
     one_of,
     open_fraction,
     parse_betas,
@@ -73,39 +82,13 @@ from .common.values import (
     tracking_uri_rule,
     webhook_rule,
 )
-from .extensions import (
-    DATA_SET_GROUP,
-    MODEL_GROUP,
-    PART_KEYS,
-    ExtensionError,
-    data_set_info,
-    model_info,
-    part,
-)
 from .network_profile import NetworkProfile, ProfileError
+from .presets import keeps_own_model, resolve_auto
 
-AUTO = "auto"
 STRATEGIES = tuple(PRESETS)
 # Keys that name one invocation of a run, not what it computes: a resume or a
 # finished comparison cell never differs by them
 INVOCATION_KEYS = frozenset({"run-token"})
-
-
-class SettingsError(ValueError):
-    """An invalid run-config value; the message is one line a user can act on."""
-
-
-def key(
-    default: Scalar, help: str, rule: Rule | None = None, kind: type | None = None
-) -> Any:
-    """Declare one run-config key (as a dataclass field).
-
-    `kind` is the value type when the default is the string "auto" (the key
-    then takes "auto" or a value of that kind, and "auto" is resolved from the
-    strategy preset, or for the client's hyper-parameters from the data set).
-    """
-    metadata = {"help": help, "rule": rule, "kind": kind or type(default)}
-    return field(default=default, metadata=metadata)
 
 
 @dataclass(frozen=True)
@@ -566,31 +549,11 @@ class Settings:
     @classmethod
     def from_run_config(cls, run_config: Mapping[str, Scalar]) -> Settings:
         """Validate a Flower run config; unknown keys and bad values raise."""
-        fields = {f.name.replace("_", "-"): f for f in dataclasses.fields(cls)}
-        unknown = sorted(set(run_config) - set(fields))
-        if unknown:
-            raise SettingsError(unknown_key_message(unknown[0], fields))
-        values: dict[str, Scalar] = {}
-        for name, f in fields.items():
-            raw = run_config.get(name, f.default)
-            if raw == AUTO and f.default == AUTO:
-                values[name] = AUTO
-                continue
-            value = coerce(raw, f.metadata["kind"])
-            rule: Rule | None = f.metadata["rule"]
-            if value is None:
-                allowed = kind_words(f.metadata["kind"])
-            elif rule is not None and not rule.check(value):
-                allowed = rule.allowed
-            else:
-                values[name] = value
-                continue
-            raise SettingsError(
-                f"invalid value for {name!r}: {raw!r}; allowed: "
-                + ("auto or " if f.default == AUTO else "")
-                + allowed
-            )
-        _resolve_preset(values)
+        values = checked_values(dataclasses.fields(cls), run_config)
+        try:
+            values = resolve_auto(values)
+        except ValueError as err:  # a user's part or the parts' assumptions
+            raise SettingsError(str(err)) from None
         settings = cls(**{name.replace("-", "_"): v for name, v in values.items()})
         _check_combination(settings)
         return settings
@@ -610,7 +573,7 @@ class Settings:
         """Clients carry state from round to round (entries or a model of
         their own, FedDyn's h_k, SCAFFOLD's c_k), which only a run that
         checkpoints saves for a resume."""
-        objective = _part("local-objective", self.local_objective).load()
+        objective = part("local-objective", self.local_objective).load()
         return self.keeps_own_model or objective.keeps_state
 
     @property
@@ -632,50 +595,15 @@ class Settings:
 
     def to_run_config(self) -> dict[str, Scalar]:
         """The settings as run-config keys (what `settings.json` holds)."""
-        return {
-            f.name.replace("_", "-"): getattr(self, f.name)
-            for f in dataclasses.fields(self)
-        }
+        return {key_name(f): getattr(self, f.name) for f in dataclasses.fields(self)}
 
     @classmethod
     def describe(cls) -> list[tuple[str, Scalar, str, str]]:
         """(key, default, help, allowed) for every key: the reference table."""
         return [
-            (
-                f.name.replace("_", "-"),
-                f.default,
-                f.metadata["help"],
-                _allowed_text(f),
-            )
+            (key_name(f), f.default, f.metadata["help"], allowed_text(f))
             for f in dataclasses.fields(cls)
         ]
-
-
-def _allowed_text(f: dataclasses.Field) -> str:
-    rule: Rule | None = f.metadata["rule"]
-    text = rule.allowed if rule else ""
-    if f.default == AUTO and f.metadata["kind"] is not str:
-        text = f"auto or {text}"
-    return text
-
-
-def unknown_key_message(name: str, known: Collection[str]) -> str:
-    """One line for a key pollen does not know: the closest known keys when
-    the name looks like a typo of one, else where the whole list is."""
-    close = difflib.get_close_matches(name, list(known), n=3, cutoff=0.75)
-    hint = (
-        "did you mean " + " or ".join(repr(k) for k in close) + "?"
-        if close
-        else "`pollen list keys` lists every key"
-    )
-    return f"unknown run-config key {name!r}; {hint}"
-
-
-def keeps_own_model(sharing_policy: str, ditto_lambda: float) -> bool:
-    """Whether clients keep entries of their own (a sharing policy other
-    than shared) or a personal model (Ditto): then the global model alone is
-    not what a client uses."""
-    return sharing_policy != "shared" or ditto_lambda > 0
 
 
 def sample_size(num_clients: int, fraction: float, minimum: int) -> int:
@@ -683,248 +611,83 @@ def sample_size(num_clients: int, fraction: float, minimum: int) -> int:
     return min(max(minimum, int(fraction * num_clients + 1e-9)), num_clients)
 
 
-def _resolve_preset(values: dict[str, Scalar]) -> None:
-    """Replace every "auto" with the value the strategy preset gives it, or
-    for the client's hyper-parameters the data set's defaults for the client
-    optimiser."""
-    data_set = _data_set(str(values["data-set"]))
-    preset = PRESETS[str(values["strategy"])]
-    for name in ("server-update", "local-objective"):
-        if values[name] == AUTO:
-            values[name] = preset[name]
-    training = {
-        **data_set.training.values(str(values["client-optimizer"])),
-        **_assumed_training(values),
-    }
-    for name in TRAINING_KEYS:
-        if values[name] == AUTO:
-            values[name] = training[name]
-    if values["partition"] == AUTO:
-        values["partition"] = data_set.partition
-    if values["server-momentum"] == AUTO:
-        values["server-momentum"] = float(preset.get("server-momentum", 0.0))
-    if values["sharing"] == AUTO:
-        values["sharing"] = preset.get("sharing", "all")
-    if values["mode"] == AUTO:
-        values["mode"] = preset.get("mode", "sync")
-    if values["head-epochs"] == AUTO:
-        values["head-epochs"] = int(preset.get("head-epochs", 0))
-    if values["ditto-lambda"] == AUTO:
-        values["ditto-lambda"] = float(preset.get("ditto-lambda", 0.0))
-    if values["personal-eval-every"] == AUTO:
-        policy = (
-            values["bn-policy"] if values["sharing"] == "all" else values["sharing"]
-        )
-        own = keeps_own_model(str(policy), float(values["ditto-lambda"]))
-        values["personal-eval-every"] = int(own)
-    if values["server-lr"] == AUTO:  # the server update's own default
-        update = _part("server-update", str(values["server-update"])).load()
-        values["server-lr"] = update.auto_server_lr
-
-
-def _data_set(name: str) -> DataSetInfo:
-    """The run's data set: a built-in's entry, or a user's, loaded."""
-    try:
-        return data_set_info(name)
-    except ExtensionError as err:
-        raise SettingsError(str(err)) from None
-
-
-def _model(name: str, data_set: str) -> ModelInfo:
-    """The run's model: a built-in's entry, or a user's, built on the data."""
-    try:
-        return model_info(name, data_set)
-    except ExtensionError as err:
-        raise SettingsError(str(err)) from None
-
-
-def _part(key: str, name: str) -> Part:
-    """The part `key` names: the catalogue's, or a user's, imported."""
-    try:
-        return part(key, name)
-    except ExtensionError as err:
-        raise SettingsError(str(err)) from None
-
-
-def _run_parts(values: Mapping[str, Scalar]) -> tuple[Part, ...]:
-    """The parts a run combines (its server update, aggregator and local
-    objective resolved)."""
-    return (
-        _part("server-update", str(values["server-update"])),
-        _part("aggregator", str(values["aggregator"])),
-        _part("local-objective", str(values["local-objective"])),
-    )
-
-
-def _assumed_training(values: Mapping[str, Scalar]) -> dict[str, Scalar]:
-    try:
-        return assumed_training(*_run_parts(values))
-    except ValueError as err:
-        raise SettingsError(str(err)) from None
-
-
-def departures(run_config: Mapping[str, Scalar], settings: Settings) -> list[str]:
-    """One line for each client hyper-parameter that `run_config` sets
-    explicitly to another value than a part of the run assumes (SCAFFOLD's
-    plain SGD): pollen runs what was asked, and says so once."""
-    values = settings.to_run_config()
-    lines = []
-    for run_part in _run_parts(values):
-        for key, assumed in run_part.training.items():
-            given = run_config.get(key, AUTO)
-            if given != AUTO and values[key] != assumed:
-                lines.append(
-                    f"{key}={values[key]:g} as asked, though {run_part.name} assumes "
-                    f"{key}={assumed:g}: {run_part.training_reason}"
-                )
-    return lines
-
-
-def first_difference(
-    recorded: Mapping[str, Any], run_config: Mapping[str, Any], ignored: Collection[str]
-) -> str | None:
-    """The first key (in sorted order, outside `ignored`) whose value in
-    `run_config` differs from the one a run recorded, or None: whether a saved
-    run computed what `run_config` asks. A key the run did not record was
-    added to pollen since, so the run had its default."""
-    defaults = {key: default for key, default, _, _ in Settings.describe()}
-    resolved = {**defaults, **recorded}
-    with contextlib.suppress(KeyError):  # a record too old to name its strategy
-        _resolve_preset(resolved)  # an "auto" key added since: its preset's value
-    for key in sorted(run_config):
-        then = recorded.get(key, resolved.get(key))  # a key added since: its default
-        if key not in ignored and then != run_config[key]:
-            return key
-    return None
-
-
 def _check_combination(s: Settings) -> None:
     """Refuse combinations of valid values that cannot work together: the
-    model's rules, personal models, the data's split, then what the run's
-    parts refuse (asked of each), central DP, the attack and asynchronous
-    training."""
-    data_set, model = _data_set(s.data_set), _model(s.model, s.data_set)
+    first problem `_problems` finds, as one line."""
+    try:
+        problem = next((p for p in _problems(s) if p), None)
+    except ExtensionError as err:  # a user's part that cannot be imported
+        raise SettingsError(str(err)) from None
+    if problem:
+        raise SettingsError(problem)
+
+
+def _problems(s: Settings) -> Iterator[str | None]:
+    """What each rule says of `s`, in order, lazily: the model's rules, what
+    clients keep of their own, the data's split, the run's parts (asked of
+    each), central DP, the attack, asynchronous training, cohorts, secure
+    aggregation, the network profile, tracking and resuming."""
+    data_set, model = data_set_info(s.data_set), model_info(s.model, s.data_set)
     if problem := model.input_problem(data_set.channels, data_set.side):
-        raise SettingsError(f"{problem}; data-set={s.data_set!r}")
-    if problem := model.sharing_problem(s.sharing):
-        raise SettingsError(problem)
-    _check_personal(s)
-    if s.sharing != "all" and s.bn_policy != "shared":
-        raise SettingsError(
-            f"bn-policy={s.bn_policy!r} with sharing={s.sharing!r}: a sharing "
-            "other than all decides every entry itself (BatchNorm included); "
-            "leave bn-policy at shared"
-        )
-    if problem := model.cache_problem(s.cache_features, s.augment):
-        raise SettingsError(problem)
-    if problem := split_problem(data_set, s.partition, s.num_clients, s.min_size,
-                                s.classes_per_client):  # fmt: skip
-        raise SettingsError(problem)
-    if problem := model.batchnorm_problem(s.dp, s.bn_policy, s.batch_size):
-        raise SettingsError(problem)
-    _check_parts(s)
-    if s.central_dp != "off" and (problem := load(CENTRAL_DP_STEP).problem(s)):
-        raise SettingsError(problem)
-    if problem := attack_problem(s.attack, s.attackers, s.attacker_clients,
-                                 s.num_clients):  # fmt: skip
-        raise SettingsError(problem)
-    _check_async(s)
-    if s.client_execution == "cohort" and (problem := load(COHORT_RULES)(s)):
-        raise SettingsError(problem)
-    if s.secure_aggregation != "off" and (problem := load(SECAGG_RULES)(s)):
-        raise SettingsError(problem)
-    if s.network_profile:
-        try:
-            NetworkProfile.load(Path(s.network_profile))
-        except ProfileError as err:
-            raise SettingsError(f"network-profile: {err}") from None
+        yield f"{problem}; data-set={s.data_set!r}"
+    yield model.sharing_problem(s.sharing)
+    yield load(PERSONAL_RULES)(s)
+    yield model.cache_problem(s.cache_features, s.augment)
+    yield split_problem(data_set, s.partition, s.num_clients, s.min_size,
+                        s.classes_per_client)  # fmt: skip
+    yield model.batchnorm_problem(s.dp, s.bn_policy, s.batch_size)
+    yield from _part_problems(s)
+    if s.central_dp != "off":
+        yield load(CENTRAL_DP_STEP).problem(s)
+    yield attack_problem(s.attack, s.attackers, s.attacker_clients, s.num_clients)
+    if s.mode == "async":
+        yield load(ASYNC_RULES)(s)
+    if s.client_execution == "cohort":
+        yield load(COHORT_RULES)(s)
+    if s.secure_aggregation != "off":
+        yield load(SECAGG_RULES)(s)
+    yield _profile_problem(s.network_profile)
     if s.tracking_uri and s.tracker != "mlflow":
-        raise SettingsError(
+        yield (
             f"tracking-uri={s.tracking_uri!r} with tracker={s.tracker!r}: only "
             "tracker='mlflow' logs to a tracking URI"
         )
     if s.dp and s.resume:
-        raise SettingsError(
+        yield (
             "dp=true with resume is not supported: the noise is calibrated for "
             "the run as planned, and a node without its state files would count "
             "its privacy spending from zero; start a new run instead"
         )
 
 
-def _check_personal(s: Settings) -> None:
-    """Refuse what FedRep's head-first schedule and Ditto's personal model
-    cannot train with: a shared classifier, DP-SGD, LoRA sharing."""
-    if s.head_epochs and s.sharing != "fedper":
-        raise SettingsError(
-            f"head-epochs={s.head_epochs} with sharing={s.sharing!r}: FedRep "
-            "trains the client's own classifier first, so the classifier must "
-            "stay local; set sharing='fedper' (or strategy='fedrep')"
-        )
-    if s.ditto_lambda and (s.dp or s.sharing in LORA_SHARING):
-        raise SettingsError(
-            f"ditto-lambda with {'dp=true' if s.dp else 'a LoRA sharing'}: "
-            "Ditto's personal model trains the whole model without DP-SGD on the "
-            "client's data; allowed with ditto: dp=false and sharing all or fedper"
-        )
-    if s.head_epochs and s.dp:
-        raise SettingsError(
-            "head-epochs with dp=true: DP-SGD's budget is planned for one "
-            "training pass per round; set head-epochs=0"
-        )
-
-
-def _check_parts(s: Settings) -> None:
+def _part_problems(s: Settings) -> Iterator[str | None]:
     """Ask the run's parts what they refuse: its local objective, the
     aggregators its objective and server update allow, then the aggregator
     itself, each loaded from the catalogue."""
-    objective = _part("local-objective", s.local_objective).load()
-    if problem := objective.problem(s):
-        raise SettingsError(problem)
+    objective = part("local-objective", s.local_objective).load()
+    yield objective.problem(s)
     if s.krum_select and s.aggregator != "multi-krum":
-        raise SettingsError(
+        yield (
             f"krum-select={s.krum_select} with aggregator={s.aggregator!r}: only "
             "multi-krum averages several replies; set aggregator='multi-krum'"
         )
-    for key, name in _choosing_parts(s):
-        if (why := _part(key, name).load().mean_only) and s.aggregator != "mean":
-            raise SettingsError(
-                f"aggregator={s.aggregator!r} with {key}={name!r}: {why}"
-            )
-    for key, name in (("server-update", s.server_update), ("aggregator", s.aggregator)):
-        if problem := _part(key, name).load().problem(s):
-            raise SettingsError(problem)
-
-
-def _choosing_parts(s: Settings) -> list[tuple[str, str]]:
-    """(key, chosen name) of the parts that refuse aggregators and modes:
-    the run's local objective and server update."""
-    return [
+    for chooser, name in (
         ("local-objective", s.local_objective),
         ("server-update", s.server_update),
-    ]
+    ):
+        if (why := part(chooser, name).load().mean_only) and s.aggregator != "mean":
+            yield f"aggregator={s.aggregator!r} with {chooser}={name!r}: {why}"
+    yield part("server-update", s.server_update).load().problem(s)
+    yield part("aggregator", s.aggregator).load().problem(s)
 
 
-def _check_async(s: Settings) -> None:
-    """Refuse what buffered asynchronous training cannot do: the parts that
-    need synchronous rounds (they say why), a deadline, a buffer larger
-    than the clients training at once."""
-    if s.mode != "async":
-        return
-    for key, name in _choosing_parts(s):
-        if why := _part(key, name).load().synchronous_only:
-            parts = PART_KEYS[key][0]
-            allowed = [n for n, p in parts.items() if not p.load().synchronous_only]
-            raise SettingsError(
-                f"mode='async' with {key}={name!r}: {why}; allowed with async: "
-                + ", ".join(allowed)
-            )
-    if s.round_deadline:
-        raise SettingsError(
-            "round-deadline with mode='async': a deadline ends a synchronous "
-            "round; async mode has no rounds to end (set round-deadline=0)"
-        )
-    if s.concurrency and s.buffer_size and s.buffer_size > s.concurrency:
-        raise SettingsError(
-            f"buffer-size={s.buffer_size} above concurrency={s.concurrency}: the "
-            "buffer would wait for more replies than clients train at once"
-        )
+def _profile_problem(path: str) -> str | None:
+    """Why the network profile at `path` cannot be read, or None (no profile
+    or a valid one)."""
+    if not path:
+        return None
+    try:
+        NetworkProfile.load(Path(path))
+    except ProfileError as err:
+        return f"network-profile: {err}"
+    return None

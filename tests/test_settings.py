@@ -8,7 +8,9 @@ import pytest
 
 from pollen.catalog import MODELS, Part, assumed_training
 from pollen.deployment.run_config import prepare_run
-from pollen.settings import Settings, SettingsError, departures, first_difference
+from pollen.presets import departures
+from pollen.runs.checkpoints import first_difference
+from pollen.settings import Settings, SettingsError
 from tests.conftest import PROJECT
 
 
@@ -273,13 +275,13 @@ def test_a_part_brings_the_client_settings_its_paper_assumes() -> None:
     asked = {"strategy": "scaffold", "momentum": 0.9}
     settings = Settings.from_run_config(asked)
     assert settings.momentum == 0.9
-    [line] = departures(asked, settings)
+    [line] = departures(asked, settings.to_run_config())
     assert line.startswith("momentum=0.9 as asked, though scaffold assumes momentum=0")
     assert "Karimireddy" in line
     plain = {"strategy": "scaffold", "momentum": 0.0}
-    assert departures(plain, Settings.from_run_config(plain)) == []
+    assert departures(plain, Settings.from_run_config(plain).to_run_config()) == []
     other = {"strategy": "fedavg", "momentum": 0.5}
-    assert departures(other, Settings.from_run_config(other)) == []
+    assert departures(other, Settings.from_run_config(other).to_run_config()) == []
 
 
 def test_parts_that_assume_different_client_settings_need_an_explicit_one() -> None:

@@ -19,6 +19,8 @@ from typing import Any
 from ..catalog import DATA_SETS
 from ..common.webhook import URL_ENV, check_url
 from ..files import readable_folder_problem
+from ..keys import unknown_key_message
+from ..presets import departures
 from ..runs.checkpoints import check_resumable
 from ..runs.results import check_run_dir_is_new, default_run_name
 from ..runs.tracking_mlflow import (
@@ -26,7 +28,7 @@ from ..runs.tracking_mlflow import (
     pin_uri,
     tracking_uri,
 )
-from ..settings import Settings, SettingsError, departures, unknown_key_message
+from ..settings import Settings, SettingsError
 
 
 class RunConfigError(ValueError):
@@ -193,7 +195,7 @@ def prepare_run(app: Path, overrides: Sequence[str]) -> tuple[Settings, str]:
     """
     run_config = resolve_run_config(app, overrides)
     settings = Settings.from_run_config(run_config)
-    for line in departures(run_config, settings):
+    for line in departures(run_config, settings.to_run_config()):
         print(f"pollen: note: {line}", flush=True)
     settings = pin_tracking_uri(pin_paths(settings, settings.strategy))
     if not settings.notify_url and os.environ.get(URL_ENV):

@@ -41,8 +41,8 @@ from ..deployment.launch import RUN_STOP_SECONDS
 from ..deployment.run_config import RunConfigError, resolve_settings
 from ..deployment.warm_simulation import warm_simulation
 from ..files import write_atomic
-from ..runs.checkpoints import CheckpointError, check_resumable
-from ..settings import SettingsError, first_difference
+from ..runs.checkpoints import CheckpointError, check_resumable, first_difference
+from ..settings import SettingsError
 from .report import NOT_COMPARED, CompareError, cell_name, report, value_label
 
 # How long an interrupted cell's `pollen run` gets to stop its run (and record

@@ -21,10 +21,12 @@ save. Only the newest `keep` checkpoints are kept.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
 import shutil
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -33,7 +35,8 @@ import numpy as np
 
 from pollen import files
 from pollen.files import write_json, write_npz
-from pollen.settings import INVOCATION_KEYS, first_difference
+from pollen.presets import resolve_auto
+from pollen.settings import INVOCATION_KEYS, Settings
 
 FORMAT_VERSION = 1
 CHECKPOINTS = "checkpoints"
@@ -136,6 +139,25 @@ def load_checkpoint(run_dir: Path, round: int | None = None) -> Checkpoint:
         strategy_state=read_npz(where / STRATEGY_FILE),
         extra=meta["extra"],
     )
+
+
+def first_difference(
+    recorded: Mapping[str, Any], run_config: Mapping[str, Any], ignored: Collection[str]
+) -> str | None:
+    """The first key (in sorted order, outside `ignored`) whose value in
+    `run_config` differs from the one a run recorded, or None: whether a saved
+    run computed what `run_config` asks (a resume, a finished comparison
+    cell). A key the run did not record was added to pollen since, so the
+    run had its default, or for an "auto" key its preset's value."""
+    defaults = {key: default for key, default, _, _ in Settings.describe()}
+    resolved = {**defaults, **recorded}
+    with contextlib.suppress(KeyError):  # a record too old to name its strategy
+        resolved = resolve_auto(resolved)
+    for key in sorted(run_config):
+        then = recorded.get(key, resolved.get(key))
+        if key not in ignored and then != run_config[key]:
+            return key
+    return None
 
 
 def _locate(run_dir: Path, round: int | None) -> tuple[int, Path]:

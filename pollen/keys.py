@@ -1,22 +1,33 @@
-"""What one run-config value may be: its type, and a predicate with the
-words that describe it.
+"""How a run-config key is declared and each value checked on its own.
 
-`pollen.settings` declares each key with a `Rule` from here and gives every
-raw value its key's type with `coerce`; the words of a rule are what an
-error message and the reference (docs/configuration.md) say is allowed.
-Rules across keys (combinations, and what each part refuses) are not here.
+`pollen.settings` declares every key as a dataclass field made by `key`: its
+default, help text, type and a `Rule` (a predicate with the words that
+describe it). `checked_values` gives every raw value its key's type
+(`coerce`) and asks the key's rule; the words of a rule are what an error
+message and the reference (docs/configuration.md) say is allowed. Rules
+across keys (combinations, and what each part refuses) are not here:
+`pollen.settings` asks the parts.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import difflib
 import math
-from collections.abc import Callable, Collection
-from dataclasses import dataclass
+from collections.abc import Callable, Collection, Mapping
+from dataclasses import dataclass, field
 from typing import Any
 
-from ..catalog import TRACKING_STORES, Scalar
-from ..extensions import PART_KEYS, names_user_part
-from .webhook import check_url
+from .catalog import TRACKING_STORES, Scalar
+from .common.webhook import check_url
+from .extensions import PART_KEYS, names_user_part
+
+AUTO = "auto"
+
+
+class SettingsError(ValueError):
+    """An invalid run-config value; the message is one line a user can act on."""
+
 
 # how a key's allowed values end where a user's own part is accepted
 _USER_PART = (
@@ -162,3 +173,76 @@ def coerce(raw: Scalar, kind: type) -> Scalar | None:
 def kind_words(kind: type) -> str:
     """What a value of `kind` is, in an error message ("an integer")."""
     return KIND_NAMES.get(kind, kind.__name__)
+
+
+def key(
+    default: Scalar, help: str, rule: Rule | None = None, kind: type | None = None
+) -> Any:
+    """Declare one run-config key (as a dataclass field).
+
+    `kind` is the value type when the default is the string "auto" (the key
+    then takes "auto" or a value of that kind, and "auto" is resolved from the
+    strategy preset, or for the client's hyper-parameters from the data set).
+    """
+    metadata = {"help": help, "rule": rule, "kind": kind or type(default)}
+    return field(default=default, metadata=metadata)
+
+
+def key_name(f: dataclasses.Field) -> str:
+    """The run-config name of a declared key (field `data_set` is `data-set`)."""
+    return f.name.replace("_", "-")
+
+
+def allowed_text(f: dataclasses.Field) -> str:
+    """What a declared key allows, in words (the reference's column)."""
+    rule: Rule | None = f.metadata["rule"]
+    text = rule.allowed if rule else ""
+    if f.default == AUTO and f.metadata["kind"] is not str:
+        text = f"auto or {text}"
+    return text
+
+
+def checked_values(
+    keys: Collection[dataclasses.Field], run_config: Mapping[str, Scalar]
+) -> dict[str, Scalar]:
+    """Every declared key's value (`run_config`'s, else its default) in its
+    key's type and allowed by its rule, by run-config name; "auto" stays
+    where the key takes it. Raises `SettingsError` naming the first unknown
+    key, or the first value that is not allowed and what is."""
+    by_name = {key_name(f): f for f in keys}
+    unknown = sorted(set(run_config) - set(by_name))
+    if unknown:
+        raise SettingsError(unknown_key_message(unknown[0], by_name))
+    values: dict[str, Scalar] = {}
+    for name, f in by_name.items():
+        raw = run_config.get(name, f.default)
+        if raw == AUTO and f.default == AUTO:
+            values[name] = AUTO
+            continue
+        value = coerce(raw, f.metadata["kind"])
+        rule: Rule | None = f.metadata["rule"]
+        if value is None:
+            allowed = kind_words(f.metadata["kind"])
+        elif rule is not None and not rule.check(value):
+            allowed = rule.allowed
+        else:
+            values[name] = value
+            continue
+        raise SettingsError(
+            f"invalid value for {name!r}: {raw!r}; allowed: "
+            + ("auto or " if f.default == AUTO else "")
+            + allowed
+        )
+    return values
+
+
+def unknown_key_message(name: str, known: Collection[str]) -> str:
+    """One line for a key pollen does not know: the closest known keys when
+    the name looks like a typo of one, else where the whole list is."""
+    close = difflib.get_close_matches(name, list(known), n=3, cutoff=0.75)
+    hint = (
+        "did you mean " + " or ".join(repr(k) for k in close) + "?"
+        if close
+        else "`pollen list keys` lists every key"
+    )
+    return f"unknown run-config key {name!r}; {hint}"

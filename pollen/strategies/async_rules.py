@@ -1,0 +1,49 @@
+"""What `mode = "async"` (FedBuff) refuses, asked by `Settings` before
+anything starts (torch-free: it reads the settings and the parts' flags).
+
+Buffered asynchronous aggregation (Nguyen et al. 2022,
+https://arxiv.org/abs/2106.06639; `pollen.strategies.asynchronous`) has no
+rounds: a part whose rule needs a synchronous round says so in its
+`synchronous_only` flag (FedDyn's server state h, SCAFFOLD's control c), a
+round deadline has no round to end, and a buffer cannot wait for more
+replies than clients train at once.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from ..extensions import PART_KEYS, part
+
+if TYPE_CHECKING:
+    from ..settings import Settings
+
+# the keys whose parts may need synchronous rounds
+CHOOSING_KEYS = ("local-objective", "server-update")
+
+
+def async_problem(s: Settings) -> str | None:
+    """Why `s` (with mode async) cannot train asynchronously, or None."""
+    for key in CHOOSING_KEYS:
+        name = getattr(s, key.replace("-", "_"))
+        if why := part(key, name).load().synchronous_only:
+            allowed = [
+                other
+                for other, other_part in PART_KEYS[key][0].items()
+                if not other_part.load().synchronous_only
+            ]
+            return (
+                f"mode='async' with {key}={name!r}: {why}; allowed with async: "
+                + ", ".join(allowed)
+            )
+    if s.round_deadline:
+        return (
+            "round-deadline with mode='async': a deadline ends a synchronous "
+            "round; async mode has no rounds to end (set round-deadline=0)"
+        )
+    if s.concurrency and s.buffer_size and s.buffer_size > s.concurrency:
+        return (
+            f"buffer-size={s.buffer_size} above concurrency={s.concurrency}: the "
+            "buffer would wait for more replies than clients train at once"
+        )
+    return None
