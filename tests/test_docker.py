@@ -6,6 +6,11 @@ and two SuperNodes with TLS, one training on a shard of real MNIST, one on a
 file of its own, and `docker compose run submit` runs 2 rounds of FedAvg
 whose results are read on the host.
 
+Every service runs the project image with a user's package added the way
+docs/extending.md documents it (an image FROM pollen's, the package on
+PYTHONPATH), so the same federation also trains a user's model with a
+user's aggregation rule.
+
 Everything it builds or starts is removed afterwards (containers, network,
 volumes, images, and the Docker daemon when it started one), except the base
 root file system, which is cached in ~/.cache/pollen/docker.
@@ -31,6 +36,7 @@ from pollen.deployment.certificates import make_node_key
 from pollen.deployment.processes import free_port
 from tests.conftest import PROJECT, write_mnist_slices
 from tests.docker_image import BUILD, run
+from tests.user_package import PACKAGE, write_user_package
 
 COMPOSE = str(Path(sys.executable).parent / "docker-compose")
 RUN_CONFIG = (
@@ -149,6 +155,29 @@ def docker_image() -> Iterator[str]:
         BUILD.close()
 
 
+# docs/extending.md's Dockerfile for a user's package, FROM the image under test
+USER_DOCKERFILE = f"""\
+FROM {{image}}
+COPY {PACKAGE}/ /opt/user-parts/{PACKAGE}/
+ENV PYTHONPATH=/opt/user-parts
+"""
+
+
+@pytest.fixture(scope="module")
+def user_image(docker_image: str, tmp_path_factory) -> Iterator[str]:
+    """`docker_image` with the test's user package (tests/user_package.py)
+    added as docs/extending.md says: built here, removed afterwards."""
+    context = write_user_package(tmp_path_factory.mktemp("user-image"))
+    (context / "Dockerfile").write_text(USER_DOCKERFILE.format(image=docker_image))
+    tag = f"pollen-test-user:{secrets.token_hex(4)}"
+    run("docker", "build", "--quiet", "-t", tag, str(context), timeout=300)
+    try:
+        yield tag
+    finally:
+        subprocess.run(["docker", "image", "rm", "--force", tag],
+                       capture_output=True, check=False)  # fmt: skip
+
+
 @dataclass
 class Federation:
     compose: list[str]  # the docker compose command for this project
@@ -158,16 +187,17 @@ class Federation:
 
 
 @pytest.fixture(scope="module")
-def federation(docker_image, tmp_path_factory) -> Iterator[Federation]:
-    """docker-compose.yml up: node 0 on a shard of real MNIST, node 1 on a
-    file of its own, each from its own host directory, read-only."""
+def federation(user_image, tmp_path_factory) -> Iterator[Federation]:
+    """docker-compose.yml up on the image with a user's package: node 0 on a
+    shard of real MNIST, node 1 on a file of its own, each from its own host
+    directory, read-only."""
     root = tmp_path_factory.mktemp("compose")
     shared, silo = root / "data", root / "silo"
     write_mnist_slices(shared, silo / "own.npz")
     port = free_port()
     env = {
         **os.environ,
-        "POLLEN_IMAGE": docker_image,
+        "POLLEN_IMAGE": user_image,
         "POLLEN_PORT": f"127.0.0.1:{port}",  # published on loopback only
         "POLLEN_CERTS": str(root / "certs"),
         "POLLEN_KEYS": str(root / "keys"),
@@ -228,6 +258,28 @@ def test_two_rounds_of_fedavg_land_on_the_host(federation: Federation) -> None:
     assert [r["clients"] for r in rounds] == [[0, 1], [0, 1]]
     assert all(r["failures"] == [] and r["bytes-up"] > 0 for r in rounds)
     print(f"compose run: {time.monotonic() - started:.0f} s for 2 rounds")
+
+
+@pytest.mark.xdist_group("docker")
+@pytest.mark.integration
+def test_a_users_model_and_aggregator_train_in_the_containers(
+    federation: Federation,
+) -> None:
+    """The submitting container validates, the ServerApp aggregates with and
+    both nodes' ClientApps train the user's parts, imported from the
+    derived image's PYTHONPATH."""
+    model, rule = f"{PACKAGE}.nets:tiny_net", f"{PACKAGE}.rules:UniformMean"
+    config = RUN_CONFIG.replace('run-name="compose"', 'run-name="user-parts"')
+    config += f" model='{model}' aggregator='{rule}'"
+    submitted = run(*federation.compose, "run", "--rm", "submit",
+                    "--run-config", config, env=federation.env, timeout=600)  # fmt: skip
+    assert "completed 2 rounds" in submitted.stdout, submitted.stdout[-3000:]
+    results = federation.root / "results" / "user-parts"
+    rounds = json.loads((results / "history.json").read_text())
+    assert [r["clients"] for r in rounds] == [[0, 1], [0, 1]]
+    assert not any(r["failures"] for r in rounds) and rounds[-1]["accuracy"] > 0.5
+    settings = json.loads((results / "settings.json").read_text())
+    assert (settings["model"], settings["aggregator"]) == (model, rule)
 
 
 @pytest.mark.xdist_group("docker")

@@ -764,29 +764,36 @@ def test_sign_flip_attack_breaks_the_mean_not_multi_krum(
         assert "DivergenceError" in mean.stderr, mean.stderr[-2000:]
 
 
-def test_a_users_model_data_set_and_aggregator_run_from_their_package_on_pythonpath(
+def test_a_users_model_data_set_and_parts_run_from_their_package_on_pythonpath(
     tmp_path: Path,
 ) -> None:
-    """A model factory, a data-set loader and an aggregation rule of a
-    package pollen knows nothing of, named by import path: `pollen run` validates them, and its
-    PYTHONPATH reaches the ServerApp and the ClientApp actors, which import
-    them. A federation of its own: the warm one's actors started without
-    the package on their path."""
+    """A model factory, a data-set loader, an aggregation rule, a server
+    update and a local objective of a package pollen knows nothing of, named
+    by import path: `pollen run` validates them, and its PYTHONPATH reaches
+    the ServerApp and the ClientApp actors, which import them. A federation
+    of its own: the warm one's actors started without the package on their
+    path."""
     root = write_user_package(tmp_path / "package")
     path = os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH")]))
-    model, data = f"{PACKAGE}.nets:tiny_net", f"{PACKAGE}.data:blobs"
-    rule = f"{PACKAGE}.rules:UniformMean"
+    parts = {
+        "model": f"{PACKAGE}.nets:tiny_net",
+        "data-set": f"{PACKAGE}.data:blobs",
+        "aggregator": f"{PACKAGE}.rules:UniformMean",
+        "server-update": f"{PACKAGE}.updates:DampedAverage",
+        "local-objective": f"{PACKAGE}.objectives:L1Decay",
+    }
+    chosen = " ".join(f"{key}='{name}'" for key, name in parts.items())
     run = pollen_run(
-        f"model='{model}' data-set='{data}' aggregator='{rule}' rounds=2 num-clients=4 "
-        f"output-dir='{tmp_path}' run-name='user'",
+        f"{chosen} prox-mu=0.001 rounds=2 num-clients=4 output-dir='{tmp_path}' "
+        "run-name='user'",
         env={**os.environ, "PYTHONPATH": path},
     )
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    data = parts["data-set"]
     assert f"pollen: {data} from a user's loader: 160 train / 60 test" in run.stdout
     assert [r["round"] for r in history(tmp_path / "user")] == [1, 2]
     settings = json.loads((tmp_path / "user" / "settings.json").read_text())
-    assert (settings["model"], settings["data-set"], settings["aggregator"]) == (
-        model, data, rule,
-    )  # fmt: skip
+    assert {key: settings[key] for key in parts} == parts
+    assert settings["server-lr"] == 0.5  # the user's update's own auto value
     summary = json.loads((tmp_path / "user" / "summary.json").read_text())
     assert summary["status"] == "completed" and summary["final-accuracy"] > 0.5

@@ -1,7 +1,7 @@
-"""A user's package of models, data sets and an aggregator, as
-docs/extending.md describes one, written where a test wants it: a model
-factory, a seeded data-set loader and an aggregation rule that a run can
-use, and the wrong ones each refusal is tested on.
+"""A user's package of models, data sets and parts, as docs/extending.md
+describes one, written where a test wants it: a model factory, a seeded
+data-set loader, an aggregation rule, a server update and a local objective
+that a run can use, and the wrong ones each refusal is tested on.
 """
 
 from __future__ import annotations
@@ -132,6 +132,86 @@ class UniformMean(Rule):
         return Aggregate(arrays, tuple(updates))
 '''
 
+UPDATES = '''
+"""Server updates: subclasses of pollen.strategies.server_update.ServerUpdate."""
+
+import numpy as np
+
+from pollen.strategies.aggregation import cast_like
+from pollen.strategies.server_update import ServerUpdate
+
+
+class DampedAverage(ServerUpdate):
+    """x + server-lr (aggregate - x): FedAvg's step shortened (auto lr 0.5)."""
+
+    auto_server_lr = 0.5
+
+    def __init__(self, lr):
+        self.lr = lr
+
+    @classmethod
+    def from_settings(cls, settings):
+        return cls(settings.server_lr)
+
+    def apply(self, current, aggregate, trained):
+        return {
+            key: cast_like(x + self.lr * (aggregate.arrays[key] - x), x)
+            for key, x in current.items()
+        }
+'''
+
+OBJECTIVES = '''
+"""A local objective: its torch-free part (what Settings asks) and its term."""
+
+import torch
+
+from pollen.task.objective_parts import Plain
+
+
+class L1Decay(Plain):
+    """The data loss plus mu ||theta||_1, refused without a weight."""
+
+    term = "userparts.objectives:L1Term"
+
+    @classmethod
+    def problem(cls, settings):
+        if settings.prox_mu == 0:
+            return "userparts' l1 decay with prox-mu=0: the term would be 0"
+        return super().problem(settings)
+
+
+class L1Term:
+    """grad (mu ||theta||_1) = mu sign(theta); no state kept."""
+
+    exclude_bn = False
+
+    def __init__(self, mu):
+        self.mu, self.names = mu, ()
+
+    @classmethod
+    def from_settings(cls, settings):
+        return cls(settings.prox_mu)
+
+    @property
+    def pull(self):
+        return 0.0
+
+    def load(self, context, client, anchor, content):
+        self.names = tuple(anchor)
+
+    @torch.no_grad()
+    def add_gradients(self, named):
+        for name in self.names:
+            param = named[name]
+            param.grad = param.grad + self.mu * torch.sign(param)
+
+    def save(self, context, client, named):
+        """Nothing to keep."""
+
+    def reply_records(self):
+        return {}
+'''
+
 ENTRY_POINTS = f"""
 [pollen.models]
 tiny = {PACKAGE}.nets:tiny_net
@@ -145,7 +225,8 @@ blobs = {PACKAGE}.data:blobs
 
 
 def write_user_package(root: Path, entry_points: bool = False) -> Path:
-    """Write the package `userparts` (modules `nets`, `data`, `rules`) into `root`,
+    """Write the package `userparts` (modules `nets`, `data`, `rules`,
+    `updates`, `objectives`) into `root`,
     with, given `entry_points`, the metadata of an installed distribution
     that registers `tiny`, `blobs` and `uniform`; `root` is what goes on the path."""
     package = root / PACKAGE
@@ -154,6 +235,8 @@ def write_user_package(root: Path, entry_points: bool = False) -> Path:
     (package / "nets.py").write_text(NETS)
     (package / "data.py").write_text(DATA)
     (package / "rules.py").write_text(RULES)
+    (package / "updates.py").write_text(UPDATES)
+    (package / "objectives.py").write_text(OBJECTIVES)
     if entry_points:
         info = root / f"{PACKAGE}-0.1.dist-info"
         info.mkdir()
