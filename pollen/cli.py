@@ -104,11 +104,11 @@ def compare_command(args: argparse.Namespace) -> int:
     if args.simulate and args.network is None:
         raise compare.CompareError("--simulate needs --network PROFILE")
     try:
-        compare.run_comparison(
+        comparison = compare.Comparison(
             args.grid, app, args.out, args.run_config, only=args.only,
-            dry_run=args.dry_run, network=network_profile(args.network, app),
-            simulate=args.simulate,
+            network=network_profile(args.network, app), simulate=args.simulate,
         )  # fmt: skip
+        compare.run_comparison(comparison, dry_run=args.dry_run)
     except KeyboardInterrupt:  # Ctrl-C, or SIGTERM during a deployed cell
         print(
             f"pollen: compare interrupted (the running cell was stopped and torn "
