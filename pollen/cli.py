@@ -46,6 +46,7 @@ from .settings import SettingsError
 EXIT_FAILED, EXIT_BAD_INPUT = 1, 2
 EXIT_INTERRUPTED = 130  # as a shell reports a command Ctrl-C stopped
 DEPLOY_DIR = Path(".pollen-deploy")
+RUN_CONFIG_HELP = 'TOML file or "key=value ..." overrides (repeatable)'
 EXIT_CODES = (
     ((SettingsError, RunConfigError, launch.LaunchError, ResultsError,
       CheckpointError, compare.CompareError, ProfileError,
@@ -103,11 +104,11 @@ def compare_command(args: argparse.Namespace) -> int:
     if args.simulate and args.network is None:
         raise compare.CompareError("--simulate needs --network PROFILE")
     try:
-        compare.run_comparison(
+        comparison = compare.Comparison(
             args.grid, app, args.out, args.run_config, only=args.only,
-            dry_run=args.dry_run, network=network_profile(args.network, app),
-            simulate=args.simulate,
+            network=network_profile(args.network, app), simulate=args.simulate,
         )  # fmt: skip
+        compare.run_comparison(comparison, dry_run=args.dry_run)
     except KeyboardInterrupt:  # Ctrl-C, or SIGTERM during a deployed cell
         print(
             f"pollen: compare interrupted (the running cell was stopped and torn "
@@ -156,47 +157,77 @@ def deploy_command(args: argparse.Namespace) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    """The `pollen` command's parser: one subcommand each, in the order
+    `pollen --help` lists them, each with its handler as a default."""
     parser = argparse.ArgumentParser(prog="pollen", description=__doc__.split("\n")[0])
     commands = parser.add_subparsers(dest="command", required=True)
-    run_parser = commands.add_parser(
+    _add_run_parser(commands)
+    _add_deploy_parser(commands)
+    _add_flower_wrappers(commands)
+    _add_warm_parser(commands)
+    _add_compare_parsers(commands)
+    _add_listing_parsers(commands)
+    _add_centralized_parser(commands)
+    return parser
+
+
+def _add_app(parser: argparse.ArgumentParser) -> None:
+    """The optional Flower App folder (default: here) of a command that reads
+    the app's run config."""
+    parser.add_argument("app", nargs="?", default=".", help="Flower App folder")
+
+
+def _add_run_config(
+    parser: argparse.ArgumentParser, text: str = RUN_CONFIG_HELP
+) -> None:
+    """The repeatable `-c/--run-config` (`text`: its help), its values kept in
+    the order given."""
+    parser.add_argument("-c", "--run-config", action="append", default=[], help=text)
+
+
+def _add_run_parser(commands: argparse._SubParsersAction) -> None:
+    """`pollen run`: where to run (a private simulation, a connection, a
+    deployment or a warm federation) and what to simulate the network as."""
+    parser = commands.add_parser(
         "run", help="run a simulation (or submit to CONNECTION) and wait for it"
     )
-    run_parser.add_argument("app", nargs="?", default=".", help="Flower App folder")
-    run_parser.add_argument(
+    _add_app(parser)
+    parser.add_argument(
         "connection", nargs="?", default=None,
         help="SuperLink connection in your Flower config (default: a private simulation)",
     )  # fmt: skip
-    run_parser.add_argument(
-        "-c", "--run-config", action="append", default=[],
-        help='TOML file or "key=value ..." overrides (repeatable)',
-    )  # fmt: skip
-    run_parser.add_argument(
+    _add_run_config(parser)
+    parser.add_argument(
         "--federation-config", action="append", default=[],
         help='e.g. "num-supernodes=10" (simulation defaults: num-supernodes=num-clients '
         "up to 100, client-resources-num-cpus=1)",
     )  # fmt: skip
-    run_parser.add_argument(
+    parser.add_argument(
         "--deployment", metavar="DIR", default=None,
         help="submit to the deployment `pollen deploy up` started in DIR",
     )  # fmt: skip
-    run_parser.add_argument(
+    parser.add_argument(
         "--warm-simulation", metavar="DIR", default=None,
         help="simulate on the warm SuperLink and Ray head recorded in DIR (as "
         "`pollen compare` does for its cells) instead of starting both for this run",
     )  # fmt: skip
-    run_parser.add_argument(
+    parser.add_argument(
         "--network", metavar="PROFILE", default=None,
         help="network profile (a TOML file, or a preset in configs/networks/: "
         "datacenter, home-broadband, mobile-4g, mixed) for the simulated clock, "
         "recorded as sim-seconds; with --deployment the clock only predicts: a "
         "deployment's links are its own (`pollen compare --network` shapes them)",
     )  # fmt: skip
-    run_parser.add_argument(
+    parser.add_argument(
         "-v", "--verbose", action="store_true",
         help="show Flower's and Ray's lines too (always in the run's flower.log)",
     )  # fmt: skip
-    run_parser.set_defaults(handler=run_command)
-    _add_deploy_parser(commands)
+    parser.set_defaults(handler=run_command)
+
+
+def _add_flower_wrappers(commands: argparse._SubParsersAction) -> None:
+    """`pollen superexec` and `pollen supernode`: Flower's own commands, so
+    their flags are left to them (`main` passes on what it does not parse)."""
     commands.add_parser(
         "superexec", add_help=False,
         help="Flower's SuperExec with warm ClientApp processes (for a SuperNode "
@@ -207,8 +238,10 @@ def build_parser() -> argparse.ArgumentParser:
         help="Flower's SuperNode with its idle waits at a 0.1 s poll interval; "
         "`pollen supernode --help`",
     )  # fmt: skip
-    _add_warm_parser(commands)
-    _add_compare_parsers(commands)
+
+
+def _add_listing_parsers(commands: argparse._SubParsersAction) -> None:
+    """`pollen list` and `pollen config`: what pollen offers, and one key."""
     listing_parser = commands.add_parser(
         "list", help="what pollen offers: strategies, parts, models, data sets, keys"
     )
@@ -222,22 +255,23 @@ def build_parser() -> argparse.ArgumentParser:
     )
     config_parser.add_argument("key")
     config_parser.set_defaults(handler=lambda a: print(listing.describe_key(a.key)))
+
+
+def _add_centralized_parser(commands: argparse._SubParsersAction) -> None:
+    """`pollen centralized`: the baseline without federation, read from the
+    same run config as `pollen run`."""
     central = commands.add_parser(
         "centralized", help="the centralised baseline: the run's model and data, no federation",
         description="Reads the same run config as `pollen run` and trains its model "
         "on the whole training set with the client optimiser, testing after "
         "every epoch; writes a run directory that `pollen report` reads.",
     )  # fmt: skip
-    central.add_argument("app", nargs="?", default=".", help="Flower App folder")
-    central.add_argument(
-        "-c", "--run-config", action="append", default=[],
-        help='TOML file or "key=value ..." overrides (repeatable)',
-    )  # fmt: skip
+    _add_app(central)
+    _add_run_config(central)
     central.add_argument(
         "--epochs", type=int, default=None, help="default: rounds x local-epochs"
     )
     central.set_defaults(handler=centralized_command)
-    return parser
 
 
 def _add_compare_parsers(commands: argparse._SubParsersAction) -> None:
@@ -247,14 +281,13 @@ def _add_compare_parsers(commands: argparse._SubParsersAction) -> None:
         description=compare.__doc__.split("\n\n")[1],
     )  # fmt: skip
     grid.add_argument("grid", type=Path, help="TOML file: [base], [grid], target")
-    grid.add_argument("app", nargs="?", default=".", help="Flower App folder")
+    _add_app(grid)
     grid.add_argument(
         "--out", type=Path, required=True, help="the comparison's directory"
     )
-    grid.add_argument(
-        "-c", "--run-config", action="append", default=[],
-        help="TOML file or \"key=value ...\" applied to every cell (repeatable)",
-    )  # fmt: skip
+    _add_run_config(
+        grid, 'TOML file or "key=value ..." applied to every cell (repeatable)'
+    )
     grid.add_argument(
         "--only", action="append", default=[], metavar="KEY=VALUE",
         help="run only the cells with this grid value, as cell names spell it "
@@ -324,6 +357,8 @@ def _add_warm_parser(commands: argparse._SubParsersAction) -> None:
 
 
 def _add_deploy_parser(commands: argparse._SubParsersAction) -> None:
+    """`pollen deploy`: the actions on a deployment in `--dir` (up, down,
+    status, restart), and the files of one across machines."""
     parser = commands.add_parser(
         "deploy", help="a deployment of real Flower processes on this machine",
         description=cluster.__doc__.split("\n\n")[0],
@@ -334,6 +369,27 @@ def _add_deploy_parser(commands: argparse._SubParsersAction) -> None:
         "--dir", default=DEPLOY_DIR, type=Path,
         help=f"the deployment's directory (default {DEPLOY_DIR})",
     )  # fmt: skip
+    _add_deploy_up(actions, where)
+    actions.add_parser("down", parents=[where], help="stop what `up` started")
+    actions.add_parser("status", parents=[where], help="processes and online nodes")
+    restart = actions.add_parser(
+        "restart", parents=[where],
+        help="restart one SuperNode (same key and config) or the SuperLink "
+        "(same database and certificates)",
+    )  # fmt: skip
+    restart.add_argument(
+        "target", metavar="K|superlink",
+        help="a node's partition-id, or `superlink`",
+    )  # fmt: skip
+    _add_multi_machine_actions(actions)
+    parser.set_defaults(handler=deploy_command)
+
+
+def _add_deploy_up(
+    actions: argparse._SubParsersAction, where: argparse.ArgumentParser
+) -> None:
+    """`pollen deploy up`: how many SuperNodes, where the SuperLink listens,
+    its security, the nodes' config and how their ClientApps run."""
     up = actions.add_parser(
         "up", parents=[where], help="start a SuperLink and N SuperNodes"
     )
@@ -369,17 +425,11 @@ def _add_deploy_parser(commands: argparse._SubParsersAction) -> None:
         "rounds, lost on restart) or file (superlink.db: `restart superlink` keeps "
         "the registered SuperNodes and the runs)",
     )  # fmt: skip
-    actions.add_parser("down", parents=[where], help="stop what `up` started")
-    actions.add_parser("status", parents=[where], help="processes and online nodes")
-    restart = actions.add_parser(
-        "restart", parents=[where],
-        help="restart one SuperNode (same key and config) or the SuperLink "
-        "(same database and certificates)",
-    )  # fmt: skip
-    restart.add_argument(
-        "target", metavar="K|superlink",
-        help="a node's partition-id, or `superlink`",
-    )  # fmt: skip
+
+
+def _add_multi_machine_actions(actions: argparse._SubParsersAction) -> None:
+    """`pollen deploy certs`, `key` and `register`: the certificates, keys and
+    registrations of a deployment across machines (no `--dir`)."""
     certs = actions.add_parser(
         "certs", help="make a CA and a SuperLink certificate (multi-machine)"
     )
@@ -402,7 +452,6 @@ def _add_deploy_parser(commands: argparse._SubParsersAction) -> None:
         required=True,
         help="the SuperLink's connection in the Flower config",
     )
-    parser.set_defaults(handler=deploy_command)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -8,8 +8,25 @@ import datetime
 import ipaddress
 from collections.abc import Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from ..files import write_atomic
+
+if TYPE_CHECKING:  # cryptography loads in the functions that use it, not with pollen
+    from cryptography.hazmat.primitives.asymmetric.ec import (
+        EllipticCurvePrivateKey,
+        EllipticCurvePublicKey,
+    )
+    from cryptography.x509 import (
+        Certificate,
+        CertificateBuilder,
+        GeneralName,
+        KeyUsage,
+        Name,
+    )
+
+CA_NAME = "pollen CA"  # the CA certificate's common name
+Validity = tuple[datetime.datetime, datetime.datetime]  # not before, not after
 
 
 def make_certificates(directory: Path, hosts: Sequence[str], days: int = 365) -> None:
@@ -17,41 +34,54 @@ def make_certificates(directory: Path, hosts: Sequence[str], days: int = 365) ->
     `server.key`) whose subject alternative names are `hosts` (names or IP
     addresses). The CA's private key is kept beside them (`ca.key`) so more
     certificates can be issued; keep it off the SuperLink in production."""
-    from cryptography import x509
-    from cryptography.hazmat.primitives import hashes, serialization
     from cryptography.hazmat.primitives.asymmetric import ec
-    from cryptography.x509.oid import NameOID
 
     if not hosts:
         raise ValueError("certificates need at least one host name or address")
     now = datetime.datetime.now(datetime.UTC)
-    valid_from, valid_to = (
+    validity = (
         now - datetime.timedelta(minutes=5),
         now + datetime.timedelta(days=days),
     )
     ca_key = ec.generate_private_key(ec.SECP256R1())
-    ca_name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "pollen CA")])
-    ca = (
-        x509.CertificateBuilder()
-        .subject_name(ca_name)
-        .issuer_name(ca_name)
-        .public_key(ca_key.public_key())
-        .serial_number(x509.random_serial_number())
-        .not_valid_before(valid_from)
-        .not_valid_after(valid_to)
+    ca = _ca_certificate(ca_key, validity)
+    server_key = ec.generate_private_key(ec.SECP256R1())
+    server = _server_certificate(server_key, hosts, ca_key, validity)
+    directory.mkdir(parents=True, exist_ok=True)
+    ca_pem, ca_private, server_pem, server_private = certificate_files(directory)
+    write_atomic(ca_private, _private_pem(ca_key), private=True)
+    write_atomic(server_private, _private_pem(server_key), private=True)
+    ca_pem.write_bytes(_public_pem(ca))
+    server_pem.write_bytes(_public_pem(server))
+
+
+def _ca_certificate(key: EllipticCurvePrivateKey, validity: Validity) -> Certificate:
+    """The CA's self-signed certificate: it may sign certificates, but not
+    certificates of other CAs (path length 0)."""
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes
+
+    return (
+        _certificate(CA_NAME, CA_NAME, key.public_key(), validity)
         .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
         .add_extension(_ca_key_usage(), critical=True)
-        .sign(ca_key, hashes.SHA256())
+        .sign(key, hashes.SHA256())
     )
-    server_key = ec.generate_private_key(ec.SECP256R1())
-    server = (
-        x509.CertificateBuilder()
-        .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, hosts[0])]))
-        .issuer_name(ca_name)
-        .public_key(server_key.public_key())
-        .serial_number(x509.random_serial_number())
-        .not_valid_before(valid_from)
-        .not_valid_after(valid_to)
+
+
+def _server_certificate(
+    key: EllipticCurvePrivateKey,
+    hosts: Sequence[str],
+    ca_key: EllipticCurvePrivateKey,
+    validity: Validity,
+) -> Certificate:
+    """The SuperLink's certificate for `key`, named after its first host and
+    valid for all of `hosts`, for TLS servers only, signed by the CA."""
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes
+
+    return (
+        _certificate(hosts[0], CA_NAME, key.public_key(), validity)
         .add_extension(
             x509.SubjectAlternativeName([_san(h) for h in hosts]), critical=False
         )
@@ -62,18 +92,51 @@ def make_certificates(directory: Path, hosts: Sequence[str], days: int = 365) ->
         )
         .sign(ca_key, hashes.SHA256())
     )
-    pem = serialization.Encoding.PEM
-    private = dict(
-        encoding=pem,
+
+
+def _certificate(
+    subject: str, issuer: str, key: EllipticCurvePublicKey, validity: Validity
+) -> CertificateBuilder:
+    """What both certificates have: `subject` and `issuer` (common names),
+    the public `key`, a random serial number and the `validity` period (not
+    before, not after); their extensions are added to it."""
+    from cryptography import x509
+
+    return (
+        x509.CertificateBuilder()
+        .subject_name(_name(subject))
+        .issuer_name(_name(issuer))
+        .public_key(key)
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(validity[0])
+        .not_valid_after(validity[1])
+    )
+
+
+def _name(common_name: str) -> Name:
+    """A certificate's subject or issuer: a common name, nothing more."""
+    from cryptography import x509
+    from cryptography.x509.oid import NameOID
+
+    return x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, common_name)])
+
+
+def _private_pem(key: EllipticCurvePrivateKey) -> bytes:
+    """`key` as an unencrypted PKCS #8 PEM (the file is the protection)."""
+    from cryptography.hazmat.primitives import serialization
+
+    return key.private_bytes(
+        encoding=serialization.Encoding.PEM,
         format=serialization.PrivateFormat.PKCS8,
         encryption_algorithm=serialization.NoEncryption(),
     )
-    directory.mkdir(parents=True, exist_ok=True)
-    ca_pem, ca_private, server_pem, server_private = certificate_files(directory)
-    write_atomic(ca_private, ca_key.private_bytes(**private), private=True)
-    write_atomic(server_private, server_key.private_bytes(**private), private=True)
-    ca_pem.write_bytes(ca.public_bytes(pem))
-    server_pem.write_bytes(server.public_bytes(pem))
+
+
+def _public_pem(certificate: Certificate) -> bytes:
+    """`certificate` as PEM, the form TLS configurations read."""
+    from cryptography.hazmat.primitives import serialization
+
+    return certificate.public_bytes(serialization.Encoding.PEM)
 
 
 def certificate_files(directory: Path) -> tuple[Path, Path, Path, Path]:
@@ -87,7 +150,7 @@ def certificate_files(directory: Path) -> tuple[Path, Path, Path, Path]:
     )
 
 
-def _ca_key_usage():
+def _ca_key_usage() -> KeyUsage:
     """A CA's key signs certificates (and revocation lists), nothing else."""
     from cryptography import x509
 
@@ -97,7 +160,7 @@ def _ca_key_usage():
     return x509.KeyUsage(**dict.fromkeys(uses, True), **dict.fromkeys(others, False))
 
 
-def _san(host: str):
+def _san(host: str) -> GeneralName:
     from cryptography import x509
 
     try:

@@ -22,7 +22,7 @@ import json
 import os
 import subprocess
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -45,6 +45,7 @@ IN_MEMORY_DATABASE = (
 )
 ONLINE_SECONDS = 60.0  # for every SuperNode `up` started to be listed online
 DEFAULT_HOSTS = ("localhost", "127.0.0.1")
+ANY_ADDRESSES = ("0.0.0.0", "::")  # a SuperLink listening on every interface
 
 
 class DeployError(RuntimeError):
@@ -329,6 +330,24 @@ def up(
     `data-root` when given, and whatever `node_extra[k]` adds or overrides;
     its command runs behind `node_prefix[k]` when given.
     """
+    _check_options(num_nodes, executor, superlink_state)
+    directory = _free_directory(directory)
+    address = f"{'127.0.0.1' if host in ANY_ADDRESSES else host}:{port}"
+    deployment = Deployment(
+        str(directory), address, insecure, executor=executor, host=host,
+        node_poll=node_poll, superlink_state=superlink_state,
+        threads=_client_threads(num_nodes),
+    )  # fmt: skip
+    if not insecure:
+        make_certificates(deployment.certs, _certificate_hosts(host, san))
+    deployment.write_flower_config()
+    nodes = _NodeOptions(data_root, node_extra or {}, node_prefix or {})
+    _start_processes(deployment, host, port, num_nodes, nodes)
+    return deployment
+
+
+def _check_options(num_nodes: int, executor: str, superlink_state: str) -> None:
+    """Refuse, before anything is written, options `up` cannot start."""
     if num_nodes < 1:
         raise DeployError(f"--nodes must be at least 1, got {num_nodes}")
     if superlink_state not in SUPERLINK_STATES:
@@ -340,9 +359,13 @@ def up(
         raise DeployError(
             f"--executor {executor!r}: expected one of {', '.join(EXECUTORS)}"
         )
+
+
+def _free_directory(directory: Path) -> Path:
+    """`directory`, resolved and made, unless a deployment recorded there
+    still runs: `up` would lose track of its processes."""
     directory = directory.expanduser().resolve()
-    record = directory / STATE_FILE
-    if record.exists():
+    if (directory / STATE_FILE).exists():
         running = Deployment.load(directory).running()
         if running:
             raise DeployError(
@@ -350,44 +373,66 @@ def up(
                 f"{', '.join(map(str, running))}); `pollen deploy down` it first"
             )
     directory.mkdir(parents=True, exist_ok=True)
-    address = f"{'127.0.0.1' if host in ('0.0.0.0', '::') else host}:{port}"
-    deployment = Deployment(
-        str(directory),
-        address,
-        insecure,
-        executor=executor,
-        host=host,
-        node_poll=node_poll,
-        superlink_state=superlink_state,
-    )
-    if "OMP_NUM_THREADS" not in os.environ:
-        deployment.threads = max(1, (os.cpu_count() or 1) // num_nodes)
-    if not insecure:
-        hosts = list(dict.fromkeys([*DEFAULT_HOSTS, host, *san]))
-        make_certificates(
-            deployment.certs, [h for h in hosts if h not in ("0.0.0.0", "::")]
-        )
-    deployment.write_flower_config()
+    return directory
+
+
+def _client_threads(num_nodes: int) -> int:
+    """Torch threads per ClientApp process: this machine's CPUs shared among
+    the nodes (at least 1), or 0 (torch's default) where OMP_NUM_THREADS is
+    set: the user's setting stands."""
+    if "OMP_NUM_THREADS" in os.environ:
+        return 0
+    return max(1, (os.cpu_count() or 1) // num_nodes)
+
+
+def _certificate_hosts(host: str, san: Sequence[str]) -> list[str]:
+    """The SuperLink certificate's names: this machine's, the address it
+    listens on and `san`, once each; a wildcard address names no host."""
+    hosts = list(dict.fromkeys([*DEFAULT_HOSTS, host, *san]))
+    return [h for h in hosts if h not in ANY_ADDRESSES]
+
+
+@dataclass(frozen=True)
+class _NodeOptions:
+    """What `up` gives its nodes beyond their partition: every node's
+    `data_root` ("" for none), node k's `extra[k]` config and its command's
+    `prefix[k]` (e.g. `ip netns exec NS`)."""
+
+    data_root: str
+    extra: Mapping[int, Mapping[str, str]]
+    prefix: Mapping[int, Sequence[str]]
+
+    def config(self, directory: Path, k: int) -> dict[str, str]:
+        """Node k's config beside its partition: its `state-dir` under
+        `directory` (its client state survives a restart), the data root,
+        then whatever `extra[k]` adds or overrides."""
+        config = {"state-dir": str(directory / "state" / f"node-{k}")}
+        if self.data_root:
+            config["data-root"] = str(Path(self.data_root).expanduser().resolve())
+        config.update(self.extra.get(k, {}))
+        return config
+
+
+def _start_processes(
+    deployment: Deployment, host: str, port: int, num_nodes: int, nodes: _NodeOptions
+) -> None:
+    """Start the SuperLink, then the nodes, recording each process as it
+    starts, and wait for every node to come online. When anything fails
+    (Ctrl-C too) what started is recorded and stopped, and the first failure
+    raised, not one of the clean-up."""
     try:
         deployment.start_superlink(host, port)
         deployment.save()
         for k in range(num_nodes):
-            extra: dict[str, str] = {
-                "state-dir": str(directory / "state" / f"node-{k}")
-            }
-            if data_root:
-                extra["data-root"] = str(Path(data_root).expanduser().resolve())
-            extra.update((node_extra or {}).get(k, {}))
-            config = node_config(k, num_nodes, extra)
-            deployment.start_node(k, config, (node_prefix or {}).get(k, ()))
+            config = node_config(k, num_nodes, nodes.config(deployment.root, k))
+            deployment.start_node(k, config, nodes.prefix.get(k, ()))
             deployment.save()
         deployment.wait_online(num_nodes)
     except BaseException:
         if deployment.superlink_pid:  # something started: record it, stop it
             deployment.save()
-            down(directory)
-        raise  # the first failure, not one of the clean-up
-    return deployment
+            down(deployment.root)
+        raise
 
 
 def down(directory: Path) -> list[int]:

@@ -24,7 +24,7 @@ import tempfile
 import threading
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from ..runs.checkpoints import CheckpointError, check_resumable
@@ -158,6 +158,23 @@ def run_on_warm(
     return said_completed
 
 
+@dataclass(frozen=True)
+class Target:
+    """Where a run goes: a `connection` of the user's Flower config, the
+    `pollen deploy` `deployment` or, with neither, a simulation on this
+    machine, on the `warm` federation when there is one, else on a SuperLink
+    of its own."""
+
+    connection: str | None = None
+    deployment: cluster.Deployment | None = None
+    warm: WarmSimulation | None = None
+
+    @property
+    def simulated(self) -> bool:
+        """Whether the run is a simulation on this machine."""
+        return self.connection is None and self.deployment is None
+
+
 def run(
     app: Path,
     overrides: Sequence[str],
@@ -173,24 +190,8 @@ def run(
     runs on a SuperLink of its own, or on the warm federation in `warm_dir`."""
     started = time.monotonic()
     settings, run_config = prepare_run(app, overrides)
-    deployment = warm = None
-    if deployment_dir is not None:
-        deployment = running_deployment(deployment_dir, connection)
-    if warm_dir is not None:
-        warm = running_warm_simulation(warm_dir, connection, deployment)
-    elif connection is None and deployment is None:
-        warm = warm_here()
-    federation = given_federation = list(federation)
-    if connection is None and deployment is None:  # a simulation, on this machine
-        check_local_device(settings.device)
-        federation = simulation_federation(
-            federation, settings.num_clients, settings.device,
-            cohorts=settings.client_execution == "cohort",
-        )  # fmt: skip
-        check_local_gpus(federation)
-    if connection is None:  # the ServerApp reads the data on this machine
-        check_local_data(settings)
-        check_local_tracker(settings)
+    target = find_target(connection, deployment_dir, warm_dir)
+    submitted = checked_federation(settings, federation, target)
     run_dir = Path(settings.resume or Path(settings.output_dir) / settings.run_name)
     token = None
     with contextlib.ExitStack() as held:
@@ -201,44 +202,20 @@ def run(
             watchdog.claim(run_dir, claim.made)
             token = claim.token
             run_config = config_string(replace(settings, run_token=token))
-        log_path = Path(tempfile.mkstemp(prefix="pollen-flower-", suffix=".log")[1])
-        watchdog.log(log_path, run_dir, FLOWER_LOG)
-        watchdog.temporary(log_path)
-        if not verbose:
-            print(
-                f"pollen: Flower's and Ray's lines go to {FLOWER_LOG} in the run's "
-                "directory (--verbose: here too)",
-                flush=True,
-            )
+        log_path = _flower_log(run_dir, watchdog, verbose)
         try:
-            with log_path.open("w") as log:
-                console = Console(log, verbose=verbose)
-                try:
-                    said_completed = _submit(app, run_config, run_dir, federation,
-                                             connection, deployment, warm, console,
-                                             watchdog)  # fmt: skip
-                finally:
-                    console.close()
+            with (
+                log_path.open("w") as log,
+                contextlib.closing(Console(log, verbose=verbose)) as console,
+            ):
+                said_completed = _submit(app, run_config, run_dir, submitted, target,
+                                         console, watchdog)  # fmt: skip
         except KeyboardInterrupt:  # Ctrl-C, SIGTERM or SIGHUP
-            if connection is None and deployment is None:  # the run has recorded it
-                command = resume_command(app, overrides, given_federation, run_dir)
-                report_interrupted(run_dir, settings, command)
-            else:
-                print(
-                    "pollen: stopped following the run; it goes on at the SuperLink "
-                    "(`flwr stop RUN_ID` ends it; the run id is in Flower's lines)",
-                    file=sys.stderr,
-                )
+            resume = resume_command(app, overrides, federation, run_dir)
+            _report_stopped(target, run_dir, settings, resume)
             raise
         finally:
-            kept = keep_log(log_path, run_dir, FLOWER_LOG)
-            if kept is not None:
-                log_path.unlink()
-            else:  # the run wrote no directory here (it failed early, or is remote)
-                print(
-                    f"pollen: Flower's and Ray's lines are in {log_path}",
-                    file=sys.stderr,
-                )
+            kept = _keep_flower_log(log_path, run_dir)
         wall_seconds = time.monotonic() - started
         if said_completed and not (run_dir / "summary.json").exists():
             # a remote SuperLink's ServerApp wrote its results on its own machine
@@ -252,14 +229,93 @@ def run(
         )  # fmt: skip
 
 
+def find_target(
+    connection: str | None, deployment_dir: Path | None, warm_dir: Path | None
+) -> Target:
+    """Where `pollen run` sends its run: `connection`, the deployment running
+    in `deployment_dir`, or a simulation, on the warm federation in
+    `warm_dir` or, without one, in the shell's directory (`warm_here`)."""
+    deployment = warm = None
+    if deployment_dir is not None:
+        deployment = running_deployment(deployment_dir, connection)
+    if warm_dir is not None:
+        warm = running_warm_simulation(warm_dir, connection, deployment)
+    elif connection is None and deployment is None:
+        warm = warm_here()
+    return Target(connection, deployment, warm)
+
+
+def checked_federation(
+    settings: Settings, federation: Sequence[str], target: Target
+) -> list[str]:
+    """The `--federation-config` values to submit, once this machine is
+    checked for what runs on it: a simulation gets pollen's defaults
+    (`simulation_federation`) and needs the device and GPU share it asks
+    for; a ServerApp here (no connection) needs the data and the tracker."""
+    federation = list(federation)
+    if target.simulated:
+        check_local_device(settings.device)
+        federation = simulation_federation(
+            federation, settings.num_clients, settings.device,
+            cohorts=settings.client_execution == "cohort",
+        )  # fmt: skip
+        check_local_gpus(federation)
+    if target.connection is None:  # the ServerApp reads the data on this machine
+        check_local_data(settings)
+        check_local_tracker(settings)
+    return federation
+
+
+def _flower_log(run_dir: Path, watchdog: Watchdog, verbose: bool) -> Path:
+    """A temporary file for the whole stream of `flwr run`, kept as the run
+    directory's `FLOWER_LOG` when the run ends (by the watchdog if this
+    command is killed); said on the console unless `verbose` shows it too."""
+    log_path = Path(tempfile.mkstemp(prefix="pollen-flower-", suffix=".log")[1])
+    watchdog.log(log_path, run_dir, FLOWER_LOG)
+    watchdog.temporary(log_path)
+    if not verbose:
+        print(
+            f"pollen: Flower's and Ray's lines go to {FLOWER_LOG} in the run's "
+            "directory (--verbose: here too)",
+            flush=True,
+        )
+    return log_path
+
+
+def _keep_flower_log(log_path: Path, run_dir: Path) -> Path | None:
+    """Move the stream of `flwr run` into the run directory; where it went,
+    or None when the run wrote no directory here (it failed early, or is
+    remote): then it stays at `log_path`, said on the console."""
+    kept = keep_log(log_path, run_dir, FLOWER_LOG)
+    if kept is not None:
+        log_path.unlink()
+    else:
+        print(f"pollen: Flower's and Ray's lines are in {log_path}", file=sys.stderr)
+    return kept
+
+
+def _report_stopped(
+    target: Target, run_dir: Path, settings: Settings, resume: str
+) -> None:
+    """Say what an interrupted `pollen run` leaves: a simulation here has
+    recorded the interruption (`report_interrupted`, with the `resume`
+    command); a run elsewhere goes on without this command."""
+    if target.simulated:
+        report_interrupted(run_dir, settings, resume)
+    else:
+        print(
+            "pollen: stopped following the run; it goes on at the SuperLink "
+            "(`flwr stop RUN_ID` ends it; the run id is in Flower's lines)",
+            file=sys.stderr,
+        )
+
+
 def _submit(
     app: Path,
     run_config: str,
     run_dir: Path,
     federation: Sequence[str],
-    connection: str | None,
-    deployment: cluster.Deployment | None,
-    warm: WarmSimulation | None,
+    target: Target,
     console: Console,
     watchdog: Watchdog | None = None,
 ) -> bool:
@@ -271,22 +327,22 @@ def _submit(
         for value in federation:
             flwr_args += ["--federation-config", value]
         flwr_args.append("--stream")
-        if deployment is not None:
+        if target.deployment is not None:
             flwr_args.insert(2, cluster.CONNECTION)
             said_completed = stream_flwr(
-                flwr_args, flower_env(deployment.flwr_home), console,
+                flwr_args, flower_env(target.deployment.flwr_home), console,
                 watchdog=watchdog,
             )  # fmt: skip
-        elif warm is not None:
-            said_completed = run_on_warm(flwr_args, warm, console, watchdog)
-        elif connection is None:
+        elif target.warm is not None:
+            said_completed = run_on_warm(flwr_args, target.warm, console, watchdog)
+        elif target.connection is None:
             with LocalSuperLink(run_dir, watchdog) as link:
                 said_completed = stream_flwr(
                     flwr_args, link.env, console, interrupt=link.interrupt,
                     watchdog=watchdog,
                 )  # fmt: skip
         else:
-            flwr_args.insert(2, connection)
+            flwr_args.insert(2, target.connection)
             said_completed = stream_flwr(
                 flwr_args, dict(os.environ), console, watchdog=watchdog
             )

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import io
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import torch
@@ -66,15 +66,10 @@ def run_centralized(app: Path, overrides: Sequence[str], epochs: int | None) -> 
 
 
 def train_centrally(
-    settings: Settings, epochs: int, echo=print
+    settings: Settings, epochs: int, echo: Callable[[str], None] = print
 ) -> tuple[Path, dict[str, object]]:
     """Train and write the run directory; its path and summary."""
-    if data_set_info(settings.data_set).generated:
-        raise RunConfigError(
-            f"data-set={settings.data_set!r} has no centralised baseline: its "
-            "examples are generated per client where the client trains, never "
-            "pooled; use an image data set"
-        )
+    _check_poolable(settings.data_set)
     started = time.monotonic()
     dataset = load_dataset(settings.data_set, settings.data_root, settings.download)
     device = pick_device(settings.device)
@@ -86,12 +81,7 @@ def train_centrally(
     test_inputs = Preprocess(
         dataset.mean, dataset.std, settings.normalize, device=device
     )
-    run_name = settings.run_name or default_run_name(STRATEGY, settings.data_set)
-    run_dir = create_run_dir(settings.output_dir, run_name)
-    write_json(run_dir / "settings.json", {
-        **settings.to_run_config(), "strategy": STRATEGY, "run-name": run_name,
-        "centralized-epochs": epochs,
-    })  # fmt: skip
+    run_dir = _new_run_dir(settings, epochs)
     echo(f"pollen: {dataset.name}: {len(y_train)} train / {len(y_test)} test, "
          f"{settings.model}, {epochs} epochs, results in {run_dir}")  # fmt: skip
     history: list[RoundRecord] = []
@@ -119,9 +109,37 @@ def train_centrally(
     )  # fmt: skip
     summary = summarize(history, "completed", time.monotonic() - started)
     write_json(run_dir / "summary.json", summary)
-    buffer = io.BytesIO()
-    torch.save(model.state_dict(), buffer)
-    write_atomic(run_dir / "model.pt", buffer.getvalue())
+    _save_model(model, run_dir / "model.pt")
     title = f"centralised {settings.model} on {dataset.name}"
     plot_curves(history, run_dir / "curves.png", title, xlabel="epoch")
     return run_dir, summary
+
+
+def _check_poolable(data_set: str) -> None:
+    """Refuse a data set whose examples are generated where each client
+    trains: there is no whole training set to train on."""
+    if data_set_info(data_set).generated:
+        raise RunConfigError(
+            f"data-set={data_set!r} has no centralised baseline: its "
+            "examples are generated per client where the client trains, never "
+            "pooled; use an image data set"
+        )
+
+
+def _new_run_dir(settings: Settings, epochs: int) -> Path:
+    """The run directory, made, with its `settings.json`: the run config as
+    `pollen run` records it, strategy `centralized`, and the epochs."""
+    run_name = settings.run_name or default_run_name(STRATEGY, settings.data_set)
+    run_dir = create_run_dir(settings.output_dir, run_name)
+    write_json(run_dir / "settings.json", {
+        **settings.to_run_config(), "strategy": STRATEGY, "run-name": run_name,
+        "centralized-epochs": epochs,
+    })  # fmt: skip
+    return run_dir
+
+
+def _save_model(model: torch.nn.Module, path: Path) -> None:
+    """The trained weights (`state_dict`) at `path`, written atomically."""
+    buffer = io.BytesIO()
+    torch.save(model.state_dict(), buffer)
+    write_atomic(path, buffer.getvalue())

@@ -453,68 +453,105 @@ def pollen_run_cell(
     return run_cell
 
 
-def run_comparison(
-    grid_path: Path,
-    app: Path,
-    out: Path,
-    overrides: Sequence[str],
-    only: Sequence[str] = (),
-    dry_run: bool = False,
-    network: Path | None = None,
-    simulate: bool = False,
-) -> None:
-    """`pollen compare`: validate every selected cell of the grid in
-    `grid_path` (with `overrides` under each), then list them (`dry_run`) or
-    run the unfinished ones into `out` and print the report's table.
+@dataclass(frozen=True)
+class Comparison:
+    """What `pollen compare` is asked for: the grid in `grid_path`, its cells
+    selected by `only` (`Grid.select`), each a run of `app` into `out` with
+    the run config `overrides` under it; with a `network` profile (a
+    resolved file) each cell runs as a deployment over links shaped as the
+    profile says (`network_cells`), or, with `simulate`, as a simulation
+    whose clock the profile drives."""
 
-    With a `network` profile (a resolved file) every cell runs as a
-    deployment over links shaped as the profile says
-    (`network_cells`), or, with `simulate`, as a simulation whose clock the
-    profile drives; either way the cells get `network-profile` (so a
-    finished cell computed over another profile is not kept)."""
-    from . import network_cells  # the deployment side: only --network pays
+    grid_path: Path
+    app: Path
+    out: Path
+    overrides: Sequence[str] = ()
+    only: Sequence[str] = ()
+    network: Path | None = None
+    simulate: bool = False
 
-    if network is not None:
-        overrides = [*overrides, config_text({"network-profile": str(network)})]
+    @property
+    def deployed(self) -> bool:
+        """Whether each cell runs as a deployment over a shaped network."""
+        return self.network is not None and not self.simulate
 
-    def validate(config: str) -> dict[str, Any]:
+    @property
+    def cell_overrides(self) -> list[str]:
+        """The run config under every cell: `overrides`, then the
+        `network-profile` with a network (so a finished cell computed over
+        another profile is not kept)."""
+        if self.network is None:
+            return list(self.overrides)
+        return [*self.overrides, config_text({"network-profile": str(self.network)})]
+
+    def validate(self, config: str) -> dict[str, Any]:
+        """The complete run config of the cell `config` sets, or the reason
+        it has none."""
+        values = [*self.cell_overrides, config]
         try:
-            return resolve_settings(app, [*overrides, config]).to_run_config()
+            return resolve_settings(self.app, values).to_run_config()
         except (SettingsError, RunConfigError) as err:
             raise CompareError(f"cell {config!r}: {err}") from None
 
-    grid = Grid.load(grid_path).select(only)
-    cells = validate_cells(grid, validate)  # before any write
-    deployed = network is not None and not simulate
+
+def run_comparison(comparison: Comparison, dry_run: bool = False) -> None:
+    """`pollen compare`: validate every selected cell of the comparison's
+    grid, then list them (`dry_run`) or run the unfinished ones into its
+    `out` and print the report's table."""
+    from . import network_cells  # the deployment side: only --network pays
+
+    out = comparison.out
+    grid = Grid.load(comparison.grid_path).select(comparison.only)
+    cells = validate_cells(grid, comparison.validate)  # before any write
     run_configs = {cell.name: cell.run_config for cell in cells}
-    if deployed:
+    if comparison.deployed:
         network_cells.check_cells(run_configs)
     if dry_run:
-        if deployed:
-            print(f"pollen: each cell runs as a deployment over {network}")
+        if comparison.deployed:
+            print(f"pollen: each cell runs as a deployment over {comparison.network}")
         print_plan(cells, out)
         return
-    if deployed:
-        assert network is not None
+    if comparison.deployed:
         network_cells.check_host()
     # SIGTERM stops a comparison as Ctrl-C does: the cell's processes go too
     with exclusive(out) as running, processes.stop_signals_interrupt():
         cells = with_states(cells, out)
-        write_atomic(out / "grid.toml", grid_path.read_text())
-        with contextlib.ExitStack() as federation:
-            if deployed:
-                assert network is not None
-                run_cell = network_cells.network_run_cell(
-                    cell_command(app, out, overrides), out, network, run_configs
-                )
-            else:  # one SuperLink and Ray head for every cell that runs
-                if any(cell.state != DONE for cell in cells):
-                    federation.enter_context(warm_simulation(out / WARM_DIR))
-                run_cell = pollen_run_cell(app, out, overrides, out / WARM_DIR)
+        write_atomic(out / "grid.toml", comparison.grid_path.read_text())
+        with _shared_federation(comparison, cells):
+            run_cell = _cell_runner(comparison, run_configs)
             run_grid(cells, out, run_cell, running=running)
         table = report(out, grid.target)
     print(table.read_text(), end="")
     print(f"pollen: comparison in {out}")
+
+
+def _shared_federation(
+    comparison: Comparison, cells: Sequence[Cell]
+) -> contextlib.AbstractContextManager[object]:
+    """While the cells run: the warm SuperLink and Ray head every simulated
+    cell runs on (each skips their start-up), when a cell is left to run;
+    deployed cells start their own."""
+    if comparison.deployed or all(cell.state == DONE for cell in cells):
+        return contextlib.nullcontext()
+    return warm_simulation(comparison.out / WARM_DIR)
+
+
+def _cell_runner(
+    comparison: Comparison, run_configs: Mapping[str, Mapping[str, Any]]
+) -> Callable[[str, str, Path], int]:
+    """`run_cell` for `run_grid`: each cell a deployment over the network
+    (`run_configs[name]`: its complete run config), or a simulation on the
+    shared federation (`_shared_federation`)."""
+    from . import network_cells
+
+    app, out, overrides = comparison.app, comparison.out, comparison.cell_overrides
+    if comparison.deployed:
+        assert comparison.network is not None
+        command = cell_command(app, out, overrides)
+        return network_cells.network_run_cell(
+            command, out, comparison.network, run_configs
+        )
+    return pollen_run_cell(app, out, overrides, out / WARM_DIR)
 
 
 def print_plan(cells: list[Cell], out: Path) -> None:

@@ -499,46 +499,87 @@ def plot_groups(
     is not drawn."""
     keys = [k for k in varying_keys(runs) if k != "seed"]
     line_keys, figure_keys = split_line_and_figure_keys(keys, grid, runs)
+    figures = _figures(runs, line_keys, figure_keys)
+    plots.mkdir(parents=True, exist_ok=True)
+    written = []
+    for slug, lines in figures.items():
+        title, labels = _figure_title(lines, line_keys, figure_keys)
+        written += _plot_figure(plots, slug, lines, title, labels)
+    partition_keys = [  # not the strategy, nor what only a named cell or preset sets
+        k for k in keys if k not in SERIES_KEYS and (grid is None or k in figure_keys)
+    ]
+    return written + _copy_label_plots(runs, plots, partition_keys)
+
+
+def _figures(
+    runs: Sequence[Run], line_keys: Sequence[str], figure_keys: Sequence[str]
+) -> dict[str, dict[str, list[Run]]]:
+    """The runs by figure (named after its `figure_keys` values) and, in a
+    figure, by line (labelled by its `line_keys` values); a line's runs are
+    its seeds."""
     figures: dict[str, dict[str, list[Run]]] = {}
     for run in runs:
         figure = cell_name({k: run.settings[k] for k in figure_keys})
         line = line_label(run, line_keys, runs)
         figures.setdefault(figure, {}).setdefault(line, []).append(run)
-    plots.mkdir(parents=True, exist_ok=True)
+    return figures
+
+
+def _figure_title(
+    lines: Mapping[str, Sequence[Run]],
+    line_keys: Sequence[str],
+    figure_keys: Sequence[str],
+) -> tuple[str, dict[str, str]]:
+    """A figure's title (its data set and setting, what its lines differ by
+    and, when the same for every line, over how many seeds) and each line's
+    label."""
+    some = next(iter(lines.values()))[0].settings
+    figure = ", ".join(f"{k}={some[k]}" for k in figure_keys)
+    seeds_in_title, labels = _seed_counts(lines)
+    title = ", ".join(t for t in (str(some.get("data-set", "")), figure) if t)
+    title += f": by {', '.join(line_keys)}" if line_keys else ""
+    return title + seeds_in_title, labels
+
+
+def _plot_figure(
+    plots: Path,
+    slug: str,
+    lines: Mapping[str, Sequence[Run]],
+    title: str,
+    labels: Mapping[str, str],
+) -> list[Path]:
+    """One setting's figures: accuracy per round, and against each measure
+    every line records (a measure no line records has no figure)."""
+    accuracy = {
+        line: [[r["accuracy"] for r in m.history] for m in members]
+        for line, members in lines.items()
+    }
+    own = {line: _mean_own_curve(members) for line, members in lines.items()}
+    x_rounds = {
+        line: [float(r["round"]) for r in members[0].history]
+        for line, members in lines.items()
+    }
+    path = plots / f"accuracy-rounds-{slug}.png"
+    written = [_plot_lines(path, title, "round", x_rounds, accuracy, own, labels)]
+    for measure in MEASURES:
+        sums = {line: _of_every_seed([m.cumulative(measure) for m in members])
+                for line, members in lines.items()}  # fmt: skip
+        xs = {line: _mean_curve(s) for line, s in sums.items() if s is not None}
+        if xs:  # else no line records this measure: no figure
+            path = plots / f"accuracy-{measure.plot}-{slug}.png"
+            written.append(
+                _plot_lines(path, title, measure.xlabel, xs, accuracy, own, labels)
+            )
+    return written
+
+
+def _copy_label_plots(
+    runs: Sequence[Run], plots: Path, partition_keys: Sequence[str]
+) -> list[Path]:
+    """Each setting's label distribution (the first seed's `labels.png`),
+    copied into `plots` once per setting of the `partition_keys`; the copies."""
     written = []
-    for slug, lines in figures.items():
-        some = next(iter(lines.values()))[0].settings
-        figure = ", ".join(f"{k}={some[k]}" for k in figure_keys)
-        seeds_in_title, labels = _seed_counts(lines)
-        title = ", ".join(t for t in (str(some.get("data-set", "")), figure) if t)
-        title += f": by {', '.join(line_keys)}" if line_keys else ""
-        title += seeds_in_title
-        accuracy = {
-            line: [[r["accuracy"] for r in m.history] for m in members]
-            for line, members in lines.items()
-        }
-        own = {line: _mean_own_curve(members) for line, members in lines.items()}
-        x_rounds = {
-            line: [float(r["round"]) for r in members[0].history]
-            for line, members in lines.items()
-        }
-        path = plots / f"accuracy-rounds-{slug}.png"
-        written.append(
-            _plot_lines(path, title, "round", x_rounds, accuracy, own, labels)
-        )
-        for measure in MEASURES:
-            sums = {line: _of_every_seed([m.cumulative(measure) for m in members])
-                    for line, members in lines.items()}  # fmt: skip
-            xs = {line: _mean_curve(s) for line, s in sums.items() if s is not None}
-            if xs:  # else no line records this measure: no figure
-                path = plots / f"accuracy-{measure.plot}-{slug}.png"
-                written.append(
-                    _plot_lines(path, title, measure.xlabel, xs, accuracy, own, labels)
-                )
-    partition_keys = [  # not the strategy, nor what only a named cell or preset sets
-        k for k in keys if k not in SERIES_KEYS and (grid is None or k in figure_keys)
-    ]
-    for run in runs:  # each setting's partition (the first seed's)
+    for run in runs:
         heatmap = run.path / "labels.png"
         setting = {k: run.settings[k] for k in partition_keys}
         target = plots / f"labels-{cell_name(setting)}.png"

@@ -44,11 +44,30 @@ import json
 from collections.abc import Sequence
 from importlib.metadata import version
 from pathlib import Path
+from typing import TYPE_CHECKING, NamedTuple
 
 import numpy as np
 
 from ..common.partition_sizes import PartitionError, check_min_size
 from ..files import NpzError, read_npz, write_atomic, write_npz
+
+if TYPE_CHECKING:  # flwr-datasets loads only where shards are computed (about 10 s)
+    from flwr_datasets.partitioner import Partitioner
+
+
+class _FlwrParams(NamedTuple):
+    """What decides a flwr-datasets partition besides the labels. Hashed as
+    a list, in this order, into the name of its cached shards (`_digest`):
+    a field added or moved renames every cache file."""
+
+    num_classes: int
+    num_clients: int
+    scheme: str
+    alpha: float
+    min_size: int
+    classes_per_client: int
+    class_assignment: str
+    seed: int
 
 
 def partition_indices(
@@ -78,12 +97,12 @@ def partition_indices(
     elif scheme == "niid-client":
         shards = _client_mixes(labels, num_classes, num_clients, alpha, min_size, seed)
     else:
-        params = (num_classes, num_clients, scheme, alpha, min_size,
-                  classes_per_client, class_assignment, seed)  # fmt: skip
+        params = _FlwrParams(num_classes, num_clients, scheme, alpha, min_size,
+                            classes_per_client, class_assignment, seed)  # fmt: skip
         path = cache_dir and cache_dir / f"{_digest(labels, params)}.npz"
         shards = _read_shards(path, num_clients, n)
         if shards is None:
-            shards = _flwr_partition(labels, *params)
+            shards = _flwr_partition(labels, params)
             _write_shards(path, shards)
     empty = [i for i, s in enumerate(shards) if len(s) == 0]
     if empty:
@@ -95,7 +114,7 @@ def partition_indices(
     return [np.sort(s) for s in shards]
 
 
-def _digest(labels: np.ndarray, params: tuple) -> str:
+def _digest(labels: np.ndarray, params: _FlwrParams) -> str:
     """What decides a flwr-datasets partition, hashed."""
     h = hashlib.sha256(np.ascontiguousarray(labels, np.int64).tobytes())
     h.update(json.dumps([list(params), version("flwr-datasets")]).encode())
@@ -189,82 +208,90 @@ def _client_mixes(
     return shards
 
 
-def _flwr_partition(
-    labels: np.ndarray,
-    num_classes: int,
-    num_clients: int,
-    scheme: str,
-    alpha: float,
-    min_size: int,
-    classes_per_client: int,
-    class_assignment: str,
-    seed: int,
-) -> list[np.ndarray]:
+def _flwr_partition(labels: np.ndarray, params: _FlwrParams) -> list[np.ndarray]:
+    """Each client's indices into `labels`, as flwr-datasets' partitioner for
+    `params.scheme` deals them; what it cannot deal is a `PartitionError`
+    saying which key to change."""
     import datasets
-    from flwr_datasets.partitioner import (
-        DirichletPartitioner,
-        IidPartitioner,
-        PathologicalPartitioner,
-    )
 
     order = np.arange(len(labels))
-    if scheme == "iid":  # IidPartitioner deals contiguous shards: shuffle first
-        order = np.random.default_rng(seed).permutation(len(labels))
+    if params.scheme == "iid":  # IidPartitioner deals contiguous shards: shuffle first
+        order = np.random.default_rng(params.seed).permutation(len(labels))
     table = datasets.Dataset.from_dict({"index": order, "label": labels[order]})
-    if scheme == "iid":
-        partitioner = IidPartitioner(num_partitions=num_clients)
-    elif scheme == "niid":
-        if min_size * num_clients > len(labels):
-            raise PartitionError(
-                f"invalid value for 'min-size': {min_size}; {num_clients} clients x "
-                f"{min_size} exceeds the {len(labels)} training samples; lower "
-                "min-size or use fewer clients"
-            )
-        partitioner = DirichletPartitioner(
-            num_partitions=num_clients,
-            partition_by="label",
-            alpha=alpha,
-            min_partition_size=min_size,
-            seed=seed,
-        )
-    elif scheme == "pathological":
-        if classes_per_client > num_classes:
-            raise PartitionError(
-                f"invalid value for 'classes-per-client': {classes_per_client}; the "
-                f"data set has {num_classes} classes"
-            )
-        partitioner = PathologicalPartitioner(
-            num_partitions=num_clients,
-            partition_by="label",
-            num_classes_per_partition=classes_per_client,
-            class_assignment_mode=class_assignment,
-            seed=seed,
-        )
-    else:
-        raise PartitionError(f"unknown partition {scheme!r}")
+    partitioner = _partitioner(params, len(labels))
     partitioner.dataset = table
     try:
         return [
             np.asarray(
                 partitioner.load_partition(i).with_format("numpy")[:]["index"], np.int64
             )
-            for i in range(num_clients)
+            for i in range(params.num_clients)
         ]
     except ValueError as err:
-        if scheme == "niid":
+        raise _partition_failed(params, err) from err
+
+
+def _partitioner(params: _FlwrParams, num_samples: int) -> Partitioner:
+    """flwr-datasets' partitioner for `params.scheme`, once the parameters
+    are checked against the `num_samples` training samples and the classes:
+    `niid` cannot give every client `min_size` samples from fewer, nor
+    `pathological` a client more classes than there are."""
+    from flwr_datasets.partitioner import (
+        DirichletPartitioner,
+        IidPartitioner,
+        PathologicalPartitioner,
+    )
+
+    num_clients, min_size = params.num_clients, params.min_size
+    if params.scheme == "iid":
+        return IidPartitioner(num_partitions=num_clients)
+    if params.scheme == "niid":
+        if min_size * num_clients > num_samples:
             raise PartitionError(
-                f"invalid value for 'min-size': {min_size}; Dirichlet(alpha={alpha}) "
-                f"could not give all {num_clients} clients {min_size} samples in repeated "
-                f"draws; lower min-size or raise alpha ({err})"
-            ) from err
-        if scheme == "pathological":  # flwr-datasets: a class has too few samples
+                f"invalid value for 'min-size': {min_size}; {num_clients} clients x "
+                f"{min_size} exceeds the {num_samples} training samples; lower "
+                "min-size or use fewer clients"
+            )
+        return DirichletPartitioner(
+            num_partitions=num_clients,
+            partition_by="label",
+            alpha=params.alpha,
+            min_partition_size=min_size,
+            seed=params.seed,
+        )
+    if params.scheme == "pathological":
+        if params.classes_per_client > params.num_classes:
             raise PartitionError(
-                f"partition 'pathological' with num-clients={num_clients} and "
-                f"classes-per-client={classes_per_client} would leave clients "
-                f"without samples of their classes ({str(err).split('. ')[0]}); "
-                f"{_remedy(scheme, min_size, classes_per_client)}"
-            ) from err
-        raise PartitionError(f"partition {scheme!r} failed: {err}") from err
+                f"invalid value for 'classes-per-client': {params.classes_per_client}; "
+                f"the data set has {params.num_classes} classes"
+            )
+        return PathologicalPartitioner(
+            num_partitions=num_clients,
+            partition_by="label",
+            num_classes_per_partition=params.classes_per_client,
+            class_assignment_mode=params.class_assignment,
+            seed=params.seed,
+        )
+    raise PartitionError(f"unknown partition {params.scheme!r}")
+
+
+def _partition_failed(params: _FlwrParams, err: ValueError) -> PartitionError:
+    """What a partitioner's `err` means for the user: which key to change."""
+    scheme, num_clients, min_size = params.scheme, params.num_clients, params.min_size
+    if scheme == "niid":
+        return PartitionError(
+            f"invalid value for 'min-size': {min_size}; Dirichlet(alpha={params.alpha}) "
+            f"could not give all {num_clients} clients {min_size} samples in repeated "
+            f"draws; lower min-size or raise alpha ({err})"
+        )
+    if scheme == "pathological":  # flwr-datasets: a class has too few samples
+        return PartitionError(
+            f"partition 'pathological' with num-clients={num_clients} and "
+            f"classes-per-client={params.classes_per_client} would leave clients "
+            f"without samples of their classes ({str(err).split('. ')[0]}); "
+            f"{_remedy(scheme, min_size, params.classes_per_client)}"
+        )
+    return PartitionError(f"partition {scheme!r} failed: {err}")
 
 
 def label_counts(
