@@ -7,7 +7,7 @@ objective and sharing policy, an attack on three aggregators, central DP
 clipped on the client, DP-SGD) in this checkout and in DIR (another checkout,
 e.g. `git worktree add DIR <commit>`, run with this one's environment) with
 the same settings and seed, and compares their `history.json` rows exactly,
-every column except `seconds` (wall time). A refactoring that changes no
+every column except wall times (`seconds`, SecAgg+'s `secagg-*-seconds`). A refactoring that changes no
 behaviour shows `identical` for every row but DP-SGD: its noise and Poisson
 sampling draw from operating-system entropy by design (see
 `pollen.task.privacy`), so for it only the columns the seed decides
@@ -68,6 +68,10 @@ RUNS = {
     "central DP, clipped on clients": "central-dp='fixed' central-clip-on='client' "
     "central-clip-norm=0.05 central-noise-multiplier=1e-30 model='mlp'",
     "DP-SGD": "strategy='fedavg' model='cnn-gn' dp=true dp-epsilon=4",
+    # how a round runs: vectorised cohorts, SecAgg+ (its masks cancel exactly)
+    "cohort": "strategy='fedprox' model='mlp' client-execution='cohort'",
+    "SecAgg+": "strategy='fedadam' model='mlp' secure-aggregation='secagg+' "
+    "num-clients=6",
 }
 SEEDED = ("round", "lr", "clients", "bytes-up", "bytes-down", "dp-epsilon")
 
@@ -77,7 +81,7 @@ def comparable(path: Path, private: bool) -> list[dict]:
     rows = json.loads(path.read_text())
     if private:
         return [{k: row.get(k) for k in SEEDED} for row in rows]
-    return [{k: v for k, v in row.items() if k != "seconds"} for row in rows]
+    return [{k: v for k, v in row.items() if not k.endswith("seconds")} for row in rows]
 
 
 def main() -> None:
