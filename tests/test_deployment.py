@@ -47,6 +47,7 @@ def deployment(tmp_path_factory) -> Iterator[cluster.Deployment]:
     path = os.pathsep.join(filter(None, [str(user), os.environ.get("PYTHONPATH")]))
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv("PYTHONPATH", path)
+        patch.setenv("USERPARTS_NPZ", str(data / "mnist.npz"))  # the user's loader's
         started = cluster.up(
             site, NODES, port=processes.free_port(), data_root=str(data),
             node_extra={OWN: {"data-file": str(root / "own.npz")}},
@@ -91,21 +92,26 @@ def test_fedavg_and_feddyn_train_on_real_processes(
 
 
 @pytest.mark.xdist_group("deployment")
-def test_a_users_model_and_aggregator_run_on_the_deployed_nodes(
+def test_a_users_model_data_set_and_aggregator_run_on_the_deployed_nodes(
     deployment: cluster.Deployment, tmp_path: Path
 ) -> None:
-    """A model factory and an aggregation rule of a user's package: the
-    deployed ServerApp and every node's ClientApp processes import them from
-    the PYTHONPATH `pollen deploy up` started them with (node 2 on its own
-    data file too, so the data set is a built-in one)."""
-    model, rule = f"{PACKAGE}.nets:tiny_net", f"{PACKAGE}.rules:UniformMean"
-    config = f"model='{model}' aggregator='{rule}' rounds=2 run-name='user'"
-    finish(submit(deployment, tmp_path, config))
+    """A model factory, a data-set loader and an aggregation rule of a
+    user's package: the deployed ServerApp and every node's ClientApp
+    processes import them from the PYTHONPATH `pollen deploy up` started
+    them with; nodes 0 and 1 train on shards of what the loader returns,
+    node 2 on its own data file, normalised with the loader's statistics."""
+    parts = {
+        "model": f"{PACKAGE}.nets:tiny_net",
+        "data-set": f"{PACKAGE}.data:site_digits",
+        "aggregator": f"{PACKAGE}.rules:UniformMean",
+    }
+    chosen = " ".join(f"{key}='{name}'" for key, name in parts.items())
+    finish(submit(deployment, tmp_path, f"{chosen} rounds=2 run-name='user'"))
     rows = history(tmp_path / "user")
     assert [r["clients"] for r in rows] == [[0, 1, 2], [0, 1, 2]]
     assert not any(r["failures"] for r in rows) and rows[-1]["accuracy"] > 0.5
     settings = json.loads((tmp_path / "user" / "settings.json").read_text())
-    assert (settings["model"], settings["aggregator"]) == (model, rule)
+    assert {key: settings[key] for key in parts} == parts
 
 
 def node_id(node: cluster.Node) -> int:

@@ -5,9 +5,11 @@ is before anything runs, refused with one line naming the key otherwise.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterator
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -15,7 +17,7 @@ from pollen.catalog import DATA_SETS, MODELS
 from pollen.extensions import data_set_info, model_info
 from pollen.listing import datasets, models
 from pollen.settings import Settings, SettingsError
-from pollen.task.data import load_dataset
+from pollen.task.data import DataError, load_dataset, read_node_file, user_dataset
 from pollen.task.models import build_model
 from tests.user_package import PACKAGE, write_user_package
 
@@ -189,3 +191,49 @@ def test_a_part_pollen_cannot_import_is_refused_naming_key_and_cause(
 ) -> None:
     with pytest.raises(SettingsError, match=message):
         Settings.from_run_config({key: value})
+
+
+def blob_file(path: Path, **changes: object) -> Path:
+    """A node's own examples of the user's `blobs` (6x6 grey, 3 classes)."""
+    rng = np.random.default_rng(3)
+    arrays = {
+        "x_train": rng.integers(0, 256, (5, 6, 6), np.uint8),
+        "y_train": np.array([0, 1, 2, 1, 0]),
+        **changes,
+    }
+    np.savez(path, **{k: v for k, v in arrays.items() if v is not None})
+    return path
+
+
+def test_a_nodes_own_file_of_a_users_data_set_is_normalised_as_the_loaders(
+    tmp_path: Path,
+) -> None:
+    """The node calls the user's loader for the shape, classes and
+    statistics; its own examples are what it trains on."""
+    name = f"{DATA}:blobs"
+    own = read_node_file(name, blob_file(tmp_path / "own.npz"))
+    loaded = user_dataset(name)
+    assert (own.num_classes, own.input_shape) == (3, (1, 6, 6))
+    assert (own.mean, own.std) == (loaded.mean, loaded.std)
+    assert own.y_train.tolist() == [0, 1, 2, 1, 0] and len(own.y_test) == 0
+    assert own.x_train.dtype == torch.uint8 and own.source == str(tmp_path / "own.npz")
+
+
+@pytest.mark.parametrize(
+    ("changes", "problem"),
+    [
+        ({"x_train": np.zeros((5, 8, 8), np.uint8)}, "x_train is uint8 [1, 8, 8] per "
+         "example; data-set 'userparts.data:blobs' is uint8 [1, 6, 6]"),
+        ({"x_train": np.zeros((5, 1, 6, 6), np.float32)}, "x_train is float32 [1, 6, 6] "
+         "per example; data-set 'userparts.data:blobs' is uint8"),
+        ({"y_train": np.array([0, 1, 2, 3, 0])}, "y_train has labels 0..3; classes=3"),
+        ({"x_train": np.zeros((0, 6, 6), np.uint8), "y_train": np.zeros(0, int)},
+         "the train split is empty"),
+    ],
+)  # fmt: skip
+def test_a_nodes_own_file_unlike_the_users_data_set_is_refused(
+    tmp_path: Path, changes: dict, problem: str
+) -> None:
+    path = blob_file(tmp_path / "own.npz", **changes)
+    with pytest.raises(DataError, match=re.escape(problem)):
+        read_node_file(f"{DATA}:blobs", path)

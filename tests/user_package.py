@@ -62,7 +62,17 @@ NOT_CALLABLE = 3
 DATA = '''
 """Data-set loaders: () -> a mapping of x_train, y_train, x_test, y_test, classes."""
 
+import os
+
 import numpy as np
+
+
+def site_digits():
+    """Ten classes of 28x28 grey images from the .npz at $USERPARTS_NPZ,
+    where each site keeps its copy."""
+    with np.load(os.environ["USERPARTS_NPZ"]) as f:
+        splits = {k: f[k] for k in ("x_train", "y_train", "x_test", "y_test")}
+    return {**splits, "classes": 10}
 
 
 def blobs():

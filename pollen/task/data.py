@@ -42,6 +42,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -188,11 +189,12 @@ def read_node_file(name: str, path: Path) -> Dataset:
 
     The .npz holds `x_train`, `y_train` and optionally `x_test`, `y_test` (the
     node's own test examples; without them the test split is empty), checked
-    as a data set's splits are. The node needs no copy of the data set: its
-    inputs are normalised with the whole data set's statistics from `SPECS`,
-    as the server's and the other nodes' are.
+    as a data set's splits are. The node needs no copy of a built-in data
+    set: its inputs are normalised with the whole data set's statistics from
+    `SPECS`, as the server's and the other nodes' are. A user's data set is
+    defined by its loader, which every process may call: the node calls it
+    for the examples' shape, classes and statistics (`_user_node_file`).
     """
-    spec = _spec(name)
     optional = SPLITS[2:]
     arrays = _read_npz(path, SPLITS[:2], optional, kind="a node data-file")
     present = [k for k in optional if k in arrays]
@@ -201,6 +203,9 @@ def read_node_file(name: str, path: Path) -> Dataset:
             f"{path} holds {present[0]} without its pair; a node data-file holds "
             "both x_test and y_test (its own test examples) or neither"
         )
+    if name not in SPECS:
+        return _user_node_file(name, arrays, str(path))
+    spec = _spec(name)
     if not present:
         c, s = spec.channels, spec.size
         arrays.update(x_test=np.zeros((0, c, s, s), np.uint8), y_test=np.zeros(0))
@@ -208,6 +213,44 @@ def read_node_file(name: str, path: Path) -> Dataset:
         spec, arrays, str(path), splits=("train", "test") if present else ("train",)
     )
     return _to_dataset(spec, arrays, str(path), spec_stats=True)
+
+
+def _user_node_file(name: str, arrays: dict[str, np.ndarray], where: str) -> Dataset:
+    """A node's own examples of a user's data set: each split checked as the
+    loader's are, of the loader's example shape and kind, normalised with
+    the statistics of the loader's training split, as the server's inputs
+    and the other nodes' are."""
+    reference = user_dataset(name)
+    like = reference.x_train.numpy()
+    splits: dict[str, tuple[np.ndarray, np.ndarray]] = {}
+    for split in ("train", "test"):
+        if f"x_{split}" not in arrays:  # no test split of its own
+            splits[split] = (np.zeros((0, *like.shape[1:]), like.dtype), np.zeros(0))
+            continue
+        try:
+            x, y = _user_split(arrays, split, reference.num_classes)
+        except DataError as err:
+            raise DataError(f"{where}: {err}") from None
+        if (x.dtype, x.shape[1:]) != (like.dtype, like.shape[1:]):
+            raise DataError(
+                f"{where}: x_{split} is {x.dtype} {list(x.shape[1:])} per example; "
+                f"data-set {name!r} is {like.dtype} {list(like.shape[1:])}"
+            )
+        splits[split] = (x, y)
+    (x_train, y_train), (x_test, y_test) = splits["train"], splits["test"]
+    if len(y_train) == 0:
+        raise DataError(f"{where}: the train split is empty")
+    return Dataset(
+        name=name,
+        num_classes=reference.num_classes,
+        x_train=torch.from_numpy(x_train),
+        y_train=torch.from_numpy(y_train.astype(np.int64)),
+        x_test=torch.from_numpy(x_test),
+        y_test=torch.from_numpy(y_test.astype(np.int64)),
+        mean=reference.mean,
+        std=reference.std,
+        source=where,
+    )
 
 
 USER_SPLITS = (*SPLITS, "classes")
@@ -300,37 +343,10 @@ def _user_arrays(returned: object) -> tuple[dict[str, np.ndarray], int]:
         raise DataError(f"classes is {classes!r}; expected an integer >= 2")
     arrays = {}
     for split in ("train", "test"):
-        x = np.asarray(returned[f"x_{split}"])
-        y = np.asarray(returned[f"y_{split}"])
-        if x.dtype == np.uint8 and x.ndim == 3:
-            x = x[:, None]
-        elif np.issubdtype(x.dtype, np.floating) and x.ndim == 2:
-            x = x[:, :, None, None]
-        if x.ndim != 4 or not (
-            x.dtype == np.uint8 or np.issubdtype(x.dtype, np.floating)
-        ):
-            raise DataError(
-                f"x_{split} is {x.dtype} of shape {list(x.shape)}; expected uint8 "
-                "images [N, H, W] or [N, C, H, W], or float features [N, F] or "
-                "[N, C, H, W]"
-            )
-        if x.dtype != np.uint8 and not np.isfinite(x).all():
-            raise DataError(f"x_{split} holds values that are not finite")
-        if y.ndim != 1 or len(y) != len(x) or not np.issubdtype(y.dtype, np.integer):
-            raise DataError(
-                f"y_{split} is {y.dtype} of shape {list(y.shape)}; expected "
-                f"integer labels [{len(x)}], one per example of x_{split}"
-            )
+        x, y = _user_split(returned, split, classes)
         if len(y) == 0:
             raise DataError(f"the {split} split is empty")
-        if y.min() < 0 or y.max() >= classes:
-            raise DataError(
-                f"y_{split} has labels {y.min()}..{y.max()}; classes={classes} "
-                f"allows 0..{classes - 1}"
-            )
-        dtype = np.uint8 if x.dtype == np.uint8 else np.float32
-        arrays[f"x_{split}"] = np.ascontiguousarray(x, dtype=dtype)
-        arrays[f"y_{split}"] = np.ascontiguousarray(y, dtype=np.int64)
+        arrays[f"x_{split}"], arrays[f"y_{split}"] = x, y
     train, test = arrays["x_train"], arrays["x_test"]
     if (train.dtype, train.shape[1:]) != (test.dtype, test.shape[1:]):
         raise DataError(
@@ -338,6 +354,43 @@ def _user_arrays(returned: object) -> tuple[dict[str, np.ndarray], int]:
             f"{test.dtype} {list(test.shape[1:])}; both splits need the same"
         )
     return arrays, classes
+
+
+def _user_split(
+    arrays: Mapping[str, Any], split: str, classes: int
+) -> tuple[np.ndarray, np.ndarray]:
+    """`x_split`, `y_split` of a user's arrays as contiguous inputs `[N, C,
+    H, W]` (uint8 images or float32 features) and int64 labels in
+    0..classes-1; `DataError` says what is wrong."""
+    x = np.asarray(arrays[f"x_{split}"])
+    y = np.asarray(arrays[f"y_{split}"])
+    if x.dtype == np.uint8 and x.ndim == 3:
+        x = x[:, None]
+    elif np.issubdtype(x.dtype, np.floating) and x.ndim == 2:
+        x = x[:, :, None, None]
+    if x.ndim != 4 or not (x.dtype == np.uint8 or np.issubdtype(x.dtype, np.floating)):
+        raise DataError(
+            f"x_{split} is {x.dtype} of shape {list(x.shape)}; expected uint8 "
+            "images [N, H, W] or [N, C, H, W], or float features [N, F] or "
+            "[N, C, H, W]"
+        )
+    if x.dtype != np.uint8 and not np.isfinite(x).all():
+        raise DataError(f"x_{split} holds values that are not finite")
+    if y.ndim != 1 or len(y) != len(x) or not np.issubdtype(y.dtype, np.integer):
+        raise DataError(
+            f"y_{split} is {y.dtype} of shape {list(y.shape)}; expected "
+            f"integer labels [{len(x)}], one per example of x_{split}"
+        )
+    if len(y) and (y.min() < 0 or y.max() >= classes):
+        raise DataError(
+            f"y_{split} has labels {y.min()}..{y.max()}; classes={classes} "
+            f"allows 0..{classes - 1}"
+        )
+    dtype = np.uint8 if x.dtype == np.uint8 else np.float32
+    return (
+        np.ascontiguousarray(x, dtype=dtype),
+        np.ascontiguousarray(y, dtype=np.int64),
+    )
 
 
 def _spec(name: str) -> DataSpec:
