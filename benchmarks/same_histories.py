@@ -7,7 +7,8 @@ objective and sharing policy, an attack on three aggregators, central DP
 clipped on the client, DP-SGD) in this checkout and in DIR (another checkout,
 e.g. `git worktree add DIR <commit>`, run with this one's environment) with
 the same settings and seed, and compares their `history.json` rows exactly,
-every column except wall times (`seconds`, SecAgg+'s `secagg-*-seconds`). A refactoring that changes no
+every column except wall times (`seconds`, and SecAgg+'s `secagg-*-seconds`
+inside `aggregation`). A refactoring that changes no
 behaviour shows `identical` for every row but DP-SGD: its noise and Poisson
 sampling draw from operating-system entropy by design (see
 `pollen.task.privacy`), so for it only the columns the seed decides
@@ -81,7 +82,16 @@ def comparable(path: Path, private: bool) -> list[dict]:
     rows = json.loads(path.read_text())
     if private:
         return [{k: row.get(k) for k in SEEDED} for row in rows]
-    return [{k: v for k, v in row.items() if not k.endswith("seconds")} for row in rows]
+    return [_without_wall_times(row) for row in rows]
+
+
+def _without_wall_times(row: dict) -> dict:
+    """`row` less its wall times (keys ending in "seconds"), nested ones too."""
+    return {
+        k: _without_wall_times(v) if isinstance(v, dict) else v
+        for k, v in row.items()
+        if not k.endswith("seconds")
+    }
 
 
 def main() -> None:
@@ -93,10 +103,12 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         for label, config in RUNS.items():
             histories = []
-            for tree_label, tree in trees.items():
-                name = f"{tree_label}-{label.replace(' ', '')}"
-                run_pollen([COMMON, config, *args.run_config], Path(tmp), name, tree)
-                path = Path(tmp) / name / "history.json"
+            for index, tree in enumerate(trees.values()):
+                # paths of one length in both trees: SecAgg+'s bytes count the
+                # whole message, whose config holds the run's output path
+                out, name = Path(tmp) / f"tree-{index}", label.replace(" ", "")
+                run_pollen([COMMON, config, *args.run_config], out, name, tree)
+                path = out / name / "history.json"
                 histories.append(comparable(path, "dp=true" in config))
             same = histories[0] == histories[1]
             what = "seeded columns " if "dp=true" in config else ""
