@@ -19,8 +19,10 @@ as `pollen.settings` reaches every part above it. Importable without torch.
 from __future__ import annotations
 
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from functools import cache
 from importlib.metadata import entry_points
+from types import MappingProxyType
 from typing import Any
 
 from .catalog import (
@@ -58,10 +60,18 @@ class ExtensionError(ValueError):
     """A user's model or data set pollen cannot use; one line naming the key."""
 
 
-def registered(group: str) -> dict[str, str]:
+@cache
+def registered(group: str) -> Mapping[str, str]:
     """The names installed packages register under entry-point `group`
-    (`pollen.models`, `pollen.data_sets`), each with the import path it names."""
-    return {point.name: point.value for point in entry_points(group=group)}
+    (`pollen.models`, `pollen.data_sets`), each with the import path it names.
+
+    Read once per process and group: every check of a name that is not
+    built in asks it, and a scan of the installed distributions' metadata
+    takes milliseconds each time. A package installed while a process runs
+    is seen by the next process (or after `registered.cache_clear()`)."""
+    return MappingProxyType(
+        {point.name: point.value for point in entry_points(group=group)}
+    )
 
 
 def import_path(name: str, group: str) -> str | None:

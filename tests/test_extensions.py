@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from pollen.catalog import DATA_SETS, MODELS
-from pollen.extensions import data_set_info, model_info
+from pollen.extensions import data_set_info, model_info, registered
 from pollen.listing import datasets, models
 from pollen.settings import Settings, SettingsError
 from pollen.task.data import DataError, load_dataset, read_node_file, user_dataset
@@ -26,11 +26,15 @@ NET, DATA, RULES = f"{PACKAGE}.nets", f"{PACKAGE}.data", f"{PACKAGE}.rules"
 
 @pytest.fixture(scope="module", autouse=True)
 def user_package(tmp_path_factory) -> Iterator[Path]:
-    """The user's package on the path, registered as an installed one."""
+    """The user's package on the path, registered as an installed one (the
+    entry points are read again on the way in and out: pollen reads them
+    once per process)."""
     root = write_user_package(tmp_path_factory.mktemp("user"), entry_points=True)
     with pytest.MonkeyPatch.context() as patch:
         patch.syspath_prepend(str(root))
+        registered.cache_clear()
         yield root
+    registered.cache_clear()
 
 
 def settings(**values: object) -> Settings:
@@ -237,3 +241,12 @@ def test_a_nodes_own_file_unlike_the_users_data_set_is_refused(
     path = blob_file(tmp_path / "own.npz", **changes)
     with pytest.raises(DataError, match=re.escape(problem)):
         read_node_file(f"{DATA}:blobs", path)
+
+
+def test_entry_points_are_read_once_per_process(user_package: Path) -> None:
+    """A second check of a registered name reads no metadata again."""
+    registered.cache_clear()
+    assert registered("pollen.models")["tiny"] == f"{PACKAGE}.nets:tiny_net"
+    settings(model="tiny", data_set=f"{DATA}:blobs", num_clients=4)
+    assert registered.cache_info().misses == 1  # pollen.models, read once
+    assert registered("pollen.models") is registered("pollen.models")
