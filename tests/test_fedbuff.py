@@ -7,7 +7,16 @@ import math
 
 import numpy as np
 import pytest
-from flwr.app import Array, ArrayRecord, ConfigRecord, MetricRecord, RecordDict
+from flwr.app import (
+    Array,
+    ArrayRecord,
+    ConfigRecord,
+    Error,
+    Message,
+    MetricRecord,
+    RecordDict,
+)
+from flwr.common.constant import ErrorCode
 
 from pollen.network_profile import NetworkProfile
 from pollen.protocol import (
@@ -116,9 +125,11 @@ class ScriptedGrid:
         train_seconds: dict[int, float],
         non_finite: frozenset[int] = frozenset(),  # these answer with NaN
         refused: frozenset[int] = frozenset(),  # the grid cannot store theirs
+        unavailable: frozenset[int] = frozenset(),  # their node stopped
     ) -> None:
         self.order = list(order)
         self.refused = refused
+        self.unavailable = unavailable
         self.train_seconds = train_seconds
         self.non_finite = non_finite
         self.replies: dict[str, tuple[int, object]] = {}
@@ -141,6 +152,9 @@ class ScriptedGrid:
             message_id = f"m{len(self.sent)}"  # set on the message, as Flower does
             message.metadata.__dict__["_message_id"] = message_id
             reply = reply_from(message.metadata.dst_node_id, content)
+            if client in self.unavailable:  # what the SuperLink answers for it
+                gone = Error(ErrorCode.NODE_UNAVAILABLE, "Error: Node Unavailable")
+                reply = Message(gone, reply_to=message)
             reply.metadata.__dict__["_reply_to_message_id"] = message_id
             if client not in self.refused:  # left out of the IDs, as Flower does
                 self.replies[message_id] = (client, reply)
@@ -235,6 +249,21 @@ def test_a_message_the_grid_could_not_store_leaves_its_client_idle() -> None:
     assert len(versions) == 4
     assert {u.client for v in versions for u in v.updates} <= {1, 2}
     assert 0 in {client for client, _ in grid.sent}  # it was asked, and refused
+
+
+@pytest.mark.usefixtures("task_identity")
+def test_a_node_the_superlink_calls_unavailable_is_sent_nothing_more() -> None:
+    """Flower's "Node Unavailable" error reply (the node stopped sending
+    heartbeats): a failure naming the node, which is asked nothing more,
+    and the others go on."""
+    grid = ScriptedGrid([], dict.fromkeys(range(3), 0.0), unavailable=frozenset({0}))
+    loop = engine(grid, concurrency=2, buffer_size=1)
+    start = ArrayRecord({"w": Array(np.zeros(1, np.float32))})
+    versions = play_versions(loop, start, 4)
+    assert len(versions) == 4 and all(v.updates for v in versions)
+    assert [client for client, _ in grid.sent].count(0) == 1  # never again
+    failures = [f for v in versions for f in v.failures]
+    assert len(failures) == 1 and "node 10" in failures[0], failures
 
 
 @pytest.mark.usefixtures("task_identity")

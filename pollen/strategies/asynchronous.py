@@ -40,6 +40,7 @@ from logging import INFO
 
 import numpy as np
 from flwr.app import ArrayRecord, ConfigRecord, Message, MessageType
+from flwr.common.constant import ErrorCode
 from flwr.common.logger import log
 
 from .. import protocol
@@ -293,7 +294,13 @@ class BufferedAsync:
                     f"({self.timeout:g} s)"))  # fmt: skip
 
     def _take(self, reply: Message, dispatch: Dispatch) -> None:
-        """Check one reply; a valid one goes into the buffer."""
+        """Check one reply; a valid one goes into the buffer. The SuperLink's
+        "Node Unavailable" answer (the node stopped sending heartbeats) is a
+        failure whose node is sent nothing more, as one silent past the
+        timeout is: re-sent work would only fail again at each poll."""
+        if reply.has_error() and reply.error.code == ErrorCode.NODE_UNAVAILABLE:
+            roster = dispatch.request.participants.roster
+            self.lost_nodes.add(roster.owner[dispatch.client])
         checked = self.strategy.check_replies(dispatch.request, [reply])
         self.pending.bytes_up += checked.bytes_up
         self.pending.failures += checked.failures
