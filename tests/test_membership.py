@@ -5,7 +5,16 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from flwr.app import Array, ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
+from flwr.app import (
+    Array,
+    ArrayRecord,
+    ConfigRecord,
+    Error,
+    Message,
+    MetricRecord,
+    RecordDict,
+)
+from flwr.common.constant import SUPERLINK_NODE_ID, ErrorCode
 
 from pollen.protocol import CLIENT as CLIENT_KEY
 from pollen.strategies.membership import Membership
@@ -189,15 +198,15 @@ def test_personal_evaluation_asks_only_connected_clients() -> None:
 
 def test_flowers_node_unavailable_error_is_told_as_the_lost_nodes_reason() -> None:
     """Flower answers for a lost node with an error whose source is not that
-    node; the failure still names the node that went silent."""
-    from flwr.app import Error
-
+    node; the failure still names the node that went silent, and the round
+    aggregates the others."""
     roster = Roster.from_nodes({11: (0, 2), 22: (1, 2)}, 2)
     strategy = fedavg(roster=roster, num_clients=2, client_frac=1.0, seed=0)
     arrays = ArrayRecord({"w": Array(np.ones(2, np.float32))})
     sent = list(strategy.configure_train(1, arrays, ConfigRecord()))
-    lost = Message(Error(code=3, reason="Node Unavailable"), reply_to=sent[1])
-    lost.metadata.__dict__["_src_node_id"] = 1  # as the SuperLink sends it
+    error = Error(code=ErrorCode.NODE_UNAVAILABLE, reason="Node Unavailable")
+    lost = Message(error, reply_to=sent[1])
+    lost.metadata.__dict__["_src_node_id"] = SUPERLINK_NODE_ID  # as Flower sends it
     content = RecordDict(
         {
             "arrays": arrays,
@@ -205,7 +214,8 @@ def test_flowers_node_unavailable_error_is_told_as_the_lost_nodes_reason() -> No
             "client": ConfigRecord({CLIENT_KEY: 0}),
         }
     )
-    strategy.aggregate_train(1, [reply_from(11, content), lost])
+    assert strategy.aggregate_train(1, [reply_from(11, content), lost]) is not None
+    assert [u.client for u in strategy.traffic[1].updates] == [0]
     assert strategy.traffic[1].failures == [
         "node 22: no reply for 1 of clients [1]: Node Unavailable"
     ]
