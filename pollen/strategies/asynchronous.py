@@ -24,6 +24,10 @@ Replies are taken in one of two orders:
   this machine; the real run is slower for it (one client trains at a time
   once the first wave is in).
 
+A client silent for `round-timeout`, or whose node the SuperLink answers
+for with Flower's "Node Unavailable" error, is a failure, and its node is
+sent nothing more for the rest of the run.
+
 A checkpoint is taken right after a version, when the buffer is empty, so a
 resumed run loses no accepted update; the clients in flight at that moment
 are not replayed (a resumed run dispatches afresh from the checkpointed
