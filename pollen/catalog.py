@@ -383,6 +383,9 @@ def assumed_training(*parts: Part) -> dict[str, Scalar]:
 # asynchronous aggregation (pollen.strategies.asynchronous)
 MODES = ("sync", "async")
 ASYNC_RULES = "pollen.strategies.async_rules:async_problem"
+# the keys whose parts may need the mean aggregator or synchronous rounds
+# (their `mean_only` and `synchronous_only`)
+CHOOSING_KEYS = ("local-objective", "server-update")
 
 # what `update-norm-bound` does to a larger update (pollen.strategies.replies)
 NORM_ACTIONS = ("clip", "drop")

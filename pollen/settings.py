@@ -30,6 +30,7 @@ from .catalog import (
     BN_POLICIES,
     CENTRAL_DP,
     CENTRAL_DP_STEP,
+    CHOOSING_KEYS,
     CLASS_ASSIGNMENTS,
     CLIENT_EXECUTIONS,
     CLIENT_OPTIMIZERS,
@@ -671,10 +672,8 @@ def _part_problems(s: Settings) -> Iterator[str | None]:
             f"krum-select={s.krum_select} with aggregator={s.aggregator!r}: only "
             "multi-krum averages several replies; set aggregator='multi-krum'"
         )
-    for chooser, name in (
-        ("local-objective", s.local_objective),
-        ("server-update", s.server_update),
-    ):
+    for chooser in CHOOSING_KEYS:
+        name = getattr(s, chooser.replace("-", "_"))
         if (why := part(chooser, name).load().mean_only) and s.aggregator != "mean":
             yield f"aggregator={s.aggregator!r} with {chooser}={name!r}: {why}"
     yield part("server-update", s.server_update).load().problem(s)

@@ -13,13 +13,11 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from ..catalog import CHOOSING_KEYS
 from ..extensions import PART_KEYS, part
 
 if TYPE_CHECKING:
     from ..settings import Settings
-
-# the keys whose parts may need synchronous rounds
-CHOOSING_KEYS = ("local-objective", "server-update")
 
 
 def async_problem(s: Settings) -> str | None:
