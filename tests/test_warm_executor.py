@@ -350,7 +350,10 @@ def test_a_killed_child_fails_its_reply_and_the_next_round_trains(
     # before this test looked: the history is polled every 0.5 s)
     recorded = (tmp_path / "kill" / "history.json").stat().st_mtime
     child = _wait_for_child(executor, set(), started_after=recorded - 0.05)
-    time.sleep(0.5)
+    # killed before it pulls its message, the task is re-run by Flower and
+    # round 2 succeeds: kill it once it has worked for a while (the pull
+    # comes first; eight local epochs take several CPU seconds after it)
+    _wait_for_cpu(child, seconds=1.0)
     os.kill(child, signal.SIGKILL)
     output = finish(run)
     rows = history(tmp_path / "kill")
@@ -384,6 +387,17 @@ def _wait_for_child(
                 return pid
         time.sleep(0.05)
     raise AssertionError("no task started")
+
+
+def _wait_for_cpu(pid: int, seconds: float) -> None:
+    """Until process `pid` has run `seconds` of CPU time (user and system)."""
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        fields = _stat(pid)  # raises once the process has ended
+        if (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK") >= seconds:
+            return
+        time.sleep(0.02)
+    raise AssertionError(f"task {pid} used under {seconds} s of CPU in 120 s")
 
 
 def _stat(pid: int) -> list[str]:
