@@ -28,7 +28,11 @@ def test_recorded_sources_are_the_installed_flowers():
     assert flwr.__version__ in flower_waits.TESTED_SOURCES, (
         f"pollen supernode was not tested with Flower {flwr.__version__}"
     )
-    names = (*flower_waits.SUPERNODE_FUNCTIONS, *flower_waits.CLIENTAPP_FUNCTIONS)
+    names = (
+        *flower_waits.SUPERNODE_FUNCTIONS,
+        *flower_waits.CLIENTAPP_FUNCTIONS,
+        *flower_waits.SUPEREXEC_FUNCTIONS,
+    )
     assert flower_waits.unchanged_reason(names) == ""
     for name, digest in flower_waits.TESTED_SOURCES[flwr.__version__].items():
         assert flower_waits.source_digest(flower_waits.resolve(name)) == digest, name
@@ -81,6 +85,49 @@ def test_shortened_in_that_module_only():
     assert "warning" not in result.stderr
 
 
+def test_a_superexec_polls_on_the_clock_in_its_loop_only():
+    """The SuperExec loop's `time` is a PollClock (a 1 s poll right after a
+    launch lasts 0.05 s) and a launch restarts it; `time` elsewhere is
+    Flower's; the interval Flower reads stays its own 1 s."""
+    result = run_python(
+        "import time\n"
+        "from pollen import flower_waits\n"
+        "assert flower_waits.shorten_superexec_polls(0.05)\n"
+        "from flwr.supercore.superexec import run_superexec as loop\n"
+        "assert isinstance(loop._handle_launch_result, flower_waits.NotingMessages)\n"
+        "loop.time.last_message = time.monotonic() - 100\n"
+        "t = time.monotonic(); loop.time.sleep(0.3); idle = time.monotonic() - t\n"
+        "loop._handle_launch_result.step = lambda result, task: None\n"
+        "loop._handle_launch_result(None, None)\n"
+        "t = time.monotonic(); loop.time.sleep(1); fast = time.monotonic() - t\n"
+        "print(round(idle, 2), round(fast, 2), loop._get_task_poll_interval())\n"
+    )
+    assert result.returncode == 0, result.stderr
+    idle, fast, interval = map(float, result.stdout.split())
+    assert idle >= 0.3  # idle for 100 s: Flower's own interval (asked 0.3 s)
+    assert fast < 0.5  # just after a launch: the poll interval
+    assert interval == 1.0
+    assert "warning" not in result.stderr
+
+
+def test_the_shim_on_path_runs_flowers_superexec(tmp_path):
+    """`flower_env` puts the shim first on PATH under Flower's command name;
+    run by that name it is Flower's `flower-superexec` (its own --help)."""
+    import shutil
+
+    from pollen.deployment.flower import flower_env
+
+    env = flower_env(tmp_path / "home")
+    found = shutil.which("flower-superexec", path=env["PATH"])
+    assert found == str(tmp_path / "home" / "bin" / "flower-superexec")
+    help_text = subprocess.run(
+        ["flower-superexec", "--help"], env=env, capture_output=True, text=True,
+        check=True, timeout=60,
+    ).stdout  # fmt: skip
+    assert "--runtime-api-address" in help_text
+    assert flower_env(tmp_path / "home") == env  # written once, same PATH
+
+
 @pytest.mark.parametrize(
     ("tamper", "reason"),
     [
@@ -100,14 +147,17 @@ def test_other_flower_runs_unchanged_with_one_warning(tamper, reason):
         f"{tamper}\n"
         "assert not flower_waits.shorten_supernode_waits()\n"
         "assert not flower_waits.shorten_clientapp_pulls()\n"
+        "assert not flower_waits.shorten_superexec_polls()\n"
         "from flwr.supernode import start_client_internal as node\n"
+        "from flwr.supercore.superexec import run_superexec as loop\n"
+        "assert loop.time is time\n"
         "from flwr.supercore.inflatable import inflatable_utils as utils\n"
         "assert node.time is time\n"
         "assert utils.pull_objects.__kwdefaults__['initial_backoff'] == 1\n"
     )
     assert result.returncode == 0, result.stderr
     lines = result.stderr.strip().splitlines()
-    assert len(lines) == 2  # one per call
+    assert len(lines) == 3  # one per call
     assert lines[0].startswith(
         "pollen: warning: pollen supernode keeps Flower's idle waits"
     )

@@ -11,34 +11,30 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from . import processes
+from . import flower_superexec, processes
 
 SUPERLINK_START_SECONDS = 60.0
 # Ray starts one idle Python worker per CPU for a simulation's first driver;
 # Flower's ClientApp actors never run in them, so they only cost start-up CPU
 # (1.2 s of 28 on 2 cores, docs/performance.md). A value the user sets wins.
 RAY_SIMULATION_ENV = {"RAY_prestart_worker_first_driver": "0"}
-TASK_POLL_ENV = "FLWR_SUPEREXEC_TASK_POLL_INTERVAL"
-TASK_POLL_SECONDS = "0.1"  # Flower's default, 1 s, is added to every message
 
 
 def flower_env(home: Path) -> dict[str, str]:
     """The environment of a Flower process with its own home, using this
-    Python's entry points and never installing dependencies at run time."""
+    Python's entry points and never installing dependencies at run time.
+    First on its PATH is `home/bin`, where this writes the `flower-superexec`
+    that polls on pollen's clock (`flower_superexec`): a SuperLink or
+    SuperNode starts its SuperExec by that name."""
+    shims = flower_superexec.write_shim(home / "bin").parent
+    path = [str(shims), str(Path(sys.executable).parent), os.environ["PATH"]]
     return {
         **os.environ,
-        "PATH": os.pathsep.join([str(Path(sys.executable).parent), os.environ["PATH"]]),
+        "PATH": os.pathsep.join(path),
         "FLWR_HOME": str(home),
         "FLWR_DISABLE_UPDATE_CHECK": "1",
         "FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION": "1",
-        **task_poll_env(),
     }
-
-
-def task_poll_env() -> dict[str, str]:
-    """Flower's SuperExec task poll, lowered from its 1 s unless the user set
-    it: the SuperExecs pollen starts take up a task within 0.1 s."""
-    return {TASK_POLL_ENV: os.environ.get(TASK_POLL_ENV, TASK_POLL_SECONDS)}
 
 
 def start_superlink(

@@ -6,8 +6,9 @@ before it handles its one message (seconds on a small machine, for about a
 second of training). `pollen superexec` keeps Flower's message path whole
 and changes only where that process comes from:
 
-- It runs Flower's own `flower-superexec`, unchanged, with the same flags
-  (Runtime API address, TLS, SuperExec authentication, health server).
+- It runs Flower's own `flower-superexec` with the same flags (Runtime API
+  address, TLS, SuperExec authentication, health server), its task poll on
+  pollen's clock (`flower_superexec`).
   Flower starts a ClientApp by running the documented command
   `flwr-clientapp --runtime-api-address ADDR --token TOKEN ...`, found on
   PATH; here PATH first names a two-line launcher that hands those
@@ -70,9 +71,9 @@ from pathlib import Path
 from typing import Any
 
 from ..flower_waits import add_poll_interval, shorten_clientapp_pulls
-from .flower import task_poll_env
+from . import flower_superexec
 from .module_stash import ModuleStash
-from .processes import alive, end, entry_point, stop_child
+from .processes import alive, end, stop_child
 from .warm_hint import HINT_FILE_ENV, WarmHint
 
 LAUNCHER = "flwr-clientapp"  # the command Flower's SuperExec runs per ClientApp task
@@ -457,15 +458,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 def superexec_command(flower_args: Sequence[str], parent_pid: int | None) -> list[str]:
     """The `flower-superexec` command line for `flower_args`."""
-    command = [entry_point("flower-superexec"), *flower_args]
+    command = [*flower_superexec.command(), *flower_args]
     if parent_pid is not None:
         command += ["--parent-pid", str(parent_pid)]
     return command
-
-
-def superexec_env(extra: dict[str, str]) -> dict[str, str]:
-    """This environment, with Flower's task poll interval lowered (unless set)."""
-    return {**os.environ, **task_poll_env(), **extra}
 
 
 def main(argv: Sequence[str]) -> int:
@@ -478,7 +474,7 @@ def main(argv: Sequence[str]) -> int:
                      "executor; pass --cold to choose Flower's executors")  # fmt: skip
     if args.cold:
         command = superexec_command(flower_args, args.parent_pid)
-        os.execve(command[0], command, superexec_env({}))
+        os.execv(command[0], command)
     if not sys.platform.startswith("linux"):
         parser.error("the warm executor needs Linux (fork, pidfd); use --cold")
     if args.poll_interval:  # before any fork: every child inherits it
@@ -486,12 +482,11 @@ def main(argv: Sequence[str]) -> int:
     with tempfile.TemporaryDirectory(prefix="pollen-superexec-") as workdir:
         executor = WarmExecutor(Path(workdir), args.max_tasks)
         launcher = executor.write_launcher()
-        env = superexec_env(
-            {
-                "PATH": f"{launcher.parent}{os.pathsep}{os.environ.get('PATH', '')}",
-                SOCKET_ENV: str(executor.socket_path),
-            }
-        )
+        env = {
+            **os.environ,
+            "PATH": f"{launcher.parent}{os.pathsep}{os.environ.get('PATH', '')}",
+            SOCKET_ENV: str(executor.socket_path),
+        }
         superexec = subprocess.Popen(
             superexec_command(flower_args, os.getpid()), env=env
         )
