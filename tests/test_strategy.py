@@ -258,3 +258,43 @@ def test_a_node_late_in_one_call_is_sent_nothing_until_it_answers(fake_clock) ->
     assert grid.waves == [[1, 2], [2], [2], [1]]
     assert [r.metadata.src_node_id for r in replies] == [2, 1]
     assert all(r.metadata.reply_to_message_id in ("m4", "m5") for r in replies)
+
+
+class InstantPulls(FakeGrid):
+    """A FakeGrid whose pulls take no time; node 1 answers at `answer_at` s."""
+
+    def __init__(self, answer_at: float) -> None:
+        super().__init__(silent={1})
+        self.answer_at = answer_at
+        self.slept: list[float] = []
+
+    def pull_messages(self, message_ids):
+        return [self.replies.pop(i) for i in message_ids if i in self.replies]
+
+    def sleep(self, seconds: float) -> None:
+        self.slept.append(seconds)
+        self.now += seconds
+        if self.now >= self.answer_at:
+            self.wake(1)
+
+
+@pytest.mark.parametrize(
+    ("share", "pulls", "longest"), [(0.0, 2000, 0.01), (0.05, 118, 0.5)]
+)
+def test_a_deployed_grid_is_asked_less_often_the_longer_a_reply_takes(
+    monkeypatch, share, pulls, longest
+) -> None:
+    """By hand, a reply that comes 20 s after its message: a simulation asks
+    every 0.01 s (2,000 pulls); a deployment 0.01 s after the push, then
+    every 5 % of the time since (0.2 s after 4 s), at most every 0.5 s: 20
+    pulls in the first 0.2 s, 20 ln(50) = 78 to 10 s, 20 more to 20 s."""
+    grid = InstantPulls(answer_at=20.0)
+    monkeypatch.setattr("pollen.strategies.sampling.time.monotonic", lambda: grid.now)
+    monkeypatch.setattr("pollen.strategies.sampling.time.sleep", grid.sleep)
+    replies = OneMessagePerNode(grid, 0.01, share).send_and_receive(
+        to_nodes(1), timeout=60
+    )
+    assert len(replies) == 1
+    assert grid.slept[0] == 0.01 and max(grid.slept) == pytest.approx(longest)
+    assert len(grid.slept) == pytest.approx(pulls, rel=0.05)
+    assert 20.0 <= grid.now < 20.0 + longest + 1e-9  # found within one wait

@@ -15,6 +15,7 @@ the same settings samples the same clients whatever the node IDs are.
 
 from __future__ import annotations
 
+import math
 import time
 from collections import deque
 from collections.abc import Iterable, Mapping, Sequence
@@ -24,6 +25,7 @@ from typing import Any
 import numpy as np
 from flwr.app import Message
 
+from ..flower_waits import PollClock
 from ..settings import sample_size
 
 
@@ -144,6 +146,10 @@ def sample_clients(
     return sorted(int(c) for c in rng.choice(pool, size=count, replace=False))
 
 
+# The longest wait between two pulls of replies, however long they take.
+LONGEST_REPLY_POLL = 0.5
+
+
 class OneMessagePerNode:
     """A Grid wrapper that never has two messages in flight for the same node.
 
@@ -157,9 +163,11 @@ class OneMessagePerNode:
     its clients count as not answered, and that late reply is dropped.
     """
 
-    def __init__(self, grid: Any, poll_seconds: float = 0.05) -> None:
+    def __init__(
+        self, grid: Any, poll_seconds: float = 0.05, idle_share: float = 0.0
+    ) -> None:
         self._grid = grid
-        self.poll_seconds = poll_seconds
+        self.clock = PollClock(poll_seconds, idle_share)
         self._unanswered: dict[str, int] = {}  # earlier calls' messages: id -> node
 
     def __getattr__(self, name: str) -> Any:
@@ -169,9 +177,11 @@ class OneMessagePerNode:
         self, messages: Iterable[Message], *, timeout: float | None = None
     ) -> list[Message]:
         """Push every free node's first message, then each node's next one as
-        its reply comes in; pull replies every `poll_seconds` (Flower's own
-        `send_and_receive` sleeps 3 s between pulls in a deployment, which
-        would round every round's time up to a multiple of 3 s)."""
+        its reply comes in; pull replies `poll_seconds` after a message went
+        out or a reply came in, then every `idle_share` of the time since, at
+        most every `LONGEST_REPLY_POLL` s (Flower's own `send_and_receive`
+        sleeps 3 s between pulls in a deployment, which would round every
+        round's time up to a multiple of 3 s)."""
         deadline = None if timeout is None else time.monotonic() + timeout
         queues: dict[int, deque[Message]] = {}
         for message in messages:
@@ -197,8 +207,11 @@ class OneMessagePerNode:
                     ready.append(node)  # free again; its reply is too late
             if deadline is not None and time.monotonic() >= deadline:
                 break
-            if not got:
-                time.sleep(self.poll_seconds)
+            if got:
+                self.clock.message_seen()
+            else:
+                left = math.inf if deadline is None else deadline - time.monotonic()
+                self.clock.sleep(min(LONGEST_REPLY_POLL, left))
         earlier.update(in_flight)
         return replies
 
@@ -210,6 +223,7 @@ class OneMessagePerNode:
         if not messages:
             return
         pushed = {i for i in self._grid.push_messages(messages) if i}
+        self.clock.message_seen()
         for message in messages:
             if message.metadata.message_id in pushed:
                 in_flight[message.metadata.message_id] = message.metadata.dst_node_id
