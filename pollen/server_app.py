@@ -58,7 +58,7 @@ from .strategies.clock import SimulatedClock
 from .strategies.cohort_grid import CohortGrid
 from .strategies.compose import build_strategy
 from .strategies.membership import Membership
-from .strategies.sampling import OneMessagePerNode
+from .strategies.sampling import OneMessagePerNode, reply_clock
 from .task import client_state
 from .task.shards import ServerData, shard_fingerprints
 from .task.train import pick_device
@@ -67,13 +67,8 @@ app = ServerApp()
 # The simulation's in-memory Grid looks for replies every `pull_interval` s
 # (Flower's default 0.1; a wait each round, two where clients also evaluate
 # their personal models); a lookup there is a dict read, so pollen looks
-# every 0.01 s. A deployed pull is an HTTP request that costs the SuperLink
-# about 9 ms of CPU (2 cores, docs/deployment.md): every 0.01 s that was a
-# core's worth between the two processes, taken from the nodes' training.
-# There pollen looks 0.01 s after a message went out or a reply came in,
-# then every 5 % of the time since (at most every 0.5 s).
+# every 0.01 s. A deployment's is an HTTP request: paced (`reply_clock`).
 REPLY_POLL_SECONDS = 0.01
-DEPLOYED_REPLY_SHARE = 0.05
 
 
 @app.main()
@@ -237,8 +232,7 @@ def _train(grid: Grid, run: _OpenRun, tracker: Tracker, stop: StopSignal) -> Non
         arrays = parts.restore(run.checkpoint, set(model.state_dict()), settings.model)
     done = run.resumed_round  # the rounds a resumed run's checkpoint holds
     progress = Progress(done, arrays, client_config, done, parts.state())
-    share = 0.0 if simulation else DEPLOYED_REPLY_SHARE
-    polled = OneMessagePerNode(grid, REPLY_POLL_SECONDS, share)
+    polled = OneMessagePerNode(grid, reply_clock(REPLY_POLL_SECONDS, simulation))
     if settings.client_execution == "cohort":
         polled = CohortGrid(polled)  # one training message per node
     federation = Federation(polled, membership, _clock(settings), simulation)

@@ -9,7 +9,9 @@ import pytest
 import torch
 from flwr.app import Array, ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
 
+from pollen.flower_waits import PollClock
 from pollen.protocol import CLIENT as CLIENT_KEY
+from pollen.strategies import sampling
 from pollen.strategies.aggregation import Mean
 from pollen.strategies.fedavg import FedAvgUpdate
 from pollen.strategies.sampling import (
@@ -279,7 +281,8 @@ class InstantPulls(FakeGrid):
 
 
 @pytest.mark.parametrize(
-    ("share", "pulls", "longest"), [(0.0, 2000, 0.01), (0.05, 118, 0.5)]
+    ("share", "pulls", "longest"),
+    [(0.0, 2000, 0.01), (sampling.DEPLOYED_REPLY_SHARE, 118, 0.5)],
 )
 def test_a_deployed_grid_is_asked_less_often_the_longer_a_reply_takes(
     monkeypatch, share, pulls, longest
@@ -291,9 +294,8 @@ def test_a_deployed_grid_is_asked_less_often_the_longer_a_reply_takes(
     grid = InstantPulls(answer_at=20.0)
     monkeypatch.setattr("pollen.strategies.sampling.time.monotonic", lambda: grid.now)
     monkeypatch.setattr("pollen.strategies.sampling.time.sleep", grid.sleep)
-    replies = OneMessagePerNode(grid, 0.01, share).send_and_receive(
-        to_nodes(1), timeout=60
-    )
+    clock = PollClock(0.01, share)
+    replies = OneMessagePerNode(grid, clock).send_and_receive(to_nodes(1), timeout=60)
     assert len(replies) == 1
     assert grid.slept[0] == 0.01 and max(grid.slept) == pytest.approx(longest)
     assert len(grid.slept) == pytest.approx(pulls, rel=0.05)

@@ -21,10 +21,11 @@ from pathlib import Path
 from flwr.serverapp import Grid
 
 from ..settings import Settings
-from ..strategies.asynchronous import AsyncOptions, BufferedAsync
+from ..strategies.asynchronous import POLL_SECONDS, AsyncOptions, BufferedAsync
 from ..strategies.clock import SimulatedClock
 from ..strategies.membership import Membership
 from ..strategies.round import RoundOutcome, RoundTiming, play_round
+from ..strategies.sampling import reply_clock
 from ..task import client_state
 from .evaluation import GlobalEvaluation, check_clients_finite
 from .interruption import RunInterrupted
@@ -101,6 +102,7 @@ def asynchronous(loop: Loop, progress: Progress) -> Progress:
         AsyncOptions.from_settings(loop.settings),
         first=progress.round + 1,
         clock=federation.clock if federation.simulation else None,
+        poll=reply_clock(POLL_SECONDS, federation.simulation),
     )
 
     def play(version: int, progress: Progress) -> RoundOutcome:

@@ -15,7 +15,8 @@ training config (its learning rate) and who can take part.
 Replies are taken in one of two orders:
 
 - real time (deployment, or a simulation without a network profile): as
-  they arrive, looked for every `POLL_SECONDS`;
+  they arrive, looked for `POLL_SECONDS` after a message or reply (in a
+  deployment, then less often the longer none comes: `sampling.reply_clock`);
 - simulated time (a simulation under a network profile): a reply's arrival
   is its dispatch time on the simulated clock plus the client's simulated
   time (`strategies.clock`), so the loop waits until every client in flight has
@@ -48,16 +49,17 @@ from flwr.common.constant import ErrorCode
 from flwr.common.logger import log
 
 from .. import protocol
+from ..flower_waits import PollClock
 from ..settings import Settings
 from .aggregation import ClientUpdate
 from .clock import SimulatedClock
 from .fedbuff import buffered_mean, rebased
 from .replies import reported_seconds
 from .round import RoundOutcome, message_bytes
-from .sampling import Participants
+from .sampling import LONGEST_REPLY_POLL, Participants
 from .strategy import Strategy, TrainRequest, addressed, rejected, to_numpy
 
-POLL_SECONDS = 0.05  # how often the real-time loop asks for replies
+POLL_SECONDS = 0.05  # how soon the real-time loop asks for replies again
 
 
 @dataclass(frozen=True)
@@ -125,10 +127,14 @@ class BufferedAsync:
         options: AsyncOptions,
         first: int,
         clock: SimulatedClock | None = None,
+        poll: PollClock | None = None,
     ) -> None:
         """A loop whose first version is `first` (after a resume: the one
-        after the checkpoint's), its draws seeded by the seed and `first`."""
+        after the checkpoint's), its draws seeded by the seed and `first`;
+        it asks for replies as `poll` says (`sampling.reply_clock`; every
+        `POLL_SECONDS` by default)."""
         self.grid = grid
+        self.poll = poll or PollClock(POLL_SECONDS)
         self.strategy = strategy
         self.concurrency = options.concurrency
         self.buffer_size = options.buffer_size
@@ -179,7 +185,8 @@ class BufferedAsync:
         while self.in_flight and time.monotonic() < deadline:
             for reply in self.grid.pull_messages(list(self.in_flight)):
                 self.in_flight.pop(reply.metadata.reply_to_message_id, None)
-            time.sleep(POLL_SECONDS)
+                self.poll.message_seen()
+            self.poll.sleep(LONGEST_REPLY_POLL)
         self.in_flight.clear()
         return clients
 
@@ -220,6 +227,7 @@ class BufferedAsync:
         # a message the grid could not store is left out of its IDs: its
         # client stays idle (Flower's grids set each message's ID on it)
         pushed = {i for i in self.grid.push_messages(messages) if i}
+        self.poll.message_seen()
         now = time.monotonic()
         bytes_down = payload.count_bytes()  # the same payload to every client
         for client, message in zip(chosen, messages, strict=True):
@@ -241,6 +249,8 @@ class BufferedAsync:
         while True:
             waiting = [m for m in self.in_flight if m not in self.arrived]
             got = list(self.grid.pull_messages(waiting)) if waiting else []
+            if got:
+                self.poll.message_seen()
             for reply in sorted(got, key=self._client_of):  # a batch: client order
                 message_id = reply.metadata.reply_to_message_id
                 if message_id in self.in_flight:
@@ -261,7 +271,7 @@ class BufferedAsync:
                 first = min(self.arrived, key=lambda m: self.arrived[m][1])
                 self.now = max(self.now, self.arrived[first][1])
                 return self._pop(first)
-            time.sleep(POLL_SECONDS)
+            self.poll.sleep(LONGEST_REPLY_POLL)
 
     def _client_of(self, reply: Message) -> int:
         dispatch = self.in_flight.get(reply.metadata.reply_to_message_id)

@@ -146,8 +146,20 @@ def sample_clients(
     return sorted(int(c) for c in rng.choice(pool, size=count, replace=False))
 
 
-# The longest wait between two pulls of replies, however long they take.
+# A deployed grid's pull is an HTTP request that costs the SuperLink about
+# 9 ms of CPU (2 cores, docs/deployment.md): asked every 0.01 s, the two
+# processes took most of a core from the nodes' training. A deployed server
+# asks `poll_seconds` after a message went out or a reply came in, then every
+# 5 % of the time since, at most every 0.5 s. A simulation's grid is a dict.
+DEPLOYED_REPLY_SHARE = 0.05
 LONGEST_REPLY_POLL = 0.5
+
+
+def reply_clock(poll_seconds: float, simulation: bool) -> PollClock:
+    """When a server asks its grid for replies again (`PollClock.sleep`
+    with `LONGEST_REPLY_POLL`): every `poll_seconds` in a simulation, paced
+    by `DEPLOYED_REPLY_SHARE` in a deployment."""
+    return PollClock(poll_seconds, 0.0 if simulation else DEPLOYED_REPLY_SHARE)
 
 
 class OneMessagePerNode:
@@ -163,11 +175,9 @@ class OneMessagePerNode:
     its clients count as not answered, and that late reply is dropped.
     """
 
-    def __init__(
-        self, grid: Any, poll_seconds: float = 0.05, idle_share: float = 0.0
-    ) -> None:
+    def __init__(self, grid: Any, clock: PollClock | None = None) -> None:
         self._grid = grid
-        self.clock = PollClock(poll_seconds, idle_share)
+        self.clock = clock or PollClock(0.05)
         self._unanswered: dict[str, int] = {}  # earlier calls' messages: id -> node
 
     def __getattr__(self, name: str) -> Any:
@@ -177,9 +187,8 @@ class OneMessagePerNode:
         self, messages: Iterable[Message], *, timeout: float | None = None
     ) -> list[Message]:
         """Push every free node's first message, then each node's next one as
-        its reply comes in; pull replies `poll_seconds` after a message went
-        out or a reply came in, then every `idle_share` of the time since, at
-        most every `LONGEST_REPLY_POLL` s (Flower's own `send_and_receive`
+        its reply comes in; pull replies as `clock` says (`reply_clock`), at
+        most `LONGEST_REPLY_POLL` s apart (Flower's own `send_and_receive`
         sleeps 3 s between pulls in a deployment, which would round every
         round's time up to a multiple of 3 s)."""
         deadline = None if timeout is None else time.monotonic() + timeout
