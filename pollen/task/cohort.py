@@ -460,9 +460,10 @@ def _finish_alone(
     max_grad_norm: float,
 ) -> float:
     """The client's steps from step `done` on, by the sequential loop
-    (`train.train_loop`) with the optimiser state its stacked steps left;
-    the sum of their losses. Once a cohort has shrunk to a few clients, a
-    plain step costs less than a vectorised one."""
+    (`train.train_loop`), from the parameters and running statistics
+    `_Cohort.write_back` gave `model` and the optimiser state its stacked
+    steps left; the sum of their losses. Once a cohort has shrunk to a few
+    clients, a plain step costs less than a vectorised one."""
     rule = OptimizerStep(model, optimizer, max_grad_norm)
     if done:
         _carry_state(rule.optimizer, trainable(model), state, done)
