@@ -32,9 +32,9 @@ chunk setting trades.
 
 The workloads are issue 49's: Synthetic(1, 1) `logreg` with 100 clients a
 round, Fashion-MNIST `mlp` at batch 10 with 100 Dirichlet(0.3) clients,
-`cnn-gn` at batch 32 with 50 clients; `cnn` (BatchNorm) is refused by the
-cohort trainer and shown as such. Measured numbers, with the command, the
-date and the machine's load: docs/performance.md, "Cohorts".
+`cnn-gn` and `cnn` (BatchNorm) at batch 32 with 50 clients. Measured
+numbers, with the command, the date and the machine's load:
+docs/performance.md, "Cohorts".
 """
 
 from __future__ import annotations

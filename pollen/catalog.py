@@ -92,6 +92,7 @@ class ModelInfo:
     summary: str
     batchnorm: bool = False  # trains on 2+ samples per batch; refused under DP-SGD
     lora: bool = False  # has LoRA layers: sharing lora-a / lora applies
+    dropout: bool = False  # dropout beyond `lora-dropout`'s: refused by cohorts
     min_side: int = 0  # smallest image side it takes
     colour_only: bool = False
     # a frozen backbone whose features `cache-features` computes once
@@ -245,7 +246,9 @@ MODELS: dict[str, ModelInfo] = _by_name(
     ModelInfo(
         "cnn-lora", "the cnn with a LoRA head", batchnorm=True, lora=True, min_side=4
     ),
-    ModelInfo("mobilenet", "MobileNetV2 for small images", batchnorm=True),
+    ModelInfo(
+        "mobilenet", "MobileNetV2 for small images", batchnorm=True, dropout=True
+    ),
     ModelInfo(
         "vgg16-lora",
         "frozen VGG16 backbone with a LoRA head (FedSA-FTL)",

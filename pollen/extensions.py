@@ -132,7 +132,7 @@ def data_set_info(name: str) -> DataSetInfo:
 def model_info(name: str, data_set: str) -> ModelInfo:
     """What the catalogue says of model `name` for data set `data_set`: a
     built-in's entry, or what a user's model is when built on the data
-    set's input shape (BatchNorm, LoRA layers; once per process);
+    set's input shape (BatchNorm, LoRA, dropout layers; once per process);
     `ExtensionError` for a user's model that cannot take that data."""
     if name in MODELS:
         return MODELS[name]

@@ -77,7 +77,8 @@ def parts() -> str:
 
 def _model_notes(info: ModelInfo) -> str:
     flags = [
-        ("BatchNorm: no cohorts", info.batchnorm),
+        ("BatchNorm", info.batchnorm),
+        ("dropout: no cohorts", info.dropout),
         ("LoRA", info.lora),
         (f"images of at least {info.min_side}px", info.min_side > 0),
         ("colour only", info.colour_only),

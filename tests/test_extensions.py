@@ -62,8 +62,8 @@ def test_an_import_path_names_a_model_and_a_data_set_which_the_settings_record()
         0.01, 0.9, 16, 2, "iid",
     )  # fmt: skip
     net = model_info(s.model, s.data_set)
-    assert (net.batchnorm, net.lora, net.summary) == (
-        False, False, "A perceptron with one hidden layer of 16.",
+    assert (net.batchnorm, net.lora, net.dropout, net.summary) == (
+        False, False, False, "A perceptron with one hidden layer of 16.",
     )  # fmt: skip
 
 

@@ -160,6 +160,18 @@ def test_batch_size_one_is_refused_for_exactly_the_batchnorm_models() -> None:
             assert Settings.from_run_config(config).batch_size == 1
 
 
+def test_the_catalogue_marks_exactly_the_models_with_dropout_of_their_own() -> None:
+    """What cohorts refuse; LoRA's dropout, `lora-dropout`, is a setting."""
+    from torch.nn.modules.dropout import _DropoutNd
+
+    from pollen.task.models import ModelOptions, build_model  # imports torch
+
+    for name in MODELS:
+        model = build_model(name, (3, 32, 32), 10, 0, ModelOptions(lora_dropout=0))
+        has = any(isinstance(m, _DropoutNd) and m.p > 0 for m in model.modules())
+        assert has == MODELS[name].dropout, name
+
+
 def test_a_bn_policy_needs_a_model_with_batchnorm() -> None:
     """FedBN on a model without BatchNorm would silently be FedAvg."""
     with pytest.raises(

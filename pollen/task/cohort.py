@@ -18,20 +18,28 @@ Each client trains exactly as `pollen.task.train.train_local` trains it:
   they add exact zeros to the loss and its gradient), and a client without
   a batch is not stepped. Once no more than `SOLO_CLIENTS` still train,
   each finishes alone on `train_loop`, its optimiser state carried over;
+- BatchNorm's running statistics are stacked over clients like the
+  parameters, and each client's forward pass updates its own; a BatchNorm
+  model's batches are never padded (padding would enter its batch
+  statistics): a step whose batches differ in size takes one `vmap` call
+  per size (`pollen.task.cohort_norm`);
 - per step, as the sequential loop: g = grad F_k on the batch (with SAM, at
-  theta + rho g / (||g|| + 1e-12) instead, Foret et al. 2021), plus the
+  theta + rho g / (||g|| + 1e-12) instead, Foret et al. 2021, a pass that
+  leaves the running statistics as the clean pass left them), plus the
   regulariser's gradient in its affine form pull (theta - anchor) + offset
   (`objectives.AffineGradient`: FedProx, FedDyn, SCAFFOLD), the client's
   total norm clipped to `max-grad-norm` as `clip_grad_norm_` does, then
   torch's SGD (momentum, weight decay), Adam or AdamW update;
 - the reported loss is the mean clean-pass loss over its steps.
 
-Afterwards each client's model holds its trained parameters, so the
-objective's `save` and the ClientApp's reply read them as they would after
-`train_local`. What a cohort cannot reproduce it refuses (`cohort_problem`):
-BatchNorm (running statistics would need stacked buffers written per step),
-dropout (vmap cannot draw each client's masks), a regulariser without the
-affine form, an optimiser other than sgd/adam/adamw.
+Afterwards each client's model holds its trained parameters and running
+statistics, so the objective's `save` and the ClientApp's reply read them
+as they would after `train_local`. What a cohort cannot reproduce it
+refuses (`cohort_problem`): BatchNorm with `momentum=None` (its cumulative
+factor 1 / num_batches_tracked is read as a Python number, per client,
+which `vmap` cannot do), dropout (vmap cannot draw each client's masks), a
+regulariser without the affine form, an optimiser other than
+sgd/adam/adamw.
 """
 
 from __future__ import annotations
@@ -46,7 +54,8 @@ from torch import nn
 from torch.func import functional_call, grad_and_value, vmap
 from torch.nn.modules.batchnorm import _BatchNorm
 
-from .objectives import LocalObjective
+from .cohort_norm import Call, Stacked, gradients, running_statistics, step_calls
+from .objectives import LocalObjective, frozen_bn_statistics
 from .train import (
     Batch,
     Batches,
@@ -60,7 +69,6 @@ from .train import (
     trainable,
 )
 
-Stacked = dict[str, torch.Tensor]  # entry name -> [clients, ...]
 # when no more clients than this still train, each finishes alone
 SOLO_CLIENTS = 2
 ADAM_EPS = 1e-8  # torch.optim.Adam's and AdamW's default
@@ -72,10 +80,11 @@ def cohort_problem(
     """Why the cohort trainer cannot train this combination, or None."""
     modules = list(model.modules())
     refused = "; allowed: client-execution='sequential'"
-    if any(isinstance(m, _BatchNorm) for m in modules):
+    if any(isinstance(m, _BatchNorm) and m.momentum is None for m in modules):
         return (
-            "client-execution='cohort': the model has BatchNorm, whose running "
-            "statistics the cohort trainer does not stack" + refused
+            "client-execution='cohort': the model has BatchNorm with "
+            "momentum=None, whose cumulative average reads each client's "
+            "batch counter as a number, which a vectorised cohort cannot" + refused
         )
     if any(isinstance(m, nn.modules.dropout._DropoutNd) and m.p > 0 for m in modules):
         return (
@@ -124,7 +133,8 @@ def client_bytes(
         saved += tensor.numel() * tensor.element_size()
         return tensor
 
-    with torch.autograd.graph.saved_tensors_hooks(count, lambda t: t):
+    hooks = torch.autograd.graph.saved_tensors_hooks(count, lambda t: t)
+    with hooks, frozen_bn_statistics(model):  # client 0's statistics stay
         F.cross_entropy(
             model(sample),
             torch.zeros(len(sample), dtype=torch.long, device=sample.device),
@@ -145,11 +155,14 @@ class _Client:
 
 
 class _Cohort:
-    """A chunk of clients' stacked parameters, optimiser and objective state.
+    """A chunk of clients' stacked parameters, BatchNorm statistics,
+    optimiser and objective state.
 
     The clients are ordered by their number of steps, most first, so the
     clients that still train at step t are always a prefix of the stack:
-    each step works on leading slices, in place, with no gather or scatter.
+    each step works on leading slices, in place, with no gather or scatter
+    (but for a BatchNorm model's batches of unequal sizes:
+    `cohort_norm.step_calls`).
     """
 
     def __init__(
@@ -165,27 +178,35 @@ class _Cohort:
         self.params: Stacked = {
             n: torch.stack([trainable(m)[n].detach() for m in models]) for n in names
         }
-        self.fixed = _fixed_entries(models, set(names))
+        self.stats: Stacked = {
+            n: torch.stack([dict(m.named_buffers())[n] for m in models])
+            for n in running_statistics(models[0])
+        }
+        self.fixed = _fixed_entries(models, {*names, *self.stats})
+        self.batch_norm = any(isinstance(m, _BatchNorm) for m in models[0].modules())
         self.optimizer, self.max_grad_norm = optimizer, max_grad_norm
         self.state = _optimizer_state(optimizer, self.params)
         self.sam_rho = clients[0].objective.sam_rho
         self.terms = _stacked_terms([c.objective for c in clients])
         device = next(iter(self.params.values())).device
         self.loss_sum = torch.zeros(len(clients), device=device)
-        # over params, per-client fixed entries, inputs, targets, sample
-        # weights; a function of the template, not of self: no reference
-        # cycle keeps a finished chunk's tensors alive until the next GC
+        # over params, per-client fixed entries, running statistics (updated
+        # in place), inputs, targets, sample weights; a function of the
+        # template, not of self: no reference cycle keeps a finished chunk's
+        # tensors alive until the next GC
         loss = partial(_masked_loss, self.template, self.fixed.shared)
-        self.gradient = vmap(grad_and_value(loss))
+        self.vmapped = vmap(grad_and_value(loss))
 
     def step(self, n: int, t: int) -> None:
         """Step `t` (0-based) of the first `n` clients, each on its own batch."""
         params = {name: v[:n] for name, v in self.params.items()}
         fixed = {name: v[:n] for name, v in self.fixed.stacked.items()}
-        batch = _padded([c.steps[t] for c in self.clients[:n]])
-        grads, loss = self.gradient(params, fixed, *batch)
+        stats = {name: v[:n] for name, v in self.stats.items()}
+        batches = [c.steps[t] for c in self.clients[:n]]
+        calls = step_calls(batches, self.batch_norm)
+        grads, loss = gradients(self.vmapped, params, fixed, stats, calls)
         if self.sam_rho > 0:
-            grads = self._sam_gradient(params, fixed, batch, grads)
+            grads = self._sam_gradient(params, fixed, stats, calls, grads)
         self.loss_sum[:n] += loss.detach()
         self._add_regularizer(grads, params, n)
         if self.max_grad_norm > 0:
@@ -196,12 +217,20 @@ class _Cohort:
         _optimizer_step(self.optimizer, params, grads, state, t + 1)
 
     def _sam_gradient(
-        self, params: Stacked, fixed: Stacked, batch: tuple, grads: Stacked
+        self,
+        params: Stacked,
+        fixed: Stacked,
+        stats: Stacked,
+        calls: list[Call],
+        grads: Stacked,
     ) -> Stacked:
-        """The data gradient at theta + eps, eps = rho g / (||g|| + 1e-12)."""
+        """The data gradient at theta + eps, eps = rho g / (||g|| + 1e-12);
+        the running statistics stay as the clean pass left them (as
+        `frozen_bn_statistics` keeps them in the sequential loop)."""
         scale = self.sam_rho / (_client_norms(grads) + 1e-12)
         moved = {n: p + grads[n] * _per_client(scale, p) for n, p in params.items()}
-        again, _ = self.gradient(moved, fixed, *batch)
+        scratch = {name: v.clone() for name, v in stats.items()}
+        again, _ = gradients(self.vmapped, moved, fixed, scratch, calls)
         return again
 
     def _add_regularizer(self, grads: Stacked, params: Stacked, n: int) -> None:
@@ -217,10 +246,15 @@ class _Cohort:
                 grads[name].add_(term)
 
     def write_back(self, models: Sequence[nn.Module]) -> None:
+        """Each client's trained parameters and running statistics into its
+        model."""
         with torch.no_grad():
             for k, model in enumerate(models):
                 for name, param in trainable(model).items():
                     param.copy_(self.params[name][k])
+                buffers = dict(model.named_buffers())
+                for name, stacked in self.stats.items():
+                    buffers[name].copy_(stacked[k])
 
 
 def _masked_loss(
@@ -228,33 +262,18 @@ def _masked_loss(
     shared: dict[str, torch.Tensor],
     params: Stacked,
     fixed: Stacked,
+    stats: Stacked,
     inputs: torch.Tensor,
     targets: torch.Tensor,
     weights: torch.Tensor,
 ) -> torch.Tensor:
     """One client's mean cross-entropy over its batch's real samples (weight
-    1; padding weighs 0, so it adds exact zeros to the sum)."""
-    entries = {**shared, **fixed, **params}
+    1; padding weighs 0, so it adds exact zeros to the sum). The forward
+    pass updates the running statistics `stats` in place."""
+    entries = {**shared, **fixed, **stats, **params}
     logits = functional_call(template, entries, (inputs,))
     losses = F.cross_entropy(logits, targets, reduction="none")
     return (losses * weights).sum() / weights.sum()
-
-
-def _padded(batches: list[Batch]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Inputs [n, B, ...], targets [n, B] and sample weights [n, B] of the
-    clients' batches, a shorter batch padded to the longest with zeros that
-    weigh nothing."""
-    longest = max(len(y) for _, y in batches)
-    inputs, targets, weights = [], [], []
-    for x, y in batches:
-        short = longest - len(y)
-        weight = torch.ones(len(y), device=y.device)
-        if short:
-            x = torch.cat([x, x.new_zeros(short, *x.shape[1:])])
-            y = torch.cat([y, y.new_zeros(short)])
-            weight = torch.cat([weight, weight.new_zeros(short)])
-        inputs.append(x), targets.append(y), weights.append(weight)
-    return torch.stack(inputs), torch.stack(targets), torch.stack(weights)
 
 
 @dataclass
@@ -391,6 +410,8 @@ def _train_chunk(
     """One vectorised cohort of `clients` (results in their order): stacked
     steps while more than `SOLO_CLIENTS` clients still train, then each
     remaining client's last steps by the sequential loop."""
+    for model in models:  # as `train_loop`: BatchNorm normalises by its batch
+        model.train()
     order = sorted(range(len(clients)), key=lambda k: -len(clients[k].steps))
     ordered = [clients[k] for k in order]
     ordered_models = [models[k] for k in order]
@@ -439,9 +460,10 @@ def _finish_alone(
     max_grad_norm: float,
 ) -> float:
     """The client's steps from step `done` on, by the sequential loop
-    (`train.train_loop`) with the optimiser state its stacked steps left;
-    the sum of their losses. Once a cohort has shrunk to a few clients, a
-    plain step costs less than a vectorised one."""
+    (`train.train_loop`), from the parameters and running statistics
+    `_Cohort.write_back` gave `model` and the optimiser state its stacked
+    steps left; the sum of their losses. Once a cohort has shrunk to a few
+    clients, a plain step costs less than a vectorised one."""
     rule = OptimizerStep(model, optimizer, max_grad_norm)
     if done:
         _carry_state(rule.optimizer, trainable(model), state, done)

@@ -6,18 +6,18 @@ A cohort trains a node's clients of one round as one vectorised computation
 arithmetic on parameters stacked over clients. It refuses what that
 computation cannot reproduce exactly:
 
-- models with BatchNorm: their running statistics are per-client buffers that
-  a functional forward pass would have to stack and write back per step;
-  not built yet (use `cnn-gn`, `mlp`, `logreg` or `simple-cnn`);
-- dropout (LoRA's `lora-dropout`): `vmap` draws one mask tensor for the
-  cohort, so no client would see the masks its sequential training draws;
+- dropout (a model's own, as MobileNetV2's classifier, or LoRA's
+  `lora-dropout`): `vmap` draws one mask tensor for the cohort, so no client
+  would see the masks its sequential training draws;
 - DP-SGD, FedRep's two phases and Ditto's personal model: trainings of more
   than one pass per round, each built around one client's model;
 - asynchronous FedBuff: clients start one at a time as the buffer asks, so
   a round has no cohort to train together.
 
-A user's local objective is asked at run time whether its term has the
-affine gradient the cohort trainer applies (`pollen.task.cohort`).
+BatchNorm models train in cohorts, each client's running statistics its
+own (`pollen.task.cohort_norm`). A user's local objective is asked at run
+time whether its term has the affine gradient the cohort trainer applies,
+and a user's BatchNorm whether its momentum is set (`pollen.task.cohort`).
 """
 
 from __future__ import annotations
@@ -35,12 +35,11 @@ ALLOWED = "client-execution='sequential'"
 def cohort_problem(s: Settings) -> str | None:
     """Why `s` cannot train its clients as cohorts, or None."""
     info = model_info(s.model, s.data_set)
-    if info.batchnorm:
+    if info.dropout:
         return (
-            f"client-execution='cohort' with model={s.model!r}: its BatchNorm "
-            "running statistics are per-client buffers the cohort trainer does "
-            "not stack yet; allowed with cohorts: models without BatchNorm "
-            f"(cnn-gn, mlp, logreg, simple-cnn), or {ALLOWED}"
+            f"client-execution='cohort' with model={s.model!r}: its dropout "
+            "masks would be drawn once for the whole vectorised cohort, not per "
+            f"client; allowed: a model without dropout, or {ALLOWED}"
         )
     if info.lora and s.lora_dropout > 0:
         return (

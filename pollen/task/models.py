@@ -267,8 +267,8 @@ def build_model(
 def user_model_info(name: str, data_set: str) -> ModelInfo:
     """What the catalogue says of a user's model, found by building it on
     `data_set`'s input shape and passing a batch of two through it: its
-    BatchNorm and LoRA layers (what DP-SGD, the BatchNorm policies and the
-    LoRA sharings ask of a model). `ExtensionError` when the factory fails,
+    BatchNorm, LoRA and dropout layers (what DP-SGD, the BatchNorm policies,
+    the LoRA sharings and cohorts ask of a model). `ExtensionError` when the factory fails,
     returns no `nn.Module`, or the model cannot take the data or gives
     other than one output per class (`pollen.extensions.model_info` asks
     this at run time)."""
@@ -316,4 +316,7 @@ def user_model_info(name: str, data_set: str) -> ModelInfo:
         summary=summary(user_function("model", name, MODEL_GROUP), path),
         batchnorm=any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in modules),
         lora=any(isinstance(m, LoRALinear) for m in modules),
+        dropout=any(
+            isinstance(m, nn.modules.dropout._DropoutNd) and m.p > 0 for m in modules
+        ),
     )
