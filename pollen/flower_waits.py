@@ -183,6 +183,18 @@ class NotingMessages:
         return result
 
 
+def _on_clock(
+    module: types.ModuleType, poll_seconds: float, steps: dict[str, bool]
+) -> None:
+    """`module`'s `time` becomes a `PollClock` that each of its functions
+    named in `steps` restarts when it handled a message (name -> whether it
+    is a pull, which handled one only when it returned something)."""
+    clock = PollClock(poll_seconds)
+    module.time = clock  # type: ignore[attr-defined]
+    for name, pull in steps.items():
+        setattr(module, name, NotingMessages(getattr(module, name), clock, pull))
+
+
 def shorten_supernode_waits(poll_seconds: float = POLL_SECONDS) -> bool:
     """In this process, the SuperNode's idle sleeps and reply checks follow a
     `PollClock` and its object pulls retry from `poll_seconds`; False (and
@@ -191,12 +203,9 @@ def shorten_supernode_waits(poll_seconds: float = POLL_SECONDS) -> bool:
         return False
     from flwr.supernode import start_client_internal as node
 
-    clock = PollClock(poll_seconds)
-    node.time = clock  # type: ignore[attr-defined]
-    node._pull_and_store_message = NotingMessages(  # type: ignore[assignment]
-        node._pull_and_store_message, clock, pull=True
+    _on_clock(
+        node, poll_seconds, {"_pull_and_store_message": True, "_push_messages": False}
     )
-    node._push_messages = NotingMessages(node._push_messages, clock, pull=False)  # type: ignore[assignment]
     _quicker_pulls(PULL_OBJECTS, poll_seconds)
     return True
 
@@ -206,19 +215,15 @@ def shorten_superexec_polls(poll_seconds: float = POLL_SECONDS) -> bool:
     `PollClock`: `poll_seconds` just after a task was launched, then a share
     of the time since, never longer than Flower's interval (1 s, or
     FLWR_SUPEREXEC_TASK_POLL_INTERVAL). Every poll is an HTTP request that
-    costs the SuperNode or SuperLink it asks about 5 ms of CPU; a fixed
-    0.1 s cost an idle SuperLink 10 % of a core and a SuperNode 5 %.
+    costs the SuperNode or SuperLink it asks milliseconds of CPU; a fixed
+    0.1 s cost an idle SuperLink 10 % of a core and a SuperNode 5 % here.
     False (and one warning line) when this Flower is not one the change was
     tested with."""
     if not _guard(SUPEREXEC_FUNCTIONS, "flower-superexec"):
         return False
     from flwr.supercore.superexec import run_superexec as loop
 
-    clock = PollClock(poll_seconds)
-    loop.time = clock  # type: ignore[attr-defined]
-    loop._handle_launch_result = NotingMessages(  # type: ignore[assignment]
-        loop._handle_launch_result, clock, pull=False
-    )
+    _on_clock(loop, poll_seconds, {"_handle_launch_result": False})
     return True
 
 
