@@ -59,8 +59,9 @@ IDLE_SHARE = 0.05  # after a wait of T s, a message is picked up within ~0.05 T
 # 0.1 s would give up on a slow node's push after 50 s).
 PULL_RETRY_CAP_SECONDS = 1.0
 
-# The functions whose waits are shortened, by Flower release: a digest of
-# each one's source as that release ships it. tests/test_supernode.py checks
+# The Flower functions pollen changes (their waits here, the ClientApp's FAB
+# installation in `deployment.installed_fab`), by Flower release: a digest
+# of each one's source as that release ships it. tests/test_supernode.py checks
 # them against the installed Flower, so an upgrade that changes one fails
 # there first.
 TESTED_SOURCES: dict[str, dict[str, str]] = {
@@ -72,6 +73,9 @@ TESTED_SOURCES: dict[str, dict[str, str]] = {
         "flwr.supercore.inflatable.inflatable_utils:pull_and_inflate_object_from_tree": "139811483a15e4a6",
         "flwr.supercore.superexec.run_superexec:run_superexec": "91e7a33c5b898f33",
         "flwr.supercore.superexec.run_superexec:_handle_launch_result": "19302e77dfb33968",
+        "flwr.cli.install:install_from_fab": "481bd04cde582322",
+        "flwr.cli.install:validate_and_install": "628b69fb852ae858",
+        "flwr.supernode.runtime.run_clientapp:run_clientapp": "6ce09559f3a2f5dc",
     },
 }
 PULL_OBJECTS = "flwr.supercore.inflatable.inflatable_utils:pull_objects"
@@ -149,12 +153,12 @@ class PollClock(types.ModuleType):
         time.sleep(min(seconds, max(self.poll_seconds, self.share * since)))
 
 
-def _guard(names: Sequence[str], what: str) -> bool:
-    """Whether `names` may be changed in this process; if not, one warning."""
+def guard(names: Sequence[str], unchanged: str) -> bool:
+    """Whether `names` may be changed in this process; if not, one warning
+    line that says what stays as Flower ships it (`unchanged`) and why."""
     reason = unchanged_reason(names)
     if reason:
-        print(f"pollen: warning: {what} keeps Flower's idle waits: {reason}",
-              file=sys.stderr, flush=True)  # fmt: skip
+        print(f"pollen: warning: {unchanged}: {reason}", file=sys.stderr, flush=True)
     return not reason
 
 
@@ -199,7 +203,7 @@ def shorten_supernode_waits(poll_seconds: float = POLL_SECONDS) -> bool:
     """In this process, the SuperNode's idle sleeps and reply checks follow a
     `PollClock` and its object pulls retry from `poll_seconds`; False (and
     one warning line) when this Flower is not one the change was tested with."""
-    if not _guard(SUPERNODE_FUNCTIONS, "pollen supernode"):
+    if not guard(SUPERNODE_FUNCTIONS, "pollen supernode keeps Flower's idle waits"):
         return False
     from flwr.supernode import start_client_internal as node
 
@@ -219,7 +223,7 @@ def shorten_superexec_polls(poll_seconds: float = POLL_SECONDS) -> bool:
     0.1 s cost an idle SuperLink 10 % of a core and a SuperNode 5 % here.
     False (and one warning line) when this Flower is not one the change was
     tested with."""
-    if not _guard(SUPEREXEC_FUNCTIONS, "flower-superexec"):
+    if not guard(SUPEREXEC_FUNCTIONS, "flower-superexec keeps Flower's idle waits"):
         return False
     from flwr.supercore.superexec import run_superexec as loop
 
@@ -230,7 +234,7 @@ def shorten_superexec_polls(poll_seconds: float = POLL_SECONDS) -> bool:
 def shorten_clientapp_pulls(poll_seconds: float = POLL_SECONDS) -> bool:
     """In this process (and the children it forks), a ClientApp retries a
     message object its SuperNode has not pulled yet every `poll_seconds`."""
-    if not _guard(CLIENTAPP_FUNCTIONS, "pollen superexec"):
+    if not guard(CLIENTAPP_FUNCTIONS, "pollen superexec keeps Flower's idle waits"):
         return False
     _quicker_pulls(PULL_AND_INFLATE, poll_seconds)
     return True
@@ -239,7 +243,7 @@ def shorten_clientapp_pulls(poll_seconds: float = POLL_SECONDS) -> bool:
 def shorten_serverapp_pulls(poll_seconds: float = POLL_SECONDS) -> bool:
     """In this process (a ServerApp's), the grid retries a reply's objects
     that its node has not pushed yet every `poll_seconds`."""
-    if not _guard(SERVERAPP_FUNCTIONS, "pollen's ServerApp"):
+    if not guard(SERVERAPP_FUNCTIONS, "pollen's ServerApp keeps Flower's idle waits"):
         return False
     _quicker_pulls(PULL_OBJECTS, poll_seconds)
     return True

@@ -37,7 +37,8 @@ At most `--max-tasks` children run at once; further tasks wait.
 
 A ClientApp's first retry for a message object its SuperNode has not pulled
 yet comes after `--poll-interval` (0.1 s) instead of Flower's 1 s
-(`pollen.flower_waits`).
+(`pollen.flower_waits`), and a task uses its FAB where it is installed
+already instead of unzipping it again (`installed_fab`).
 
 Linux only (fork, pidfd, prctl). `--cold` runs `flower-superexec` alone:
 Flower's stock process per message, for comparison.
@@ -72,6 +73,7 @@ from typing import Any
 
 from ..flower_waits import add_poll_interval, shorten_clientapp_pulls
 from . import flower_superexec
+from .installed_fab import reuse_installed_fabs
 from .module_stash import ModuleStash
 from .processes import alive, end, stop_child
 from .warm_hint import HINT_FILE_ENV, WarmHint
@@ -479,6 +481,7 @@ def main(argv: Sequence[str]) -> int:
         parser.error("the warm executor needs Linux (fork, pidfd); use --cold")
     if args.poll_interval:  # before any fork: every child inherits it
         shorten_clientapp_pulls(args.poll_interval)
+    reuse_installed_fabs()
     with tempfile.TemporaryDirectory(prefix="pollen-superexec-") as workdir:
         executor = WarmExecutor(Path(workdir), args.max_tasks)
         launcher = executor.write_launcher()
