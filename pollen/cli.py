@@ -33,6 +33,7 @@ from .deployment import (
     supernode,
     warm_simulation,
 )
+from .deployment.flower import without_telemetry
 from .deployment.network import NetworkError
 from .deployment.processes import ProcessError
 from .deployment.run_config import RunConfigError
@@ -455,6 +456,7 @@ def _add_multi_machine_actions(actions: argparse._SubParsersAction) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    without_telemetry()
     parser = build_parser()
     args, rest = parser.parse_known_args(argv)
     if args.command == "superexec":  # every other flag is flower-superexec's

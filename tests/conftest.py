@@ -20,6 +20,10 @@ PROJECT = Path(__file__).resolve().parents[1]
 if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
     signal.signal(signal.SIGINT, signal.default_int_handler)
 SHARED_DATA = PROJECT.parent / "shared" / "data"
+# Test traffic stays on this machine: the Flower processes tests start
+# themselves (`flwr run` directly, Flower's own SuperNode) post no usage
+# events to telemetry.flower.ai, as those pollen starts post none.
+os.environ.setdefault("FLWR_TELEMETRY_ENABLED", "0")
 
 
 # What the suite starts first: the tests that wait longest on processes,

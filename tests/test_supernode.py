@@ -128,6 +128,33 @@ def test_the_shim_on_path_runs_flowers_superexec(tmp_path):
     assert flower_env(tmp_path / "home") == env  # written once, same PATH
 
 
+@pytest.mark.parametrize("asked", [None, "1"])
+def test_flower_processes_post_telemetry_only_when_asked(asked, tmp_path):
+    """What `pollen` runs of Flower's code in its own process (`pollen
+    supernode`, `pollen superexec`) and every Flower process it starts
+    (`flower_env`) reads FLWR_TELEMETRY_ENABLED=0 unless the user set it."""
+    import os
+
+    env = {k: v for k, v in os.environ.items() if k != "FLWR_TELEMETRY_ENABLED"}
+    if asked is not None:
+        env["FLWR_TELEMETRY_ENABLED"] = asked
+    result = subprocess.run(
+        [sys.executable, "-c",
+         "import contextlib, pathlib, sys\n"
+         "from pollen.cli import main\n"
+         "from pollen.deployment.flower import flower_env\n"
+         "with contextlib.suppress(SystemExit):\n"
+         "    main(['supernode', '--help'])\n"
+         "from flwr.supercore import telemetry\n"
+         f"home = pathlib.Path({str(tmp_path)!r})\n"
+         "print(telemetry.FLWR_TELEMETRY_ENABLED, "
+         "flower_env(home)['FLWR_TELEMETRY_ENABLED'], file=sys.stderr)\n"],
+        env=env, capture_output=True, text=True, check=True, timeout=60,
+    )  # fmt: skip
+    expected = asked or "0"
+    assert result.stderr.split() == [expected, expected]
+
+
 @pytest.mark.parametrize(
     ("tamper", "reason"),
     [

@@ -18,17 +18,34 @@ SUPERLINK_START_SECONDS = 60.0
 # Flower's ClientApp actors never run in them, so they only cost start-up CPU
 # (1.2 s of 28 on 2 cores, docs/performance.md). A value the user sets wins.
 RAY_SIMULATION_ENV = {"RAY_prestart_worker_first_driver": "0"}
+# Each Flower process posts a usage event to telemetry.flower.ai as it starts
+# and ends, and waits up to 4 s at its exit for the post: every ClientApp
+# task, ServerApp, SuperLink, SuperNode and `flwr run` of a run. The
+# processes pollen starts post none (as its MLflow client sends no usage
+# data), unless FLWR_TELEMETRY_ENABLED says otherwise; without a network the
+# failed post still cost each warm task about 0.1 s of CPU here.
+TELEMETRY_ENV = {"FLWR_TELEMETRY_ENABLED": "0"}
+
+
+def without_telemetry() -> None:
+    """This process's Flower code, and every process it starts, posts no
+    telemetry unless the environment asks for it (before Flower is imported:
+    it reads the setting once)."""
+    for name, value in TELEMETRY_ENV.items():
+        os.environ.setdefault(name, value)
 
 
 def flower_env(home: Path) -> dict[str, str]:
     """The environment of a Flower process with its own home, using this
-    Python's entry points and never installing dependencies at run time.
+    Python's entry points, never installing dependencies at run time and
+    posting no telemetry (unless the environment says otherwise).
     First on its PATH is `home/bin`, where this writes the `flower-superexec`
     that polls on pollen's clock (`flower_superexec`): a SuperLink or
     SuperNode starts its SuperExec by that name."""
     shims = flower_superexec.write_shim(home / "bin").parent
     path = [str(shims), str(Path(sys.executable).parent), os.environ["PATH"]]
     return {
+        **TELEMETRY_ENV,
         **os.environ,
         "PATH": os.pathsep.join(path),
         "FLWR_HOME": str(home),
