@@ -11,6 +11,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from pollen.deployment.flower import without_telemetry
+
 PROJECT = Path(__file__).resolve().parents[1]
 
 # A command started as a background job inherits SIGINT ignored, and so would
@@ -23,7 +25,7 @@ SHARED_DATA = PROJECT.parent / "shared" / "data"
 # Test traffic stays on this machine: the Flower processes tests start
 # themselves (`flwr run` directly, Flower's own SuperNode) post no usage
 # events to telemetry.flower.ai, as those pollen starts post none.
-os.environ.setdefault("FLWR_TELEMETRY_ENABLED", "0")
+without_telemetry()
 
 
 # What the suite starts first: the tests that wait longest on processes,

@@ -58,7 +58,13 @@ def installed_folder(fab: bytes, apps: Path) -> Path | None:
             members = [m for m in archive.infolist() if not m.is_dir()]
             config = tomllib.loads(archive.read("pyproject.toml").decode())
         fab_id, version = get_metadata_from_config(config)
-    except (zipfile.BadZipFile, KeyError, UnicodeDecodeError, tomllib.TOMLDecodeError):
+    except (
+        zipfile.BadZipFile,
+        KeyError,
+        TypeError,
+        UnicodeDecodeError,
+        tomllib.TOMLDecodeError,
+    ):
         return None
     publisher, _, name = fab_id.partition("/")
     folder = apps / f"{publisher}.{name}.{version}.{fab_hash[:FAB_HASH_TRUNCATION]}"
