@@ -12,6 +12,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import textwrap
 import time
 from collections.abc import Iterator
@@ -26,6 +27,7 @@ from tests.conftest import PROJECT, SHARED_DATA, write_mnist_slices
 from tests.deployed import finish, history, submit, wait_for_rounds
 
 NODES = 2
+WORKDIRS = Path(tempfile.gettempdir())  # where a warm parent makes its work folder
 needs_mnist = pytest.mark.skipif(
     not (SHARED_DATA / "mnist.npz").exists(), reason=f"real MNIST not at {SHARED_DATA}"
 )
@@ -185,6 +187,24 @@ def test_a_hint_round_trips_and_a_malformed_one_is_ignored(
                 '{"app_dir": "x", "run_config": []}'):  # fmt: skip
         path.write_text(bad)
         assert WarmHint.read(path) is None, bad
+
+
+def test_only_the_work_folders_of_ended_parents_are_removed(tmp_path: Path) -> None:
+    ended = subprocess.Popen([sys.executable, "-c", "pass"])
+    ended.wait()  # reaped: its pid names no process (until reused)
+    names = {
+        "ended": f"{superexec.WORKDIR_PREFIX}{ended.pid}-ab_c1",
+        "running": f"{superexec.WORKDIR_PREFIX}{os.getpid()}-xyz9",
+        "old-style": f"{superexec.WORKDIR_PREFIX}ab_c1",
+        "other": f"pollen-app-{ended.pid}-ab_c1",
+    }
+    for name in names.values():
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "warm.sock").touch()
+    superexec.remove_orphaned_workdirs(tmp_path)
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
+        names[k] for k in ("running", "old-style", "other")
+    )
 
 
 def test_superexec_refuses_what_it_cannot_run(capsys: pytest.CaptureFixture) -> None:
@@ -422,6 +442,8 @@ def test_a_killed_warm_parent_takes_its_processes_and_restarts(
     node = warm.node(0)
     below = processes.descendants(node.executor_pid)
     assert below  # its flower-superexec
+    workdirs = list(WORKDIRS.glob(f"{superexec.WORKDIR_PREFIX}{node.executor_pid}-*"))
+    assert len(workdirs) == 1 and (workdirs[0] / "warm.sock").exists()
     os.kill(node.executor_pid, signal.SIGKILL)
     os.waitpid(node.executor_pid, 0)  # this test started it: reap it, as init would
     deadline = time.monotonic() + 30
@@ -434,6 +456,7 @@ def test_a_killed_warm_parent_takes_its_processes_and_restarts(
     finish(submit(warm, tmp_path, "rounds=1 run-name='after'", NODES))
     (row,) = history(tmp_path / "after")
     assert row["clients"] == [0, 1] and not row["failures"]
+    assert not workdirs[0].exists()  # the new parent removed the killed one's
 
 
 @pytest.mark.xdist_group("warm-executor")

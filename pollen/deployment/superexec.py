@@ -56,6 +56,7 @@ import os
 import random
 import selectors
 import shlex
+import shutil
 import signal
 import socket
 import subprocess
@@ -80,6 +81,7 @@ from .warm_hint import HINT_FILE_ENV, WarmHint
 
 LAUNCHER = "flwr-clientapp"  # the command Flower's SuperExec runs per ClientApp task
 SOCKET_ENV = "POLLEN_WARM_SOCKET"
+WORKDIR_PREFIX = "pollen-superexec-"  # then the warm parent's pid
 DEPENDENCY_INSTALL_FLAG = "--allow-runtime-dependency-installation"
 OWN_PACKAGE = __name__.split(".")[0]
 PR_SET_PDEATHSIG = 1
@@ -458,6 +460,25 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def remove_orphaned_workdirs(folder: Path) -> None:
+    """Remove the work folders (launcher, socket) that warm parents left in
+    `folder` when they were killed (SIGKILL runs no clean-up).
+
+    A work folder is named `pollen-superexec-<pid>-<random>` after the
+    parent that made it; one whose parent no longer runs and that belongs
+    to this user is removed. One whose pid was reused stays until a later
+    start finds that process gone.
+    """
+    for path in folder.glob(f"{WORKDIR_PREFIX}*-*"):
+        owner = path.name.removeprefix(WORKDIR_PREFIX).split("-", 1)[0]
+        try:
+            mine = path.lstat().st_uid == os.getuid()
+        except OSError:
+            continue
+        if mine and owner.isdigit() and not alive(int(owner)):
+            shutil.rmtree(path, ignore_errors=True)
+
+
 def superexec_command(flower_args: Sequence[str], parent_pid: int | None) -> list[str]:
     """The `flower-superexec` command line for `flower_args`."""
     command = [*flower_superexec.command(), *flower_args]
@@ -482,8 +503,10 @@ def main(argv: Sequence[str]) -> int:
     if args.poll_interval:  # before any fork: every child inherits it
         shorten_clientapp_pulls(args.poll_interval)
     reuse_installed_fabs()
-    with tempfile.TemporaryDirectory(prefix="pollen-superexec-") as workdir:
-        executor = WarmExecutor(Path(workdir), args.max_tasks)
+    remove_orphaned_workdirs(Path(tempfile.gettempdir()))
+    workdir = Path(tempfile.mkdtemp(prefix=f"{WORKDIR_PREFIX}{os.getpid()}-"))
+    try:
+        executor = WarmExecutor(workdir, args.max_tasks)
         launcher = executor.write_launcher()
         env = {
             **os.environ,
@@ -497,3 +520,5 @@ def main(argv: Sequence[str]) -> int:
               f"{args.max_tasks} tasks at once) serving flower-superexec "
               f"(pid {superexec.pid})", file=sys.stderr, flush=True)  # fmt: skip
         return executor.serve(superexec, args.parent_pid)
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)
