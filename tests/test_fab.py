@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 from flwr.cli.build import build_fab_from_disk
 
-from pollen.deployment.fab import fab_files, staged_app
+from pollen.deployment.fab import UNRUN_FOLDERS, fab_files, staged_app
 
 PROJECT = Path(__file__).resolve().parents[1]
 
@@ -51,6 +51,9 @@ def _make_app(root: Path) -> None:
     _write(root / "env" / "pyvenv.cfg", "home = /usr\n")  # venv under any name
     _write(root / "env" / "lib" / "site.py")
     _write(root / "pollen" / "__pycache__" / "models.json", "{}")
+    _write(root / "docs" / "index.md", "# docs\n")  # no run reads them
+    _write(root / "benchmarks" / "speed.py")
+    _write(root / "pollen" / "docs" / "notes.md", "kept: not top-level\n")
 
 
 def test_staged_app_packs_the_same_fab(tmp_path: Path) -> None:
@@ -59,8 +62,13 @@ def test_staged_app_packs_the_same_fab(tmp_path: Path) -> None:
     with staged_app(app) as staged:
         staged_fab = _fab_contents(staged)
     in_place = _fab_contents(app)
-    assert staged_fab == in_place
-    assert "pollen/task/models.py" in in_place and "configs/a.toml" in in_place
+    assert {"docs/index.md", "benchmarks/speed.py"} <= set(in_place)
+    assert staged_fab == {
+        k: v for k, v in in_place.items() if not k.startswith(("docs/", "benchmarks/"))
+    }
+    assert {"pollen/task/models.py", "pollen/docs/notes.md", "configs/a.toml"} <= set(
+        staged_fab
+    )
     assert not staged.exists()  # removed on exit
 
 
@@ -70,14 +78,23 @@ def test_fab_files_never_enter_environments_or_ignored_folders(tmp_path: Path) -
     listed = {path.as_posix() for path in fab_files(app)}
     assert listed == {
         ".gitignore", "LICENSE", "README.md", "pyproject.toml", "configs/a.toml",
-        "pollen/__init__.py", "pollen/task/models.py",
+        "pollen/__init__.py", "pollen/task/models.py", "pollen/docs/notes.md",
     }  # fmt: skip
 
 
-def test_project_fab_is_unchanged_by_staging() -> None:
-    """This project, with its .venv inside: the same FAB either way."""
+def test_project_fab_is_unchanged_by_staging_but_for_docs_and_benchmarks() -> None:
+    """This project, with its .venv inside: the same FAB either way, less
+    the folders no run reads."""
     with staged_app(PROJECT) as staged:
-        assert _fab_contents(staged) == _fab_contents(PROJECT)
+        staged_fab = _fab_contents(staged)
+    in_place = _fab_contents(PROJECT)
+    unrun = {name for name in in_place if name.split("/")[0] in UNRUN_FOLDERS}
+    assert "docs/index.md" in unrun and "benchmarks/cohort.py" in unrun
+    assert staged_fab == {k: v for k, v in in_place.items() if k not in unrun}
+    assert (
+        "pollen/client_app.py" in staged_fab
+        and "configs/mnist-fedavg.toml" in staged_fab
+    )
 
 
 def _uv() -> str:
