@@ -2,7 +2,7 @@
 
     .venv/bin/python benchmarks/pfl_side_by_side.py [--clients 1000]
         [--sampled 100] [--rounds 20] [--pfl-venv ~/.cache/pollen-bench/pfl-venv]
-        [--pfl-threads 1]
+        [--pfl-threads 1] [--cohort]
 
 The workload is FedProx's Synthetic(1, 1) as pollen generates it
 (`pollen/task/synthetic.py`, seed 845): `--clients` clients with their
@@ -14,6 +14,10 @@ weighted by examples, and the global model evaluated after every round on
 pollen's global test set (the test splits of the first 1,000 clients). The
 training settings are read from pollen's resolved run config and handed to
 pfl, so both run what `pollen run` would.
+
+With `--cohort` pollen runs twice, one client after another (its default)
+and with `client-execution = "cohort"` (docs/cohorts.md), the second
+sampling the same clients; the table then has three rows.
 
 pollen runs first (`pollen run` through `measure.run_pollen`). Then this
 script writes every client's training examples, the global test set,
@@ -119,6 +123,10 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument(
         "--pfl-threads", type=int, default=1,
         help="torch's CPU threads in pfl's process (pollen: one per actor)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--cohort", action="store_true",
+        help="also run pollen with client-execution='cohort', after its default",
     )  # fmt: skip
     args = parser.parse_args()
     if args.clients < args.sampled:
@@ -254,12 +262,15 @@ def run_pfl(
     return row, out
 
 
-def run_pollen_side(config: str, out: Path) -> tuple[Row, list[list[int]]]:
-    """One `pollen run`: its row and the clients each of its rounds trained."""
-    result = run_pollen([config], out, "pollen")
-    history = json.loads((out / "pollen" / "history.json").read_text())
+def run_pollen_side(
+    config: str, out: Path, name: str = "pollen"
+) -> tuple[Row, list[list[int]]]:
+    """One `pollen run`: its row (named `name`) and the clients each of its
+    rounds trained."""
+    result = run_pollen([config], out, name)
+    history = json.loads((out / name / "history.json").read_text())
     row = Row(
-        "pollen", result["wall"], result["start-up"], result["rounds"],
+        name, result["wall"], result["start-up"], result["rounds"],
         [r["accuracy"] for r in history], result["peak-rss"],
     )  # fmt: skip
     return row, [r["clients"] for r in history]
@@ -292,19 +303,39 @@ def main() -> None:
     check_settings(settings)
     python = pfl_python(args.pfl_venv.expanduser())
     with tempfile.TemporaryDirectory(prefix="pollen-pfl-") as tmp:
-        pollen, cohorts = run_pollen_side(config, Path(tmp))
+        pollen_rows = [run_pollen_side(config, Path(tmp))]
+        if args.cohort:
+            pollen_rows.append(
+                run_pollen_side(
+                    f"{config} client-execution='cohort'", Path(tmp), "pollen-cohort"
+                )
+            )
+        (_, cohorts), *others = pollen_rows
+        if any(sampled != cohorts for _, sampled in others):
+            raise SystemExit(
+                "pfl_side_by_side: pollen's two runs sampled other clients"
+            )
         data = Path(tmp) / "synthetic.npz"
         prepared = write_workload(settings, cohorts, data)
         pfl, out = run_pfl(python, data, settings, args.pfl_threads)
+    pollen_version = (
+        f"{importlib.metadata.version('pollen-fl')} "
+        f"(flwr {importlib.metadata.version('flwr')}), torch {torch.__version__}"
+    )
     versions = {
-        "pollen": f"{importlib.metadata.version('pollen-fl')} "
-        f"(flwr {importlib.metadata.version('flwr')}), torch {torch.__version__}",
+        "pollen": pollen_version,
+        "pollen-cohort": pollen_version,
         "pfl": f"{out['pfl']}, torch {out['torch']}",
     }
     print(f'`pollen run -c "{config}"`; pfl\'s examples made in {prepared:.1f} s')
     print(f"pfl: launch to first round {out['launch-to-first-round']:.1f} s")
-    print_table([pollen, pfl], versions)
-    for r in (pollen, pfl):
+    rows = [row for row, _ in pollen_rows] + [pfl]
+    print_table(rows, versions)
+    for r in rows[:-1]:
+        print(
+            f"{r.framework}: {pfl.mean_round / r.mean_round:.2f}x pfl's round throughput"
+        )
+    for r in rows:
         curve = " ".join(f"{100 * a:.1f}" for a in r.accuracy)
         print(f"{r.framework} accuracy by round (%): {curve}")
 
