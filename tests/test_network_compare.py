@@ -269,7 +269,9 @@ def test_fedbuff_deployed_over_shaped_links_survives_a_killed_node(
     and executor, SIGKILL) once version 1 is recorded. The run completes
     all 12 versions, each of exactly buffer-size accepted updates (none is
     lost), the slow node's update comes in stale, and the killed node's
-    message is recorded (a failure after round-timeout, or unused at the end)."""
+    message is recorded as a failure: Flower's "Node Unavailable" once the
+    node's heartbeat expires, round-timeout's if that comes first, or unused
+    when the run ends before either."""
     (tmp_path / "grid.toml").write_text(ASYNC_GRID)
     (tmp_path / "profile.toml").write_text(ASYNC_PROFILE)
     out = tmp_path / "cmp"
@@ -301,8 +303,11 @@ def test_fedbuff_deployed_over_shaped_links_survives_a_killed_node(
     # node 2's first update is stale; later versions wait for it
     assert slow and max(slow) > 0
     failures = [f for r in rows for f in r["failures"]]
-    # within round-timeout a failure, or unused when the run ends before that
-    assert any("client 1: " in f for f in failures)
+    # "client 1: no reply within round-timeout ..." or "client 1: training ended
+    # before its reply was used", or Flower's error for the node ("node N: no
+    # reply for 1 of clients [1]: Error: Node Unavailable ...", which came first
+    # on a slow machine: CI, 2026-11-29)
+    assert any("client 1: " in f or "clients [1]:" in f for f in failures)
     assert deployment_processes(os.getpid(), besides=before) == []
 
 
