@@ -194,7 +194,11 @@ def test_a_failed_deployed_run_exits_non_zero_and_says_why(
 
 
 def shaped_round_seconds(tmp_path: Path, name: str, shape: str) -> float:
-    """Seconds of one FedAvg round of 2 SuperNodes in namespaces behind `shape`."""
+    """Seconds of the faster of FedAvg rounds 2 and 3 of 2 SuperNodes in
+    namespaces behind `shape`. Round 1 also pulls and installs the FAB and
+    starts the ClientApp cold, and on a loaded 2-core CI machine that alone
+    once took the unshaped round from 4 s to 13.5 s; the faster of two warm
+    rounds is what the link adds to, not the machine's load."""
     from pollen.common.links import LinkShape
     from pollen.deployment.network import ShapedNetwork
 
@@ -209,23 +213,24 @@ def shaped_round_seconds(tmp_path: Path, name: str, shape: str) -> float:
         try:
             run = subprocess.run(
                 [str(BIN / "pollen"), "run", str(PROJECT), "--deployment",
-                 site.directory, "-c", f"num-clients=2 client-frac=1.0 rounds=1 "
+                 site.directory, "-c", f"num-clients=2 client-frac=1.0 rounds=3 "
                  f"output-dir='{tmp_path}' run-name='{name}'"],
                 capture_output=True, text=True, timeout=300, check=False,
             )  # fmt: skip
         finally:
             cluster.down(site.root)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-2000:]
-    (row,) = history(tmp_path / name)
-    assert row["clients"] == [0, 1] and not row["failures"]
-    return row["seconds"]
+    rows = history(tmp_path / name)
+    assert [row["round"] for row in rows] == [1, 2, 3]
+    assert all(row["clients"] == [0, 1] and not row["failures"] for row in rows)
+    return min(row["seconds"] for row in rows[1:])
 
 
 def test_a_round_over_a_shaped_network_takes_its_round_trips(tmp_path: Path) -> None:
-    """One-way delay 0.25 s. A round is many HTTPS requests of each SuperNode
-    (pull, run, FAB, objects, push: about 30 round trips per round, measured
-    with 0.5 s and 1 s round trips); require at least eight more round trips
-    (4 s) than unshaped."""
+    """One-way delay 0.25 s. A warm round is many requests of each SuperNode
+    (pull, objects, push, confirm: about 19 round trips of 0.5 s and 23 of
+    2 s, measured 2026-11-29 at 2.0 s unshaped, 11.5 s and 47.7 s shaped);
+    require at least eight more round trips (4 s) than unshaped."""
     from pollen.deployment.network import netns_available
 
     if reason := netns_available():
