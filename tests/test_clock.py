@@ -97,6 +97,31 @@ def test_a_real_deadline_records_clients_without_a_reply_as_late() -> None:
     assert outcome.sim_seconds is None and not outcome.skipped
 
 
+@pytest.mark.usefixtures("task_identity")
+def test_a_deployed_round_with_a_late_client_lasts_its_deadline_on_the_clock() -> None:
+    """Deployed (a real deadline, a profile's clock for the prediction; 0.25 s
+    a message, the echo reports no work): client 1's node never answers, so
+    training stopped waiting at the 0.5 s deadline and the clock counts
+    that, not client 0's 0.25 s, then 0.25 s of client 0's personal
+    evaluation; without a late client, 0.25 + 0.25 s."""
+    profile = NetworkProfile.from_document({"message-overhead": 0.25}, "test")
+    strategy, personal = parts()
+    outcome = play_round(
+        EchoGrid(silent=frozenset({1})), strategy, personal, 1, model(),
+        (ConfigRecord({"lr": 0.1}), ConfigRecord()), Participants(ROSTER), 10.0,
+        RoundTiming(0.5, SimulatedClock(profile, 2)),
+    )  # fmt: skip
+    assert outcome.late == [1] and outcome.evaluating == [0]
+    assert outcome.sim_seconds == pytest.approx(0.5 + 0.25)
+    strategy, personal = parts()
+    outcome = play_round(
+        EchoGrid(), strategy, personal, 1, model(),
+        (ConfigRecord({"lr": 0.1}), ConfigRecord()), Participants(ROSTER), 10.0,
+        RoundTiming(0.5, SimulatedClock(profile, 2)),
+    )  # fmt: skip
+    assert not outcome.late and outcome.sim_seconds == pytest.approx(0.25 + 0.25)
+
+
 def test_a_message_pays_the_profiles_overhead_once() -> None:
     """`message-overhead` (the deployed message's pulls, pushes and task
     start) is added to every message: 1.02 + 0.25 + 2 + 8.02 s."""

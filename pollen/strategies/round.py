@@ -97,14 +97,16 @@ class RoundTiming:
         }  # fmt: skip
 
     def round_seconds(
-        self, times: dict[int, float], evaluated: PersonalOutcome
+        self, times: dict[int, float], late: list[int], evaluated: PersonalOutcome
     ) -> float | None:
         """The round's simulated seconds, training and personal evaluation
-        (None without a clock); a real deadline is no simulated cut-off."""
+        (None without a clock). Training ends with the slowest accepted
+        client, or at the deadline when a client was `late`: in simulation
+        the clock found it so, deployed the round stopped waiting for it
+        there (its own time is unknown, and the wait was the deadline's)."""
         if self.clock is None:
             return None
-        deadline = self.deadline if self.simulated else 0.0
-        seconds = self.clock.round_seconds(times, deadline)
+        seconds = self.deadline if late else self.clock.round_seconds(times)
         per_client = evaluated.bytes_down // max(len(evaluated.clients), 1)
         return seconds + self.clock.evaluation_seconds(per_client, evaluated.seconds)
 
@@ -161,7 +163,7 @@ def play_round(
         eval_bytes=evaluated.bytes_down,
         personal=evaluated.results,
         late=late,
-        sim_seconds=timing.round_seconds(times, evaluated),
+        sim_seconds=timing.round_seconds(times, late, evaluated),
         unselected=trained.unselected,
         aggregation=trained.report,
         diverged=trained.diverged,
