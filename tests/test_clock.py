@@ -58,6 +58,7 @@ def test_a_synchronous_round_ends_with_its_slowest_client_or_its_deadline() -> N
     assert SimulatedClock.round_seconds(times) == 11.0
     assert SimulatedClock.round_seconds(times, deadline=6.0) == 6.0
     assert SimulatedClock.round_seconds(times, deadline=20.0) == 11.0
+    assert SimulatedClock.round_seconds(times, deadline=20.0, late=True) == 20.0
     assert SimulatedClock.late(times, 6.0) == [1]
     assert SimulatedClock.late(times, 0.0) == []
 

@@ -85,11 +85,15 @@ class SimulatedClock:
         )
 
     @staticmethod
-    def round_seconds(times: Mapping[int, float], deadline: float = 0.0) -> float:
-        """A synchronous round's time: its slowest client's, or the deadline
-        when a client is later than it (0: no deadline)."""
-        slowest = max(times.values(), default=0.0)
-        return min(slowest, deadline) if deadline else slowest
+    def round_seconds(
+        times: Mapping[int, float], deadline: float = 0.0, late: bool = False
+    ) -> float:
+        """A synchronous round's time: the deadline (0: none) when a client
+        was late for it, here or as the deployed round found it (`late`:
+        the round stopped waiting then), otherwise its slowest client's."""
+        if deadline and (late or any(t > deadline for t in times.values())):
+            return deadline
+        return max(times.values(), default=0.0)
 
     @staticmethod
     def late(times: Mapping[int, float], deadline: float) -> list[int]:

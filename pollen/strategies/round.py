@@ -106,7 +106,7 @@ class RoundTiming:
         there (its own time is unknown, and the wait was the deadline's)."""
         if self.clock is None:
             return None
-        seconds = self.deadline if late else self.clock.round_seconds(times)
+        seconds = self.clock.round_seconds(times, self.deadline, bool(late))
         per_client = evaluated.bytes_down // max(len(evaluated.clients), 1)
         return seconds + self.clock.evaluation_seconds(per_client, evaluated.seconds)
 
