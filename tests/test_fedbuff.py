@@ -174,12 +174,16 @@ class ScriptedGrid:
 ROSTER = Roster.from_nodes({10 + c: (c, 3) for c in range(3)}, 3)
 
 
-def engine(grid, clock=None, concurrency=2, buffer_size=2) -> BufferedAsync:
+def engine(
+    grid, clock=None, concurrency=2, buffer_size=2, simulated=True
+) -> BufferedAsync:
     strategy = Strategy(
         num_clients=3, client_frac=1.0, seed=0, server_update=FedAvgUpdate()
     )
     options = AsyncOptions(concurrency, buffer_size, seed=0, timeout=30.0)
-    return BufferedAsync(grid, strategy, options, first=1, clock=clock)
+    return BufferedAsync(
+        grid, strategy, options, first=1, clock=clock, simulated=simulated
+    )
 
 
 def play_versions(
@@ -292,3 +296,48 @@ def test_the_simulated_clock_orders_replies_by_simulated_arrival() -> None:
     assert with_slow[0].staleness[slow] == index  # versions 1..index came first
     elapsed = sum(v.sim_seconds for v in versions[: index + 1])
     assert elapsed == pytest.approx(10.0)
+
+
+@pytest.mark.usefixtures("task_identity")
+def test_a_deployed_loop_takes_replies_as_they_come_and_the_clock_only_times_them() -> (
+    None
+):
+    """The profile of the test above, deployed: client 2 (10 s on the clock)
+    answers first for real and is taken first, into version 1 with one of
+    the fast pair (1 s), so version 1 lasts 10 simulated seconds, the slow
+    client's arrival. Its second message, sent at 10 s (still version 0: the
+    buffer was not yet full), arrives at 20 s, after client 1's (1 s)."""
+    profile = NetworkProfile.from_document(
+        {"group": [{"nodes": [2], "slowdown": 10}]}, "test"
+    )
+    clock = SimulatedClock(profile, 3)
+    grid = ScriptedGrid(order=[2], train_seconds=dict.fromkeys(range(3), 1.0))
+    loop = engine(grid, clock=clock, concurrency=3, buffer_size=2, simulated=False)
+    start = ArrayRecord({"w": Array(np.zeros(1, np.float32))})
+    versions = play_versions(loop, start, 2)
+    loop.drain()
+    assert sorted(u.client for u in versions[0].updates) == [0, 2]
+    assert versions[0].sim_seconds == pytest.approx(10.0)
+    assert sorted(u.client for u in versions[1].updates) == [1, 2]
+    assert versions[1].staleness == [1, 1]  # both were sent version 0
+    assert versions[1].sim_seconds == pytest.approx(10.0)
+
+
+@pytest.mark.usefixtures("task_identity")
+def test_the_servers_work_between_versions_delays_the_next_dispatch_on_the_clock() -> (
+    None
+):
+    """One client trains at a time, 1 s on the clock. Version 1 is its reply
+    (1 s); the server then works 5 s (evaluation, records), sending nothing
+    meanwhile, so version 2's client is sent at 6 s and replies at 7 s:
+    version 2 lasts 6 s."""
+    clock = SimulatedClock(NetworkProfile.from_document({}, "test"), 3)
+    grid = ScriptedGrid(order=[], train_seconds=dict.fromkeys(range(3), 1.0))
+    loop = engine(grid, clock=clock, concurrency=1, buffer_size=1)
+    start = ArrayRecord({"w": Array(np.zeros(1, np.float32))})
+    first = loop.next_version(start, 1, ConfigRecord(), Participants(ROSTER))
+    second = loop.next_version(
+        first.arrays, 2, ConfigRecord(), Participants(ROSTER), server_seconds=5.0
+    )
+    assert first.sim_seconds == pytest.approx(1.0)
+    assert second.sim_seconds == pytest.approx(6.0)

@@ -101,17 +101,24 @@ def asynchronous(loop: Loop, progress: Progress) -> Progress:
         loop.parts.strategy,
         AsyncOptions.from_settings(loop.settings),
         first=progress.round + 1,
-        clock=federation.clock if federation.simulation else None,
+        clock=federation.clock,
         poll=reply_clock(POLL_SECONDS, federation.simulation),
+        simulated=federation.simulation,
     )
 
+    made_at = 0.0  # when the engine made its last version (0: none yet)
+
     def play(version: int, progress: Progress) -> RoundOutcome:
+        nonlocal made_at
+        server_seconds = time.monotonic() - made_at if made_at else 0.0
         outcome = engine.next_version(
             progress.arrays,
             version,
             progress.train_config(loop.parts.schedule.lr),
             federation.membership.participants(),
+            server_seconds,  # its evaluation, records and checkpoint since
         )
+        made_at = time.monotonic()
         personal.record_trained(update.client for update in outcome.updates)
         if version < loop.settings.rounds:
             return outcome

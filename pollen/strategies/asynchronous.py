@@ -25,6 +25,14 @@ Replies are taken in one of two orders:
   this machine; the real run is slower for it (one client trains at a time
   once the first wave is in).
 
+Under a profile the clock runs either way: a taken reply moves it on to the
+reply's arrival (never back), and the server's own work between versions
+(its evaluation, the records, a checkpoint: it takes no reply and sends no
+message meanwhile) moves it on by the seconds it took here. In real order
+(a deployment under a profile) the clock only predicts: each version's
+simulated seconds are what the profiled federation would take over the
+order the deployment saw.
+
 A client silent for `round-timeout`, or whose node the SuperLink answers
 for with Flower's "Node Unavailable" error, is a failure, and its node is
 sent nothing more for the rest of the run.
@@ -128,11 +136,13 @@ class BufferedAsync:
         first: int,
         clock: SimulatedClock | None = None,
         poll: PollClock | None = None,
+        simulated: bool = True,
     ) -> None:
         """A loop whose first version is `first` (after a resume: the one
         after the checkpoint's), its draws seeded by the seed and `first`;
         it asks for replies as `poll` says (`sampling.reply_clock`; every
-        `POLL_SECONDS` by default)."""
+        `POLL_SECONDS` by default). A `clock` orders the replies when
+        `simulated`, and otherwise only times the versions."""
         self.grid = grid
         self.poll = poll or PollClock(POLL_SECONDS)
         self.strategy = strategy
@@ -140,6 +150,7 @@ class BufferedAsync:
         self.buffer_size = options.buffer_size
         self.timeout = options.timeout
         self.clock = clock
+        self.by_clock = clock is not None and simulated  # replies' order
         self.rng = np.random.default_rng([options.seed, first, 0xA5])
         self.in_flight: dict[str, Dispatch] = {}
         self.arrived: dict[str, tuple[Message, float]] = {}  # simulated order
@@ -155,12 +166,16 @@ class BufferedAsync:
         version: int,
         config: ConfigRecord,
         participants: Participants,
+        server_seconds: float = 0.0,
     ) -> RoundOutcome:
         """Train from `arrays` (version `version` - 1) until the buffer makes
         version `version`: its outcome. New dispatches carry `config` and go
-        to `participants`. An outcome marked diverged (no new model) when the
-        replies show the clients' training diverged: the run stops there."""
+        to `participants`; `server_seconds` is the server's own work since
+        the last version, on the clock before anything is sent. An outcome
+        marked diverged (no new model) when the replies show the clients'
+        training diverged: the run stops there."""
         self.pending, started = _Pending(), self.now
+        self.now += server_seconds
         while len(self.buffer) < self.buffer_size:
             self._fill(arrays, version - 1, config, participants)
             if not self.in_flight:
@@ -261,17 +276,15 @@ class BufferedAsync:
                     "async: every client in flight went silent for round-timeout "
                     f"({self.timeout:g} s); see the failures above"
                 )
-            if self.clock is None and self.arrived:
-                return self._pop(next(iter(self.arrived)))  # the first to arrive
-            if (
-                self.clock is not None
-                and self.arrived
-                and set(self.arrived) == set(self.in_flight)
-            ):
+            if self.arrived and not self.by_clock:
+                first = next(iter(self.arrived))  # the first to arrive for real
+            elif self.arrived and set(self.arrived) == set(self.in_flight):
                 first = min(self.arrived, key=lambda m: self.arrived[m][1])
-                self.now = max(self.now, self.arrived[first][1])
-                return self._pop(first)
-            self.poll.sleep(LONGEST_REPLY_POLL)
+            else:
+                self.poll.sleep(LONGEST_REPLY_POLL)
+                continue
+            self.now = max(self.now, self.arrived[first][1])
+            return self._pop(first)
 
     def _client_of(self, reply: Message) -> int:
         dispatch = self.in_flight.get(reply.metadata.reply_to_message_id)

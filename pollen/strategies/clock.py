@@ -24,7 +24,9 @@ A synchronous round is its slowest client (or the deadline), then, in a
 round with personal evaluation, its slowest evaluating client (the same
 formula with its `eval-seconds`, the model down and only metrics back),
 then the server's own evaluation as it took on this machine. FedBuff's loop
-(`strategies.asynchronous`) orders replies by their arrival on this clock.
+(`strategies.asynchronous`) times its versions on this clock, the server's
+work between versions included, and in a simulation also takes replies in
+the order of their arrival on it.
 """
 
 from __future__ import annotations
