@@ -4,6 +4,7 @@ invocation.
 
     .venv/bin/python benchmarks/deployed_rounds.py [--rounds 10] [--cnn-rounds 6]
         [--subset 60000] [--cnn-subset 12000] [--idle 20] [--workloads NAME ...]
+        [--ways sim flower pollen memory] [--repeat 1]
         [--data-root ../shared/data] [--out bench-out/deployed-rounds]
 
 Workloads (seed 845, one local epoch, batch 32, every client in every round,
@@ -16,7 +17,10 @@ SuperNode as it ships (`pollen deploy up --poll-interval 0`: 3 s idle sleep,
 supernode` (the default); and the same with the SuperLink's state in memory
 (`--superlink-state memory`) instead of its SQLite file. Deployments are
 `pollen deploy up` on this machine (TLS, SuperNode authentication, warm
-executors).
+executors). `--ways` keeps some of the four (by the names above: sim,
+flower, pollen, memory); `--repeat N` plays the ways of a workload N times
+in turn (A B A B ...), each compared with the simulation of its own turn:
+this machine's speed drifts over minutes, and alternating shows how much.
 
 Per way: the mean round of rounds 2..R (round 1 holds the start-up query and
 the warm-up); the time per round outside every ClientApp task (from round
@@ -32,6 +36,7 @@ Writes `<out>/deployed-rounds.md` (the table) and `<out>/deployed-rounds.json`.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import signal
 import statistics
@@ -104,6 +109,13 @@ def main() -> None:
         help="only these (mnist-mlp-2 mnist-mlp-8 fmnist-cnn-4)",
     )  # fmt: skip
     parser.add_argument(
+        "--ways", nargs="+", default=[w[1] for w in WAYS], metavar="WAY",
+        choices=[w[1] for w in WAYS], help="only these ways (sim is always kept)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--repeat", type=int, default=1, help="turns through the ways, alternated"
+    )
+    parser.add_argument(
         "--data-root", type=Path, default=PROJECT.parent / "shared" / "data"
     )
     parser.add_argument(
@@ -112,6 +124,10 @@ def main() -> None:
     args = parser.parse_args()
     if min(args.rounds, args.cnn_rounds) < 4:
         parser.error("--rounds and --cnn-rounds: at least 4 (rounds 2..R-1 are timed)")
+    if args.repeat < 1:
+        parser.error("--repeat: at least 1")
+    ways = [w for w in WAYS if w[1] in {"sim", *args.ways}]
+    turns = [f" (turn {t + 1})" if args.repeat > 1 else "" for t in range(args.repeat)]
     out = args.out.resolve()
     data = subset(args.data_root, out / "data", "mnist", args.subset)
     subset(args.data_root, out / "data", "fashion_mnist", args.cnn_subset)
@@ -123,10 +139,10 @@ def main() -> None:
     if args.workloads:
         workloads = [w for w in workloads if w[0] in args.workloads]
     results: dict[str, dict] = {}
-    for workload, nodes, config in workloads:
+    for (workload, nodes, config), turn in itertools.product(workloads, turns):
         config = f"{config} data-root='{data}' num-clients={nodes} {COMMON}"
-        for way, slug, poll, state in WAYS:
-            name = f"{workload}-{slug}"
+        for way, slug, poll, state in ways:
+            name = f"{workload}-{slug}" + turn.replace(" (turn ", "-").rstrip(")")
             if poll is None:
                 rows = pollen_run(config, out, name, None)
                 result = {"rounds": [r["seconds"] for r in rows],
@@ -136,24 +152,31 @@ def main() -> None:
                 result = deployed(out, name, nodes, "warm", config, node_poll=poll,
                                   idle_seconds=idle, superlink_state=state)  # fmt: skip
                 result["outside"] = outside_tasks(result)
-            results[f"{workload}/{way}"] = result
+            results[f"{workload}/{way}{turn}"] = result
             print(name, f"{statistics.mean(result['rounds'][1:]):.2f} s/round",
                   flush=True)  # fmt: skip
             (out / "deployed-rounds.json").write_text(json.dumps(results, indent=1))
-    table = render(results, workloads)
+    table = render(results, workloads, ways, turns)
     (out / "deployed-rounds.md").write_text(table)
     print(table)
 
 
-def render(results: dict[str, dict], workloads: list[tuple[str, int, str]]) -> str:
+def render(
+    results: dict[str, dict],
+    workloads: list[tuple[str, int, str]],
+    ways: list[tuple[str, str, float | None, str]],
+    turns: list[str],
+) -> str:
     lines = [
         "| workload | SuperNodes | way | mean round 2.. (s) | / simulated | outside tasks per round (s) | per task: launch -> exit minus work (s, median) | idle CPU: SuperLink / a SuperNode | final accuracy |",
         "|---|---|---|---|---|---|---|---|---|",
     ]  # fmt: skip
-    for workload, nodes, _ in workloads:
-        simulated = statistics.mean(results[f"{workload}/simulated"]["rounds"][1:])
-        for way, _, poll, _ in WAYS:
-            r = results[f"{workload}/{way}"]
+    for (workload, nodes, _), turn in itertools.product(workloads, turns):
+        simulated = statistics.mean(
+            results[f"{workload}/simulated{turn}"]["rounds"][1:]
+        )
+        for way, _, poll, _ in ways:
+            r = results[f"{workload}/{way}{turn}"]
             mean = statistics.mean(r["rounds"][1:])
             outside = task = idle = "-"
             if poll is not None:
@@ -163,7 +186,7 @@ def render(results: dict[str, dict], workloads: list[tuple[str, int, str]]) -> s
                     idle = (f"{r['superlink_idle_cpu']:.1%} / "
                             f"{r['supernode_idle_cpu']:.1%}")  # fmt: skip
             lines.append(
-                f"| {workload} | {nodes} | {way} | {mean:.2f} | {mean / simulated:.2f}x | "
+                f"| {workload} | {nodes} | {way}{turn} | {mean:.2f} | {mean / simulated:.2f}x | "
                 f"{outside} | {task} | {idle} | {r['accuracy']:.2%} |"
             )
     return "\n".join(lines) + "\n"
