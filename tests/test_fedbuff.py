@@ -327,17 +327,22 @@ def test_a_deployed_loop_takes_replies_as_they_come_and_the_clock_only_times_the
 def test_the_servers_work_between_versions_delays_the_next_dispatch_on_the_clock() -> (
     None
 ):
-    """One client trains at a time, 1 s on the clock. Version 1 is its reply
-    (1 s); the server then works 5 s (evaluation, records), sending nothing
-    meanwhile, so version 2's client is sent at 6 s and replies at 7 s:
-    version 2 lasts 6 s."""
+    """Clients 0 and 1 train first (1 s and 3 s on the clock; unlimited
+    links). Version 1 is client 0's reply at 1 s. The server then works 5 s
+    (evaluation, records), sending nothing: client 1's reply comes in at
+    3 s, meanwhile, and is taken at 6 s, so version 2 lasts 5 s (not 2 + 5:
+    the work overlaps the training still in flight); client 2, sent after
+    the work at 6 s, replies at 9 s, taken after 5 s more work at 11 s."""
     clock = SimulatedClock(NetworkProfile.from_document({}, "test"), 3)
-    grid = ScriptedGrid(order=[], train_seconds=dict.fromkeys(range(3), 1.0))
-    loop = engine(grid, clock=clock, concurrency=1, buffer_size=1)
-    start = ArrayRecord({"w": Array(np.zeros(1, np.float32))})
-    first = loop.next_version(start, 1, ConfigRecord(), Participants(ROSTER))
-    second = loop.next_version(
-        first.arrays, 2, ConfigRecord(), Participants(ROSTER), server_seconds=5.0
-    )
-    assert first.sim_seconds == pytest.approx(1.0)
-    assert second.sim_seconds == pytest.approx(6.0)
+    grid = ScriptedGrid(order=[], train_seconds={0: 1.0, 1: 3.0, 2: 3.0})
+    loop = engine(grid, clock=clock, concurrency=2, buffer_size=1)
+    arrays = ArrayRecord({"w": Array(np.zeros(1, np.float32))})
+    versions = []
+    for version, server_seconds in [(1, 0.0), (2, 5.0), (3, 5.0)]:
+        outcome = loop.next_version(
+            arrays, version, ConfigRecord(), Participants(ROSTER), server_seconds
+        )
+        versions.append(outcome)
+        arrays = outcome.arrays
+    assert [[u.client for u in v.updates] for v in versions] == [[0], [1], [2]]
+    assert [v.sim_seconds for v in versions] == pytest.approx([1.0, 5.0, 5.0])

@@ -175,7 +175,8 @@ class BufferedAsync:
         marked diverged (no new model) when the replies show the clients'
         training diverged: the run stops there."""
         self.pending, started = _Pending(), self.now
-        self.now += server_seconds
+        if self.clock is not None:
+            self.now += server_seconds
         while len(self.buffer) < self.buffer_size:
             self._fill(arrays, version - 1, config, participants)
             if not self.in_flight:

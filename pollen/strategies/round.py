@@ -101,9 +101,12 @@ class RoundTiming:
     ) -> float | None:
         """The round's simulated seconds, training and personal evaluation
         (None without a clock). Training ends with the slowest accepted
-        client, or at the deadline when a client was `late`: in simulation
-        the clock found it so, deployed the round stopped waiting for it
-        there (its own time is unknown, and the wait was the deadline's)."""
+        client, or at the deadline when a client was late for it: in
+        simulation the clock found it so (`late`); deployed, the round
+        stopped waiting for a `late` client there (its own time is unknown,
+        and the wait was the deadline's), and an accepted client whose time
+        on the clock is past the deadline would be late in the profiled
+        federation, which would stop waiting there too."""
         if self.clock is None:
             return None
         seconds = self.clock.round_seconds(times, self.deadline, bool(late))
