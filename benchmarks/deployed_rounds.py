@@ -127,7 +127,9 @@ def main() -> None:
     if args.repeat < 1:
         parser.error("--repeat: at least 1")
     ways = [w for w in WAYS if w[1] in {"sim", *args.ways}]
-    turns = [f" (turn {t + 1})" if args.repeat > 1 else "" for t in range(args.repeat)]
+    # (label in the table, suffix of the run's name) of each turn
+    turns = [(f" (turn {t})", f"-{t}") if args.repeat > 1 else ("", "")
+             for t in range(1, args.repeat + 1)]  # fmt: skip
     out = args.out.resolve()
     data = subset(args.data_root, out / "data", "mnist", args.subset)
     subset(args.data_root, out / "data", "fashion_mnist", args.cnn_subset)
@@ -139,10 +141,12 @@ def main() -> None:
     if args.workloads:
         workloads = [w for w in workloads if w[0] in args.workloads]
     results: dict[str, dict] = {}
-    for (workload, nodes, config), turn in itertools.product(workloads, turns):
+    for (workload, nodes, config), (turn, suffix) in itertools.product(
+        workloads, turns
+    ):
         config = f"{config} data-root='{data}' num-clients={nodes} {COMMON}"
         for way, slug, poll, state in ways:
-            name = f"{workload}-{slug}" + turn.replace(" (turn ", "-").rstrip(")")
+            name = f"{workload}-{slug}{suffix}"
             if poll is None:
                 rows = pollen_run(config, out, name, None)
                 result = {"rounds": [r["seconds"] for r in rows],
@@ -156,7 +160,7 @@ def main() -> None:
             print(name, f"{statistics.mean(result['rounds'][1:]):.2f} s/round",
                   flush=True)  # fmt: skip
             (out / "deployed-rounds.json").write_text(json.dumps(results, indent=1))
-    table = render(results, workloads, ways, turns)
+    table = render(results, workloads, ways, [label for label, _ in turns])
     (out / "deployed-rounds.md").write_text(table)
     print(table)
 
