@@ -24,6 +24,9 @@ NODE_RECORD = "node"  # ConfigRecord: a node's answer to the start-up query
 # secure aggregation (pollen.common.secagg): the protocol's own values in every
 # stage's message and reply, and the masked vector of a secure training reply
 SECAGG = "secagg"  # ConfigRecord
+# the next round's keys (with a training message) or shares (with an unmask
+# message), set up ahead while this round runs: a stage-1 or stage-2 record
+SECAGG_NEXT = "secagg-next"  # ConfigRecord
 MASKED = "masked"  # ArrayRecord {MASKED: uint32 vector}
 # the actions of the protocol's query messages ("query.<action>"), in order;
 # its third stage is the training message itself, carrying a SECAGG record
@@ -84,11 +87,11 @@ def feddyn_state_key(client: int) -> str:
     return f"feddyn-h-{client}"
 
 
-def secagg_state_key(client: int) -> str:
+def secagg_state_key(client: int, server_round: int) -> str:
     """A secure round's secrets and the shares a client holds, for that round
     only: named outside the `<name>-<client>` form, so the client-state store
     (`pollen.task.client_state`) never writes, spills or restores them."""
-    return f"secagg/{client}"
+    return f"secagg/{client}/{server_round}"
 
 
 def dp_steps_key(client: int) -> str:

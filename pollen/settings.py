@@ -348,6 +348,12 @@ class Settings:
         "shares its secrets with (1: all, as the original SecAgg)",
         in_range(0, 1),
     )
+    secagg_ahead: bool = key(
+        True,
+        "secagg+: set up the next round's keys and shares in this round's training "
+        "and unmask exchanges when every client it samples trains in this one (two "
+        "exchanges a round instead of four)",
+    )
     secagg_clip: float = key(
         8.0,
         "secagg+: each entry of a weighted update (the change from the global "

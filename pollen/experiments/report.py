@@ -167,10 +167,11 @@ class Run:
 
     def protocol_seconds(self) -> float | None:
         """Under SecAgg+: the protocol's mean seconds a round beyond the
-        training exchange (keys, shares, unmask and its compute); None
-        for a run that did not aggregate securely."""
+        training exchange (keys and shares, where the round ran them rather
+        than the round before, unmask and its compute); None for a run that
+        did not aggregate securely."""
         rounds = [r["aggregation"] for r in self.history
-                  if "secagg-keys-seconds" in r.get("aggregation", {})]  # fmt: skip
+                  if "secagg-train-seconds" in r.get("aggregation", {})]  # fmt: skip
         if not rounds:
             return None
         stages = ("keys", "shares", "unmask", "unmask-compute")

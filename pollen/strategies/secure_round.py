@@ -14,6 +14,16 @@ exchanges with the sampled clients (`pollen.task.secagg_client` answers):
 4. unmask: the survivors reveal the shares that remove the masks
    (`pollen.strategies.unmask`).
 
+Stages 1 and 2 of round t+1 need nothing from round t, so when every client
+that round t+1 will sample (the draw is known ahead: `Strategy.sampled`)
+trains in round t, they ride on round t's stages 3 and 4: the training
+message asks for round t+1's keys, the unmask message relays them and asks
+for round t+1's shares. Round t+1 then starts at its training exchange: two
+exchanges a round instead of four, each exchange a deployed round's fixed
+cost. Round t+1 uses what was set up ahead only when every one of its
+clients shared; otherwise (a client dropped in round t, the roster changed)
+it runs stages 1 and 2 itself, so who takes part is as without the overlap.
+
 The sum then gives the weighted mean of the clients' shared entries,
 
     x_bar = x + (S / sum_k n_k) * sum_k (n_k / S) (x_k - x),
@@ -61,6 +71,7 @@ from ..protocol import (
     METRICS,
     SECAGG,
     SECAGG_KEYS,
+    SECAGG_NEXT,
     SECAGG_SHARES,
     SECAGG_UNMASK,
     SERVER_ROUND,
@@ -74,6 +85,9 @@ from .unmask import Committed, Revealed, UnmaskError, unmasked_sum
 TAIL = 2  # integers after the quantised values: the example weight, clipped
 
 
+Shares = dict[int, tuple[int, dict[int, bytes]]]  # client -> threshold, holder -> ct
+
+
 @dataclass
 class Stages:
     """What the protocol's exchanges cost and dropped, stage by stage."""
@@ -82,9 +96,10 @@ class Stages:
     bytes_down: dict[str, int] = field(default_factory=dict)
     bytes_up: dict[str, int] = field(default_factory=dict)
     failures: list[str] = field(default_factory=list)
+    set_up_ahead: bool = False  # stages 1 and 2 ran in the round before
 
     def report(self) -> dict[str, float]:
-        out = {}
+        out = {"secagg-set-up-ahead": float(self.set_up_ahead)}
         for stage, seconds in self.seconds.items():
             out[f"secagg-{stage}-seconds"] = round(seconds, 4)
             if stage in self.bytes_down:  # an exchange (not the server's compute)
@@ -94,19 +109,56 @@ class Stages:
 
 
 @dataclass(frozen=True)
+class Plan:
+    """A round's clients numbered 1..n in order, and SecAgg+'s ring graph."""
+
+    clients: list[int]
+    ids: dict[int, int]  # client -> its number in the protocol
+    client_of: dict[int, int]
+    graph: dict[int, list[int]]  # number -> its neighbours' numbers
+
+    @classmethod
+    def of(cls, clients: list[int], neighbours: float) -> Plan:
+        ids = {client: i for i, client in enumerate(clients, start=1)}
+        return cls(
+            clients,
+            ids,
+            {i: client for client, i in ids.items()},
+            secagg.ring_neighbours(len(clients), neighbours),
+        )
+
+
+@dataclass(frozen=True)
+class SetUp:
+    """A round's stages 1 and 2 as the server holds them: each client's
+    advertised keys and, for each that shared, its threshold and ciphertexts."""
+
+    clients: list[int]
+    keys: dict[int, ConfigRecord]
+    shared: Shares
+
+
+@dataclass(frozen=True)
 class SecureAggregation:
-    """SecAgg+ for a strategy whose aggregation step is the (weighted) mean."""
+    """SecAgg+ for a strategy whose aggregation step is the (weighted) mean.
+
+    With `ahead`, a round sets up the next one's keys and shares in its own
+    exchanges (the module's docstring) up to round `rounds`; what it set up
+    waits in `ready` until that round starts."""
 
     params: secagg.SecAggParams
     seed: int
     uniform: bool  # every client weighs 1 (FedDyn's mean)
+    rounds: int = 1
+    ahead: bool = True
+    ready: dict[int, SetUp] = field(default_factory=dict, compare=False, repr=False)
 
     @classmethod
     def from_settings(cls, s: Settings, uniform: bool) -> SecureAggregation:
         params = secagg.SecAggParams(
             s.secagg_threshold, s.secagg_neighbours, s.secagg_clip, s.secagg_bits
         )
-        return cls(params, s.seed, uniform)
+        return cls(params, s.seed, uniform, s.rounds, s.secagg_ahead)
 
     def train(
         self, grid: Grid, strategy: Strategy, request: TrainRequest, timeout: float
@@ -130,11 +182,9 @@ class _SecureRun:
     ) -> None:
         self.options, self.grid, self.strategy = options, grid, strategy
         self.request, self.timeout = request, timeout
-        self.ids = {client: i for i, client in enumerate(request.clients, start=1)}
-        self.client_of = {i: client for client, i in self.ids.items()}
-        self.graph = secagg.ring_neighbours(
-            len(request.clients), options.params.neighbours
-        )
+        self.plan = Plan.of(request.clients, options.params.neighbours)
+        self.ids, self.client_of = self.plan.ids, self.plan.client_of
+        self.graph = self.plan.graph
         self.stages = Stages()
         current = request.current
         # every floating shared entry (BatchNorm's running statistics too, as
@@ -149,9 +199,10 @@ class _SecureRun:
     # ---- the stages ----------------------------------------------------------
 
     def play(self) -> TrainOutcome:
-        keys = self._advertised()
-        shared = self._shared(keys)
-        updates, vectors = self._trained(shared)
+        set_up = self._set_up()
+        keys, shared = set_up.keys, set_up.shared
+        upcoming = self._upcoming(shared)
+        updates, vectors, next_keys = self._trained(shared, upcoming)
         outcome = TrainOutcome(
             updates=updates, failures=self.stages.failures, answered=len(updates)
         )
@@ -160,7 +211,7 @@ class _SecureRun:
             return self._skipped(
                 outcome, f"{len(vectors)} masked vectors arrived, it needs {needed}"
             )
-        revealed = self._revealed(vectors, shared)
+        revealed = self._revealed(vectors, shared, upcoming, next_keys)
         committed = Committed(
             {self.ids[c]: bytes(r["seed-hash"]) for c, r in keys.items()},
             {self.ids[c]: bytes(r["mask-public"]) for c, r in keys.items()},
@@ -184,10 +235,39 @@ class _SecureRun:
             )  # fmt: skip
         return self._stepped(outcome, total, len(vectors), len(dropped))
 
-    def _advertised(self) -> dict[int, ConfigRecord]:
-        """Stage 1: who advertised well-formed keys, with them."""
+    def _set_up(self) -> SetUp:
+        """Stages 1 and 2: as the round before set them up, when every client
+        of this round shared there; otherwise run now."""
+        ready = self.options.ready.pop(self.request.server_round, None)
+        if ready is not None and ready.clients == self.request.clients:
+            self.stages.set_up_ahead = True
+            return ready
         asked = {c: _lists(id=self.ids[c]) for c in self.request.clients}
         answers = self._exchange(SECAGG_KEYS, asked, "keys")
+        keys = self._good_keys(
+            {c: content[SECAGG] for c, content in answers.items()}, "keys"
+        )
+        asked = self._share_requests(self.plan, keys)
+        answers = self._exchange(SECAGG_SHARES, asked, "shares")
+        replies = {c: content[SECAGG] for c, content in answers.items()}
+        return SetUp(self.request.clients, keys, self._shares(asked, replies, "shares"))
+
+    def _upcoming(self, shared: Shares) -> Plan | None:
+        """The next round's plan, when its stages 1 and 2 can ride on this
+        round's exchanges: overlap on, a next round, and every client it
+        samples training in this one."""
+        options, this_round = self.options, self.request.server_round
+        if not options.ahead or this_round >= options.rounds:
+            return None
+        clients = self.strategy.sampled(this_round + 1, self.request.participants)
+        if not clients or not set(clients) <= set(shared):
+            return None
+        return Plan.of(clients, options.params.neighbours)
+
+    def _good_keys(
+        self, answers: Mapping[int, ConfigRecord], stage: str
+    ) -> dict[int, ConfigRecord]:
+        """Stage 1's answers that hold well-formed keys; the others dropped."""
         good = {}
         for client, record in answers.items():
             try:
@@ -196,29 +276,39 @@ class _SecureRun:
                 if len(bytes(record["seed-hash"])) != 32:
                     raise ValueError("a seed commitment is 32 bytes")
             except (KeyError, TypeError, ValueError) as err:
-                self._drop(client, "keys", f"malformed keys ({err})")
+                self._drop(client, stage, f"malformed keys ({err})")
                 continue
             good[client] = record
         return good
 
-    def _shared(
-        self, keys: dict[int, ConfigRecord]
-    ) -> dict[int, tuple[int, dict[int, bytes]]]:
-        """Stage 2: who shared, with its threshold and ciphertexts by holder."""
+    def _share_requests(
+        self, plan: Plan, keys: Mapping[int, ConfigRecord]
+    ) -> dict[int, ConfigRecord]:
+        """Stage 2's request to each client with keys: its neighbours' public
+        keys (those that advertised) and the threshold of its holders."""
         asked = {}
         for client in keys:
-            neighbours = [v for v in self.graph[self.ids[client]]
-                          if self.client_of[v] in keys]  # fmt: skip
+            neighbours = [v for v in plan.graph[plan.ids[client]]
+                          if plan.client_of[v] in keys]  # fmt: skip
             holders = 1 + len(neighbours)
             asked[client] = _lists(
                 neighbours=neighbours,
-                **{"share-publics": [keys[self.client_of[v]]["share-public"]
+                **{"share-publics": [keys[plan.client_of[v]]["share-public"]
                                      for v in neighbours],
-                   "mask-publics": [keys[self.client_of[v]]["mask-public"]
+                   "mask-publics": [keys[plan.client_of[v]]["mask-public"]
                                     for v in neighbours]},
                 threshold=secagg.threshold_for(holders, self.options.params.threshold),
             )  # fmt: skip
-        answers = self._exchange(SECAGG_SHARES, asked, "shares")
+        return asked
+
+    def _shares(
+        self,
+        asked: Mapping[int, ConfigRecord],
+        answers: Mapping[int, ConfigRecord],
+        stage: str,
+    ) -> Shares:
+        """Stage 2's answers that match their request: who shared, with its
+        threshold and ciphertexts by holder; the others dropped."""
         shared = {}
         for client, record in answers.items():
             to = [int(v) for v in record.get("to", [])]
@@ -226,7 +316,7 @@ class _SecureRun:
             if to != list(asked[client].get("neighbours", [])) or len(
                 ciphertexts
             ) != len(to):
-                self._drop(client, "shares", "its shares do not match its holders")
+                self._drop(client, stage, "its shares do not match its holders")
                 continue
             shared[client] = (
                 int(asked[client]["threshold"]), dict(zip(to, ciphertexts, strict=True))
@@ -234,16 +324,17 @@ class _SecureRun:
         return shared
 
     def _trained(
-        self, shared: dict[int, tuple[int, dict[int, bytes]]]
-    ) -> tuple[list[ClientUpdate], dict[int, np.ndarray]]:
-        """Stage 3: the training messages with the relayed shares; the
-        survivors' updates (metrics only) and masked vectors."""
+        self, shared: Shares, upcoming: Plan | None
+    ) -> tuple[list[ClientUpdate], dict[int, np.ndarray], dict[int, ConfigRecord]]:
+        """Stage 3: the training messages with the relayed shares (and the
+        next round's stage 1 to its clients); the survivors' updates (metrics
+        only) and masked vectors, and the next round's well-formed keys."""
         bounds = [self.request.participants.max_examples.get(c, 0) for c in shared]
         self.scale = 0 if self.options.uniform else max(bounds, default=0)
-        messages = self._training_messages(shared)
+        messages = self._training_messages(shared, upcoming)
         length = self._length() + TAIL
         replies = self._send(messages, "train", list(shared))
-        updates, vectors = [], {}
+        updates, vectors, next_keys = [], {}, {}
         seen: set[int] = set()
         for reply in replies:
             try:
@@ -256,14 +347,17 @@ class _SecureRun:
             seen.add(client)
             vectors[client] = vector
             updates.append(ClientUpdate(client, {}, metrics, 0.0))
+            if upcoming is not None and client in upcoming.ids:
+                next_keys[client] = reply.content.get(SECAGG_NEXT, ConfigRecord())
         updates.sort(key=lambda u: u.client)
-        return updates, vectors
+        return updates, vectors, self._good_keys(next_keys, "next round's keys")
 
     def _training_messages(
-        self, shared: dict[int, tuple[int, dict[int, bytes]]]
+        self, shared: Shares, upcoming: Plan | None
     ) -> list[Message]:
         """The round's training message of each client that shared, with the
-        shares relayed to it and what its vector holds."""
+        shares relayed to it and what its vector holds (and, for the next
+        round's clients, its number there, to advertise keys for it)."""
         params = self.options.params
         messages = []
         for message in self.request.messages:
@@ -283,21 +377,45 @@ class _SecureRun:
                 clip=params.clip, bits=params.bits, seed=self.options.seed,
             )  # fmt: skip
             content = RecordDict({**message.content, SECAGG: record})
+            if upcoming is not None and client in upcoming.ids:
+                content[SECAGG_NEXT] = _lists(id=upcoming.ids[client])
             messages.append(
                 Message(content, dst_node_id=message.metadata.dst_node_id,
                         message_type=message.metadata.message_type)
             )  # fmt: skip
         return messages
 
-    def _revealed(self, vectors: Mapping[int, np.ndarray], shared: Mapping) -> Revealed:
-        """Stage 4: the survivors' revealed shares, by owner."""
+    def _revealed(
+        self,
+        vectors: Mapping[int, np.ndarray],
+        shared: Mapping,
+        upcoming: Plan | None,
+        next_keys: Mapping[int, ConfigRecord],
+    ) -> Revealed:
+        """Stage 4: the survivors' revealed shares, by owner (and, when every
+        client of the next round advertised keys and survived, its stage 2,
+        kept in `ready` if every one of them shared)."""
         survived = sorted(self.ids[c] for c in vectors)
         dropped = sorted(self.ids[c] for c in shared if c not in vectors)
         asked = {c: _lists(survived=survived, dropped=dropped) for c in vectors}
-        answers = self._exchange(SECAGG_UNMASK, asked, "unmask")
+        ahead = {}
+        if upcoming is not None and set(next_keys) == set(upcoming.clients):
+            ahead = self._share_requests(upcoming, next_keys)
+        answers = self._exchange(SECAGG_UNMASK, asked, "unmask", ahead)
+        next_shared = self._shares(
+            ahead,
+            {c: content[SECAGG_NEXT] for c, content in answers.items()
+             if c in ahead and isinstance(content.get(SECAGG_NEXT), ConfigRecord)},
+            "next round's shares",
+        )  # fmt: skip
+        if upcoming is not None and set(next_shared) == set(upcoming.clients):
+            self.options.ready[self.request.server_round + 1] = SetUp(
+                upcoming.clients, dict(next_keys), next_shared
+            )
         seeds: dict[int, list[tuple[int, bytes]]] = {}
         keys: dict[int, list[tuple[int, bytes]]] = {}
-        for client, record in answers.items():
+        for client, content in answers.items():
+            record = content[SECAGG]
             holder = self.ids[client]
             for owner, share in zip(record.get("seed-of", []),
                                     record.get("seeds", []), strict=False):  # fmt: skip
@@ -376,26 +494,32 @@ class _SecureRun:
     # ---- messages ------------------------------------------------------------
 
     def _exchange(
-        self, action: str, asked: Mapping[int, ConfigRecord], stage: str
-    ) -> dict[int, ConfigRecord]:
-        """One query per client in `asked`; the valid answers by client."""
+        self,
+        action: str,
+        asked: Mapping[int, ConfigRecord],
+        stage: str,
+        ahead: Mapping[int, ConfigRecord] | None = None,
+    ) -> dict[int, RecordDict]:
+        """One query per client in `asked` (with its `ahead` record, the next
+        round's, where there is one); the valid replies' content by client."""
         owner = self.request.participants.roster.owner
-        messages = [
-            Message(
-                RecordDict({
-                    CONFIG: ConfigRecord({
-                        CLIENT: client, SERVER_ROUND: self.request.server_round,
-                    }),
-                    SECAGG: record,
+        ahead = ahead or {}
+        messages = []
+        for client, record in asked.items():
+            content = RecordDict({
+                CONFIG: ConfigRecord({
+                    CLIENT: client, SERVER_ROUND: self.request.server_round,
                 }),
-                dst_node_id=owner[client],
-                message_type=f"{MessageType.QUERY}.{action}",
-            )
-            for client, record in asked.items()
-        ]  # fmt: skip
-        answers: dict[int, ConfigRecord] = {}
+                SECAGG: record,
+            })  # fmt: skip
+            if client in ahead:
+                content[SECAGG_NEXT] = ahead[client]
+            messages.append(
+                Message(content, dst_node_id=owner[client],
+                        message_type=f"{MessageType.QUERY}.{action}")
+            )  # fmt: skip
+        answers: dict[int, RecordDict] = {}
         for reply in self._send(messages, stage, list(asked)):
-            record = reply.content.get(SECAGG)
             try:
                 client = named_client(reply, owner, asked, set(answers), stage)
             except ReplyError as err:
@@ -403,8 +527,8 @@ class _SecureRun:
                     rejected(reply.metadata.src_node_id, str(err), f"{stage} ")
                 )
                 continue
-            if isinstance(record, ConfigRecord):
-                answers[client] = record
+            if isinstance(reply.content.get(SECAGG), ConfigRecord):
+                answers[client] = reply.content
             else:
                 self._drop(client, stage, f"reply lacks its {SECAGG!r} record")
         return answers

@@ -238,10 +238,7 @@ class Strategy:
     ) -> TrainRequest:
         """One message per sampled client, addressed to the node that serves it."""
         owner = participants.roster.owner
-        clients = sample_clients(
-            self.num_clients, self.client_frac, self.seed, server_round,
-            available=sorted(owner), minimum=self.min_train_nodes,
-        )  # fmt: skip
+        clients = self.sampled(server_round, participants)
         payload = self.outgoing(arrays)
         config = ConfigRecord({**config, **self.aggregator.train_config()})
         records = {protocol.CONTROL: self.control.record()} if self.control else {}
@@ -260,6 +257,15 @@ class Strategy:
             participants=participants,
             bytes_down=per_client * len(clients),
         )
+
+    def sampled(self, server_round: int, participants: Participants) -> list[int]:
+        """The clients a round trains, drawn from those the roster serves
+        (the same draw for the same round and roster, so a round's sample
+        is known before it starts)."""
+        return sample_clients(
+            self.num_clients, self.client_frac, self.seed, server_round,
+            available=sorted(participants.roster.owner), minimum=self.min_train_nodes,
+        )  # fmt: skip
 
     def check_replies(
         self, request: TrainRequest, replies: Iterable[Message]

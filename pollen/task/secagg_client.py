@@ -22,6 +22,12 @@ client (a node may serve several) and kept in `context.state` between them
    mask-key share of each dropped one, never both for one client; then
    forget the round's secrets.
 
+The next round's stages 1 and 2 may ride on this round's stages 3 and 4
+(a `SECAGG_NEXT` record in the message, answered in the reply): its keys
+are made and advertised with the training reply, its shares made with the
+revealed ones. They are the same keys and shares, only sent earlier; each
+round's secrets stay its own.
+
 A stage whose input is inconsistent (a repeated key, a share for another
 client, a client marked both survived and dropped, too few survivors)
 raises: the node's reply is an error and the server drops the client.
@@ -56,6 +62,7 @@ from ..protocol import (
     METRICS,
     NUM_EXAMPLES,
     SECAGG,
+    SECAGG_NEXT,
     SERVER_ROUND,
     secagg_state_key,
 )
@@ -64,10 +71,27 @@ from ..protocol import (
 def advertise_keys(msg: Message, context: Context) -> Message:
     """Stage 1: this round's key pairs and seed, kept; the public halves sent."""
     client, server_round = _addressed(msg)
-    record = msg.content[SECAGG]
+    keys = _new_keys(context, client, server_round, msg.content[SECAGG])
+    return _reply(msg, client, keys)
+
+
+def share_keys(msg: Message, context: Context) -> Message:
+    """Stage 2: Shamir shares of the seed and mask key, one per holder,
+    each neighbour's pair encrypted under the key agreed with it."""
+    client, server_round = _addressed(msg)
+    shares = _shares(context, client, server_round, msg.content[SECAGG])
+    return _reply(msg, client, shares)
+
+
+def _new_keys(
+    context: Context, client: int, server_round: int, record: ConfigRecord
+) -> dict[str, bytes]:
+    """Two key pairs and a seed for `server_round`, kept; their public
+    halves and the seed's commitment."""
+    _forget_unrevealed(context, client, before=server_round - 1)
     share_key, mask_key = secagg.new_private_key(), secagg.new_private_key()
     seed = os.urandom(secagg.SEED_BYTES)
-    context.state[secagg_state_key(client)] = ConfigRecord(
+    context.state[secagg_state_key(client, server_round)] = ConfigRecord(
         {
             "round": server_round,
             "id": int(record["id"]),
@@ -76,20 +100,34 @@ def advertise_keys(msg: Message, context: Context) -> Message:
             "seed": seed,
         }
     )
-    keys = {
+    return {
         "share-public": secagg.public_bytes(share_key),
         "mask-public": secagg.public_bytes(mask_key),
         "seed-hash": hashlib.sha256(seed).digest(),
     }
-    return _reply(msg, client, keys)
 
 
-def share_keys(msg: Message, context: Context) -> Message:
-    """Stage 2: Shamir shares of the seed and mask key, one per holder,
-    each neighbour's pair encrypted under the key agreed with it."""
-    client, server_round = _addressed(msg)
+def _forget_unrevealed(context: Context, client: int, before: int) -> None:
+    """Forget the client's secrets of rounds before `before`: rounds it set
+    up but was never asked to unmask (it dropped, or the round was skipped)."""
+    stale = [
+        key
+        for key, state in context.state.items()
+        if isinstance(state, ConfigRecord)
+        and "round" in state
+        and int(state["round"]) < before
+        and key == secagg_state_key(client, int(state["round"]))
+    ]
+    for key in stale:
+        del context.state[key]
+
+
+def _shares(
+    context: Context, client: int, server_round: int, record: ConfigRecord
+) -> dict[str, list]:
+    """The encrypted share pairs of `server_round`'s secrets, by neighbour;
+    this client's own pair and the neighbours' keys kept."""
     state = _state(context, client, server_round)
-    record = msg.content[SECAGG]
     me = int(state["id"])
     neighbours = [int(v) for v in record.get("neighbours", [])]
     share_publics = [bytes(k) for k in record.get("share-publics", [])]
@@ -115,7 +153,7 @@ def share_keys(msg: Message, context: Context) -> Message:
         state["share-publics"], state["mask-publics"] = share_publics, mask_publics
     state["threshold"] = threshold
     state[f"seed-{me}"], state[f"mask-key-{me}"] = seed_shares[0], key_shares[0]
-    return _reply(msg, client, {"to": neighbours, "ciphertexts": ciphertexts})
+    return {"to": neighbours, "ciphertexts": ciphertexts}
 
 
 def secagg_mod(msg: Message, context: Context, call_next: ClientAppCallable) -> Message:
@@ -157,6 +195,9 @@ def secagg_mod(msg: Message, context: Context, call_next: ClientAppCallable) -> 
             CLIENT_RECORD: reply.content[CLIENT_RECORD],
         }
     )
+    if SECAGG_NEXT in msg.content:  # the next round's stage 1, ahead
+        keys = _new_keys(context, client, server_round + 1, msg.content[SECAGG_NEXT])
+        content[SECAGG_NEXT] = ConfigRecord(keys)
     return Message(content, reply_to=msg)
 
 
@@ -184,8 +225,12 @@ def reveal_shares(msg: Message, context: Context) -> Message:
     for v in sorted(held & dropped):
         revealed["key-of"].append(v)
         revealed["keys"].append(bytes(state[f"mask-key-{v}"]))
-    del context.state[secagg_state_key(client)]
-    return _reply(msg, client, revealed)
+    del context.state[secagg_state_key(client, server_round)]
+    reply = _reply(msg, client, revealed)
+    if SECAGG_NEXT in msg.content:  # the next round's stage 2, ahead
+        shares = _shares(context, client, server_round + 1, msg.content[SECAGG_NEXT])
+        reply.content[SECAGG_NEXT] = _record(shares)
+    return reply
 
 
 def _addressed(msg: Message) -> tuple[int, int]:
@@ -194,7 +239,7 @@ def _addressed(msg: Message) -> tuple[int, int]:
 
 
 def _state(context: Context, client: int, server_round: int) -> ConfigRecord:
-    state = context.state.get(secagg_state_key(client))
+    state = context.state.get(secagg_state_key(client, server_round))
     if not isinstance(state, ConfigRecord) or state["round"] != server_round:
         raise ValueError(
             f"secagg: client {client} holds no keys of round {server_round} "
@@ -259,10 +304,12 @@ def _weighted_values(
 
 def _reply(msg: Message, client: int, values: dict) -> Message:
     content = RecordDict(
-        {
-            # Flower's records cannot size an empty list: one is left out
-            SECAGG: ConfigRecord({k: v for k, v in values.items() if v != []}),
-            CLIENT_RECORD: ConfigRecord({CLIENT: client}),
-        }
+        {SECAGG: _record(values), CLIENT_RECORD: ConfigRecord({CLIENT: client})}
     )
     return Message(content, reply_to=msg)
+
+
+def _record(values: dict) -> ConfigRecord:
+    """`values` as a ConfigRecord; Flower's records cannot size an empty
+    list, so one is left out."""
+    return ConfigRecord({k: v for k, v in values.items() if v != []})
