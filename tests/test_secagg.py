@@ -35,6 +35,7 @@ from pollen.protocol import (
     NUM_EXAMPLES,
     SECAGG,
     SECAGG_KEYS,
+    SECAGG_NEXT,
     SECAGG_SHARES,
     SECAGG_UNMASK,
     SERVER_ROUND,
@@ -335,20 +336,23 @@ def test_a_uniform_mean_weighs_every_client_once() -> None:
 def secure_rounds(federation: Federation, count: int, rounds: int, **options):
     """`rounds` secure FedAvg rounds of `count` clients (every client every
     round unless `client_frac` says otherwise), each from the last's model;
-    `between(round)` runs before each round."""
+    `between(round)` runs before each round, `owner(round)` gives its roster."""
     between = options.pop("between", lambda server_round: None)
     client_frac = options.pop("client_frac", 1.0)
-    owner = {c: 100 + c % 2 for c in range(count)}
+    owner = options.pop(
+        "owner", lambda server_round: {c: 100 + c % 2 for c in range(count)}
+    )
     strategy = Strategy(
         num_clients=count, client_frac=client_frac, seed=7, min_train_nodes=3,
         server_update=FedAvgUpdate(),
         secure=SecureAggregation(PARAMS, 7, False, rounds, **options),
     )  # fmt: skip
-    participants = Participants(Roster(owner), {c: 40 for c in range(count)})
     arrays = ArrayRecord({k: Array(v) for k, v in GLOBAL.items()})
     outcomes = []
     for server_round in range(1, rounds + 1):
         between(server_round)
+        roster = Roster(owner(server_round))
+        participants = Participants(roster, {c: 40 for c in range(count)})
         request = strategy.configure_train(
             server_round, arrays, ConfigRecord({LR: 0.1}), participants
         )
@@ -430,8 +434,70 @@ def test_a_client_lost_in_this_round_makes_the_next_round_set_itself_up() -> Non
     assert any("no reply" in line for line in first.failures)
     assert stages_of(federation, 2) == [KEYS, SHARES, MessageType.TRAIN, UNMASK]
     assert second.report["secagg-survivors"] == 4
+    # client 3's round-1 secrets, never revealed, went when it made round 2's
+    assert all(len(c.state) == 0 for c in federation.contexts.values())
     got = second.arrays["w"].numpy().astype(np.float64)
     assert np.allclose(got, weighted_mean(updates, examples, range(4)), atol=1e-4)
+
+
+def test_a_client_served_by_another_node_makes_the_next_round_set_itself_up() -> None:
+    """Client 3's node restarted under a new ID between rounds (its keys
+    made ahead are gone with the old process): round 2 sets itself up."""
+    updates, examples = client_updates(4), {c: 40 for c in range(4)}
+    federation = Federation(updates, examples)
+
+    def owner(server_round: int) -> dict[int, int]:
+        return {c: 100 + c % 2 + (50 if c == 3 and server_round == 2 else 0)
+                for c in range(4)}  # fmt: skip
+
+    _, second = secure_rounds(federation, 4, 2, owner=owner)
+    assert stages_of(federation, 2) == [KEYS, SHARES, MessageType.TRAIN, UNMASK]
+    assert second.report["secagg-survivors"] == 4 and second.failures == []
+
+
+def test_a_repeated_next_round_key_drops_only_the_set_up_ahead() -> None:
+    """Client 2 sends round 2's keys with one public key twice (its
+    neighbours' stage 2 would fail on it): its round-1 vector still counts,
+    its round-2 keys are dropped, and round 2 sets itself up with fresh ones."""
+    updates, examples = client_updates(4), {c: 40 for c in range(4)}
+
+    def repeat(stage: str, client: int, reply: Message) -> Message:
+        if stage == MessageType.TRAIN and client == 2 and SECAGG_NEXT in reply.content:
+            keys = reply.content[SECAGG_NEXT]
+            keys["share-public"] = keys["mask-public"]
+        return reply
+
+    federation = Federation(updates, examples, tamper=repeat)
+    first, second = secure_rounds(federation, 4, 2)
+    assert first.report["secagg-survivors"] == 4
+    assert any("client 2: a public key it sent is not its own alone" in line
+               for line in first.failures)  # fmt: skip
+    assert stages_of(federation, 2) == [KEYS, SHARES, MessageType.TRAIN, UNMASK]
+    assert second.report["secagg-survivors"] == 4
+
+
+def test_a_client_that_cannot_share_ahead_still_unmasks_this_round(
+    monkeypatch,
+) -> None:
+    """A client whose next-round shares fail still reveals this round's
+    (the round is not lost to the next one's set-up); the server names it
+    and the next round sets itself up."""
+    updates, examples = client_updates(4), {c: 40 for c in range(4)}
+    original, failed = secagg_client._shares, []
+
+    def failing(context, client, server_round, record):
+        if client == 1 and server_round == 2 and not failed:  # ahead, in round 1
+            failed.append(client)
+            raise ValueError("secagg: the relayed public keys repeat (or name me)")
+        return original(context, client, server_round, record)
+
+    monkeypatch.setattr(secagg_client, "_shares", failing)
+    federation = Federation(updates, examples)
+    first, second = secure_rounds(federation, 4, 2)
+    assert not first.skipped and first.report["secagg-survivors"] == 4
+    assert any("client 1: it sent none" in line for line in first.failures)
+    assert stages_of(federation, 2) == [KEYS, SHARES, MessageType.TRAIN, UNMASK]
+    assert second.report["secagg-survivors"] == 4
 
 
 def test_a_next_round_sampling_a_client_not_in_this_one_sets_itself_up() -> None:
@@ -530,7 +596,8 @@ def test_pollen_report_shows_the_protocols_seconds_and_error_bound(tmp_path) -> 
 
     stepwise = {"secagg-keys-seconds": 1.0, "secagg-shares-seconds": 2.0,
                 "secagg-train-seconds": 9.0, "secagg-unmask-seconds": 0.5,
-                "secagg-unmask-compute-seconds": 0.1, "secagg-error-bound": 2e-6}  # fmt: skip
+                "secagg-unmask-compute-seconds": 0.1,
+                "secagg-error-bound": 2e-6}  # fmt: skip
     # round 2 set up in round 1: no keys and shares exchanges of its own
     ahead = {k: v for k, v in stepwise.items() if "keys" not in k and "shares" not in k}
     rows = [

@@ -43,6 +43,7 @@ import numpy as np
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.hazmat.primitives.ciphers import Cipher, algorithms, modes
+from flwr.app import ConfigRecord
 from flwr.common.secure_aggregation.crypto.symmetric_encryption import (
     generate_shared_key,
 )
@@ -171,3 +172,9 @@ def quantize(
 def dequantize(total: np.ndarray, count: int, clip: float, bits: int) -> np.ndarray:
     """The float64 sum of `count` values whose quanta summed to `total`."""
     return total.astype(np.float64) * (2 * clip / 2**bits) - count * clip
+
+
+def config_record(**values: object) -> ConfigRecord:
+    """A stage's values as a ConfigRecord, empty lists left out (Flower's
+    records cannot size an empty list; a reader takes a missing one as [])."""
+    return ConfigRecord({k: v for k, v in values.items() if v != []})

@@ -47,6 +47,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
+from collections import Counter
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from logging import WARNING
@@ -131,27 +132,29 @@ class Plan:
 @dataclass(frozen=True)
 class SetUp:
     """A round's stages 1 and 2 as the server holds them: each client's
-    advertised keys and, for each that shared, its threshold and ciphertexts."""
+    advertised keys and, for each that shared, its threshold and ciphertexts;
+    with the node that served each client (a restarted node has new keys)."""
 
-    clients: list[int]
+    owners: dict[int, int]  # client -> node, in the round's client order
     keys: dict[int, ConfigRecord]
     shared: Shares
 
 
-@dataclass(frozen=True)
+@dataclass
 class SecureAggregation:
     """SecAgg+ for a strategy whose aggregation step is the (weighted) mean.
 
-    With `ahead`, a round sets up the next one's keys and shares in its own
-    exchanges (the module's docstring) up to round `rounds`; what it set up
-    waits in `ready` until that round starts."""
+    With `ahead`, a round before `last_round` sets up the next one's keys and
+    shares in its own exchanges (the module's docstring). What it set up
+    waits in `ready` until that round starts: the one state kept from round
+    to round (in memory: a resumed run's first round sets itself up)."""
 
     params: secagg.SecAggParams
     seed: int
     uniform: bool  # every client weighs 1 (FedDyn's mean)
-    rounds: int = 1
+    last_round: int = 1  # (1: no round is set up ahead)
     ahead: bool = True
-    ready: dict[int, SetUp] = field(default_factory=dict, compare=False, repr=False)
+    ready: dict[int, SetUp] = field(default_factory=dict, repr=False)
 
     @classmethod
     def from_settings(cls, s: Settings, uniform: bool) -> SecureAggregation:
@@ -183,8 +186,6 @@ class _SecureRun:
         self.options, self.grid, self.strategy = options, grid, strategy
         self.request, self.timeout = request, timeout
         self.plan = Plan.of(request.clients, options.params.neighbours)
-        self.ids, self.client_of = self.plan.ids, self.plan.client_of
-        self.graph = self.plan.graph
         self.stages = Stages()
         current = request.current
         # every floating shared entry (BatchNorm's running statistics too, as
@@ -213,24 +214,25 @@ class _SecureRun:
             )
         revealed = self._revealed(vectors, shared, upcoming, next_keys)
         committed = Committed(
-            {self.ids[c]: bytes(r["seed-hash"]) for c, r in keys.items()},
-            {self.ids[c]: bytes(r["mask-public"]) for c, r in keys.items()},
-            {self.ids[c]: t for c, (t, _) in shared.items()},
+            {self.plan.ids[c]: bytes(r["seed-hash"]) for c, r in keys.items()},
+            {self.plan.ids[c]: bytes(r["mask-public"]) for c, r in keys.items()},
+            {self.plan.ids[c]: t for c, (t, _) in shared.items()},
         )
         started = time.perf_counter()
-        dropped = sorted(self.ids[c] for c in shared if c not in vectors)
+        dropped = sorted(self.plan.ids[c] for c in shared if c not in vectors)
+        ids = self.plan.ids
         try:
             total, wrong = unmasked_sum(
-                {self.ids[c]: v for c, v in vectors.items()}, dropped, self.graph,
-                {self.ids[c] for c in shared}, revealed, committed,
+                {ids[c]: v for c, v in vectors.items()}, dropped, self.plan.graph,
+                {ids[c] for c in shared}, revealed, committed,
             )  # fmt: skip
         except UnmaskError as err:
             return self._skipped(outcome, f"the sum cannot be unmasked: {err}")
         self.stages.seconds["unmask-compute"] = time.perf_counter() - started
         for holder in wrong:
             self.stages.failures.append(
-                rejected(self._node(self.client_of[holder]),
-                         f"client {self.client_of[holder]}: a revealed share "
+                rejected(self._node(self.plan.client_of[holder]),
+                         f"client {self.plan.client_of[holder]}: a revealed share "
                          "is inconsistent with its owner's commitment", "unmask ")
             )  # fmt: skip
         return self._stepped(outcome, total, len(vectors), len(dropped))
@@ -239,10 +241,13 @@ class _SecureRun:
         """Stages 1 and 2: as the round before set them up, when every client
         of this round shared there; otherwise run now."""
         ready = self.options.ready.pop(self.request.server_round, None)
-        if ready is not None and ready.clients == self.request.clients:
+        owners = self._owners(self.request.clients)
+        if ready is not None and list(ready.owners.items()) == list(owners.items()):
             self.stages.set_up_ahead = True
             return ready
-        asked = {c: _lists(id=self.ids[c]) for c in self.request.clients}
+        asked = {
+            c: secagg.config_record(id=self.plan.ids[c]) for c in self.request.clients
+        }
         answers = self._exchange(SECAGG_KEYS, asked, "keys")
         keys = self._good_keys(
             {c: content[SECAGG] for c, content in answers.items()}, "keys"
@@ -250,14 +255,14 @@ class _SecureRun:
         asked = self._share_requests(self.plan, keys)
         answers = self._exchange(SECAGG_SHARES, asked, "shares")
         replies = {c: content[SECAGG] for c, content in answers.items()}
-        return SetUp(self.request.clients, keys, self._shares(asked, replies, "shares"))
+        return SetUp(owners, keys, self._shares(asked, replies, "shares"))
 
     def _upcoming(self, shared: Shares) -> Plan | None:
         """The next round's plan, when its stages 1 and 2 can ride on this
         round's exchanges: overlap on, a next round, and every client it
         samples training in this one."""
         options, this_round = self.options, self.request.server_round
-        if not options.ahead or this_round >= options.rounds:
+        if not options.ahead or this_round >= options.last_round:
             return None
         clients = self.strategy.sampled(this_round + 1, self.request.participants)
         if not clients or not set(clients) <= set(shared):
@@ -267,7 +272,9 @@ class _SecureRun:
     def _good_keys(
         self, answers: Mapping[int, ConfigRecord], stage: str
     ) -> dict[int, ConfigRecord]:
-        """Stage 1's answers that hold well-formed keys; the others dropped."""
+        """Stage 1's answers that hold well-formed keys, each key its own
+        (a repeated one would make every neighbour's stage 2 fail); the
+        others dropped."""
         good = {}
         for client, record in answers.items():
             try:
@@ -279,6 +286,13 @@ class _SecureRun:
                 self._drop(client, stage, f"malformed keys ({err})")
                 continue
             good[client] = record
+        uses = Counter(
+            bytes(r[k]) for r in good.values() for k in ("mask-public", "share-public")
+        )
+        for client, record in list(good.items()):
+            if any(uses[bytes(record[k])] > 1 for k in ("mask-public", "share-public")):
+                self._drop(client, stage, "a public key it sent is not its own alone")
+                del good[client]
         return good
 
     def _share_requests(
@@ -291,7 +305,7 @@ class _SecureRun:
             neighbours = [v for v in plan.graph[plan.ids[client]]
                           if plan.client_of[v] in keys]  # fmt: skip
             holders = 1 + len(neighbours)
-            asked[client] = _lists(
+            asked[client] = secagg.config_record(
                 neighbours=neighbours,
                 **{"share-publics": [keys[plan.client_of[v]]["share-public"]
                                      for v in neighbours],
@@ -364,11 +378,11 @@ class _SecureRun:
             client = int(message.content[CONFIG][CLIENT])
             if client not in shared:
                 continue
-            me = self.ids[client]
+            me = self.plan.ids[client]
             relayed = {
-                self.ids[c]: cts[me] for c, (_, cts) in shared.items() if me in cts
+                self.plan.ids[c]: cts[me] for c, (_, cts) in shared.items() if me in cts
             }
-            record = _lists(
+            record = secagg.config_record(
                 **{"from": sorted(relayed),
                    "ciphertexts": [relayed[v] for v in sorted(relayed)],
                    "entries": self.entries,
@@ -378,7 +392,7 @@ class _SecureRun:
             )  # fmt: skip
             content = RecordDict({**message.content, SECAGG: record})
             if upcoming is not None and client in upcoming.ids:
-                content[SECAGG_NEXT] = _lists(id=upcoming.ids[client])
+                content[SECAGG_NEXT] = secagg.config_record(id=upcoming.ids[client])
             messages.append(
                 Message(content, dst_node_id=message.metadata.dst_node_id,
                         message_type=message.metadata.message_type)
@@ -388,35 +402,29 @@ class _SecureRun:
     def _revealed(
         self,
         vectors: Mapping[int, np.ndarray],
-        shared: Mapping,
+        shared: Shares,
         upcoming: Plan | None,
         next_keys: Mapping[int, ConfigRecord],
     ) -> Revealed:
-        """Stage 4: the survivors' revealed shares, by owner (and, when every
-        client of the next round advertised keys and survived, its stage 2,
-        kept in `ready` if every one of them shared)."""
-        survived = sorted(self.ids[c] for c in vectors)
-        dropped = sorted(self.ids[c] for c in shared if c not in vectors)
-        asked = {c: _lists(survived=survived, dropped=dropped) for c in vectors}
+        """Stage 4: the survivors' revealed shares, by owner (with the next
+        round's stage 2 when every one of its clients advertised keys and
+        survived)."""
+        survived = sorted(self.plan.ids[c] for c in vectors)
+        dropped = sorted(self.plan.ids[c] for c in shared if c not in vectors)
+        asked = {
+            c: secagg.config_record(survived=survived, dropped=dropped) for c in vectors
+        }
         ahead = {}
         if upcoming is not None and set(next_keys) == set(upcoming.clients):
             ahead = self._share_requests(upcoming, next_keys)
         answers = self._exchange(SECAGG_UNMASK, asked, "unmask", ahead)
-        next_shared = self._shares(
-            ahead,
-            {c: content[SECAGG_NEXT] for c, content in answers.items()
-             if c in ahead and isinstance(content.get(SECAGG_NEXT), ConfigRecord)},
-            "next round's shares",
-        )  # fmt: skip
-        if upcoming is not None and set(next_shared) == set(upcoming.clients):
-            self.options.ready[self.request.server_round + 1] = SetUp(
-                upcoming.clients, dict(next_keys), next_shared
-            )
+        if ahead:
+            self._keep_set_up(upcoming, next_keys, ahead, answers)
         seeds: dict[int, list[tuple[int, bytes]]] = {}
         keys: dict[int, list[tuple[int, bytes]]] = {}
         for client, content in answers.items():
             record = content[SECAGG]
-            holder = self.ids[client]
+            holder = self.plan.ids[client]
             for owner, share in zip(record.get("seed-of", []),
                                     record.get("seeds", []), strict=False):  # fmt: skip
                 if owner in survived:
@@ -426,6 +434,28 @@ class _SecureRun:
                 if owner in dropped:
                     keys.setdefault(int(owner), []).append((holder, bytes(share)))
         return Revealed(seeds, keys)
+
+    def _keep_set_up(
+        self,
+        upcoming: Plan,
+        keys: Mapping[int, ConfigRecord],
+        asked: Mapping[int, ConfigRecord],
+        answers: Mapping[int, RecordDict],
+    ) -> None:
+        """The next round's stage 2 from the unmask replies, kept in `ready`
+        when every one of its clients shared (otherwise it sets itself up)."""
+        replies = {}
+        for client in asked:
+            record = answers[client].get(SECAGG_NEXT) if client in answers else None
+            if isinstance(record, ConfigRecord):
+                replies[client] = record
+            elif client in answers:
+                self._drop(client, "next round's shares", "it sent none")
+        shared = self._shares(asked, replies, "next round's shares")
+        if set(shared) == set(upcoming.clients):
+            self.options.ready[self.request.server_round + 1] = SetUp(
+                self._owners(upcoming.clients), dict(keys), shared
+            )
 
     # ---- the mean ------------------------------------------------------------
 
@@ -591,10 +621,8 @@ class _SecureRun:
     def _node(self, client: int) -> int:
         return self.request.participants.roster.owner[client]
 
-
-def _lists(**values: object) -> ConfigRecord:
-    """A ConfigRecord of `values`, empty lists left out (Flower cannot size them)."""
-    return ConfigRecord({k: v for k, v in values.items() if v != []})
+    def _owners(self, clients: list[int]) -> dict[int, int]:
+        return {client: self._node(client) for client in clients}
 
 
 def _bytes(content: RecordDict) -> int:

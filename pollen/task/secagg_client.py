@@ -37,10 +37,12 @@ from __future__ import annotations
 
 import hashlib
 import os
+from logging import WARNING
 
 import numpy as np
 from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Message, RecordDict
 from flwr.clientapp.typing import ClientAppCallable
+from flwr.common.logger import log
 from flwr.common.secure_aggregation.crypto.shamir import create_shares
 from flwr.common.secure_aggregation.crypto.symmetric_encryption import (
     decrypt,
@@ -71,6 +73,7 @@ from ..protocol import (
 def advertise_keys(msg: Message, context: Context) -> Message:
     """Stage 1: this round's key pairs and seed, kept; the public halves sent."""
     client, server_round = _addressed(msg)
+    _forget_unrevealed(context, client, before=server_round)
     keys = _new_keys(context, client, server_round, msg.content[SECAGG])
     return _reply(msg, client, keys)
 
@@ -88,7 +91,6 @@ def _new_keys(
 ) -> dict[str, bytes]:
     """Two key pairs and a seed for `server_round`, kept; their public
     halves and the seed's commitment."""
-    _forget_unrevealed(context, client, before=server_round - 1)
     share_key, mask_key = secagg.new_private_key(), secagg.new_private_key()
     seed = os.urandom(secagg.SEED_BYTES)
     context.state[secagg_state_key(client, server_round)] = ConfigRecord(
@@ -196,6 +198,7 @@ def secagg_mod(msg: Message, context: Context, call_next: ClientAppCallable) -> 
         }
     )
     if SECAGG_NEXT in msg.content:  # the next round's stage 1, ahead
+        _forget_unrevealed(context, client, before=server_round)
         keys = _new_keys(context, client, server_round + 1, msg.content[SECAGG_NEXT])
         content[SECAGG_NEXT] = ConfigRecord(keys)
     return Message(content, reply_to=msg)
@@ -228,8 +231,14 @@ def reveal_shares(msg: Message, context: Context) -> Message:
     del context.state[secagg_state_key(client, server_round)]
     reply = _reply(msg, client, revealed)
     if SECAGG_NEXT in msg.content:  # the next round's stage 2, ahead
-        shares = _shares(context, client, server_round + 1, msg.content[SECAGG_NEXT])
-        reply.content[SECAGG_NEXT] = _record(shares)
+        try:
+            shares = _shares(
+                context, client, server_round + 1, msg.content[SECAGG_NEXT]
+            )
+        except ValueError as err:  # this round's shares still go back
+            log(WARNING, "pollen: no shares for round %d: %s", server_round + 1, err)
+        else:
+            reply.content[SECAGG_NEXT] = secagg.config_record(**shares)
     return reply
 
 
@@ -304,12 +313,9 @@ def _weighted_values(
 
 def _reply(msg: Message, client: int, values: dict) -> Message:
     content = RecordDict(
-        {SECAGG: _record(values), CLIENT_RECORD: ConfigRecord({CLIENT: client})}
+        {
+            SECAGG: secagg.config_record(**values),
+            CLIENT_RECORD: ConfigRecord({CLIENT: client}),
+        }
     )
     return Message(content, reply_to=msg)
-
-
-def _record(values: dict) -> ConfigRecord:
-    """`values` as a ConfigRecord; Flower's records cannot size an empty
-    list, so one is left out."""
-    return ConfigRecord({k: v for k, v in values.items() if v != []})
