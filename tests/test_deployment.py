@@ -1,7 +1,8 @@
 """Real Flower processes: a SuperLink and three SuperNodes started by
 `pollen deploy up` (TLS and SuperNode authentication), runs submitted with
 `pollen run --deployment`, a node with its own data file, a SuperNode killed
-mid-round and restarted, and SuperNodes the SuperLink must refuse."""
+mid-round and restarted, SuperNodes the SuperLink must refuse, and a
+directory brought up a second time."""
 
 from __future__ import annotations
 
@@ -239,3 +240,23 @@ def test_a_round_over_a_shaped_network_takes_its_round_trips(tmp_path: Path) -> 
     slow = shaped_round_seconds(tmp_path, "slow", "delay=250ms,up=10mbit,down=50mbit")
     assert slow - plain >= 4.0, (plain, slow)
     assert slow < plain + 120.0, (plain, slow)  # delay, not a hang or a timeout
+
+
+@pytest.mark.xdist_group("deployment")
+def test_a_directory_brought_up_again_registers_the_keys_it_keeps(
+    tmp_path: Path,
+) -> None:
+    """`up`, `down`, `up` in one directory (as a resumed `compare --network`
+    cell does): the second SuperLink keeps its state in memory and knows no
+    key, so the nodes' kept keys are registered again and both come online
+    (`up` waits for them; a node whose key is unknown exits)."""
+    site = tmp_path / "site"
+    for _ in range(2):
+        deployment = cluster.up(site, 2, port=processes.free_port())
+        try:
+            assert deployment.online_nodes() == 2
+        finally:
+            cluster.down(site)
+    assert sorted(p.name for p in (site / "keys").iterdir()) == [
+        "node-0", "node-0.pub", "node-1", "node-1.pub"
+    ]  # fmt: skip

@@ -200,14 +200,21 @@ class Deployment:
         self.superlink_pid = superlink.pid
 
     def start_node(
-        self, partition_id: int, node_config: str, prefix: Sequence[str] = ()
+        self,
+        partition_id: int,
+        node_config: str,
+        prefix: Sequence[str] = (),
+        new_superlink: bool = False,
     ) -> Node:
         """Start (or restart, with the same key) the SuperNode of `partition_id`,
         its command behind `prefix` (e.g. `ip netns exec NS` for a node in a
         network namespace).
 
-        With authentication its key is registered once; a restarted node
-        presents the same key and keeps its node ID."""
+        With authentication its key is made once and registered with each
+        SuperLink `up` starts (`new_superlink`: one with its state in memory
+        knows no key, so a directory brought up again re-registers the keys
+        it keeps); a restarted node presents the same key and keeps its node
+        ID."""
         name = f"node-{partition_id}"
         runtime_port = free_port()
         isolation = "process" if self.executor == "warm" else "subprocess"
@@ -226,7 +233,11 @@ class Deployment:
             command.append("--insecure")
         else:
             if not key.exists():
-                register_key(make_node_key(key), CONNECTION, flower_env(self.flwr_home))
+                make_node_key(key)
+                new_superlink = True
+            if new_superlink:
+                public = key.with_name(f"{key.name}.pub")
+                register_key(public, CONNECTION, flower_env(self.flwr_home))
             command += ["--root-certificates", str(self.ca),
                         "--auth-supernode-private-key", str(key)]  # fmt: skip
         log = self.root / "logs" / f"{name}.log"
@@ -425,7 +436,9 @@ def _start_processes(
         deployment.save()
         for k in range(num_nodes):
             config = node_config(k, num_nodes, nodes.config(deployment.root, k))
-            deployment.start_node(k, config, nodes.prefix.get(k, ()))
+            deployment.start_node(
+                k, config, nodes.prefix.get(k, ()), new_superlink=True
+            )
             deployment.save()
         deployment.wait_online(num_nodes)
     except BaseException:
