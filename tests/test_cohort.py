@@ -14,8 +14,11 @@ from torch import nn
 
 from pollen.protocol import CONFIG, CONTROL, LR, feddyn_state_key, scaffold_state_key
 from pollen.task.cohort import (
+    HEAP_TENSOR_BYTES,
     SOLO_CLIENTS,
-    client_bytes,
+    Footprint,
+    chunk_size,
+    client_footprint,
     cohort_problem,
     train_cohort,
 )
@@ -202,7 +205,8 @@ def test_convolutional_models_train_as_alone_with_clipping(model: str) -> None:
 def test_chunks_train_as_one_cohort() -> None:
     model = build_model("mlp", (1, 28, 28), 10, seed=3)
     sample = PREP(shards()[0][0][:8], None)
-    per_client = client_bytes(model, sample, 8, SGD, LocalObjective(0.0, DynTerm(0.05)))
+    objective = LocalObjective(0.0, DynTerm(0.05))
+    per_client = client_footprint(model, sample, 8, SGD, objective).bytes
     whole = both_ways("mlp", SGD, "feddyn")
     for clients in (1, 3):  # chunks of 1 (each alone), of 3 and 1
         chunked = both_ways("mlp", SGD, "feddyn", memory_bytes=clients * per_client)
@@ -306,7 +310,8 @@ def test_batchnorm_models_train_as_alone_with_their_statistics(
 def test_batchnorm_chunks_train_as_alone() -> None:
     model = build_model("mlp-bn", (1, 28, 28), 10, seed=3)
     sample = PREP(shards()[0][0][:8], None)
-    per_client = client_bytes(model, sample, 8, SGD, LocalObjective(0.0, ProxTerm(0.1)))
+    objective = LocalObjective(0.0, ProxTerm(0.1))
+    per_client = client_footprint(model, sample, 8, SGD, objective).bytes
     for clients in (1, 3):  # chunks of 1 (each alone), of 3 and 2
         assert_same(
             both_ways("mlp-bn", SGD, "prox", memory_bytes=clients * per_client,
@@ -324,7 +329,31 @@ def test_local_batchnorm_entries_train_as_alone(policy: str) -> None:
 def test_a_clients_memory_estimate_grows_with_its_batch() -> None:
     model = build_model("cnn-gn", (1, 28, 28), 10, 0)
     sample = PREP(shards(sizes=(4,))[0][0], None)
-    small = client_bytes(model, sample, 8, SGD, LocalObjective())
-    large = client_bytes(model, sample, 64, SGD, LocalObjective())
+    small = client_footprint(model, sample, 8, SGD, LocalObjective())
+    large = client_footprint(model, sample, 64, SGD, LocalObjective())
     params = sum(p.numel() * 4 for p in model.parameters())
-    assert 3 * params < small < large
+    assert 3 * params < small.bytes < large.bytes
+    # the largest tensor: the head's weight (3136 x 128) at batch 8, the
+    # first convolution's output (64 x 32 x 28 x 28) at batch 64
+    assert small.largest == 3136 * 128 * 4
+    assert large.largest == 64 * 32 * 28 * 28 * 4
+
+
+def test_the_largest_tensor_of_an_mlp_is_its_first_gradient() -> None:
+    model = build_model("mlp", (1, 28, 28), 10, 0)
+    sample = PREP(shards(sizes=(10,))[0][0], None)
+    footprint = client_footprint(model, sample, 10, SGD, LocalObjective())
+    assert footprint.largest == 784 * 128 * 4
+
+
+def test_chunks_are_equal_and_keep_cpu_tensors_on_the_heap() -> None:
+    cpu, gpu = torch.device("cpu"), torch.device("cuda")
+    mlp = Footprint(bytes=2_000_000, largest=784 * 128 * 4)  # 83 under the cap
+    assert HEAP_TENSOR_BYTES // mlp.largest == 83
+    assert chunk_size(100, mlp, 0, cpu) == 50  # two chunks of 50, not 83 + 17
+    assert chunk_size(80, mlp, 0, cpu) == 80
+    assert chunk_size(100, mlp, 0, gpu) == 100  # CUDA's allocator caches
+    assert chunk_size(100, mlp, 30 * 2_000_000, gpu) == 25  # 30 fit: 4 x 25
+    assert chunk_size(100, mlp, 1, cpu) == 1  # at least one client
+    huge = Footprint(bytes=1, largest=HEAP_TENSOR_BYTES * 2)
+    assert chunk_size(7, huge, 0, cpu) == 1

@@ -29,8 +29,14 @@ Each client trains exactly as `pollen.task.train.train_local` trains it:
   regulariser's gradient in its affine form pull (theta - anchor) + offset
   (`objectives.AffineGradient`: FedProx, FedDyn, SCAFFOLD), the client's
   total norm clipped to `max-grad-norm` as `clip_grad_norm_` does, then
-  torch's SGD (momentum, weight decay), Adam or AdamW update;
+  torch's own SGD (momentum, weight decay), Adam or AdamW update, its fused
+  functional form over the stacked tensors;
 - the reported loss is the mean clean-pass loss over its steps.
+
+A node's clients train in consecutive chunks of equal size, largest shards
+first (a chunk's clients then take similar numbers of steps): as many as
+`cohort-memory-mib` holds and, on the CPU, as keep every tensor of a step
+below glibc's mmap threshold (`HEAP_TENSOR_BYTES`).
 
 Afterwards each client's model holds its trained parameters and running
 statistics, so the objective's `save` and the ClientApp's reply read them
@@ -53,6 +59,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.func import functional_call, grad_and_value, vmap
 from torch.nn.modules.batchnorm import _BatchNorm
+from torch.optim.adam import adam
+from torch.optim.sgd import sgd
 
 from .cohort_norm import Call, Stacked, gradients, running_statistics, step_calls
 from .objectives import LocalObjective, frozen_bn_statistics
@@ -72,6 +80,14 @@ from .train import (
 # when no more clients than this still train, each finishes alone
 SOLO_CLIENTS = 2
 ADAM_EPS = 1e-8  # torch.optim.Adam's and AdamW's default
+# glibc serves an allocation above 32 MiB (its largest dynamic mmap
+# threshold on 64-bit Linux, DEFAULT_MMAP_THRESHOLD_MAX in malloc/malloc.c)
+# from fresh mapped pages and unmaps them when it is freed: a stacked
+# gradient or activation that large is page-faulted and zeroed anew at every
+# step (a vectorised step of 100 Fashion-MNIST `mlp` clients, whose first
+# layer's gradient is 40 MB: 24.9 ms, 12.6 ms with glibc's threshold
+# raised). A CPU chunk keeps each of its tensors below it.
+HEAP_TENSOR_BYTES = 32 * 2**20
 
 
 def cohort_problem(
@@ -105,32 +121,45 @@ def cohort_problem(
     return None
 
 
-def client_bytes(
+@dataclass(frozen=True)
+class Footprint:
+    """What one client of a vectorised chunk takes: `bytes` in all, and its
+    share of the largest single tensor a step allocates (`largest`)."""
+
+    bytes: int
+    largest: int
+
+
+def client_footprint(
     model: nn.Module,
     sample: torch.Tensor,
     batch_size: int,
     optimizer: ClientOptimizer,
     objective: LocalObjective,
     examples: int = 0,
-) -> int:
+) -> Footprint:
     """Estimated memory of one client in a vectorised chunk: its trainable
     parameters with their gradient, optimiser and objective copies, the
     activations autograd saves for a batch (measured on `sample`, one input
     batch, and scaled to `batch_size`), and its `examples` inputs of the
-    round (every epoch's batches are made before the chunk trains)."""
+    round (every epoch's batches are made before the chunk trains); and the
+    larger of its largest parameter (a gradient) and its largest saved
+    activation, scaled to `batch_size`."""
     params = trainable(model).values()
     param_bytes = sum(p.numel() * p.element_size() for p in params)
+    largest_param = max((p.numel() * p.element_size() for p in params), default=0)
     copies = 2  # the parameters and their gradient
     copies += {"sgd": int(optimizer.momentum > 0), "adam": 2, "adamw": 2}.get(
         optimizer.name, 2
     )
     copies += 2 if objective.regularizer is not None else 0  # anchor, offset
     copies += 1 if objective.sam_rho > 0 else 0  # SAM's perturbed point
-    saved = 0
+    weights = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    saved: list[int] = []  # activations; a layer saves its weight too
 
     def count(tensor: torch.Tensor) -> torch.Tensor:
-        nonlocal saved
-        saved += tensor.numel() * tensor.element_size()
+        if tensor.untyped_storage().data_ptr() not in weights:
+            saved.append(tensor.numel() * tensor.element_size())
         return tensor
 
     hooks = torch.autograd.graph.saved_tensors_hooks(count, lambda t: t)
@@ -141,8 +170,12 @@ def client_bytes(
         ).backward()
     model.zero_grad(set_to_none=True)
     per_sample = sample[0].numel() * sample.element_size()
-    activations = saved * batch_size // max(len(sample), 1)
-    return copies * param_bytes + activations + examples * per_sample
+    scale = batch_size / max(len(sample), 1)
+    activations = int(sum(saved) * scale)
+    return Footprint(
+        copies * param_bytes + activations + examples * per_sample,
+        max(largest_param, int(max(saved, default=0) * scale)),
+    )
 
 
 @dataclass
@@ -209,12 +242,11 @@ class _Cohort:
             grads = self._sam_gradient(params, fixed, stats, calls, grads)
         self.loss_sum[:n] += loss.detach()
         self._add_regularizer(grads, params, n)
-        if self.max_grad_norm > 0:
-            _clip(grads, self.max_grad_norm)
+        clip = _clip_factors(grads, self.max_grad_norm) if self.max_grad_norm else None
         state = {
             k: {name: v[:n] for name, v in s.items()} for k, s in self.state.items()
         }
-        _optimizer_step(self.optimizer, params, grads, state, t + 1)
+        _optimizer_step(self.optimizer, params, grads, state, t + 1, clip)
 
     def _sam_gradient(
         self,
@@ -310,11 +342,10 @@ def _client_norms(tensors: Stacked) -> torch.Tensor:
     return torch.linalg.vector_norm(torch.stack(norms, dim=1), dim=1)
 
 
-def _clip(grads: Stacked, max_norm: float) -> None:
-    """`nn.utils.clip_grad_norm_` per client: g *= min(1, C / (||g|| + 1e-6))."""
-    coef = (max_norm / (_client_norms(grads) + 1e-6)).clamp(max=1.0)
-    for g in grads.values():
-        g.mul_(_per_client(coef, g))
+def _clip_factors(grads: Stacked, max_norm: float) -> torch.Tensor:
+    """`nn.utils.clip_grad_norm_`'s factor per client, min(1, C / (||g|| +
+    1e-6)), by which its gradient is scaled."""
+    return (max_norm / (_client_norms(grads) + 1e-6)).clamp(max=1.0)
 
 
 def _optimizer_state(optimizer: ClientOptimizer, params: Stacked) -> dict[str, Stacked]:
@@ -336,40 +367,38 @@ def _optimizer_step(
     grads: Stacked,
     state: dict[str, Stacked],
     step: int,
+    clip: torch.Tensor | None = None,
 ) -> None:
-    """torch.optim's update, in place on the (sliced) stacked parameters and
-    state; `step` is the 1-based step of every client stepped here."""
-    lr, wd = optimizer.lr, optimizer.weight_decay
-    for n, p in params.items():
-        g = grads[n]
-        if optimizer.name == "sgd":
-            if wd:
-                g.add_(p, alpha=wd)
-            if optimizer.momentum:
-                g = state["momentum"][n].mul_(optimizer.momentum).add_(g)
-            p.add_(g, alpha=-lr)
-            continue
-        if optimizer.name == "adamw":
-            p.mul_(1 - lr * wd)
-        elif wd:
-            g.add_(p, alpha=wd)
-        _adam(optimizer, p, g, state["exp_avg"][n], state["exp_avg_sq"][n], step)
-
-
-def _adam(
-    optimizer: ClientOptimizer,
-    p: torch.Tensor,
-    g: torch.Tensor,
-    exp_avg: torch.Tensor,
-    exp_avg_sq: torch.Tensor,
-    step: int,
-) -> None:
+    """torch.optim's own update (its functional SGD or Adam, `fused`: one
+    pass over each stacked tensor, where the plain update takes four, and
+    for 100 clients the tensors exceed the caches), in place on the (sliced)
+    stacked parameters and state, of the gradients scaled by the clients'
+    `clip` factors (None: 1). The update is elementwise, so on stacked
+    tensors it is each client's own; `step` is the 1-based step of every
+    client stepped here."""
+    names = list(params)
+    tensors, gradients = [params[n] for n in names], [grads[n] for n in names]
+    if clip is not None:
+        for g in gradients:
+            g.mul_(_per_client(clip, g))
+    if optimizer.name == "sgd":
+        momentum = [state["momentum"][n] for n in names] if optimizer.momentum else []
+        sgd(
+            tensors, gradients, momentum or [None] * len(names), fused=True,
+            weight_decay=optimizer.weight_decay, momentum=optimizer.momentum,
+            lr=optimizer.lr, dampening=0.0, nesterov=False, maximize=False,
+        )  # fmt: skip
+        return
+    first = next(iter(gradients))
+    steps = [torch.tensor(float(step - 1), device=first.device) for _ in names]
     beta1, beta2 = optimizer.betas
-    exp_avg.lerp_(g, 1 - beta1)
-    exp_avg_sq.mul_(beta2).addcmul_(g, g, value=1 - beta2)
-    step_size = optimizer.lr / (1 - beta1**step)
-    denom = (exp_avg_sq.sqrt() / (1 - beta2**step) ** 0.5).add_(ADAM_EPS)
-    p.addcdiv_(exp_avg, denom, value=-step_size)
+    adam(
+        tensors, gradients, [state["exp_avg"][n] for n in names],
+        [state["exp_avg_sq"][n] for n in names], [], steps, fused=True,
+        decoupled_weight_decay=optimizer.name == "adamw", amsgrad=False,
+        beta1=beta1, beta2=beta2, lr=optimizer.lr,
+        weight_decay=optimizer.weight_decay, eps=ADAM_EPS, maximize=False,
+    )  # fmt: skip
 
 
 def _stacked_terms(
@@ -491,6 +520,23 @@ def _carry_state(
             )
 
 
+def chunk_size(
+    clients: int, footprint: Footprint, memory_bytes: int, device: torch.device
+) -> int:
+    """How many clients one vectorised chunk trains: as many as
+    `memory_bytes` (> 0) holds and, on the CPU, as keep every tensor of a
+    step below `HEAP_TENSOR_BYTES`; the clients split into chunks of equal
+    size (a last chunk of a few clients would step them at a cohort's
+    per-step cost)."""
+    limit = clients
+    if memory_bytes > 0:
+        limit = min(limit, memory_bytes // max(footprint.bytes, 1))
+    if device.type == "cpu":
+        limit = min(limit, HEAP_TENSOR_BYTES // max(footprint.largest, 1))
+    chunks = -(-clients // max(limit, 1))
+    return -(-clients // chunks)
+
+
 def train_cohort(
     models: Sequence[nn.Module],
     shards: Sequence[tuple[torch.Tensor, torch.Tensor]],
@@ -506,22 +552,23 @@ def train_cohort(
 ) -> list[TrainResult]:
     """`train_local` of every `models[k]` on `shards[k]` (its `preprocess`,
     `seeds` and loaded `objectives`), as one vectorised computation per
-    chunk of clients; each model is trained in place. With `memory_bytes`
-    (> 0) the clients train in consecutive chunks of as many as
-    `client_bytes` says fit (at least one)."""
+    chunk of clients; each model is trained in place. The clients train in
+    consecutive chunks of `chunk_size` (one chunk but for `memory_bytes` >
+    0 or a CPU step's largest tensor), largest shards first, so that a
+    chunk's clients take similar numbers of steps."""
     skip_single = any(isinstance(m, _BatchNorm) for m in models[0].modules())
-    chunk = len(models)
-    if memory_bytes > 0:
-        x, _ = shards[0]
-        sample = preprocess[0](x[:batch_size], None)
-        examples = epochs * sum(len(y) for _, y in shards) // len(shards)
-        per_client = client_bytes(
-            models[0], sample, batch_size, optimizer, objectives[0], examples
-        )
-        chunk = max(1, memory_bytes // max(per_client, 1))
-    results: list[TrainResult] = []
+    x, _ = shards[0]
+    sample = preprocess[0](x[:batch_size], None)
+    examples = epochs * sum(len(y) for _, y in shards) // len(shards)
+    footprint = client_footprint(
+        models[0], sample, batch_size, optimizer, objectives[0], examples
+    )
+    device = next(iter(trainable(models[0]).values())).device
+    chunk = chunk_size(len(models), footprint, memory_bytes, device)
+    order = sorted(range(len(models)), key=lambda k: -len(shards[k][1]))
+    results: dict[int, TrainResult] = {}
     for start in range(0, len(models), chunk):
-        members = range(start, min(start + chunk, len(models)))
+        members = order[start : start + chunk]
         clients = []
         for k in members:  # a chunk's batches are made when it trains
             x, y = shards[k]
@@ -532,5 +579,6 @@ def train_cohort(
                 raise ValueError(f"a shard of {len(y)} samples gives no training step")
             clients.append(_Client((x, y), steps, objectives[k]))
         chunk_models = [models[k] for k in members]
-        results += _train_chunk(chunk_models, clients, optimizer, max_grad_norm)
-    return results
+        trained = _train_chunk(chunk_models, clients, optimizer, max_grad_norm)
+        results.update(zip(members, trained, strict=True))
+    return [results[k] for k in range(len(models))]

@@ -75,17 +75,18 @@ def padded(batches: list[Batch]) -> Padded:
     """Inputs [n, B, ...], targets [n, B] and sample weights [n, B] of the
     clients' batches, a shorter batch padded to the longest with zeros that
     weigh nothing."""
-    longest = max(len(y) for _, y in batches)
-    inputs, targets, weights = [], [], []
+    sizes = [len(y) for _, y in batches]
+    longest = max(sizes)
+    device = batches[0][1].device
+    inputs, targets = [], []
     for x, y in batches:
-        short = longest - len(y)
-        weight = torch.ones(len(y), device=y.device)
-        if short:
+        if short := longest - len(y):
             x = torch.cat([x, x.new_zeros(short, *x.shape[1:])])
             y = torch.cat([y, y.new_zeros(short)])
-            weight = torch.cat([weight, weight.new_zeros(short)])
-        inputs.append(x), targets.append(y), weights.append(weight)
-    return torch.stack(inputs), torch.stack(targets), torch.stack(weights)
+        inputs.append(x), targets.append(y)
+    lengths = torch.tensor(sizes, device=device).unsqueeze(1)
+    weights = (torch.arange(longest, device=device) < lengths).float()
+    return torch.stack(inputs), torch.stack(targets), weights
 
 
 def gradients(
