@@ -110,7 +110,8 @@ class Settings:
     cohort_memory_mib: float = key(
         1024.0,
         "cohort: MiB one vectorised chunk of a node's cohort may take; a larger "
-        "cohort trains in consecutive chunks (0: no bound)",
+        "cohort trains in consecutive chunks (0: no bound; on the CPU a chunk "
+        "also keeps each tensor of a step under 32 MiB, docs/cohorts.md)",
         at_least(0),
     )
     # Data
