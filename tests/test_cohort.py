@@ -13,13 +13,15 @@ from flwr.app import ArrayRecord, ConfigRecord, Context, RecordDict
 from torch import nn
 
 from pollen.protocol import CONFIG, CONTROL, LR, feddyn_state_key, scaffold_state_key
+from pollen.task import cohort as cohort_module
 from pollen.task.cohort import (
     HEAP_TENSOR_BYTES,
     SOLO_CLIENTS,
     Footprint,
-    chunk_size,
+    chunk_count,
     client_footprint,
     cohort_problem,
+    split_evenly,
     train_cohort,
 )
 from pollen.task.models import build_model
@@ -202,15 +204,96 @@ def test_convolutional_models_train_as_alone_with_clipping(model: str) -> None:
     assert_same(both_ways(model, SGD, "prox", max_grad_norm=1.0, epochs=1))
 
 
-def test_chunks_train_as_one_cohort() -> None:
-    model = build_model("mlp", (1, 28, 28), 10, seed=3)
-    sample = PREP(shards()[0][0][:8], None)
+CHUNK_SIZES = (37, 16, 9, 40, 23, 30, 12)
+
+
+@pytest.fixture
+def chunks_trained(monkeypatch: pytest.MonkeyPatch) -> list[list[int]]:
+    """The shard sizes of each chunk `train_cohort` trains, in order."""
+    seen: list[list[int]] = []
+    train_chunk = cohort_module._train_chunk
+
+    def spy(models, clients, *args):
+        seen.append([len(c.shard[1]) for c in clients])
+        return train_chunk(models, clients, *args)
+
+    monkeypatch.setattr(cohort_module, "_train_chunk", spy)
+    return seen
+
+
+def per_client_bytes(model_name: str, objective: LocalObjective, sizes) -> int:
+    """What `train_cohort` estimates one client takes (2 epochs, batch 8)."""
+    model = build_model(model_name, (1, 28, 28), 10, seed=3)
+    sample = PREP(shards(sizes)[0][0][:8], None)
+    return client_footprint(model, sample, 8, SGD, objective, 2 * max(sizes)).bytes
+
+
+def test_chunks_train_as_one_cohort(chunks_trained: list[list[int]]) -> None:
     objective = LocalObjective(0.0, DynTerm(0.05))
-    per_client = client_footprint(model, sample, 8, SGD, objective).bytes
-    whole = both_ways("mlp", SGD, "feddyn")
-    for clients in (1, 3):  # chunks of 1 (each alone), of 3 and 1
-        chunked = both_ways("mlp", SGD, "feddyn", memory_bytes=clients * per_client)
+    per_client = per_client_bytes("mlp", objective, CHUNK_SIZES)
+    whole = both_ways("mlp", SGD, "feddyn", sizes=CHUNK_SIZES)
+    assert chunks_trained == [sorted(CHUNK_SIZES, reverse=True)]
+    for clients, expected in ((1, [[40], [37], [30], [23], [16], [12], [9]]),
+                              (4, [[40, 37, 30], [23, 16, 12, 9]])):  # fmt: skip
+        chunks_trained.clear()
+        chunked = both_ways(
+            "mlp", SGD, "feddyn", memory_bytes=clients * per_client, sizes=CHUNK_SIZES
+        )
+        assert chunks_trained == expected  # largest first, sizes differ by <= 1
         assert_same([whole[1], chunked[1]])
+
+
+def test_chunks_split_evenly_and_keep_cpu_tensors_on_the_heap() -> None:
+    cpu, gpu = torch.device("cpu"), torch.device("cuda")
+    mlp = Footprint(bytes=2_000_000, largest=784 * 128 * 4)  # 83 under the cap
+    assert HEAP_TENSOR_BYTES // mlp.largest == 83
+    assert chunk_count(100, mlp, 0, cpu) == 2
+    assert [len(c) for c in split_evenly(range(100), 2)] == [50, 50]  # not 83 + 17
+    assert chunk_count(80, mlp, 0, cpu) == 1
+    assert chunk_count(100, mlp, 0, gpu) == 1  # CUDA's allocator keeps blocks
+    assert chunk_count(100, mlp, 30 * 2_000_000, gpu) == 4  # 30 fit a chunk
+    assert chunk_count(100, mlp, 1, cpu) == 100  # at least one client a chunk
+    at_the_bound = Footprint(bytes=1, largest=2**20)  # 32 x 1 MiB is 32 MiB
+    assert chunk_count(32, at_the_bound, 0, cpu) == 2
+    assert split_evenly([5, 4, 3, 2, 1, 0, 9], 3) == [[5, 4], [3, 2], [1, 0, 9]]
+    assert split_evenly([1, 2], 1) == [[1, 2]]
+
+
+class TransposedScale(nn.Module):
+    """A user's model whose parameter enters transposed: `vmap` gives its
+    gradient in the transposed layout, which the fused update must not
+    misread."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.scale = nn.Parameter(torch.rand(28, 28) + 0.5)
+        self.head = nn.Linear(28 * 28, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head((x.squeeze(1) * self.scale.t()).flatten(1))
+
+
+@pytest.mark.parametrize("optimizer", [SGD, ClientOptimizer("adam", 1e-2)])
+def test_a_parameter_used_transposed_trains_as_alone(
+    optimizer: ClientOptimizer,
+) -> None:
+    torch.manual_seed(0)
+    base, data = TransposedScale(), shards(sizes=(24, 17, 30, 8))
+    seeds = list(range(len(data)))
+    common = dict(epochs=1, batch_size=8, optimizer=optimizer, max_grad_norm=1.0)
+    sequential = [copy.deepcopy(base) for _ in data]
+    for model, (x, y), seed in zip(sequential, data, seeds, strict=True):
+        train_local(
+            model, x, y, preprocess=PREP, seed=seed, objective=LocalObjective(),
+            **common,
+        )  # fmt: skip
+    cohort = [copy.deepcopy(base) for _ in data]
+    train_cohort(
+        cohort, data, preprocess=[PREP] * len(data), seeds=seeds,
+        objectives=[LocalObjective() for _ in data], **common,
+    )  # fmt: skip
+    for alone, together in zip(sequential, cohort, strict=True):
+        torch.testing.assert_close(together.scale, alone.scale, rtol=1e-5, atol=1e-6)
 
 
 def test_one_step_matches_the_gradient_by_hand() -> None:
@@ -307,16 +390,18 @@ def test_batchnorm_models_train_as_alone_with_their_statistics(
         assert counters and all(int(c) == result.steps for c in counters)
 
 
-def test_batchnorm_chunks_train_as_alone() -> None:
-    model = build_model("mlp-bn", (1, 28, 28), 10, seed=3)
-    sample = PREP(shards()[0][0][:8], None)
-    objective = LocalObjective(0.0, ProxTerm(0.1))
-    per_client = client_footprint(model, sample, 8, SGD, objective).bytes
-    for clients in (1, 3):  # chunks of 1 (each alone), of 3 and 2
+def test_batchnorm_chunks_train_as_alone(chunks_trained: list[list[int]]) -> None:
+    per_client = per_client_bytes(
+        "mlp-bn", LocalObjective(0.0, ProxTerm(0.1)), BN_SIZES
+    )
+    for clients, expected in ((1, [[30], [25], [21], [17], [13]]),
+                              (3, [[30, 25], [21, 17, 13]])):  # fmt: skip
+        chunks_trained.clear()
         assert_same(
             both_ways("mlp-bn", SGD, "prox", memory_bytes=clients * per_client,
                       sizes=BN_SIZES)
         )  # fmt: skip
+        assert chunks_trained == expected
 
 
 @pytest.mark.parametrize("policy", ["fedbn", "silobn"])
@@ -344,16 +429,3 @@ def test_the_largest_tensor_of_an_mlp_is_its_first_gradient() -> None:
     sample = PREP(shards(sizes=(10,))[0][0], None)
     footprint = client_footprint(model, sample, 10, SGD, LocalObjective())
     assert footprint.largest == 784 * 128 * 4
-
-
-def test_chunks_are_equal_and_keep_cpu_tensors_on_the_heap() -> None:
-    cpu, gpu = torch.device("cpu"), torch.device("cuda")
-    mlp = Footprint(bytes=2_000_000, largest=784 * 128 * 4)  # 83 under the cap
-    assert HEAP_TENSOR_BYTES // mlp.largest == 83
-    assert chunk_size(100, mlp, 0, cpu) == 50  # two chunks of 50, not 83 + 17
-    assert chunk_size(80, mlp, 0, cpu) == 80
-    assert chunk_size(100, mlp, 0, gpu) == 100  # CUDA's allocator caches
-    assert chunk_size(100, mlp, 30 * 2_000_000, gpu) == 25  # 30 fit: 4 x 25
-    assert chunk_size(100, mlp, 1, cpu) == 1  # at least one client
-    huge = Footprint(bytes=1, largest=HEAP_TENSOR_BYTES * 2)
-    assert chunk_size(7, huge, 0, cpu) == 1

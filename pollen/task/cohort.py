@@ -53,6 +53,7 @@ from __future__ import annotations
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from functools import partial
+from itertools import pairwise
 
 import torch
 import torch.nn.functional as F
@@ -86,8 +87,9 @@ ADAM_EPS = 1e-8  # torch.optim.Adam's and AdamW's default
 # gradient or activation that large is page-faulted and zeroed anew at every
 # step (a vectorised step of 100 Fashion-MNIST `mlp` clients, whose first
 # layer's gradient is 40 MB: 24.9 ms, 12.6 ms with glibc's threshold
-# raised). A CPU chunk keeps each of its tensors below it.
-HEAP_TENSOR_BYTES = 32 * 2**20
+# raised). A CPU chunk keeps each of its tensors below it, by its estimate
+# (`client_footprint`), less a page for malloc's header and alignment.
+HEAP_TENSOR_BYTES = 32 * 2**20 - 4096
 
 
 def cohort_problem(
@@ -242,7 +244,9 @@ class _Cohort:
             grads = self._sam_gradient(params, fixed, stats, calls, grads)
         self.loss_sum[:n] += loss.detach()
         self._add_regularizer(grads, params, n)
-        clip = _clip_factors(grads, self.max_grad_norm) if self.max_grad_norm else None
+        clip = None
+        if self.max_grad_norm > 0:
+            clip = _clip_factors(grads, self.max_grad_norm)
         state = {
             k: {name: v[:n] for name, v in s.items()} for k, s in self.state.items()
         }
@@ -377,23 +381,26 @@ def _optimizer_step(
     tensors it is each client's own; `step` is the 1-based step of every
     client stepped here."""
     names = list(params)
-    tensors, gradients = [params[n] for n in names], [grads[n] for n in names]
+    # the fused kernels read a gradient laid out as its parameter is; vmap
+    # may return one transposed or broadcast (a user's model)
+    tensors = [params[n] for n in names]
+    updates = [grads[n].contiguous() for n in names]
     if clip is not None:
-        for g in gradients:
+        for g in updates:
             g.mul_(_per_client(clip, g))
     if optimizer.name == "sgd":
         momentum = [state["momentum"][n] for n in names] if optimizer.momentum else []
         sgd(
-            tensors, gradients, momentum or [None] * len(names), fused=True,
+            tensors, updates, momentum or [None] * len(names), fused=True,
             weight_decay=optimizer.weight_decay, momentum=optimizer.momentum,
             lr=optimizer.lr, dampening=0.0, nesterov=False, maximize=False,
         )  # fmt: skip
         return
-    first = next(iter(gradients))
-    steps = [torch.tensor(float(step - 1), device=first.device) for _ in names]
+    # one count per tensor, on its device (fused Adam adds the step itself)
+    steps = [torch.full((), step - 1.0, device=t.device) for t in tensors]
     beta1, beta2 = optimizer.betas
     adam(
-        tensors, gradients, [state["exp_avg"][n] for n in names],
+        tensors, updates, [state["exp_avg"][n] for n in names],
         [state["exp_avg_sq"][n] for n in names], [], steps, fused=True,
         decoupled_weight_decay=optimizer.name == "adamw", amsgrad=False,
         beta1=beta1, beta2=beta2, lr=optimizer.lr,
@@ -520,21 +527,26 @@ def _carry_state(
             )
 
 
-def chunk_size(
+def chunk_count(
     clients: int, footprint: Footprint, memory_bytes: int, device: torch.device
 ) -> int:
-    """How many clients one vectorised chunk trains: as many as
-    `memory_bytes` (> 0) holds and, on the CPU, as keep every tensor of a
-    step below `HEAP_TENSOR_BYTES`; the clients split into chunks of equal
-    size (a last chunk of a few clients would step them at a cohort's
-    per-step cost)."""
+    """Into how many vectorised chunks a node's `clients` split: each holds
+    no more than `memory_bytes` (> 0) and, on the CPU, than keep every tensor
+    of a step below `HEAP_TENSOR_BYTES`."""
     limit = clients
     if memory_bytes > 0:
         limit = min(limit, memory_bytes // max(footprint.bytes, 1))
     if device.type == "cpu":
         limit = min(limit, HEAP_TENSOR_BYTES // max(footprint.largest, 1))
-    chunks = -(-clients // max(limit, 1))
-    return -(-clients // chunks)
+    return -(-clients // max(limit, 1))
+
+
+def split_evenly(order: Sequence[int], count: int) -> list[list[int]]:
+    """`order` cut into `count` consecutive parts whose sizes differ by at
+    most one (a last chunk of a few clients would step them at a cohort's
+    per-step cost, or alone)."""
+    bounds = [i * len(order) // count for i in range(count + 1)]
+    return [list(order[a:b]) for a, b in pairwise(bounds)]
 
 
 def train_cohort(
@@ -553,30 +565,31 @@ def train_cohort(
     """`train_local` of every `models[k]` on `shards[k]` (its `preprocess`,
     `seeds` and loaded `objectives`), as one vectorised computation per
     chunk of clients; each model is trained in place. The clients train in
-    consecutive chunks of `chunk_size` (one chunk but for `memory_bytes` >
-    0 or a CPU step's largest tensor), largest shards first, so that a
-    chunk's clients take similar numbers of steps."""
+    `chunk_count` consecutive chunks of (nearly) equal size, largest shards
+    first, so that a chunk's clients take similar numbers of steps; a
+    client's footprint is estimated on the largest shard, so that the first
+    chunk fits."""
     skip_single = any(isinstance(m, _BatchNorm) for m in models[0].modules())
+    for _, y in shards:  # before any chunk trains its models in place
+        if epochs < 1 or min(batch_size, len(y)) < (2 if skip_single else 1):
+            raise ValueError(f"a shard of {len(y)} samples gives no training step")
     x, _ = shards[0]
     sample = preprocess[0](x[:batch_size], None)
-    examples = epochs * sum(len(y) for _, y in shards) // len(shards)
+    examples = epochs * max(len(y) for _, y in shards)
     footprint = client_footprint(
         models[0], sample, batch_size, optimizer, objectives[0], examples
     )
     device = next(iter(trainable(models[0]).values())).device
-    chunk = chunk_size(len(models), footprint, memory_bytes, device)
+    count = chunk_count(len(models), footprint, memory_bytes, device)
     order = sorted(range(len(models)), key=lambda k: -len(shards[k][1]))
     results: dict[int, TrainResult] = {}
-    for start in range(0, len(models), chunk):
-        members = order[start : start + chunk]
+    for members in split_evenly(order, count):
         clients = []
         for k in members:  # a chunk's batches are made when it trains
             x, y = shards[k]
             steps = _client_steps(
                 x, y, preprocess[k], batch_size, epochs, seeds[k], skip_single
             )
-            if not steps:
-                raise ValueError(f"a shard of {len(y)} samples gives no training step")
             clients.append(_Client((x, y), steps, objectives[k]))
         chunk_models = [models[k] for k in members]
         trained = _train_chunk(chunk_models, clients, optimizer, max_grad_norm)
