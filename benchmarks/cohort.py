@@ -27,7 +27,8 @@ it prints each run's wall time, its mean round after the first and its
 final accuracy.
 
 `--memory-mib` repeats the cohort arm of the first workload under those
-`cohort-memory-mib` bounds (0: one chunk; `sequential`: the sequential arm
+`cohort-memory-mib` bounds (0: no memory bound, the CPU's chunk bound
+still applies; `sequential`: the sequential arm
 instead), each in a fresh process, and
 prints how far the process's resident memory rose during that round
 (above what it held before, sampled every 2 ms) beside its time: what the

@@ -111,7 +111,8 @@ class Settings:
         1024.0,
         "cohort: MiB one vectorised chunk of a node's cohort may take; a larger "
         "cohort trains in consecutive chunks (0: no bound; on the CPU a chunk "
-        "also keeps each tensor of a step under 32 MiB, docs/cohorts.md)",
+        "also keeps each tensor of a step under 32 MiB by its estimate, "
+        "docs/cohorts.md)",
         at_least(0),
     )
     # Data
