@@ -363,7 +363,7 @@ def test_a_killed_child_fails_its_reply_and_the_next_round_trains(
     # round-timeout=30, round 3 timed out on node 1 too (CI, 2026-11-25).
     run = submit(
         warm, tmp_path,
-        "rounds=3 local-epochs=8 round-timeout=60 run-name='kill'", NODES,
+        "rounds=3 local-epochs=24 round-timeout=60 run-name='kill'", NODES,
     )  # fmt: skip
     wait_for_rounds(tmp_path / "kill", 1, run)
     # round 2's task: started after round 1 was recorded (it may have started
@@ -372,7 +372,9 @@ def test_a_killed_child_fails_its_reply_and_the_next_round_trains(
     child = _wait_for_child(executor, set(), started_after=recorded - 0.05)
     # killed before it pulls its message, the task is re-run by Flower and
     # round 2 succeeds: kill it once it has worked for a while (the pull
-    # comes first; eight local epochs take several CPU seconds after it)
+    # comes first; 24 local epochs take a few CPU seconds after it even on a
+    # fast machine: 8 took 1.07 s of the task's time on 2026-12-04's CI
+    # machine, and the task ended before this test saw 1 s of its CPU)
     _wait_for_cpu(child, seconds=1.0)
     os.kill(child, signal.SIGKILL)
     output = finish(run)
@@ -413,7 +415,12 @@ def _wait_for_cpu(pid: int, seconds: float) -> None:
     """Until process `pid` has run `seconds` of CPU time (user and system)."""
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline:
-        fields = _stat(pid)  # raises once the process has ended
+        try:
+            fields = _stat(pid)
+        except FileNotFoundError:
+            raise AssertionError(
+                f"task {pid} ended before {seconds} s of CPU"
+            ) from None
         if (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK") >= seconds:
             return
         time.sleep(0.02)
