@@ -346,3 +346,41 @@ def test_the_servers_work_between_versions_delays_the_next_dispatch_on_the_clock
         arrays = outcome.arrays
     assert [[u.client for u in v.updates] for v in versions] == [[0], [1], [2]]
     assert [v.sim_seconds for v in versions] == pytest.approx([1.0, 5.0, 5.0])
+
+
+class BlockingGrid(ScriptedGrid):
+    """Each pull while `blocking` takes 31 s of the engine's clock (Flower
+    retrying a half-pushed reply's objects) and returns nothing; the
+    replies that came meanwhile are in the next pull once it is not."""
+
+    def __init__(self, clock: list[float]) -> None:
+        super().__init__([], dict.fromkeys(range(3), 0.0))
+        self.clock, self.blocking = clock, 1  # pulls left that block
+
+    def pull_messages(self, message_ids):
+        if self.blocking:
+            self.blocking -= 1
+            self.clock[0] += 31.0
+            return []
+        return super().pull_messages(message_ids)
+
+
+@pytest.mark.usefixtures("task_identity")
+def test_replies_that_come_during_a_long_pull_are_not_late(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """round-timeout 30 s: a pull that returns after the deadline does not
+    make the clients it waited for late, they are asked once more; clients
+    still silent at a pull that starts after it are given up on."""
+    clock = [1000.0]
+    monkeypatch.setattr(
+        "pollen.strategies.asynchronous.time.monotonic", lambda: clock[0]
+    )
+    grid = BlockingGrid(clock)
+    loop = engine(grid, concurrency=2, buffer_size=2)
+    start = ArrayRecord({"w": Array(np.zeros(1, np.float32))})
+    (version,) = play_versions(loop, start, 1)
+    assert len(version.updates) == 2 and not version.failures
+    grid.blocking = 100  # silent from here on: the second pull starts past it
+    with pytest.raises(RuntimeError, match="went silent for round-timeout"):
+        loop.next_version(version.arrays, 2, ConfigRecord(), Participants(ROSTER))

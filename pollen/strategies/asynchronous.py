@@ -264,6 +264,7 @@ class BufferedAsync:
         """The next reply to take, in real or simulated order."""
         while True:
             waiting = [m for m in self.in_flight if m not in self.arrived]
+            asked = time.monotonic()
             got = list(self.grid.pull_messages(waiting)) if waiting else []
             if got:
                 self.poll.message_seen()
@@ -271,7 +272,7 @@ class BufferedAsync:
                 message_id = reply.metadata.reply_to_message_id
                 if message_id in self.in_flight:
                     self.arrived[message_id] = (reply, self._arrival(reply, message_id))
-            self._expire()
+            self._expire(asked)
             if not self.in_flight:
                 raise RuntimeError(
                     "async: every client in flight went silent for round-timeout "
@@ -307,13 +308,19 @@ class BufferedAsync:
             dispatch.client, dispatch.request.bytes_down, seconds, message_bytes(reply)
         )
 
-    def _expire(self) -> None:
-        """Give up on clients in flight for longer than `timeout` (real s):
-        a failure, and their node is sent nothing more (it may be gone, or
-        still busy with the message)."""
-        now = time.monotonic()
+    def _expire(self, asked: float) -> None:
+        """Give up on clients that had been in flight for longer than
+        `timeout` (real s) when the SuperLink was last `asked` (monotonic
+        s): a failure, and their node is sent nothing more (it may be gone,
+        or still busy with the message). Not by the time the pull returned:
+        a pull can take a minute (Flower retries a reply's missing objects,
+        a killed node's half-pushed reply), and replies that came meanwhile
+        are in the next pull, not late."""
         for message_id, dispatch in list(self.in_flight.items()):
-            if message_id not in self.arrived and now - dispatch.started > self.timeout:
+            if (
+                message_id not in self.arrived
+                and asked - dispatch.started > self.timeout
+            ):
                 del self.in_flight[message_id]
                 node = dispatch.request.participants.roster.owner[dispatch.client]
                 self.lost_nodes.add(node)
