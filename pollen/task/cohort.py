@@ -33,10 +33,10 @@ Each client trains exactly as `pollen.task.train.train_local` trains it:
   functional form over the stacked tensors;
 - the reported loss is the mean clean-pass loss over its steps.
 
-A node's clients train in consecutive chunks of equal size, largest shards
-first (a chunk's clients then take similar numbers of steps): as many as
-`cohort-memory-mib` holds and, on the CPU, as keep every tensor of a step
-below glibc's mmap threshold (`HEAP_TENSOR_BYTES`).
+A node's clients train in consecutive chunks whose sizes differ by at most
+one, largest shards first (a chunk's clients then take similar numbers of
+steps): as many as `cohort-memory-mib` holds and, on the CPU, as keep every
+tensor of a step below glibc's mmap threshold (`HEAP_TENSOR_BYTES`).
 
 Afterwards each client's model holds its trained parameters and running
 statistics, so the objective's `save` and the ClientApp's reply read them
