@@ -262,6 +262,39 @@ def test_a_node_late_in_one_call_is_sent_nothing_until_it_answers(fake_clock) ->
     assert all(r.metadata.reply_to_message_id in ("m4", "m5") for r in replies)
 
 
+class OneLongPull(FakeGrid):
+    """Node 1 answers while the first pull takes 6 s (Flower retrying a
+    killed node's half-pushed reply): that pull returns nothing, the next
+    one has the answer."""
+
+    def __init__(self) -> None:
+        super().__init__(silent={1})
+        self.long = True
+
+    def pull_messages(self, message_ids):
+        if self.long:
+            self.long = False
+            self.now += 6.0
+            self.wake(1)
+            return []
+        return super().pull_messages(message_ids)
+
+
+def test_a_reply_that_came_during_a_pull_past_the_deadline_is_not_late(
+    fake_clock,
+) -> None:
+    """round-timeout 5 s: the pull that started at 0 s returns at 6 s, so the
+    grid is asked once more (that pull starts past the deadline, the last);
+    node 1's reply came in time and counts. Node 2's second message, due
+    when its first reply came, is not sent after the deadline."""
+    grid = OneLongPull()
+    fake_clock(grid)
+    replies = OneMessagePerNode(grid).send_and_receive(to_nodes(1, 2, 2), timeout=5)
+    assert [r.metadata.src_node_id for r in replies] == [1, 2]
+    assert grid.waves == [[1, 2]]
+    assert grid.now == 6.5  # one more pull, then done
+
+
 class InstantPulls(FakeGrid):
     """A FakeGrid whose pulls take no time; node 1 answers at `answer_at` s."""
 

@@ -190,7 +190,13 @@ class OneMessagePerNode:
         its reply comes in; pull replies as `clock` says (`reply_clock`), at
         most `LONGEST_REPLY_POLL` s apart (Flower's own `send_and_receive`
         sleeps 3 s between pulls in a deployment, which would round every
-        round's time up to a multiple of 3 s)."""
+        round's time up to a multiple of 3 s).
+
+        The grid is asked until one pull starts at or after the deadline,
+        and whatever a pull returns is taken: a reply that reached the
+        SuperLink in time is never late, even when the pull before took past
+        the deadline (Flower retrying a killed node's half-pushed reply can
+        hold one for a minute). After the deadline nothing more is pushed."""
         deadline = None if timeout is None else time.monotonic() + timeout
         queues: dict[int, deque[Message]] = {}
         for message in messages:
@@ -201,10 +207,13 @@ class OneMessagePerNode:
         busy = set(earlier.values())
         ready = [n for n in queues if n not in busy]
         while True:
-            self._push([queues[n].popleft() for n in ready if queues.get(n)], in_flight)
+            if deadline is None or time.monotonic() < deadline:
+                nexts = [queues[n].popleft() for n in ready if queues.get(n)]
+                self._push(nexts, in_flight)
             holding = [i for i, n in earlier.items() if queues.get(n)]
             if not in_flight and not holding:
                 break
+            asked = time.monotonic()
             got = list(self._grid.pull_messages([*in_flight, *earlier]))
             ready = []
             for reply in got:
@@ -214,13 +223,13 @@ class OneMessagePerNode:
                     ready.append(node)
                 elif (node := earlier.pop(message_id, None)) is not None:
                     ready.append(node)  # free again; its reply is too late
-            if deadline is not None and time.monotonic() >= deadline:
+            if deadline is not None and asked >= deadline:
                 break
             if got:
                 self.clock.message_seen()
             else:
                 left = math.inf if deadline is None else deadline - time.monotonic()
-                self.clock.sleep(min(LONGEST_REPLY_POLL, left))
+                self.clock.sleep(max(0.0, min(LONGEST_REPLY_POLL, left)))
         earlier.update(in_flight)
         return replies
 
