@@ -404,6 +404,25 @@ def test_batchnorm_chunks_train_as_alone(chunks_trained: list[list[int]]) -> Non
         assert chunks_trained == expected
 
 
+def test_a_shard_without_a_step_is_refused_before_any_client_trains() -> None:
+    """As `train_local`: a BatchNorm model skips 1-sample batches, so a
+    1-sample shard gives no step. The cohort says so before its first chunk
+    (the largest shards) has trained any model in place."""
+    base = build_model("mlp-bn", (1, 28, 28), 10, seed=3)
+    data = shards((21, 13, 1))
+    models = [copy.deepcopy(base) for _ in data]
+    with pytest.raises(ValueError, match="a shard of 1 samples gives no training step"):
+        train_cohort(
+            models, data, epochs=1, batch_size=8, optimizer=SGD,
+            preprocess=[PREP] * len(data), seeds=[0, 1, 2],
+            objectives=[LocalObjective() for _ in data],
+            memory_bytes=1,  # one client a chunk
+        )  # fmt: skip
+    for model in models:
+        for name, value in model.state_dict().items():
+            assert torch.equal(value, base.state_dict()[name]), name
+
+
 @pytest.mark.parametrize("policy", ["fedbn", "silobn"])
 def test_local_batchnorm_entries_train_as_alone(policy: str) -> None:
     """FedBN and SiloBN: each client starts from its own BatchNorm entries

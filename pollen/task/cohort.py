@@ -73,6 +73,7 @@ from .train import (
     ShuffledBatches,
     TrainResult,
     Transform,
+    has_batch_norm,
     no_preprocess,
     train_loop,
     trainable,
@@ -218,7 +219,7 @@ class _Cohort:
             for n in running_statistics(models[0])
         }
         self.fixed = _fixed_entries(models, {*names, *self.stats})
-        self.batch_norm = any(isinstance(m, _BatchNorm) for m in models[0].modules())
+        self.batch_norm = has_batch_norm(models[0])
         self.optimizer, self.max_grad_norm = optimizer, max_grad_norm
         self.state = _optimizer_state(optimizer, self.params)
         self.sam_rho = clients[0].objective.sam_rho
@@ -569,9 +570,9 @@ def train_cohort(
     first, so that a chunk's clients take similar numbers of steps; a
     client's footprint is estimated on the largest shard, so that the first
     chunk fits."""
-    skip_single = any(isinstance(m, _BatchNorm) for m in models[0].modules())
+    skip_single = has_batch_norm(models[0])
     for _, y in shards:  # before any chunk trains its models in place
-        if epochs < 1 or min(batch_size, len(y)) < (2 if skip_single else 1):
+        if not ShuffledBatches.give_a_step(len(y), batch_size, epochs, skip_single):
             raise ValueError(f"a shard of {len(y)} samples gives no training step")
     x, _ = shards[0]
     sample = preprocess[0](x[:batch_size], None)

@@ -188,6 +188,12 @@ class Batches:
         raise NotImplementedError
 
 
+def has_batch_norm(model: nn.Module) -> bool:
+    """Whether `model` has BatchNorm: it cannot train on a single sample, and
+    its batch statistics see every sample of a batch."""
+    return any(isinstance(m, _BatchNorm) for m in model.modules())
+
+
 @dataclass
 class ShuffledBatches(Batches):
     """`num_epochs` passes over the shard in a seeded random order,
@@ -199,6 +205,14 @@ class ShuffledBatches(Batches):
     num_epochs: int
     seed: int
     skip_single: bool
+
+    @staticmethod
+    def give_a_step(
+        num_examples: int, batch_size: int, num_epochs: int, skip_single: bool
+    ) -> bool:
+        """Whether such batches hold at least one training step."""
+        smallest = 2 if skip_single else 1
+        return num_epochs >= 1 and min(batch_size, num_examples) >= smallest
 
     def __post_init__(self) -> None:
         self.order = torch.Generator().manual_seed(self.seed)
@@ -336,10 +350,9 @@ def train_local(
     from `seed + 2`, so that a replayed (resumed) round repeats its masks.
     """
     rule = OptimizerStep(model, optimizer, max_grad_norm)
-    has_bn = any(isinstance(m, _BatchNorm) for m in model.modules())
     batches = ShuffledBatches(
         x, y, preprocess, batch_size=batch_size, num_epochs=epochs, seed=seed,
-        skip_single=has_bn,
+        skip_single=has_batch_norm(model),
     )  # fmt: skip
     torch.manual_seed(seed + 2)
     return train_loop(model, batches, rule, objective or LocalObjective(), after_epoch)
