@@ -407,8 +407,9 @@ CLIENT_EXECUTIONS = {
     "cohort": (
         "a node's clients of a round trained together, vectorised with "
         "torch.func: every local objective (plain, prox, feddyn, scaffold, "
-        "SAM and the -sam ones), sgd/adam/adamw, models without BatchNorm "
-        "or dropout; refused: DP-SGD, FedRep, Ditto, mode async"
+        "SAM and the -sam ones), sgd/adam/adamw, models without dropout "
+        "(BatchNorm's running statistics kept per client; not with "
+        "momentum=None); refused: DP-SGD, FedRep, Ditto, mode async"
     ),
 }
 COHORT_RULES = "pollen.task.cohort_rules:cohort_problem"
