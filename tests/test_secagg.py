@@ -187,11 +187,13 @@ def silent_from(stage: str, clients: set[int]) -> dict[str, set[int]]:
     return {s: clients for s in order[order.index(stage) :]}
 
 
-def secure_round(federation: Federation, count: int, control=None, uniform=False):
+def secure_round(
+    federation: Federation, count: int, control=None, uniform=False, params=PARAMS
+):
     owner = {c: 100 + c % 2 for c in range(count)}  # two nodes serve them
     strategy = Strategy(
         num_clients=count, client_frac=1.0, seed=7, server_update=FedAvgUpdate(),
-        control=control, secure=SecureAggregation(PARAMS, 7, uniform),
+        control=control, secure=SecureAggregation(params, 7, uniform),
     )  # fmt: skip
     participants = Participants(Roster(owner), {c: 40 for c in range(count)})
     arrays = ArrayRecord({k: Array(v) for k, v in GLOBAL.items()})
@@ -314,6 +316,112 @@ def test_a_malformed_vector_drops_its_client_and_the_round_goes_on() -> None:
     got = outcome.arrays["w"].numpy().astype(np.float64)
     assert np.allclose(got, weighted_mean(updates, examples, [1, 2, 3]), atol=1e-4)
     assert any("expected uint32[6]" in line for line in outcome.failures)
+
+
+def test_a_client_left_without_neighbours_is_dropped_before_it_shares() -> None:
+    """Five clients on a ring of degree 2 (`secagg-neighbours` 0.5): clients
+    0 and 2 (ids 1 and 3), the neighbours of client 1 (id 2), are lost at
+    the keys stage. Client 1's own seed alone would mask its vector, and its
+    own share would rebuild that seed: it is dropped before it shares, so
+    the server never gets its vector; the other two are summed."""
+    params = secagg.SecAggParams(threshold=0.6, neighbours=0.5, clip=1.0, bits=16)
+    updates, examples = client_updates(5), {c: 40 for c in range(5)}
+    silent = silent_from(f"{MessageType.QUERY}.{SECAGG_KEYS}", {0, 2})
+    federation = Federation(updates, examples, silent=silent)
+    _, outcome = secure_round(federation, 5, params=params)
+    assert sorted(federation.vectors) == [3, 4]
+    assert outcome.report["secagg-survivors"] == 2
+    assert any("client 1: none of its neighbours sent keys" in f
+               for f in outcome.failures)  # fmt: skip
+    got = outcome.arrays["w"].numpy().astype(np.float64)
+    assert np.allclose(got, weighted_mean(updates, examples, [3, 4]), atol=1e-4)
+
+
+def test_one_masked_vector_is_never_unmasked() -> None:
+    """min-train-replies is 1 by default, but the sum of one vector is that
+    client's update: with two of three clients silent from training on (or
+    from the keys on, leaving the third no neighbour), the round is skipped."""
+    updates, examples = client_updates(3), {c: 40 for c in range(3)}
+    for stage in (MessageType.TRAIN, f"{MessageType.QUERY}.{SECAGG_KEYS}"):
+        federation = Federation(updates, examples, silent=silent_from(stage, {1, 2}))
+        _, outcome = secure_round(federation, 3)
+        assert outcome.skipped and outcome.arrays is None, stage
+        assert not any(stage.endswith(SECAGG_UNMASK) for _, stage in federation.asked)
+
+
+def test_thresholds_by_hand_and_what_a_client_refuses() -> None:
+    """ceil(share x holders), at least 2, at most all; 0.56 of 25 is 14 (the
+    float product is 14.000000000000002). A client refuses a threshold its
+    own share would meet, or one not above half its holders."""
+    assert [secagg.threshold_for(h, 0.6) for h in (2, 3, 5, 10)] == [2, 2, 3, 6]
+    assert secagg.threshold_for(25, 0.56) == 14
+    assert secagg.threshold_for(4, 1.0) == 4
+    with pytest.raises(ValueError, match="needs 2 holders"):
+        secagg.threshold_for(1, 0.6)
+    assert secagg.threshold_problem(2, 3) is None
+    assert "at least 2" in secagg.threshold_problem(1, 1)
+    for threshold, holders in ((1, 3), (2, 4), (5, 4)):
+        assert "above half" in secagg.threshold_problem(threshold, holders)
+
+
+def test_a_client_refuses_to_share_under_a_threshold_its_own_share_meets(
+    monkeypatch,
+) -> None:
+    """A server that asks for threshold 1 (one share, its holder's own,
+    would rebuild the client's seed) gets an error, not the shares."""
+    updates, examples = client_updates(3), {c: 40 for c in range(3)}
+    share_keys = secagg_client.share_keys
+
+    def asked_for_one(msg: Message, context: Context) -> Message:
+        msg.content[SECAGG]["threshold"] = 1
+        return share_keys(msg, context)
+
+    monkeypatch.setattr(secagg_client, "share_keys", asked_for_one)
+    federation = Federation(updates, examples)
+    _, outcome = secure_round(federation, 3)
+    assert outcome.skipped and not federation.vectors
+    assert sum("refusing to share my secrets" in f for f in outcome.failures) == 3
+
+
+@pytest.mark.parametrize("stage", [SECAGG_SHARES, SECAGG_UNMASK])
+def test_shares_that_are_not_bytes_drop_their_client_not_the_run(stage: str) -> None:
+    """Strings where a stage 2 or 4 reply holds encrypted or revealed shares:
+    that client is dropped (at stage 4 three honest holders of four still
+    meet the threshold of 3), and the round goes on."""
+    updates, examples = client_updates(4), {c: 40 for c in range(4)}
+    field = "ciphertexts" if stage == SECAGG_SHARES else "seeds"
+
+    def garble(at: str, client: int, reply: Message) -> Message:
+        if at.endswith(stage) and client == 1:
+            record = reply.content[SECAGG]
+            record[field] = ["x"] * len(record[field])
+        return reply
+
+    _, outcome = secure_round(Federation(updates, examples, tamper=garble), 4)
+    assert any("client 1: malformed" in f for f in outcome.failures)
+    survivors = [0, 2, 3] if stage == SECAGG_SHARES else range(4)
+    got = outcome.arrays["w"].numpy().astype(np.float64)
+    assert np.allclose(got, weighted_mean(updates, examples, survivors), atol=1e-4)
+
+
+def test_a_training_reply_for_a_client_that_did_not_share_is_rejected() -> None:
+    """Node 100 serves clients 0, 2 and 4; client 2 is lost at the shares
+    stage, so it is sent no training message. A reply naming it (to client
+    0's message) is rejected as one for a client not asked, and the round
+    sums the clients that answered for themselves."""
+    updates, examples = client_updates(6), {c: 40 for c in range(6)}
+
+    def rename(stage: str, client: int, reply: Message) -> Message:
+        if stage == MessageType.TRAIN and client == 0:
+            reply.content[CLIENT_RECORD] = ConfigRecord({CLIENT: 2})
+        return reply
+
+    silent = silent_from(f"{MessageType.QUERY}.{SECAGG_SHARES}", {2})
+    federation = Federation(updates, examples, silent=silent, tamper=rename)
+    _, outcome = secure_round(federation, 6)
+    assert any("client 2 was not asked to train" in f for f in outcome.failures)
+    got = outcome.arrays["w"].numpy().astype(np.float64)
+    assert np.allclose(got, weighted_mean(updates, examples, [1, 3, 4, 5]), atol=1e-4)
 
 
 def test_scaffolds_control_deltas_are_summed_securely() -> None:

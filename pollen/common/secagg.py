@@ -38,6 +38,7 @@ from __future__ import annotations
 import base64
 import math
 from dataclasses import dataclass
+from fractions import Fraction
 
 import numpy as np
 from cryptography.hazmat.primitives import serialization
@@ -49,6 +50,12 @@ from flwr.common.secure_aggregation.crypto.symmetric_encryption import (
 )
 
 SEED_BYTES = 32  # b_u, and a pairwise mask key
+# a client and at least one neighbour hold its secrets; a client left with
+# no neighbour would be masked by b_u alone, which its own share rebuilds
+MIN_HOLDERS = 2
+# a round's sum is unmasked from at least two vectors: the sum of one is
+# that client's update
+MIN_SURVIVORS = 2
 
 
 @dataclass(frozen=True)
@@ -83,8 +90,28 @@ def ring_neighbours(n: int, share: float) -> dict[int, tuple[int, ...]]:
 
 def threshold_for(holders: int, share: float) -> int:
     """Shares of a secret needed to rebuild it: `share` of its holders (the
-    client and its neighbours), at least two and at most all."""
-    return min(holders, max(2, math.ceil(share * holders)))
+    client and its neighbours; `share` read as the decimal it was written
+    as, so 0.56 of 25 is 14, not 15), at least two and at most all. A secret
+    needs two holders: with one, its owner's own share rebuilds it."""
+    if holders < MIN_HOLDERS:
+        raise ValueError(f"a secret needs {MIN_HOLDERS} holders, it has {holders}")
+    return min(holders, max(MIN_HOLDERS, math.ceil(Fraction(repr(share)) * holders)))
+
+
+def threshold_problem(threshold: int, holders: int) -> str | None:
+    """Why a client must not split its secrets among `holders` (itself and
+    its neighbours) with this `threshold`, or None: fewer than two holders
+    or shares (its own share alone would rebuild its secret), more than
+    there are holders, or not above half of them (two disjoint halves could
+    each rebuild it, so the server could learn both secrets of one client)."""
+    if holders < MIN_HOLDERS:
+        return f"{holders} holder(s) of its secrets, at least {MIN_HOLDERS} needed"
+    if not MIN_HOLDERS <= threshold <= holders or 2 * threshold <= holders:
+        return (
+            f"threshold {threshold} for {holders} holders: it must be above half "
+            f"of them, at least {MIN_HOLDERS} and at most all"
+        )
+    return None
 
 
 # ---- keys ------------------------------------------------------------------

@@ -207,7 +207,8 @@ class _SecureRun:
         outcome = TrainOutcome(
             updates=updates, failures=self.stages.failures, answered=len(updates)
         )
-        needed = self.strategy.min_updates
+        # never fewer than MIN_SURVIVORS: the sum of one is its update
+        needed = max(self.strategy.min_updates, secagg.MIN_SURVIVORS)
         if len(vectors) < needed:
             return self._skipped(
                 outcome, f"{len(vectors)} masked vectors arrived, it needs {needed}"
@@ -253,6 +254,9 @@ class _SecureRun:
             {c: content[SECAGG] for c, content in answers.items()}, "keys"
         )
         asked = self._share_requests(self.plan, keys)
+        for client in keys.keys() - asked.keys():
+            self._drop(client, "shares", "none of its neighbours sent keys, so "
+                       "its own seed alone would mask its vector")  # fmt: skip
         answers = self._exchange(SECAGG_SHARES, asked, "shares")
         replies = {c: content[SECAGG] for c, content in answers.items()}
         return SetUp(owners, keys, self._shares(asked, replies, "shares"))
@@ -298,13 +302,16 @@ class _SecureRun:
     def _share_requests(
         self, plan: Plan, keys: Mapping[int, ConfigRecord]
     ) -> dict[int, ConfigRecord]:
-        """Stage 2's request to each client with keys: its neighbours' public
-        keys (those that advertised) and the threshold of its holders."""
+        """Stage 2's request to each client with keys and a neighbour that
+        sent keys: those neighbours' public keys and the threshold of its
+        holders."""
         asked = {}
         for client in keys:
             neighbours = [v for v in plan.graph[plan.ids[client]]
                           if plan.client_of[v] in keys]  # fmt: skip
             holders = 1 + len(neighbours)
+            if holders < secagg.MIN_HOLDERS:
+                continue
             asked[client] = secagg.config_record(
                 neighbours=neighbours,
                 **{"share-publics": [keys[plan.client_of[v]]["share-public"]
@@ -325,8 +332,12 @@ class _SecureRun:
         threshold and ciphertexts by holder; the others dropped."""
         shared = {}
         for client, record in answers.items():
-            to = [int(v) for v in record.get("to", [])]
-            ciphertexts = [bytes(c) for c in record.get("ciphertexts", [])]
+            try:
+                to = [int(v) for v in record.get("to", [])]
+                ciphertexts = [bytes(c) for c in record.get("ciphertexts", [])]
+            except (TypeError, ValueError) as err:
+                self._drop(client, stage, f"malformed shares ({err})")
+                continue
             if to != list(asked[client].get("neighbours", [])) or len(
                 ciphertexts
             ) != len(to):
@@ -352,7 +363,9 @@ class _SecureRun:
         seen: set[int] = set()
         for reply in replies:
             try:
-                client, metrics, vector = self._checked_vector(reply, length, seen)
+                client, metrics, vector = self._checked_vector(
+                    reply, length, shared, seen
+                )
             except ReplyError as err:
                 self.stages.failures.append(
                     rejected(reply.metadata.src_node_id, str(err))
@@ -424,15 +437,17 @@ class _SecureRun:
         keys: dict[int, list[tuple[int, bytes]]] = {}
         for client, content in answers.items():
             record = content[SECAGG]
+            try:
+                its_seeds = _owned_shares(record, "seed-of", "seeds", survived)
+                its_keys = _owned_shares(record, "key-of", "keys", dropped)
+            except (TypeError, ValueError) as err:
+                self._drop(client, "unmask", f"malformed revealed shares ({err})")
+                continue
             holder = self.plan.ids[client]
-            for owner, share in zip(record.get("seed-of", []),
-                                    record.get("seeds", []), strict=False):  # fmt: skip
-                if owner in survived:
-                    seeds.setdefault(int(owner), []).append((holder, bytes(share)))
-            for owner, share in zip(record.get("key-of", []),
-                                    record.get("keys", []), strict=False):  # fmt: skip
-                if owner in dropped:
-                    keys.setdefault(int(owner), []).append((holder, bytes(share)))
+            for owner, share in its_seeds:
+                seeds.setdefault(owner, []).append((holder, share))
+            for owner, share in its_keys:
+                keys.setdefault(owner, []).append((holder, share))
         return Revealed(seeds, keys)
 
     def _keep_set_up(
@@ -581,10 +596,11 @@ class _SecureRun:
         return valid
 
     def _checked_vector(
-        self, reply: Message, length: int, seen: set[int]
+        self, reply: Message, length: int, asked: Shares, seen: set[int]
     ) -> tuple[int, MetricRecord, np.ndarray]:
+        """A training reply's client (one that shared), metrics and vector."""
         owner = self.request.participants.roster.owner
-        client = named_client(reply, owner, set(self.request.clients), seen, "train")
+        client = named_client(reply, owner, asked.keys(), seen, "train")
         record, metrics = reply.content.get(MASKED), reply.content.get(METRICS)
         if not isinstance(record, ArrayRecord) or not isinstance(metrics, MetricRecord):
             raise ReplyError(f"reply lacks its {MASKED!r} or {METRICS!r} record")
@@ -623,6 +639,15 @@ class _SecureRun:
 
     def _owners(self, clients: list[int]) -> dict[int, int]:
         return {client: self._node(client) for client in clients}
+
+
+def _owned_shares(
+    record: ConfigRecord, owners_key: str, shares_key: str, wanted: list[int]
+) -> list[tuple[int, bytes]]:
+    """The (owner, share) pairs of a stage-4 reply whose owner is `wanted`;
+    a TypeError or ValueError when the lists are not of numbers and bytes."""
+    pairs = zip(record.get(owners_key, []), record.get(shares_key, []), strict=False)
+    return [(int(o), bytes(share)) for o, share in pairs if o in wanted]
 
 
 def _bytes(content: RecordDict) -> int:

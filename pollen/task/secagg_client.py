@@ -29,7 +29,8 @@ revealed ones. They are the same keys and shares, only sent earlier; each
 round's secrets stay its own.
 
 A stage whose input is inconsistent (a repeated key, a share for another
-client, a client marked both survived and dropped, too few survivors)
+client, a threshold that its own share would meet or that is not above half
+its holders, a client marked both survived and dropped, too few survivors)
 raises: the node's reply is an error and the server drops the client.
 """
 
@@ -141,6 +142,8 @@ def _shares(
         raise ValueError("secagg: one share key and one mask key per neighbour")
     threshold = int(record["threshold"])
     holders = [me, *neighbours]
+    if problem := secagg.threshold_problem(threshold, len(holders)):
+        raise ValueError(f"secagg: refusing to share my secrets: {problem}")
     seed_shares = create_shares(bytes(state["seed"]), threshold, len(holders))
     key_shares = create_shares(bytes(state["mask-key"]), threshold, len(holders))
     share_key = secagg.load_private(bytes(state["share-key"]))
