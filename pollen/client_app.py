@@ -30,6 +30,7 @@ import time
 from collections.abc import Hashable
 from dataclasses import dataclass
 from functools import cache, partial
+from logging import ERROR
 from pathlib import Path
 
 import torch
@@ -43,6 +44,7 @@ from flwr.app import (
 )
 from flwr.clientapp import ClientApp
 from flwr.clientapp.typing import ClientAppCallable, Mod
+from flwr.common.logger import log
 
 from .common.cohorts import member_views, packed_reply
 from .common.steps import effective_steps
@@ -311,29 +313,64 @@ def train_cohort(msg: Message, context: Context) -> Message:
     vectorised cohort (`pollen.task.cohort`): each member's message and
     reply are the ones `train` would take and give, through the same mods;
     each member's `train-seconds` is its share (by steps) of the cohort's."""
-    views = member_views(msg)
-    members = [ClientModel.assemble(view, context) for view in views]
-    runs = [cm.local_run(float(msg.content[CONFIG][LR])) for cm in members]
-    objectives = []
-    for cm, view in zip(members, views, strict=True):
-        objectives.append(LocalObjective.from_settings(cm.settings))
-        objectives[-1].load(context, cm.client, cm.model, cm.sharing, view.content)
-    _load_optimizer_modules(members[0].settings.client_optimizer)
+    lr = float(msg.content[CONFIG][LR])
+    members: list[_Member] = []
+    failed: dict[int, Exception] = {}
+    for view in member_views(msg):
+        try:
+            members.append(_Member.prepared(view, context, lr))
+        except Exception as err:  # as Flower answers `train` raising: its client's
+            failed[int(view.content[CONFIG][CLIENT])] = _logged(err)
+    if not members:
+        return packed_reply(msg, [], failed)
+    _load_optimizer_modules(members[0].cm.settings.client_optimizer)
     started = time.perf_counter()
-    results = cohort_epochs(runs, objectives)
+    results = cohort_epochs([m.run for m in members], [m.objective for m in members])
     seconds = time.perf_counter() - started
     total_steps = sum(result.steps for result in results)
     answered = []
-    for view, cm, objective, result in zip(
-        views, members, objectives, results, strict=True
-    ):
+    for member, result in zip(members, results, strict=True):
         share = seconds * result.steps / total_steps
         trained = partial(
-            trained_reply, cm=cm, objective=objective, result=result, seconds=share,
-            metrics={TRAIN_LOSS: result.loss},
+            trained_reply, cm=member.cm, objective=member.objective, result=result,
+            seconds=share, metrics={TRAIN_LOSS: result.loss},
         )  # fmt: skip
-        answered.append((view, through_mods(TRAIN_MODS, trained)(view, context)))
-    return packed_reply(msg, answered)
+        try:
+            reply = through_mods(TRAIN_MODS, trained)(member.view, context)
+        except Exception as err:  # its reply alone fails, as `train`'s would
+            failed[member.cm.client] = _logged(err)
+            continue
+        answered.append((member.view, reply))
+    return packed_reply(msg, answered, failed)
+
+
+@dataclass
+class _Member:
+    """One client of a cohort, ready to train: its view of the message, its
+    model, its run and its loaded objective."""
+
+    view: Message
+    cm: ClientModel
+    run: LocalRun
+    objective: LocalObjective
+
+    @classmethod
+    def prepared(cls, view: Message, context: Context, lr: float) -> _Member:
+        """As `train` prepares its client; what would fail that client's
+        training (its state, a shard without a step) raises here, before
+        the cohort trains."""
+        cm = ClientModel.assemble(view, context)
+        run = cm.local_run(lr)
+        run.check_steps()
+        objective = LocalObjective.from_settings(cm.settings)
+        objective.load(context, cm.client, cm.model, cm.sharing, view.content)
+        return cls(view, cm, run, objective)
+
+
+def _logged(err: Exception) -> Exception:
+    """`err`, logged with its traceback as Flower logs a ClientApp's."""
+    log(ERROR, "cohort member failed alone: %s", err, exc_info=err)
+    return err
 
 
 def trained_reply(

@@ -41,6 +41,7 @@ from pollen.protocol import (
 from pollen.settings import Settings, SettingsError
 from pollen.strategies.cohort_grid import CohortGrid
 from pollen.strategies.strategy import addressed
+from pollen.task.client_state import ClientStateError
 from pollen.task.models import build_model
 from pollen.task.sharing import Sharing
 from tests.conftest import reply_from
@@ -107,6 +108,22 @@ def test_a_nodes_error_is_each_members_error_and_silence_stays_silent() -> None:
     assert {r.error.reason for r in replies} == {"out of memory"}
     only_one = packed_reply(pack(sent)[0], [])  # a reply naming no member
     assert unpack(sent, [reply_from(11, only_one.content, COHORT_TRAIN)]) == []
+
+
+def test_a_member_that_failed_alone_is_that_clients_error_only() -> None:
+    """A member's own failure (its state, its shard) travels as its
+    `<client>/error` record and comes out as its error reply, with the
+    reason in Flower's form; its node's other members keep their replies."""
+    sent = training_messages({0: 11, 1: 11, 2: 11})
+    cohort = pack(sent)[0]
+    views = member_views(cohort)
+    answered = [(v, member_reply(v, 0.0)) for v in (views[0], views[2])]
+    packed = packed_reply(cohort, answered, {1: ValueError("no step")})
+    replies = unpack(sent, [reply_from(11, packed.content, COHORT_TRAIN)])
+    assert [r.has_error() for r in replies] == [False, True, False]
+    assert replies[1].error.reason == "<class 'ValueError'>:<'no step'>"
+    assert replies[1].metadata.reply_to_message_id == sent[1].metadata.message_id
+    assert [replies[k].content[METRICS]["num-examples"] for k in (0, 2)] == [10, 12]
 
 
 class EchoGrid:
@@ -242,3 +259,59 @@ def test_cohort_settings_refuse_what_a_cohort_cannot_reproduce() -> None:
         )
     assert run_config(**{"client-execution": "cohort"})["client-execution"] == "cohort"
     assert run_config(**{"client-execution": "cohort", "model": "mlp-bn"})
+
+
+def members_alone_and_together(settings: dict, sent: list[Message]):
+    """Each message through `train` (a client whose training raises: its
+    exception, as Flower would answer it) and all through `train_cohort`,
+    on fresh node contexts; the cohort's reply unpacked per client."""
+    alone: dict[int, Message | Exception] = {}
+    one_by_one = Context(1, 11, {}, RecordDict(), settings)
+    for message in sent:
+        client = int(message.content[CONFIG][CLIENT])
+        try:
+            alone[client] = client_app.train(message, one_by_one)
+        except Exception as err:
+            alone[client] = err
+    (cohort,) = pack(sent)
+    together = client_app.train_cohort(
+        cohort, Context(1, 11, {}, RecordDict(), settings)
+    )
+    unpacked = unpack(sent, [reply_from(11, together.content, COHORT_TRAIN)])
+    return alone, together, unpacked
+
+
+def test_a_shard_without_a_step_fails_only_its_client() -> None:
+    """mlp-bn on digits, Dirichlet 0.1 over 50 clients with min-size 1:
+    client 21 holds one example, and BatchNorm skips 1-sample batches, so
+    it has no step. One by one only client 21 fails; in a cohort with 20
+    and 22 too, and they train as they do alone."""
+    settings = run_config(
+        model="mlp-bn", **{"num-clients": 50, "alpha": 0.1, "min-size": 1}
+    )
+    sent = server_messages(settings, {20: 11, 21: 11, 22: 11}, 1)
+    alone, together, unpacked = members_alone_and_together(settings, sent)
+    assert isinstance(alone[21], ValueError)
+    assert "a shard of 1 samples gives no training step" in str(alone[21])
+    assert_replies_equal(together, [alone[20], alone[22]])
+    assert [r.has_error() for r in unpacked] == [False, True, False]
+    assert "a shard of 1 samples gives no training step" in unpacked[1].error.reason
+
+
+def test_a_members_unreadable_state_fails_only_its_client(tmp_path) -> None:
+    """FedDyn keeps h_k per client; client 3's kept file is not an npz. One
+    by one only client 3 fails; in a cohort its node's clients 0 and 2
+    still train and reply as they do alone."""
+    settings = run_config(strategy="feddyn")
+    (tmp_path / "client-3").mkdir()
+    (tmp_path / "client-3" / "round-00001.run-1.npz").write_bytes(b"not an npz")
+    owner = {0: 11, 2: 11, 3: 11}
+    sent = server_messages(settings, owner, 2)
+    for message in sent:
+        message.content[CONFIG]["state-dir"] = str(tmp_path)
+    alone, together, unpacked = members_alone_and_together(settings, sent)
+    assert isinstance(alone[3], ClientStateError)
+    assert "round-00001.run-1.npz" in str(alone[3])
+    assert_replies_equal(together, [alone[0], alone[2]])
+    assert [r.has_error() for r in unpacked] == [False, False, True]
+    assert type(alone[3]).__name__ in unpacked[2].error.reason

@@ -8,10 +8,14 @@ merges those addressed to one node into a single message of type
 whose `CONFIG` names the clients (`CLIENTS`) instead of one client. The
 ClientApp splits it back into each member's own training message
 (`member_views`), trains them together (`pollen.task.cohort`) and answers
-with `packed_reply`: each member's reply records, renamed `<client>/<record>`.
-`unpack` turns that reply into one reply per client, addressed as if each
-member's own message had been answered, so every reply check, byte count and
-history column downstream is the one a sequential round uses.
+with `packed_reply`: each member's reply records, renamed `<client>/<record>`,
+and for a member whose own preparation or reply failed (its state, its
+shard) only `<client>/error`, the reason, where `train` would have raised
+for that client alone. `unpack` turns that reply into one reply per client,
+addressed as if each member's own message had been answered (an error
+member's as Flower answers a ClientApp that raised), so every reply check,
+byte count and history column downstream is the one a sequential round
+uses.
 
 Only training messages travel as cohorts; personal evaluation stays one
 message per client. Both sides import this module (it needs Flower's record
@@ -21,14 +25,16 @@ types and `pollen.protocol` only).
 from __future__ import annotations
 
 import copy
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 
-from flwr.app import ConfigRecord, Message, MessageType, RecordDict
+from flwr.app import ConfigRecord, Error, Message, MessageType, RecordDict
+from flwr.common.constant import ErrorCode
 
 from ..protocol import CLIENT, CONFIG
 
 COHORT_TRAIN = f"{MessageType.TRAIN}.cohort"  # the packed message's type
 CLIENTS = "partition-ids"  # CONFIG key of a packed message: its members, in order
+FAILED = "error"  # a member's record when it failed alone: {"reason": ...}
 
 
 def _member_key(client: int, record: str) -> str:
@@ -88,9 +94,10 @@ def unpack(requests: Iterable[Message], replies: Iterable[Message]) -> list[Mess
     own messages (`requests`, as `pack` was given them): each is a reply to
     its member's message, with the records its node answered for it.
 
-    A node's error reply becomes that error for each of its members; a
-    member its node's reply says nothing of gets no reply (the round counts
-    it as not answered). Replies to other messages pass through.
+    A node's error reply becomes that error for each of its members, a
+    member's own `FAILED` record an error for it alone; a member its node's
+    reply says nothing of gets no reply (the round counts it as not
+    answered). Replies to other messages pass through.
     """
     members: dict[int, list[Message]] = {}
     for request in requests:
@@ -106,9 +113,19 @@ def unpack(requests: Iterable[Message], replies: Iterable[Message]) -> list[Mess
             client = int(request.content[CONFIG][CLIENT])
             if reply.has_error():
                 out.append(Message(reply.error, reply_to=request))
+            elif failed := _member_failure(reply.content, client):
+                out.append(Message(failed, reply_to=request))
             elif content := _member_records(reply.content, client):
                 out.append(Message(content, reply_to=request))
     return out
+
+
+def _member_failure(content: RecordDict, client: int) -> Error | None:
+    """The error of a member that failed alone, or None."""
+    record = content.get(_member_key(client, FAILED))
+    if not isinstance(record, ConfigRecord):
+        return None
+    return Error(ErrorCode.CLIENT_APP_RAISED_EXCEPTION, str(record.get("reason", "")))
 
 
 def _member_records(content: RecordDict, client: int) -> RecordDict:
@@ -142,14 +159,20 @@ def member_views(message: Message) -> list[Message]:
 
 
 def packed_reply(
-    message: Message, answered: Iterable[tuple[Message, Message]]
+    message: Message,
+    answered: Iterable[tuple[Message, Message]],
+    failed: Mapping[int, Exception] | None = None,
 ) -> Message:
     """The node's reply to a cohort message, from (member view, its reply)
     pairs: every member reply's records, named `<client>/<record>` by the
-    client its view names."""
+    client its view names; and each `failed` member's exception, as the
+    reason Flower gives a ClientApp's (`<class '...'>:<'...'>`)."""
     content = RecordDict()
     for view, reply in answered:
         client = int(view.content[CONFIG][CLIENT])
         for name, record in reply.content.items():
             content[_member_key(client, name)] = record
+    for client, err in (failed or {}).items():
+        reason = f"{type(err)}:<'{err}'>"
+        content[_member_key(client, FAILED)] = ConfigRecord({"reason": reason})
     return Message(content, reply_to=message)

@@ -550,6 +550,17 @@ def split_evenly(order: Sequence[int], count: int) -> list[list[int]]:
     return [list(order[a:b]) for a, b in pairwise(bounds)]
 
 
+def check_steps(
+    model: nn.Module, num_examples: int, batch_size: int, epochs: int
+) -> None:
+    """Raise, as `train_local` would after its epochs, when a shard of
+    `num_examples` gives `model` no training step (BatchNorm skips 1-sample
+    batches)."""
+    skip_single = has_batch_norm(model)
+    if not ShuffledBatches.give_a_step(num_examples, batch_size, epochs, skip_single):
+        raise ValueError(f"a shard of {num_examples} samples gives no training step")
+
+
 def train_cohort(
     models: Sequence[nn.Module],
     shards: Sequence[tuple[torch.Tensor, torch.Tensor]],
@@ -570,10 +581,9 @@ def train_cohort(
     first, so that a chunk's clients take similar numbers of steps; a
     client's footprint is estimated on the largest shard, so that the first
     chunk fits."""
+    for model, (_, y) in zip(models, shards, strict=True):
+        check_steps(model, len(y), batch_size, epochs)  # before any chunk trains
     skip_single = has_batch_norm(models[0])
-    for _, y in shards:  # before any chunk trains its models in place
-        if not ShuffledBatches.give_a_step(len(y), batch_size, epochs, skip_single):
-            raise ValueError(f"a shard of {len(y)} samples gives no training step")
     x, _ = shards[0]
     sample = preprocess[0](x[:batch_size], None)
     examples = epochs * max(len(y) for _, y in shards)

@@ -24,7 +24,7 @@ from torch import nn
 
 from ..protocol import TRAIN_LOSS
 from ..settings import Settings
-from .cohort import cohort_problem, train_cohort
+from .cohort import check_steps, cohort_problem, train_cohort
 from .objectives import LocalObjective
 from .sharing import Sharing
 from .train import ClientOptimizer, TrainResult, Transform, train_local
@@ -63,6 +63,11 @@ class LocalRun:
             preprocess=self.prep, seed=self.seed + seed_offset,
             max_grad_norm=s.max_grad_norm, objective=objective,
         )  # fmt: skip
+
+    def check_steps(self) -> None:
+        """Raise, before any training, when the shard gives no step."""
+        s = self.settings
+        check_steps(self.model, len(self.y), s.batch_size, s.local_epochs)
 
 
 class Training(Protocol):
