@@ -28,6 +28,7 @@ from pollen.protocol import (
     NUM_EXAMPLES,
     TRAIN_SECONDS,
 )
+from pollen.settings import Settings, SettingsError
 from pollen.strategies.aggregation import ClientUpdate
 from pollen.strategies.asynchronous import AsyncOptions, BufferedAsync
 from pollen.strategies.clock import SimulatedClock
@@ -116,8 +117,9 @@ def test_statistics_are_a_staleness_weighted_mean_not_rebased() -> None:
 
 class ScriptedGrid:
     """Each client answers its training message with its received entries
-    + 1 after `train_seconds[client]` (reported, not slept); replies arrive
-    in the order of `order` (client ids), one per pull."""
+    + 1 (+ `steps[(client, n)]` for its n-th message, where given) after
+    `train_seconds[client]` (reported, not slept); replies arrive in the
+    order of `order` (client ids), one per pull."""
 
     def __init__(
         self,
@@ -126,8 +128,10 @@ class ScriptedGrid:
         non_finite: frozenset[int] = frozenset(),  # these answer with NaN
         refused: frozenset[int] = frozenset(),  # the grid cannot store theirs
         unavailable: frozenset[int] = frozenset(),  # their node stopped
+        steps: dict[tuple[int, int], float] | None = None,
     ) -> None:
         self.order = list(order)
+        self.steps = steps or {}
         self.refused = refused
         self.unavailable = unavailable
         self.train_seconds = train_seconds
@@ -140,8 +144,10 @@ class ScriptedGrid:
         for message in messages:
             client = int(message.content[CONFIG][CLIENT])
             received = message.content[ARRAYS]["w"].numpy()
+            nth = sum(1 for c, _ in self.sent if c == client)
             self.sent.append((client, float(received[0])))
-            sent_back = received + (np.nan if client in self.non_finite else 1)
+            step = self.steps.get((client, nth), 1.0)
+            sent_back = received + (np.nan if client in self.non_finite else step)
             content = RecordDict({
                 ARRAYS: ArrayRecord({"w": Array(sent_back)}),
                 METRICS: MetricRecord(
@@ -175,11 +181,12 @@ ROSTER = Roster.from_nodes({10 + c: (c, 3) for c in range(3)}, 3)
 
 
 def engine(
-    grid, clock=None, concurrency=2, buffer_size=2, simulated=True
+    grid, clock=None, concurrency=2, buffer_size=2, simulated=True, **strategy_kw
 ) -> BufferedAsync:
     strategy = Strategy(
-        num_clients=3, client_frac=1.0, seed=0, server_update=FedAvgUpdate()
-    )
+        num_clients=3, client_frac=1.0, seed=0, server_update=FedAvgUpdate(),
+        **strategy_kw,
+    )  # fmt: skip
     options = AsyncOptions(concurrency, buffer_size, seed=0, timeout=30.0)
     return BufferedAsync(
         grid, strategy, options, first=1, clock=clock, simulated=simulated
@@ -384,3 +391,66 @@ def test_replies_that_come_during_a_long_pull_are_not_late(
     grid.blocking = 100  # silent from here on: the second pull starts past it
     with pytest.raises(RuntimeError, match="went silent for round-timeout"):
         loop.next_version(version.arrays, 2, ConfigRecord(), Participants(ROSTER))
+
+
+@pytest.mark.usefixtures("task_identity")
+def test_each_update_is_bounded_under_the_roster_it_was_sent_with() -> None:
+    """Client 2's node joins after version 1; version 2's buffer holds client
+    1 (sent under the roster without it) and client 2. The norm bound looks
+    each update's node up in the roster it was sent under (it looked all up
+    in the first's, and the server stopped on KeyError 2)."""
+    before = Roster.from_nodes({10: (0, 3), 11: (1, 3)}, 3)
+    grid = ScriptedGrid(order=[0, 0, 1, 2], train_seconds=dict.fromkeys(range(3), 0.0))
+    loop = engine(grid, concurrency=3, buffer_size=2, norm_bound=2.0)
+    start = ArrayRecord({"w": Array(np.zeros(1, np.float32))})
+    first = loop.next_version(start, 1, ConfigRecord(), Participants(before))
+    assert [u.client for u in first.updates] == [0, 0]
+    second = loop.next_version(first.arrays, 2, ConfigRecord(), Participants(ROSTER))
+    assert sorted(u.client for u in second.updates) == [1, 2]
+
+
+@pytest.mark.usefixtures("task_identity")
+def test_a_dropped_update_takes_its_own_staleness_with_it() -> None:
+    """Version 2's buffer: client 0's update sent at version 0 (staleness 1,
+    a step of 10), then its update sent at version 1 (staleness 0, a step of
+    1). The norm bound (1 x the median, drop) drops the first; the kept one
+    keeps staleness 0, so the model moves by 1 / sqrt(1 + 0) = 1 (it was
+    given the first's staleness by client id: 1 / sqrt(2))."""
+    grid = ScriptedGrid(
+        order=[1, 1, 0, 0], train_seconds=dict.fromkeys(range(3), 0.0),
+        steps={(0, 0): 10.0},
+    )  # fmt: skip
+    roster = Roster({0: 10, 1: 11})
+    loop = engine(grid, norm_bound=1.0, norm_action="drop")
+    start = ArrayRecord({"w": Array(np.zeros(1, np.float32))})
+    first = loop.next_version(start, 1, ConfigRecord(), Participants(roster))
+    assert [u.client for u in first.updates] == [1, 1]
+    np.testing.assert_allclose(first.arrays["w"].numpy(), [1.0])
+    second = loop.next_version(first.arrays, 2, ConfigRecord(), Participants(roster))
+    assert [u.client for u in second.updates] == [0] and len(second.failures) == 1
+    assert second.staleness == [0]
+    np.testing.assert_allclose(second.arrays["w"].numpy(), [2.0])
+
+
+@pytest.mark.usefixtures("task_identity")
+def test_a_version_with_fewer_updates_than_min_train_replies_is_skipped() -> None:
+    """min-train-replies 2, a buffer of 2, the norm bound (drop) leaving 1:
+    the version is skipped and the model kept, as a synchronous round with
+    fewer valid replies is."""
+    grid = ScriptedGrid(
+        order=[0, 1], train_seconds=dict.fromkeys(range(3), 0.0),
+        steps={(1, 0): 10.0},
+    )  # fmt: skip
+    loop = engine(grid, norm_bound=1.0, norm_action="drop", min_replies=2)
+    start = ArrayRecord({"w": Array(np.zeros(1, np.float32))})
+    (version,) = play_versions(loop, start, 1)
+    assert version.skipped and len(version.updates) == 1
+    np.testing.assert_array_equal(version.arrays["w"].numpy(), [0.0])
+
+
+def test_min_train_replies_above_the_buffer_is_refused() -> None:
+    with pytest.raises(SettingsError, match="min-train-replies=3 above the 2 replies"):
+        Settings.from_run_config(
+            {"mode": "async", "num-clients": 4, "client-frac": 1.0,
+             "buffer-size": 2, "min-train-replies": 3}
+        )  # fmt: skip

@@ -5,8 +5,9 @@ Buffered asynchronous aggregation (Nguyen et al. 2022,
 https://arxiv.org/abs/2106.06639; `pollen.strategies.asynchronous`) has no
 rounds: a part whose rule needs a synchronous round says so in its
 `synchronous_only` flag (FedDyn's server state h, SCAFFOLD's control c), a
-round deadline has no round to end, and a buffer cannot wait for more
-replies than clients train at once.
+round deadline has no round to end, a buffer cannot wait for more
+replies than clients train at once, and a version cannot need more
+replies (`min-train-replies`) than its buffer holds.
 """
 
 from __future__ import annotations
@@ -43,5 +44,12 @@ def async_problem(s: Settings) -> str | None:
         return (
             f"buffer-size={s.buffer_size} above concurrency={s.concurrency}: the "
             "buffer would wait for more replies than clients train at once"
+        )
+    buffer = s.buffer_size or max(1, (s.concurrency or s.sample_size) // 2)
+    if s.min_train_replies > buffer:
+        return (
+            f"min-train-replies={s.min_train_replies} above the {buffer} replies "
+            "a version aggregates (buffer-size, or half the concurrency): every "
+            f"version would be skipped; set min-train-replies <= {buffer}"
         )
     return None

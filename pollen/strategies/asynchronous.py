@@ -49,7 +49,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field, replace
-from logging import INFO
+from logging import INFO, WARNING
 
 import numpy as np
 from flwr.app import ArrayRecord, ConfigRecord, Message, MessageType
@@ -358,7 +358,8 @@ class BufferedAsync:
 
     def _flush(self, arrays: ArrayRecord, version: int) -> RoundOutcome:
         """Rebase, bound, aggregate and step the buffer: the next version
-        (the model unchanged when the bound dropped every update)."""
+        (the model unchanged when the bound left fewer updates than
+        `min-train-replies`)."""
         batch, self.buffer = self.buffer, []
         model = self.snapshots.get(version) or to_numpy(arrays)  # sent as version
         shared = self.strategy.shared_keys(arrays)
@@ -368,14 +369,18 @@ class BufferedAsync:
             rebased(b.update, self.snapshots[b.dispatch.version], current, trained)
             for b in batch
         ]
-        owner = batch[0].dispatch.request.participants.roster.owner
-        kept = self.strategy.bounded(updates, current, owner)
-        staleness = _aligned(
-            [u.client for u in updates],
-            [u.client for u in kept.updates],
-            [version - b.dispatch.version for b in batch],
-        )
-        if kept.updates:
+        # each update's node in the roster it was sent under (a node may have
+        # joined or left since)
+        nodes = [b.dispatch.request.participants.roster.owner[b.dispatch.client]
+                 for b in batch]  # fmt: skip
+        kept = self.strategy.bounded(updates, current, nodes)
+        staleness = [version - batch[i].dispatch.version for i in kept.positions]
+        needed = self.strategy.min_updates  # the bound may leave fewer
+        if len(kept.updates) < needed:
+            log(WARNING, "pollen: version %d skipped, the model is unchanged: %d "
+                "updates kept of %d, it needs %d (min-train-replies)", version + 1,
+                len(kept.updates), len(batch), needed)  # fmt: skip
+        else:
             arrays = self.strategy.step(
                 model, shared, buffered_mean(kept.updates, staleness, current, trained)
             )
@@ -387,7 +392,7 @@ class BufferedAsync:
             updates=kept.updates,
             bytes_down=self.pending.bytes_down,
             bytes_up=self.pending.bytes_up,
-            skipped=not kept.updates,
+            skipped=len(kept.updates) < needed,
             failures=self.pending.failures + kept.failures,
             clipped=kept.clipped,
             evaluating=[],
@@ -395,17 +400,6 @@ class BufferedAsync:
             personal={},
             staleness=staleness,
         )
-
-
-def _aligned(before: list[int], after: list[int], values: list[int]) -> list[int]:
-    """`values` (one per client of `before`) for the clients left in `after`,
-    a subsequence of `before` in the same order."""
-    kept, j = [], 0
-    for client, value in zip(before, values, strict=True):
-        if j < len(after) and after[j] == client:
-            kept.append(value)
-            j += 1
-    return kept
 
 
 def log_version(version: int, outcome: RoundOutcome) -> None:

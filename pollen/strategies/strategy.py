@@ -30,7 +30,7 @@ BatchNorm counters).
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from logging import WARNING
 from typing import Protocol
@@ -94,6 +94,7 @@ class Kept:
     clipped: list[str] = field(default_factory=list)  # scaled back by the bound
     bytes_up: int = 0  # what the checked replies carried
     non_finite: int = 0  # dropped for carrying NaN or infinity
+    positions: list[int] = field(default_factory=list)  # `bounded`: kept from where
 
 
 @dataclass(frozen=True)
@@ -290,7 +291,8 @@ class Strategy:
         """`outcome` with the norm bound applied among its updates, relative
         to the shared entries `request` sent."""
         owner = request.participants.roster.owner
-        kept = self.bounded(outcome.updates, request.current, owner)
+        nodes = [owner[update.client] for update in outcome.updates]
+        kept = self.bounded(outcome.updates, request.current, nodes)
         return dataclasses.replace(
             outcome,
             updates=kept.updates,
@@ -380,19 +382,21 @@ class Strategy:
         return Kept(accepted, failures, bytes_up=bytes_up, non_finite=non_finite)
 
     def bounded(
-        self, updates: list[ClientUpdate], current: Arrays, owner: Mapping[int, int]
+        self, updates: list[ClientUpdate], current: Arrays, nodes: Sequence[int]
     ) -> Kept:
-        """`updates` with the norm bound applied among them (relative to
-        `current`): the kept ones, the clipped ones noted, the dropped ones
-        as failures."""
+        """`updates` (from `nodes`, one each) with the norm bound applied
+        among them (relative to `current`): the kept ones and where each
+        stood in `updates`, the clipped ones noted, the dropped ones as
+        failures."""
         if not self.norm_bound or not updates:
-            return Kept(updates)
+            return Kept(updates, positions=list(range(len(updates))))
         bounded = bound_update_norms(
             current, [u.arrays for u in updates], self.norm_bound, self.norm_action
         )
-        kept, failures, clipped = [], [], []
-        for update, (arrays, note) in zip(updates, bounded, strict=True):
-            node = owner[update.client]
+        kept, failures, clipped, positions = [], [], [], []
+        for position, (update, node, (arrays, note)) in enumerate(
+            zip(updates, nodes, bounded, strict=True)
+        ):
             if arrays is None:
                 failures.append(rejected(node, f"client {update.client}: {note}"))
                 continue
@@ -401,7 +405,8 @@ class Strategy:
                 log(WARNING, "pollen: clipped update: client %d: %s",
                     update.client, note)  # fmt: skip
             kept.append(dataclasses.replace(update, arrays=arrays))
-        return Kept(kept, failures, clipped)
+            positions.append(position)
+        return Kept(kept, failures, clipped, positions=positions)
 
 
 def rejected(node: int, problem: str, what: str = "") -> str:
