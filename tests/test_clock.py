@@ -7,15 +7,19 @@ import math
 
 import numpy as np
 import pytest
-from flwr.app import ConfigRecord
+from flwr.app import ConfigRecord, Error, Message
+from flwr.common.constant import SUPERLINK_NODE_ID, ErrorCode
 
+from pollen.common.cohorts import COHORT_TRAIN, member_views, packed_reply
 from pollen.common.links import LinkShape
 from pollen.network_profile import NetworkProfile, ProfileError
-from pollen.protocol import CLIENT, CLIENT_RECORD, EVAL_SECONDS, METRICS
+from pollen.protocol import CLIENT, CLIENT_RECORD, CONFIG, EVAL_SECONDS, METRICS
 from pollen.strategies.clock import SimulatedClock, effective_rate, transfer_seconds
+from pollen.strategies.cohort_grid import CohortGrid
 from pollen.strategies.replies import reported_seconds
 from pollen.strategies.round import RoundTiming, play_round
-from pollen.strategies.sampling import Participants
+from pollen.strategies.sampling import Participants, Roster
+from tests.conftest import reply_from
 from tests.test_round import ROSTER, EchoGrid, model, parts
 
 LINK = LinkShape(delay_ms=20, up_mbit=1, down_mbit=8)
@@ -96,6 +100,93 @@ def test_a_real_deadline_records_clients_without_a_reply_as_late() -> None:
     )  # fmt: skip
     assert outcome.late == [1] and not outcome.failures
     assert outcome.sim_seconds is None and not outcome.skipped
+
+
+class QueuedGrid(EchoGrid):
+    """Sets each message's ID as Flower's grids do; `unavailable` clients get
+    the SuperLink's "Node Unavailable" error (sent by the SuperLink, not by
+    their node). A `silent` client's message stays unanswered, as one queued
+    behind its node's other client at the deadline does."""
+
+    def __init__(self, silent=frozenset(), unavailable=frozenset()) -> None:
+        super().__init__(silent | unavailable)
+        self.unavailable = unavailable
+
+    def send_and_receive(self, messages, *, timeout=None) -> list[Message]:
+        messages = list(messages)
+        for i, msg in enumerate(messages):
+            msg.metadata.__dict__["_message_id"] = f"m{i}"
+        replies = super().send_and_receive(messages, timeout=timeout)
+        for msg in messages:
+            if int(msg.content[CONFIG][CLIENT]) in self.unavailable:
+                gone = Error(ErrorCode.NODE_UNAVAILABLE, "Error: Node Unavailable")
+                reply = Message(gone, reply_to=msg)
+                reply.metadata.__dict__["_src_node_id"] = SUPERLINK_NODE_ID
+                replies.append(reply)
+        return replies
+
+
+@pytest.mark.usefixtures("task_identity")
+def test_a_client_queued_behind_its_nodes_other_client_is_late() -> None:
+    """One node serves both clients; at the deadline it has answered client
+    0, not client 1 (its message waited for client 0's reply). Client 1 is
+    late, not a failure (it was counted answered because its node was)."""
+    strategy, personal = parts()
+    outcome = play_round(
+        QueuedGrid(silent=frozenset({1})), strategy, personal, 1, model(),
+        (ConfigRecord({"lr": 0.1}), ConfigRecord()),
+        Participants(Roster({0: 11, 1: 11})), 10.0, RoundTiming(deadline=0.5),
+    )  # fmt: skip
+    assert outcome.late == [1] and not outcome.failures
+
+
+@pytest.mark.usefixtures("task_identity")
+def test_an_error_before_the_deadline_is_a_failure_not_late() -> None:
+    """Client 1's node is gone and the SuperLink says so before the deadline
+    (from its own node ID): a failure, as without a deadline (it was counted
+    late, and the error left out of the failures); likewise a cohort's error,
+    which answers for every client its node serves."""
+    strategy, personal = parts()
+    outcome = play_round(
+        QueuedGrid(unavailable=frozenset({1})), strategy, personal, 1, model(),
+        (ConfigRecord({"lr": 0.1}), ConfigRecord()), Participants(ROSTER), 10.0,
+        RoundTiming(deadline=0.5),
+    )  # fmt: skip
+    assert outcome.late == []
+    assert any("Node Unavailable" in f for f in outcome.failures)
+    strategy, personal = parts()
+    outcome = play_round(
+        CohortGrid(FailingNodes({22})), strategy, personal, 1, model(),
+        (ConfigRecord({"lr": 0.1}), ConfigRecord()), Participants(ROSTER), 10.0,
+        RoundTiming(deadline=0.5),
+    )  # fmt: skip
+    assert outcome.late == [] and [u.client for u in outcome.updates] == [0]
+    assert any("out of memory" in f for f in outcome.failures)
+
+
+class FailingNodes:
+    """Answers each packed cohort message with its members' echo (other
+    messages as `EchoGrid`), but the nodes in `failing`, which answer with
+    an error."""
+
+    def __init__(self, failing: set[int]) -> None:
+        self.failing = failing
+
+    def send_and_receive(self, messages, *, timeout=None) -> list[Message]:
+        replies = []
+        for msg in messages:
+            node = msg.metadata.dst_node_id
+            if msg.metadata.message_type != COHORT_TRAIN:  # personal evaluation
+                replies += EchoGrid().send_and_receive([msg])
+                continue
+            if node in self.failing:
+                replies.append(Message(Error(0, "out of memory"), reply_to=msg))
+                continue
+            views = member_views(msg)
+            answered = [(v, EchoGrid().send_and_receive([v])[0]) for v in views]
+            packed = packed_reply(msg, answered)
+            replies.append(reply_from(node, packed.content, COHORT_TRAIN))
+        return replies
 
 
 @pytest.mark.usefixtures("task_identity")
