@@ -463,6 +463,26 @@ def test_checkpoint_of_another_model_or_strategy(
     assert load_resumable(tmp_path, {**RUN_CONFIG, "rounds": 8}).round == 2
 
 
+@pytest.mark.parametrize(("strategy", "refused"), [("feddyn", True), ("fedavg", False)])
+def test_a_resume_may_not_stop_checkpointing_clients_that_keep_state(
+    tmp_path: Path, strategy: str, refused: bool
+) -> None:
+    """FedDyn's clients keep h_k, written with the checkpoints: resumed with
+    checkpoint-every=0 they would train on in memory while their files stay
+    at the checkpoint's round, which a later resume would read as current.
+    FedAvg's clients keep nothing, so its checkpoints may stop."""
+    saved = {**RUN_CONFIG, "strategy": strategy, "checkpoint-every": 2}
+    model = {"w": np.ones((2, 2), np.float32)}
+    save_checkpoint(tmp_path, Checkpoint(2, model, extra={"settings": saved}), keep=2)
+    resumed = {**saved, "checkpoint-every": 0, "rounds": 8}
+    if refused:
+        with pytest.raises(CheckpointError, match="keep checkpoint-every > 0"):
+            check_resumable(tmp_path, resumed)
+    else:
+        assert check_resumable(tmp_path, resumed) == 2
+    assert check_resumable(tmp_path, {**resumed, "checkpoint-every": 3}) == 2
+
+
 def test_a_failed_download_leaves_no_empty_folders(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -228,6 +228,8 @@ def check_resumable(run_dir: Path, run_config: dict[str, Any]) -> int:
             f"run has {key}={run_config[key]!r}; only "
             f"{', '.join(sorted(RESUMABLE_CHANGES))} may change"
         )
+    if saved.get("checkpoint-every") and run_config.get("checkpoint-every") == 0:
+        _check_client_state_kept(round, saved["checkpoint-every"], run_config)
     if round >= run_config["rounds"]:
         raise CheckpointError(
             f"invalid value for 'resume': {run_dir} has a checkpoint of round "
@@ -235,6 +237,25 @@ def check_resumable(run_dir: Path, run_config: dict[str, Any]) -> int:
             "raise rounds to train further"
         )
     return round
+
+
+def _check_client_state_kept(
+    round: int, every: int, run_config: dict[str, Any]
+) -> None:
+    """Refuse to resume without checkpoints a run whose clients keep state
+    of their own: its files were written with its checkpoints, and would
+    stay at round `round` while the clients train on in memory; a later
+    resume (from an interruption's checkpoint) would read them as current,
+    or a spill would prune the ones the checkpoint needs."""
+    if not Settings.from_run_config(run_config).clients_keep_state:
+        return
+    raise CheckpointError(
+        f"invalid value for 'checkpoint-every': the checkpoint of round {round} "
+        f"was written with checkpoint-every={every}, and its clients keep state "
+        "of their own (local entries, a personal model, h_k or c_k), saved with "
+        "the checkpoints; without them that state would stay at round "
+        f"{round} while the clients train on; keep checkpoint-every > 0"
+    )
 
 
 def _checked_arrays(arrays: dict[str, Any], what: str) -> dict[str, np.ndarray]:
