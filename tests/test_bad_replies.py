@@ -259,15 +259,17 @@ def test_the_norm_bound_returns_what_it_kept_and_leaves_its_input_alone() -> Non
         ClientUpdate(c, {"w": np.array(m, np.float32)}, MetricRecord(), 1.0)
         for c, m in enumerate(moves)
     ]
-    owner = {c: c + 1 for c in range(3)}
-    clipped = build("fedavg", norm_bound=2.0).strategy.bounded(updates, current, owner)
+    nodes = [c + 1 for c in range(3)]
+    clipped = build("fedavg", norm_bound=2.0).strategy.bounded(updates, current, nodes)
     assert [u.client for u in clipped.updates] == [0, 1, 2] and not clipped.failures
+    assert clipped.positions == [0, 1, 2]
     (note,) = clipped.clipped
     assert note.startswith("node 3: client 2: ")
     assert update_norm(current, clipped.updates[2].arrays) == pytest.approx(2.0)
     dropping = build("fedavg", norm_bound=2.0, norm_action="drop").strategy
-    dropped = dropping.bounded(updates, current, owner)
+    dropped = dropping.bounded(updates, current, nodes)
     assert [u.client for u in dropped.updates] == [0, 1] and not dropped.clipped
+    assert dropped.positions == [0, 1]
     (failure,) = dropped.failures
     assert failure.startswith("node 3: client 2: ")
     assert updates[2].arrays["w"].tolist() == [4, 5, 1, 1]  # the input is unchanged
