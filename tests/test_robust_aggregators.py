@@ -280,3 +280,41 @@ def test_compose_builds_each_aggregator_from_settings() -> None:
     assert (built["multi-krum"].byzantine, built["multi-krum"].select) == (1, 3)
     assert built["bulyan"].min_updates == 7
     assert isinstance(built["median"], Median)
+
+
+def test_krum_compares_trained_entries_not_batchnorms_counter() -> None:
+    """Four honest updates of `w` (N(0, 0.1^2), 20 entries) and a sign-flip
+    attacker (-10x); BatchNorm's counter grows by each client's local steps
+    (6, 20, 34, 62; the attacker 30). Over the trained entry Krum picks an
+    honest client and multi-Krum leaves the attacker out; the counter's
+    squared gaps (hundreds) decided both when it was measured too."""
+    rng = np.random.default_rng(0)
+    counter = "bn.num_batches_tracked"
+    updates = [
+        client_update(k, {"w": rng.normal(0, 0.1, 20).astype(np.float32),
+                          counter: np.array(1000 + steps, np.int64)})
+        for k, steps in enumerate([6, 20, 34, 62])
+    ]  # fmt: skip
+    attack = (-10 * rng.normal(0, 0.1, 20)).astype(np.float32)
+    updates.append(client_update(4, {"w": attack, counter: np.array(1030, np.int64)}))
+    current = {"w": np.zeros(20, np.float32), counter: np.array(1000, np.int64)}
+    assert [u.client for u in Krum(1)(updates, current, ("w",)).updates] != [4]
+    kept = [u.client for u in Krum(1, select=0)(updates, current, ("w",)).updates]
+    assert 4 not in kept and len(kept) == 4
+
+
+def test_the_trimmed_count_is_the_written_fraction_of_n() -> None:
+    """trim-fraction 0.29 of 100 trims 29 a side (the float product is
+    28.999999999999996): 29 outliers at 1e6 above 0..70 all go, the mean is
+    that of 29..70; and the smallest fraction a refusal suggests is taken."""
+    values = list(range(71)) + [1e6] * 29
+    updates = [client_update(k, {"w": np.array([v], np.float64)})
+               for k, v in enumerate(values)]  # fmt: skip
+    assert TrimmedMean.trimmed(0.29, 100) == 29
+    assert TrimmedMean(0.29)(updates, {"w": np.zeros(1)}).arrays["w"][0] == 49.5
+    config = {"num-clients": 3, "client-frac": 1.0, "aggregator": "trimmed-mean",
+              "trim-fraction": 0.01}  # fmt: skip
+    with pytest.raises(SettingsError, match=r"at least 0\.333334") as refused:
+        Settings.from_run_config(config)
+    suggested = float(str(refused.value).rsplit("at least ", 1)[1].split()[0])
+    assert Settings.from_run_config({**config, "trim-fraction": suggested})

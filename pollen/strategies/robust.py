@@ -34,7 +34,9 @@ usual case of far-off attackers), and the test shows both.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Collection, Sequence
+from fractions import Fraction
 from typing import Any
 
 import numpy as np
@@ -71,16 +73,22 @@ class TrimmedMean(Rule):
     def from_settings(cls, settings: Any, uniform: bool = False) -> TrimmedMean:
         return cls(settings.trim_fraction)
 
+    @staticmethod
+    def trimmed(beta: float, n: int) -> int:
+        """floor(beta n), `beta` read as the decimal it was written as (0.29
+        of 100 is 29; the float product is 28.999999999999996)."""
+        return math.floor(Fraction(repr(beta)) * n)
+
     @classmethod
     def round_problem(cls, settings: Any, n: int) -> str | None:
         """A fraction that trims no value of `n` would be the plain mean."""
         beta = settings.trim_fraction
-        if int(beta * n) > 0:
+        if cls.trimmed(beta, n) > 0:
             return None
         return (
             f"trim-fraction={beta:g} of the {n} replies a round samples trims none "
             f"(floor({beta:g} x {n}) = 0): the rule would be the plain mean; "
-            f"allowed: at least {1 / n:g}"
+            f"allowed: at least {math.ceil(1e6 / n) / 1e6:g}"
         )
 
     def __call__(
@@ -90,7 +98,7 @@ class TrimmedMean(Rule):
         trained: Collection[str] = (),
     ) -> Aggregate:
         n = len(updates)
-        cut = int(self.beta * n)
+        cut = self.trimmed(self.beta, n)
         arrays = {}
         for key in keys:
             ordered = np.sort(_stack(updates, key), axis=0)
@@ -151,7 +159,7 @@ class Krum(Rule):
         trained: Collection[str] = (),
     ) -> Aggregate:
         select = self.select or len(updates) - self.byzantine
-        distances = squared_distances(updates, keys)
+        distances = squared_distances(updates, _compared(keys, trained))
         chosen = lowest_scores(distances, self.byzantine, select)
         return self.mean([updates[i] for i in sorted(chosen)], keys)
 
@@ -211,7 +219,8 @@ class Bulyan(Rule):
         f = self.byzantine
         theta = len(updates) - 2 * f
         beta = theta - 2 * f
-        chosen = sorted(recursive_krum(squared_distances(updates, keys), f, theta))
+        distances = squared_distances(updates, _compared(keys, trained))
+        chosen = sorted(recursive_krum(distances, f, theta))
         selected = [updates[i] for i in chosen]
         arrays = {}
         for key in keys:
@@ -220,6 +229,14 @@ class Bulyan(Rule):
             closest = np.argsort(gap, axis=0, kind="stable")[:beta]
             arrays[key] = np.take_along_axis(values, closest, axis=0).mean(axis=0)
         return Aggregate(arrays, tuple(selected))
+
+
+def _compared(keys: Collection[str], trained: Collection[str]) -> list[str]:
+    """The entries Krum's distances are taken over: the trained ones (all of
+    `keys` when none are named). Not BatchNorm's batch counter: it grows by
+    each client's number of local steps, so shard size, not the update,
+    would decide whom Krum picks."""
+    return [key for key in keys if key in trained] if trained else list(keys)
 
 
 def squared_distances(
