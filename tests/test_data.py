@@ -14,6 +14,7 @@ import pytest
 import torch
 from PIL import Image
 
+from pollen.task import data as data_module
 from pollen.task.data import CACHE_DIR, DataError, _digits, load_dataset
 
 
@@ -219,6 +220,32 @@ def test_image_folder_directory(tmp_path: Path) -> None:
         path.write_bytes(png(colour))
     ds = load_dataset("cifar10", tmp_path, download=False)
     assert ds.y_test.tolist() == list(range(10)) and ds.input_shape == (3, 32, 32)
+
+
+def test_an_image_folders_cache_is_rebuilt_when_an_image_changes(
+    tmp_path: Path,
+) -> None:
+    """An image added to a class folder, or one replaced in place, changes
+    the class folder or the image, not the top folder: the decoded cache
+    (read by a new process, here with the in-process copy cleared) is
+    rebuilt all the same."""
+
+    def write(name: str, colour: tuple[int, int, int]) -> None:
+        path = tmp_path / "cifar10" / name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(png(colour))
+
+    def in_a_new_process():
+        data_module._load_cached.cache_clear()
+        return load_dataset("cifar10", tmp_path, download=False)
+
+    for name, colour in IMAGES.items():
+        write(name, colour)
+    assert len(in_a_new_process().y_train) == 11
+    write("train/cat/2.png", (230, 0, 0))
+    assert len(in_a_new_process().y_train) == 12
+    write("train/airplane/0.png", (0, 0, 90))
+    assert int(in_a_new_process().x_train[0, 2, 0, 0]) == 90
 
 
 def test_truncated_archive_is_refused(tmp_path: Path) -> None:

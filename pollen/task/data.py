@@ -30,6 +30,7 @@ come as `[N, H, W]` (grey), `[N, H, W, C]` or `[N, C, H, W]`.
 
 from __future__ import annotations
 
+import hashlib
 import importlib.util
 import io
 import json
@@ -485,8 +486,24 @@ def _find_local_source(spec: DataSpec, root: Path) -> Path | None:
 
 
 def _fingerprint(path: Path) -> dict[str, object]:
+    """What the decoded cache is valid for: a file's size and modification
+    time; an image folder's every file (relative path, size, modification
+    time in ns), digested, since adding or replacing an image changes its
+    class folder or the image, never the top folder."""
     stat = path.stat()
-    return {"path": str(path), "size": stat.st_size, "mtime": stat.st_mtime}
+    if not path.is_dir():
+        return {"path": str(path), "size": stat.st_size, "mtime": stat.st_mtime}
+    digest = hashlib.sha256()
+    count = 0
+    for folder, subfolders, names in os.walk(path):
+        subfolders.sort()
+        for name in sorted(names):
+            file = Path(folder, name)
+            info = file.stat()
+            digest.update(f"{file.relative_to(path)}\0{info.st_size}\0"
+                          f"{info.st_mtime_ns}\n".encode())  # fmt: skip
+            count += 1
+    return {"path": str(path), "files": count, "digest": digest.hexdigest()}
 
 
 def _read_cache(
