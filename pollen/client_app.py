@@ -30,7 +30,7 @@ import time
 from collections.abc import Hashable
 from dataclasses import dataclass
 from functools import cache, partial
-from logging import ERROR
+from logging import ERROR, WARNING
 from pathlib import Path
 
 import torch
@@ -82,7 +82,7 @@ from .task.ditto import personal_state
 from .task.inputs import model_inputs, settings_model
 from .task.local_run import LocalRun, cohort_epochs
 from .task.node_data import NodeData, node_data, node_partition
-from .task.objectives import LocalObjective
+from .task.objectives import LocalObjective, diverged
 from .task.schedule import local_training
 from .task.secagg_client import (
     advertise_keys,
@@ -382,11 +382,17 @@ def trained_reply(
     seconds: float,
     metrics: dict[str, float],
 ) -> Message:
-    """After training: the objective's and the client's state kept, and the
-    reply (shared entries, the objective's records, the round's metrics)."""
+    """After training: the objective's and the client's state kept (not
+    after a training that diverged: the server drops its reply, and its
+    state would stay non-finite), and the reply (shared entries, the
+    objective's records, the round's metrics)."""
     s, config = cm.settings, msg.content[CONFIG]
     objective.save(context, cm.client, cm.model)
-    cm.keep(context, config)
+    if diverged(cm.model):
+        log(WARNING, "pollen: client %d: training diverged (a non-finite entry); "
+            "its state stays as it was before the round", cm.client)  # fmt: skip
+    else:
+        cm.keep(context, config)
     record = MetricRecord(
         {
             NUM_EXAMPLES: result.num_examples,

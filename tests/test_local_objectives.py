@@ -13,22 +13,29 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from flwr.app import Context, RecordDict
+from flwr.app import Array, ArrayRecord, ConfigRecord, Context, RecordDict
 from torch import nn
 
-from pollen.protocol import feddyn_state_key
+from pollen.protocol import CONFIG, CONTROL, LR, feddyn_state_key, scaffold_state_key
 from pollen.settings import Settings
 from pollen.strategies.aggregation import Mean
 from pollen.strategies.feddyn import FedDynUpdate
 from pollen.task.data import load_dataset
 from pollen.task.models import build_model
-from pollen.task.objectives import DynTerm, LocalObjective, ProxTerm
+from pollen.task.objectives import (
+    ControlTerm,
+    DynTerm,
+    LocalObjective,
+    ProxTerm,
+    diverged,
+)
 from pollen.task.partition import partition_indices
 from pollen.task.sharing import Sharing
 from pollen.task.train import (
     ClientOptimizer,
     Preprocess,
     evaluate,
+    no_preprocess,
     train_local,
 )
 from tests.conftest import client_update
@@ -374,3 +381,45 @@ def test_feddyn_stays_finite_over_many_rounds() -> None:
         model, ds.x_test, ds.y_test, batch_size=256, preprocess=prep
     )
     assert np.isfinite(loss) and accuracy > 0.8
+
+
+@pytest.mark.parametrize(
+    ("make", "key"),
+    [(lambda: DynTerm(0.1), feddyn_state_key(0)),
+     (lambda: ControlTerm(0.0), scaffold_state_key(0))],
+    ids=["feddyn", "scaffold"],
+)  # fmt: skip
+def test_a_diverged_round_keeps_the_state_of_the_round_before(make, key) -> None:
+    """Round 1 trains h_k or c_k from a finite model; round 2 diverges (lr
+    1e30 on inputs x 1e20), a reply the server drops; round 3 trains from a
+    finite model again. The state round 2 left is round 1's, so round 3 is
+    finite (the diverged state made every later round NaN)."""
+    context = Context(1, 1, {}, RecordDict(), {})
+
+    def one_round(lr: float, scale: float) -> tuple[float, nn.Module]:
+        torch.manual_seed(0)
+        model = nn.Linear(4, 3)
+        x, y = torch.randn(32, 4) * scale, torch.randint(0, 3, (32,))
+        zeros = {k: np.zeros(tuple(v.shape), np.float32)
+                 for k, v in model.state_dict().items()}  # fmt: skip
+        content = RecordDict({
+            CONTROL: ArrayRecord({k: Array(v) for k, v in zeros.items()}),
+            CONFIG: ConfigRecord({LR: lr}),
+        })  # fmt: skip
+        objective = LocalObjective(regularizer=make())
+        objective.load(context, 0, model, Sharing.of("shared", model), content)
+        result = train_local(
+            model, x, y, epochs=2, batch_size=8, optimizer=ClientOptimizer("sgd", lr),
+            preprocess=no_preprocess, seed=1, objective=objective,
+        )  # fmt: skip
+        objective.save(context, 0, model)
+        return result.loss, model
+
+    one_round(0.01, 1.0)
+    kept = {k: v.clone() for k, v in context.state[key].to_torch_state_dict().items()}
+    _, broken = one_round(1e30, 1e20)
+    assert diverged(broken)
+    for name, value in context.state[key].to_torch_state_dict().items():
+        assert torch.equal(value, kept[name]), name
+    loss, model = one_round(0.01, 1.0)
+    assert math.isfinite(loss) and not diverged(model)

@@ -321,6 +321,16 @@ class ControlTerm:
         return {CONTROL: ArrayRecord(self.delta)}
 
 
+def diverged(model: nn.Module) -> bool:
+    """Whether training left a floating entry of `model` (a parameter or a
+    running statistic) NaN or infinite."""
+    return not all(
+        torch.isfinite(value).all()
+        for value in model.state_dict().values()
+        if value.is_floating_point()
+    )
+
+
 @contextmanager
 def frozen_bn_statistics(model: nn.Module) -> Iterator[None]:
     """BatchNorm normalises with batch statistics but updates no running ones.
@@ -396,8 +406,10 @@ class LocalObjective:
 
     def save(self, context: Context, client: int, model: nn.Module) -> None:
         """Keep the regulariser's state for the client's next round (after
-        training)."""
-        if self.regularizer is not None:
+        training); not after a training that `diverged`: the server drops
+        that reply, and state computed from it (FedDyn's h_k, SCAFFOLD's c_k)
+        would make every later round of the client non-finite too."""
+        if self.regularizer is not None and not diverged(model):
             self.regularizer.save(context, client, dict(model.named_parameters()))
 
     def data_gradient(
