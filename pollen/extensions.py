@@ -46,6 +46,13 @@ PART_KEYS: dict[str, tuple[dict[str, Part], str]] = {
     "server-update": (SERVER_UPDATES, "pollen.server_updates"),
     "local-objective": (LOCAL_OBJECTIVES, "pollen.local_objectives"),
 }
+# the class a user's part of each key subclasses (docs/extending.md; reached
+# at run time, as the catalogue's parts are)
+PART_BASES = {
+    "aggregator": "pollen.strategies.aggregation:Rule",
+    "server-update": "pollen.strategies.server_update:ServerUpdate",
+    "local-objective": "pollen.task.objective_parts:Plain",
+}
 # "package.module:function"
 IMPORT_PATH = re.compile(r"[A-Za-z_][\w.]*:[A-Za-z_]\w*")
 # what "auto" takes for a user's data set: mnist's and fashion-mnist's measured
@@ -147,4 +154,11 @@ def part(key: str, name: str) -> Part:
     if name in parts:
         return parts[name]
     implementation = user_function(key, name, group)
+    base = load(PART_BASES[key])
+    if not (isinstance(implementation, type) and issubclass(implementation, base)):
+        raise ExtensionError(
+            f"{key}={name!r} is no class subclassing "
+            f"{PART_BASES[key].replace(':', '.')}, as a user's {key} must be "
+            "(docs/extending.md)"
+        )
     return Part(name, summary(implementation, name), str(import_path(name, group)))

@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import math
+import sys
 from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -141,7 +142,7 @@ def tracking_uri_rule() -> Rule:
 
 
 KIND_NAMES = {
-    int: "an integer",
+    int: "an integer (signed 64-bit)",
     float: "a finite number",
     bool: "true or false",
     str: "a string",
@@ -157,17 +158,25 @@ def coerce(raw: Scalar, kind: type) -> Scalar | None:
         if isinstance(raw, str) and raw.lower() in ("true", "false"):
             return raw.lower() == "true"
     elif kind is int:
-        if isinstance(raw, int) and not isinstance(raw, bool):
-            return raw
         if isinstance(raw, float) and raw.is_integer():
-            return int(raw)
+            raw = int(raw)
+        if isinstance(raw, int) and not isinstance(raw, bool) and _sint64(raw):
+            return raw
     elif kind is float:
         number = isinstance(raw, int | float) and not isinstance(raw, bool)
+        if number and not isinstance(raw, float) and abs(raw) > sys.float_info.max:
+            return None
         if number and math.isfinite(raw):
             return float(raw)
     elif isinstance(raw, str):
         return raw
     return None
+
+
+def _sint64(value: int) -> bool:
+    """Whether Flower can carry `value` (its config values are signed 64-bit
+    integers)."""
+    return -(2**63) <= value < 2**63
 
 
 def kind_words(kind: type) -> str:

@@ -188,6 +188,12 @@ def test_a_users_aggregator_is_checked_by_its_own_rules_and_composed() -> None:
          r"Update': cannot import .*ModuleNotFoundError"),
         ("local-objective", "median", r"invalid value for 'local-objective': "
          r"'median'; allowed: .*import path 'module:Class'"),
+        ("aggregator", "collections:OrderedDict", r"aggregator='collections:"
+         r"OrderedDict' is no class subclassing pollen\.strategies\.aggregation\.Rule"),
+        ("server-update", "numpy:median", r"server-update='numpy:median' is no "
+         r"class subclassing pollen\.strategies\.server_update\.ServerUpdate"),
+        ("local-objective", "collections:OrderedDict", r"is no class subclassing "
+         r"pollen\.task\.objective_parts\.Plain, as a user's local-objective"),
     ],
 )  # fmt: skip
 def test_a_part_pollen_cannot_import_is_refused_naming_key_and_cause(

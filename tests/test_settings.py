@@ -216,6 +216,21 @@ def test_integral_float_and_bool_strings_are_coerced() -> None:
 
 
 @pytest.mark.parametrize(
+    "config",
+    [{"seed": 2**63}, {"rounds": 1e300}, {"test-batch-size": 2**63}, {"lr": 10**400}],
+    ids=["seed", "rounds", "test-batch-size", "lr"],
+)
+def test_numbers_flower_cannot_carry_are_refused_up_front(config: dict) -> None:
+    """Flower's config values are signed 64-bit integers and doubles: a
+    larger integer passed validation and failed inside `flwr run`, and an
+    integer beyond a double's range for a float key was a traceback."""
+    (key,) = config
+    with pytest.raises(SettingsError, match=f"invalid value for '{key}'"):
+        Settings.from_run_config(config)
+    assert Settings.from_run_config({"seed": 2**63 - 1}).seed == 2**63 - 1
+
+
+@pytest.mark.parametrize(
     ("preset", "update", "objective", "server_lr", "momentum"),
     [
         ("fedavg", "fedavg", "plain", 1.0, 0.0),
