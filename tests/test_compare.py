@@ -139,8 +139,26 @@ def test_only_selects_cells_by_the_values_their_names_spell() -> None:
         ("[base]\nrun-name = 'x'\n", "run-name is set by pollen compare"),
         ("[grid]\noutput-dir = ['a']\n", "output-dir is set by pollen compare"),
         ("# caf\udce9\n", r"not UTF-8 text \(byte 5\); a grid is a TOML file"),
+        ("grid = 5\n", r"grid must be a table \(\[grid\]"),
+        ("grid = [1, 2]\n", "grid must be a table"),
+        ("[grid]\nseed = [1979-05-27]\n", "grid key 'seed': datetime.date"),
+        ("[base]\nseed = 1979-05-27\n", r"\[base\] seed: datetime.date.* is a date"),
+        ("target = true\n", "target must be an accuracy in"),
+        (
+            "[grid]\nstrategy = [{name = 'a', strategy = 'fedavg', run-name = 'x'}]\n",
+            r"\('a'\) sets 'run-name', which pollen compare sets for each cell",
+        ),
     ],
 )
+def test_a_report_of_a_folder_with_a_damaged_grid_says_so(tmp_path: Path) -> None:
+    """With --target the report reads the grid only for its shape; a damaged
+    grid.toml is one line there too (it was a TOMLDecodeError traceback)."""
+    (tmp_path / "runs").mkdir()
+    (tmp_path / "grid.toml").write_text("[grid]\nseed = [1\n")
+    with pytest.raises(compare.CompareError, match="cannot read the comparison's"):
+        compare.report_comparison(tmp_path, 0.5)
+
+
 def test_bad_grids_are_refused_with_the_reason(
     tmp_path: Path, text: str, message: str
 ) -> None:

@@ -89,7 +89,13 @@ class Grid:
                     "holds one value per key, the values to compare go in a "
                     f"list under [grid] ({key} = [...])"
                 )
+            _check_scalar(f"{path}: [base] {key}", value)
         axes = document.get("grid", {})
+        if not isinstance(axes, dict):
+            raise CompareError(
+                f"{path}: grid must be a table ([grid], each key a list of values), "
+                f"got {axes!r}"
+            )
         for key in CELL_KEYS & (set(base) | set(axes)):
             raise CompareError(
                 f"{path}: {key} is set by pollen compare for each cell (--out "
@@ -103,9 +109,13 @@ class Grid:
             for value in values:
                 if isinstance(value, dict):
                     _check_named_value(path, key, value, set(axes))
+                else:
+                    _check_scalar(f"{path}: grid key {key!r}", value)
         target = document.get("target")
         if target is not None and not (
-            isinstance(target, int | float) and 0 < target <= 1
+            isinstance(target, int | float)
+            and not isinstance(target, bool)
+            and 0 < target <= 1
         ):
             raise CompareError(
                 f"{path}: target must be an accuracy in (0, 1], got {target!r}"
@@ -143,6 +153,16 @@ class Grid:
         return dataclasses.replace(self, axes={**self.axes, **chosen})
 
 
+def _check_scalar(where: str, value: Any) -> None:
+    """A run-config value is a string, a number or a boolean (TOML also has
+    dates and times, which no key takes)."""
+    if not isinstance(value, str | int | float | bool):
+        raise CompareError(
+            f"{where}: {value!r} is a {type(value).__name__}; a run-config value "
+            "is a string, a number or true/false"
+        )
+
+
 def _check_named_value(
     path: Path, key: str, value: dict[str, Any], grid_keys: set[str]
 ) -> None:
@@ -161,6 +181,12 @@ def _check_named_value(
             raise CompareError(
                 f"{where} ({name!r}): {setting!r} must be a single value, "
                 f"got {scalar!r}"
+            )
+        _check_scalar(f"{where} ({name!r}): {setting!r}", scalar)
+        if setting in CELL_KEYS:
+            raise CompareError(
+                f"{where} ({name!r}) sets {setting!r}, which pollen compare sets "
+                "for each cell (--out and the cell's name); leave it out"
             )
         if setting != key and setting in grid_keys:
             raise CompareError(

@@ -603,7 +603,12 @@ class GridShape:
         """The shape of the grid in `grid`; None without one."""
         if not grid.exists():
             return None
-        axes = tomllib.loads(grid.read_text(encoding="utf-8")).get("grid", {})
+        try:
+            axes = tomllib.loads(grid.read_text(encoding="utf-8")).get("grid", {})
+        except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError) as err:
+            raise CompareError(f"cannot read the comparison's {grid}: {err}") from None
+        if not isinstance(axes, dict):
+            raise CompareError(f"{grid}: grid must be a table, got {axes!r}")
         named = {k for values in axes.values() for v in values
                  if isinstance(v, dict) for k in v}  # fmt: skip
         return cls(frozenset(axes), frozenset(named - set(axes) - {"name"}))
