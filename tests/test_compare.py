@@ -116,6 +116,15 @@ def test_only_selects_cells_by_the_values_their_names_spell() -> None:
         grid.select(["lr=0.1"])
 
 
+def test_a_report_of_a_folder_with_a_damaged_grid_says_so(tmp_path: Path) -> None:
+    """With --target the report reads the grid only for its shape; a damaged
+    grid.toml is one line there too (it was a TOMLDecodeError traceback)."""
+    (tmp_path / "runs").mkdir()
+    (tmp_path / "grid.toml").write_text("[grid]\nseed = [1\n")
+    with pytest.raises(compare.CompareError, match="cannot read the comparison's"):
+        compare.report_comparison(tmp_path, 0.5)
+
+
 @pytest.mark.parametrize(
     ("text", "message"),
     [
@@ -150,15 +159,6 @@ def test_only_selects_cells_by_the_values_their_names_spell() -> None:
         ),
     ],
 )
-def test_a_report_of_a_folder_with_a_damaged_grid_says_so(tmp_path: Path) -> None:
-    """With --target the report reads the grid only for its shape; a damaged
-    grid.toml is one line there too (it was a TOMLDecodeError traceback)."""
-    (tmp_path / "runs").mkdir()
-    (tmp_path / "grid.toml").write_text("[grid]\nseed = [1\n")
-    with pytest.raises(compare.CompareError, match="cannot read the comparison's"):
-        compare.report_comparison(tmp_path, 0.5)
-
-
 def test_bad_grids_are_refused_with_the_reason(
     tmp_path: Path, text: str, message: str
 ) -> None:
