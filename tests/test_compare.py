@@ -119,7 +119,8 @@ def test_only_selects_cells_by_the_values_their_names_spell() -> None:
 def test_a_report_of_a_folder_with_a_damaged_grid_says_so(tmp_path: Path) -> None:
     """With --target the report reads the grid only for its shape; a damaged
     grid.toml is one line there too (it was a TOMLDecodeError traceback)."""
-    (tmp_path / "runs").mkdir()
+    write_run(tmp_path / "runs", "a", {"strategy": "fedavg"}, [0.4, 0.6])
+    write_run(tmp_path / "runs", "b", {"strategy": "fedprox"}, [0.5, 0.7])
     (tmp_path / "grid.toml").write_text("[grid]\nseed = [1\n")
     with pytest.raises(compare.CompareError, match="cannot read the comparison's"):
         compare.report_comparison(tmp_path, 0.5)
