@@ -398,6 +398,8 @@ FEDDYN_H_SCALES = ("num-clients", "participants")
 PARTITIONS = ("iid", "niid", "niid-client", "pathological", "silos", "natural")
 CLASS_ASSIGNMENTS = ("first-deterministic", "deterministic", "random")
 CLIENT_OPTIMIZERS = ("sgd", *ADAPTIVE_OPTIMIZERS)
+# `backbone-weights` values that name no file (anything else is a file path)
+BACKBONE_SOURCES = ("imagenet", "random")
 DEVICES = ("auto", "cpu", "cuda", "mps")
 # how a node trains the clients it serves in a round: one after another, or
 # together as one vectorised cohort (pollen.task.cohort); what a cohort

@@ -332,3 +332,22 @@ def test_pollen_run_notes_once_what_departs_from_a_part(tmp_path, capsys) -> Non
     assert out.count("pollen: note: momentum=0.9 as asked") == 1
     prepare_run(PROJECT, [f"strategy='scaffold' output-dir='{tmp_path}'"])
     assert "note" not in capsys.readouterr().out
+
+
+def test_paths_the_serverapp_reads_are_pinned_to_the_shells_folder(
+    tmp_path, monkeypatch
+) -> None:
+    """The SuperLink (and its ServerApp) runs in its Flower home: a relative
+    network-profile or backbone-weights file would be looked for there. They
+    are made absolute as data-root is; imagenet and random stay names."""
+    monkeypatch.chdir(PROJECT)
+    settings, config = prepare_run(
+        PROJECT,
+        [f"network-profile='configs/networks/mixed.toml' output-dir='{tmp_path}' "
+         "backbone-weights='weights/vgg.pt'"],
+    )  # fmt: skip
+    assert settings.network_profile == str(PROJECT / "configs/networks/mixed.toml")
+    assert settings.backbone_weights == str(PROJECT / "weights/vgg.pt")
+    assert f'network-profile="{PROJECT}/configs/networks/mixed.toml"' in config
+    default, _ = prepare_run(PROJECT, [f"output-dir='{tmp_path}'"])
+    assert (default.backbone_weights, default.network_profile) == ("imagenet", "")

@@ -16,7 +16,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from ..catalog import DATA_SETS
+from ..catalog import BACKBONE_SOURCES, DATA_SETS
 from ..common.webhook import URL_ENV, check_url
 from ..files import readable_folder_problem
 from ..keys import unknown_key_message
@@ -172,16 +172,26 @@ def pin_tracking_uri(settings: Settings) -> Settings:
 
 
 def pin_paths(settings: Settings, strategy: str) -> Settings:
-    """`data-root`, `output-dir` and `resume` made absolute against this
-    shell's directory, and an empty `run-name` given a generated one (named
-    after `strategy`), so this command knows where results land."""
+    """`data-root`, `output-dir`, `resume`, `network-profile` and a
+    `backbone-weights` file made absolute against this shell's directory
+    (the ServerApp and the clients run elsewhere: the SuperLink's in its
+    Flower home), and an empty `run-name` given a generated one (named after
+    `strategy`), so this command knows where results land."""
+    weights = settings.backbone_weights
     return dataclasses.replace(
         settings,
-        data_root=str(Path(settings.data_root).expanduser().resolve()),
-        output_dir=str(Path(settings.output_dir).expanduser().resolve()),
+        data_root=_absolute(settings.data_root),
+        output_dir=_absolute(settings.output_dir),
         run_name=settings.run_name or default_run_name(strategy, settings.data_set),
-        resume=settings.resume and str(Path(settings.resume).expanduser().resolve()),
+        resume=settings.resume and _absolute(settings.resume),
+        network_profile=settings.network_profile
+        and _absolute(settings.network_profile),
+        backbone_weights=weights if weights in BACKBONE_SOURCES else _absolute(weights),
     )
+
+
+def _absolute(path: str) -> str:
+    return str(Path(path).expanduser().resolve())
 
 
 def prepare_run(app: Path, overrides: Sequence[str]) -> tuple[Settings, str]:
