@@ -15,8 +15,11 @@ from pollen.deployment.launch import (
     SIMULATED_NODES,
     LaunchError,
     LocalSuperLink,
+    Target,
+    checked_federation,
     simulation_federation,
 )
+from pollen.settings import Settings
 
 
 def test_simulation_defaults_fill_only_the_keys_not_given() -> None:
@@ -152,3 +155,14 @@ def test_run_network_passes_the_profile_key(
     profile.write_text("[default]\ndelay-ms = 5\n")
     assert main(["run", "-c", "rounds=1", "--network", str(profile)]) == 0
     assert given == [["rounds=1", f'network-profile="{profile.resolve()}"']]
+
+
+def test_a_simulation_never_waits_for_more_nodes_than_it_starts() -> None:
+    """3 clients start 3 SuperNodes: min-available-nodes=5 would wait
+    node-wait (120 s) and fail; refused before anything starts."""
+    settings = Settings.from_run_config({"num-clients": 3, "min-available-nodes": 5})
+    with pytest.raises(LaunchError, match=r"'min-available-nodes': 5 above the "
+                       r"simulation's 3 SuperNodes"):  # fmt: skip
+        checked_federation(settings, [], Target())
+    more = ["num-supernodes=5"]
+    assert checked_federation(settings, more, Target())[0] == "num-supernodes=5"

@@ -260,6 +260,14 @@ def checked_federation(
             cohorts=settings.client_execution == "cohort",
         )  # fmt: skip
         check_local_gpus(federation)
+        nodes = int(_parse_federation(federation)["num-supernodes"])
+        if settings.min_available_nodes > nodes:
+            raise LaunchError(
+                f"invalid value for 'min-available-nodes': {settings.min_available_nodes}"
+                f" above the simulation's {nodes} SuperNodes (num-supernodes): the "
+                "run would wait node-wait for nodes that never come; allowed: at "
+                f'most {nodes}, or more nodes (--federation-config "num-supernodes=N")'
+            )
     if target.connection is None:  # the ServerApp reads the data on this machine
         check_local_data(settings)
         check_local_tracker(settings)
