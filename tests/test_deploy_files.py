@@ -41,12 +41,25 @@ def test_node_key_is_an_openssh_ec_key_flower_can_read(tmp_path: Path) -> None:
     assert public.read_text().startswith("ecdsa-sha2-nistp384 ")
 
 
-def test_node_config_flags_are_checked() -> None:
-    assert node_extra(['1:data-file="/silo/own.npz" x=2'], 3) == {
-        1: {"data-file": "/silo/own.npz", "x": 2}
+def test_node_config_flags_are_checked(tmp_path: Path) -> None:
+    own = tmp_path / "own.npz"
+    own.write_bytes(b"")
+    assert node_extra([f'1:data-file="{own}" state-dir="/s"'], 3) == {
+        1: {"data-file": str(own), "state-dir": "/s"}
     }
-    for bad in ("data-file='/a'", "3:a=1", "x:a=1", "0:a=not toml"):
-        with pytest.raises(NodeConfigError, match="--node-config"):
+    for bad, message in (
+        ("data-file='/a'", "expected K:key=value"),
+        ("3:partition-id=1", "node index 0..2"),
+        ("x:partition-id=1", "node index"),
+        ("0:data-root=not toml", "--node-config"),
+        ("0:partiton-id=1", "unknown node-config key 'partiton-id'; allowed: "
+         "partition-id, num-partitions, data-root, data-file, state-dir"),
+        ("0:partition-id=", "'partition-id=' is not key=value"),
+        ("0:partition-id=1 oops", "'oops' is not key=value"),
+        ("1:data-file='/nonexistent/silo.npz'", "no such file"),
+        ("0:num-partitions=4", r"disagree on num-partitions \(node by node: 4, 3, 3\)"),
+    ):  # fmt: skip
+        with pytest.raises(NodeConfigError, match=message):
             node_extra([bad], 3)
 
 

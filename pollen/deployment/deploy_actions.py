@@ -9,6 +9,7 @@ can fix is a `cluster.DeployError`.
 from __future__ import annotations
 
 import os
+import shlex
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -112,8 +113,15 @@ class NodeConfigError(ValueError):
     """A `--node-config` that cannot work; nothing was started."""
 
 
+# what a node reads of its node config (task/node_data.py, task/client_state.py)
+NODE_CONFIG_KEYS = ("partition-id", "num-partitions", "data-root", "data-file",
+                    "state-dir")  # fmt: skip
+
+
 def node_extra(values: Sequence[str], num_nodes: int) -> dict[int, dict[str, str]]:
-    """`K:key=value` flags -> {K: {key: value}} (values parsed as TOML)."""
+    """`K:key=value` flags -> {K: {key: value}} (values parsed as TOML): only
+    keys a node reads, each with a value, and a `data-file` that exists
+    (the nodes run on this machine)."""
     from click import ClickException
     from flwr.common.config import parse_config_args
 
@@ -125,19 +133,45 @@ def node_extra(values: Sequence[str], num_nodes: int) -> dict[int, dict[str, str
                 f"--node-config {value!r}: expected K:key=value with K a node "
                 f"index 0..{num_nodes - 1}"
             )
+        _check_pairs(value, pairs)
         try:
             extra.setdefault(int(node), {}).update(parse_config_args([pairs]))
         except (ValueError, ClickException) as err:
             raise NodeConfigError(f"--node-config {value!r}: {err}") from None
+    for node, config in extra.items():
+        data_file = config.get("data-file")
+        if isinstance(data_file, str) and data_file and not Path(data_file).is_file():
+            raise NodeConfigError(
+                f"--node-config {node}:data-file={data_file!r}: no such file"
+            )
     check_partitions(extra, num_nodes)
     return extra
+
+
+def _check_pairs(value: str, pairs: str) -> None:
+    """Every word of `pairs` is key=value with a key a node reads (Flower's
+    parser drops a word without '=' and a key without a value)."""
+    try:
+        words = shlex.split(pairs)
+    except ValueError as err:
+        raise NodeConfigError(f"--node-config {value!r}: {err}") from None
+    for word in words:
+        key, sep, text = word.partition("=")
+        if not (sep and text):
+            raise NodeConfigError(f"--node-config {value!r}: {word!r} is not key=value")
+        if key not in NODE_CONFIG_KEYS:
+            raise NodeConfigError(
+                f"--node-config {value!r}: unknown node-config key {key!r}; "
+                f"allowed: {', '.join(NODE_CONFIG_KEYS)}"
+            )
 
 
 def check_partitions(extra: dict[int, dict[str, object]], num_nodes: int) -> None:
     """Refuse node configs whose partitions cannot all exist: a
     `num-partitions` below 1, a `partition-id` outside 0..num-partitions-1,
-    or two nodes given one partition (one client would be served twice and
-    another never; each node would train alone at client-frac 1)."""
+    two nodes given one partition (one client would be served twice and
+    another never; each node would train alone at client-frac 1), or nodes
+    that disagree on `num-partitions`."""
     served: dict[int, int] = {}
     for node in range(num_nodes):
         config = extra.get(node, {})
@@ -164,3 +198,11 @@ def check_partitions(extra: dict[int, dict[str, object]], num_nodes: int) -> Non
                 "node serves its own partition"
             )
         served[partition] = node
+    counts = [
+        extra.get(n, {}).get("num-partitions", num_nodes) for n in range(num_nodes)
+    ]
+    if len(set(map(repr, counts))) > 1:
+        raise NodeConfigError(
+            f"--node-config: the nodes disagree on num-partitions (node by node: "
+            f"{', '.join(map(repr, counts))}); give every node the same one"
+        )
