@@ -232,6 +232,11 @@ def checked_values(
         rule: Rule | None = f.metadata["rule"]
         if value is None:
             allowed = kind_words(f.metadata["kind"])
+            if f.metadata["kind"] is str and rule is not None:
+                allowed = rule.allowed
+            quoted = str(raw)
+            if f.metadata["kind"] is str and (rule is None or rule.check(quoted)):
+                allowed += f" (in quotes: {name}='{quoted}')"  # TOML read a number
         elif rule is not None and not rule.check(value):
             allowed = rule.allowed
         else:

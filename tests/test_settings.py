@@ -351,3 +351,13 @@ def test_paths_the_serverapp_reads_are_pinned_to_the_shells_folder(
     assert f'network-profile="{PROJECT}/configs/networks/mixed.toml"' in config
     default, _ = prepare_run(PROJECT, [f"output-dir='{tmp_path}'"])
     assert (default.backbone_weights, default.network_profile) == ("imagenet", "")
+
+
+def test_a_number_for_a_string_key_is_told_to_quote_it() -> None:
+    """TOML reads attacker-clients=3 as a number: the refusal says what the
+    key takes and how to write it, where quoting would do."""
+    with pytest.raises(SettingsError, match=r"allowed: 'i,j,\.\.\.' of integers >= 0 "
+                       r"\(in quotes: attacker-clients='3'\)"):  # fmt: skip
+        Settings.from_run_config({"attack": "sign-flip", "attacker-clients": 3})
+    with pytest.raises(SettingsError, match=r"allowed: one of fedavg.*fedbuff$"):
+        Settings.from_run_config({"strategy": 3})
