@@ -776,3 +776,32 @@ def test_line_labels_break_ties_by_the_default_and_a_setting_that_varies_within_
                       "c": "fedavg, round-deadline=50.0", "d": "fedavg"}  # fmt: skip
     same_lr = [r for r in runs if r.settings["lr"] == 0.1]
     assert report.split_line_and_figure_keys(keys, grid, same_lr)[1] == []
+
+
+def test_a_finished_cell_with_a_relative_network_profile_is_kept(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A relative network-profile is made absolute where every run config is
+    resolved, so the path a cell names is the one its run records: the
+    finished cell is kept, not refused as another grid's run."""
+    from pollen.deployment.run_config import pin_paths
+    from pollen.settings import Settings
+
+    monkeypatch.chdir(PROJECT)
+    grid = grid_file(
+        tmp_path,
+        '[base]\nnetwork-profile = "configs/networks/datacenter.toml"\n'
+        "rounds = 1\n[grid]\nseed = [1]\n",
+    )
+    comparison = compare.Comparison(grid, PROJECT, tmp_path / "out")
+    (cell,) = compare.validate_cells(compare.Grid.load(grid), comparison.validate)
+    assert cell.run_config["network-profile"] == str(
+        PROJECT / "configs/networks/datacenter.toml"
+    )
+    recorded = pin_paths(Settings.from_run_config(cell.run_config), "fedavg")
+    run_dir = tmp_path / "out" / "runs" / cell.name
+    run_dir.mkdir(parents=True)
+    (run_dir / "settings.json").write_text(json.dumps(recorded.to_run_config()))
+    (run_dir / "summary.json").write_text(json.dumps({"status": "completed"}))
+    (state,) = compare.with_states([cell], tmp_path / "out")
+    assert state.state == compare.DONE

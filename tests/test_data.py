@@ -241,7 +241,8 @@ def test_an_image_folders_cache_is_rebuilt_when_an_image_changes(
 
     for name, colour in IMAGES.items():
         write(name, colour)
-    assert len(in_a_new_process().y_train) == 11
+    (tmp_path / "cifar10" / "train" / "cat" / ".#0.png").symlink_to("gone.png")
+    assert len(in_a_new_process().y_train) == 11  # a dangling link is skipped
     write("train/cat/2.png", (230, 0, 0))
     assert len(in_a_new_process().y_train) == 12
     write("train/airplane/0.png", (0, 0, 90))

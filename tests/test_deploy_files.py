@@ -47,13 +47,21 @@ def test_node_config_flags_are_checked(tmp_path: Path) -> None:
     assert node_extra([f'1:data-file="{own}" state-dir="/s"'], 3) == {
         1: {"data-file": str(own), "state-dir": "/s"}
     }
+    home = tmp_path / "home"
+    home.mkdir()
+    (home / "silo.npz").write_bytes(b"")
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("HOME", str(home))
+        assert node_extra(['0:data-file="~/silo.npz" slowdown=3 state-dir=""'], 3) == {
+            0: {"data-file": "~/silo.npz", "slowdown": 3, "state-dir": ""}
+        }  # the node expands ~; "" turns its own state folder off
     for bad, message in (
         ("data-file='/a'", "expected K:key=value"),
         ("3:partition-id=1", "node index 0..2"),
         ("x:partition-id=1", "node index"),
         ("0:data-root=not toml", "--node-config"),
         ("0:partiton-id=1", "unknown node-config key 'partiton-id'; allowed: "
-         "partition-id, num-partitions, data-root, data-file, state-dir"),
+         "partition-id, num-partitions, data-root, data-file, state-dir, slowdown"),
         ("0:partition-id=", "'partition-id=' is not key=value"),
         ("0:partition-id=1 oops", "'oops' is not key=value"),
         ("1:data-file='/nonexistent/silo.npz'", "no such file"),

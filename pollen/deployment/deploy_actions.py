@@ -9,6 +9,7 @@ can fix is a `cluster.DeployError`.
 from __future__ import annotations
 
 import os
+import re
 import shlex
 import sys
 from collections.abc import Sequence
@@ -113,9 +114,10 @@ class NodeConfigError(ValueError):
     """A `--node-config` that cannot work; nothing was started."""
 
 
-# what a node reads of its node config (task/node_data.py, task/client_state.py)
+# what a node reads of its node config (task/node_data.py, task/client_state.py,
+# task/straggler.py)
 NODE_CONFIG_KEYS = ("partition-id", "num-partitions", "data-root", "data-file",
-                    "state-dir")  # fmt: skip
+                    "state-dir", "slowdown")  # fmt: skip
 
 
 def node_extra(values: Sequence[str], num_nodes: int) -> dict[int, dict[str, str]]:
@@ -140,7 +142,11 @@ def node_extra(values: Sequence[str], num_nodes: int) -> dict[int, dict[str, str
             raise NodeConfigError(f"--node-config {value!r}: {err}") from None
     for node, config in extra.items():
         data_file = config.get("data-file")
-        if isinstance(data_file, str) and data_file and not Path(data_file).is_file():
+        if (
+            isinstance(data_file, str)
+            and data_file
+            and not Path(data_file).expanduser().is_file()
+        ):
             raise NodeConfigError(
                 f"--node-config {node}:data-file={data_file!r}: no such file"
             )
@@ -157,7 +163,8 @@ def _check_pairs(value: str, pairs: str) -> None:
         raise NodeConfigError(f"--node-config {value!r}: {err}") from None
     for word in words:
         key, sep, text = word.partition("=")
-        if not (sep and text):
+        bare = re.search(rf"(?:^|\s){re.escape(key)}=(?:\s|$)", pairs)  # not key=""
+        if not sep or (not text and bare):
             raise NodeConfigError(f"--node-config {value!r}: {word!r} is not key=value")
         if key not in NODE_CONFIG_KEYS:
             raise NodeConfigError(

@@ -99,6 +99,7 @@ def resolve_run_config(app: Path, overrides: Sequence[str]) -> dict[str, Any]:
                 f"{unknown_key_message(unknown[0], config)} (in {value!r})"
             )
         config.update(parsed)
+    _pin_read_files(config)
     return config
 
 
@@ -172,26 +173,33 @@ def pin_tracking_uri(settings: Settings) -> Settings:
 
 
 def pin_paths(settings: Settings, strategy: str) -> Settings:
-    """`data-root`, `output-dir`, `resume`, `network-profile` and a
-    `backbone-weights` file made absolute against this shell's directory
-    (the ServerApp and the clients run elsewhere: the SuperLink's in its
-    Flower home), and an empty `run-name` given a generated one (named after
-    `strategy`), so this command knows where results land."""
-    weights = settings.backbone_weights
+    """`data-root`, `output-dir` and `resume` made absolute against this
+    shell's directory, and an empty `run-name` given a generated one (named
+    after `strategy`), so this command knows where results land."""
     return dataclasses.replace(
         settings,
         data_root=_absolute(settings.data_root),
         output_dir=_absolute(settings.output_dir),
         run_name=settings.run_name or default_run_name(strategy, settings.data_set),
         resume=settings.resume and _absolute(settings.resume),
-        network_profile=settings.network_profile
-        and _absolute(settings.network_profile),
-        backbone_weights=weights if weights in BACKBONE_SOURCES else _absolute(weights),
     )
 
 
 def _absolute(path: str) -> str:
     return str(Path(path).expanduser().resolve())
+
+
+def _pin_read_files(config: dict[str, Any]) -> None:
+    """A relative `network-profile` or `backbone-weights` file made absolute
+    against this shell's directory: the ServerApp reads them in the
+    SuperLink's Flower home. Done where every command that validates a run
+    config reads it (a run, a comparison's cells), so a run records the
+    path its cell names."""
+    profile, weights = config.get("network-profile"), config.get("backbone-weights")
+    if isinstance(profile, str) and profile:
+        config["network-profile"] = _absolute(profile)
+    if isinstance(weights, str) and weights and weights not in BACKBONE_SOURCES:
+        config["backbone-weights"] = _absolute(weights)
 
 
 def prepare_run(app: Path, overrides: Sequence[str]) -> tuple[Settings, str]:

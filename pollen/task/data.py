@@ -499,6 +499,8 @@ def _fingerprint(path: Path) -> dict[str, object]:
         subfolders.sort()
         for name in sorted(names):
             file = Path(folder, name)
+            if not file.is_file():  # a dangling link: the decoder skips it too
+                continue
             info = file.stat()
             digest.update(f"{file.relative_to(path)}\0{info.st_size}\0"
                           f"{info.st_mtime_ns}\n".encode())  # fmt: skip
