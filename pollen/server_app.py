@@ -165,7 +165,8 @@ def _tell_failure(notifier: Notifier, run_name: str, err: BaseException) -> None
 
 def _open_run_dir(settings: Settings) -> tuple[Path, str, Checkpoint | None]:
     """A new run directory, or with `resume` the existing one it continues and
-    the checkpoint it continues from (checked before anything is written)."""
+    the checkpoint it continues from (checked before anything is written);
+    either way `settings.json` then holds this run's settings."""
     if settings.resume:
         run_dir = Path(settings.resume).expanduser().resolve()
         if not (run_dir / RUN_MARKER).is_file():
@@ -175,6 +176,9 @@ def _open_run_dir(settings: Settings) -> tuple[Path, str, Checkpoint | None]:
             )
         check_claimed(run_dir, settings.run_token)
         checkpoint = load_resumable(run_dir, settings.to_run_config())
+        # what the run now is: a resume may raise rounds (reports group by it)
+        record = {**settings.to_run_config(), "run-name": run_dir.name}
+        write_json(run_dir / RUN_MARKER, record)
         return run_dir, run_dir.name, checkpoint
     run_name = settings.run_name or default_run_name(
         settings.strategy, settings.data_set

@@ -3,6 +3,8 @@ loss rises: on the way to diverging before anything is non-finite."""
 
 from __future__ import annotations
 
+import dataclasses
+import json
 from pathlib import Path
 
 import numpy as np
@@ -12,7 +14,12 @@ from PIL import Image
 
 from pollen.runs.notify import Notifier
 from pollen.runs.recorder import STALL_ROUNDS, RoundRecorder, stalled_at_chance
-from pollen.runs.results import HEATMAP_MAX_INCHES, RoundRecord, plot_label_heatmap
+from pollen.runs.results import (
+    HEATMAP_MAX_INCHES,
+    RoundRecord,
+    plot_label_heatmap,
+    summarize,
+)
 from pollen.settings import Settings
 from pollen.strategies.round import RoundOutcome
 
@@ -63,3 +70,41 @@ def test_the_label_heatmap_of_ten_thousand_clients_stays_small(tmp_path: Path) -
     plot_label_heatmap(counts, tmp_path / "labels.png", "many")
     with Image.open(tmp_path / "labels.png") as image:
         assert image.height <= HEATMAP_MAX_INCHES * 110
+
+
+def test_the_summary_holds_the_last_personal_evaluation() -> None:
+    """personal-eval-every=3 over 4 rounds: the clients were evaluated in
+    round 3, so that is the summary's final-personal, with its round (it
+    was null unless the last round evaluated)."""
+    personal = {0: {"global-accuracy": 0.5, "local-accuracy": 0.9},
+                1: {"global-accuracy": 0.6, "local-accuracy": 0.7}}  # fmt: skip
+    history = rows([(0.5, 1.0)] * 4)
+    history[2] = dataclasses.replace(history[2], personal=personal)
+    summary = summarize(history, "completed", 4.0)
+    assert summary["final-personal-round"] == 3
+    assert summary["final-personal"]["local"] == history[2].personal_stats("local")
+    assert summarize(rows([(0.5, 1.0)]), "completed", 1.0)["final-personal"] is None
+
+
+def test_a_resumed_run_records_the_settings_it_now_has(tmp_path: Path) -> None:
+    """rounds may be raised on resume: settings.json says what the run now
+    is (it kept the first run's rounds=2 after 4 rounds, and pollen report
+    grouped it with 2-round runs)."""
+    from pollen import server_app
+    from pollen.runs.checkpoints import Checkpoint, save_checkpoint
+
+    first = Settings.from_run_config({"rounds": 2})
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    (run_dir / "settings.json").write_text(
+        json.dumps({**first.to_run_config(), "run-name": "run"})
+    )
+    model = {"w": np.zeros(2, np.float32)}
+    extra = {"settings": first.to_run_config()}
+    save_checkpoint(run_dir, Checkpoint(2, model, {}, extra), 2)
+    resumed = Settings.from_run_config(
+        {**first.to_run_config(), "rounds": 4, "resume": str(run_dir)}
+    )
+    server_app._open_run_dir(resumed)
+    recorded = json.loads((run_dir / "settings.json").read_text())
+    assert recorded["rounds"] == 4 and recorded["run-name"] == "run"

@@ -203,6 +203,8 @@ def summarize(
     """What `summary.json` holds: the outcome in a few numbers, and the token
     of the command that claimed the run's directory (`pollen.runs.claim`)."""
     best = max(history, key=lambda r: r.accuracy, default=None)
+    # the last personal evaluation (personal-eval-every need not divide rounds)
+    personal = next((r for r in reversed(history) if r.personal), None)
     return {
         "status": status,
         "error": error,
@@ -217,10 +219,11 @@ def summarize(
         "total-bytes-down": sum(r.bytes_down for r in history),
         "final-dp-epsilon": history[-1].dp_epsilon if history else None,
         "final-personal": {
-            where: history[-1].personal_stats(where) for where in ("global", "local")
+            where: personal.personal_stats(where) for where in ("global", "local")
         }
-        if history and history[-1].personal
+        if personal
         else None,
+        "final-personal-round": personal.round if personal else None,
     }
 
 
