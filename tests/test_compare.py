@@ -805,3 +805,22 @@ def test_a_finished_cell_with_a_relative_network_profile_is_kept(
     (run_dir / "summary.json").write_text(json.dumps({"status": "completed"}))
     (state,) = compare.with_states([cell], tmp_path / "out")
     assert state.state == compare.DONE
+
+
+def test_a_cell_a_live_run_holds_is_refused_not_moved_aside(tmp_path: Path) -> None:
+    """A killed pollen compare leaves its cell's pollen run going (its own
+    session). Run again, the comparison found the directory unfinished and
+    moved it aside under the live run, then started the cell again; now it
+    says the directory is held, and leaves it."""
+    from pollen.runs.claim import claim
+
+    run_dir = tmp_path / "cmp" / "runs" / "cell-a"
+    run_dir.mkdir(parents=True)
+    (run_dir / "settings.json").write_text("{}")
+    cell = compare.Cell("cell-a", "", {"rounds": 3})
+    with (
+        claim(run_dir, new=False),
+        pytest.raises(compare.CompareError, match="is held by a run that is"),
+    ):
+        compare.with_states([cell], tmp_path / "cmp")
+    assert run_dir.is_dir()

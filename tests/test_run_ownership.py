@@ -140,3 +140,37 @@ def test_two_runs_on_one_directory_one_runs_the_other_fails_at_once(
     assert "flower-2.log" not in names and "run.lock" not in names
     summary = json.loads((tmp_path / "same" / "summary.json").read_text())
     assert summary["status"] == "completed" and summary["run-token"]
+
+
+def test_a_failed_resume_on_a_connection_never_reports_the_earlier_summary(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
+) -> None:
+    """On a CONNECTION the directory is not claimed here (the ServerApp is
+    remote), so no token tells summaries apart: the summary the resumed
+    directory held before the run is not its outcome. Here `flwr run` could
+    not reach the SuperLink; the command said "completed 3 rounds" and
+    exited 0."""
+    from dataclasses import replace
+
+    from pollen.deployment import launch
+    from pollen.settings import Settings
+
+    run_dir = tmp_path / "results" / "run"
+    run_dir.mkdir(parents=True)
+    (run_dir / "summary.json").write_text(json.dumps({
+        "status": "completed", "error": None, "run-token": "earlier", "rounds": 3,
+        "final-accuracy": 0.9, "best-accuracy": 0.91, "best-round": 2,
+        "total-seconds": 1.0,
+    }))  # fmt: skip
+    settings = replace(Settings(), resume=str(run_dir), rounds=10)
+    monkeypatch.setattr(launch, "prepare_run", lambda app, o: (settings, ""))
+    monkeypatch.setattr(launch, "checked_federation", lambda s, f, t: [])
+
+    def unreachable(app, run_config, run_dir, federation, target, console, watchdog):
+        console.line("ERROR :   Connection to the SuperLink refused")
+        return False
+
+    monkeypatch.setattr(launch, "_submit", unreachable)
+    assert not launch.run(tmp_path / "app", [], connection="remote")
+    err = capsys.readouterr().err
+    assert "run failed before writing its results" in err and "refused" in err

@@ -194,6 +194,7 @@ def run(
     submitted = checked_federation(settings, federation, target)
     run_dir = Path(settings.resume or Path(settings.output_dir) / settings.run_name)
     token = None
+    earlier = _read_bytes(run_dir / "summary.json")  # a resumed run's, say
     with contextlib.ExitStack() as held:
         # the watchdog cleans up if this command is killed outright
         watchdog = held.enter_context(Watchdog())
@@ -217,7 +218,8 @@ def run(
         finally:
             kept = _keep_flower_log(log_path, run_dir)
         wall_seconds = time.monotonic() - started
-        if said_completed and not (run_dir / "summary.json").exists():
+        here = _read_bytes(run_dir / "summary.json")
+        if said_completed and (here is None or (token is None and here == earlier)):
             # a remote SuperLink's ServerApp wrote its results on its own machine
             print(
                 f"pollen: run completed; results in {run_dir} on the ServerApp's machine"
@@ -225,8 +227,15 @@ def run(
             return True
         return report_outcome(
             run_dir, wall_seconds, resumed=bool(settings.resume), token=token,
-            error=console.last_error, log=kept or log_path,
+            error=console.last_error, log=kept or log_path, earlier=earlier,
         )  # fmt: skip
+
+
+def _read_bytes(path: Path) -> bytes | None:
+    try:
+        return path.read_bytes()
+    except OSError:
+        return None
 
 
 def find_target(
@@ -609,6 +618,7 @@ def report_outcome(
     token: str | None = None,
     error: str | None = None,
     log: Path | None = None,
+    earlier: bytes | None = None,
 ) -> bool:
     """Whether the run completed, from its own record of how it ended; said
     on the console with where its results are, the command's wall time and,
@@ -617,15 +627,20 @@ def report_outcome(
 
     With a `token` (the run directory's claim) only a `summary.json` that
     carries it counts: one left by an earlier run (a resume that failed
-    before its first round) is not this run's outcome. A run without its own
-    summary failed before writing it: the reason said is `error`, the
+    before its first round) is not this run's outcome; without one (a run
+    on a CONNECTION: the directory is not claimed here) neither is the
+    summary the directory held before the run (`earlier`). A run without its
+    own summary failed before writing it: the reason said is `error`, the
     stream's last error line, and `log` holds the rest."""
     summary_path = run_dir / "summary.json"
+    text = _read_bytes(summary_path)
     try:
-        summary = json.loads(summary_path.read_text())
-    except (OSError, ValueError):
+        summary = json.loads(text) if text is not None else {}
+    except ValueError:
         summary = {}
     if token is not None and summary.get("run-token") != token:
+        summary = {}
+    if token is None and earlier is not None and text == earlier:
         summary = {}
     if not summary:
         print(

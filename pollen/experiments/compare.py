@@ -42,6 +42,7 @@ from ..deployment.run_config import RunConfigError, resolve_settings
 from ..deployment.warm_simulation import warm_simulation
 from ..files import write_atomic
 from ..runs.checkpoints import CheckpointError, check_resumable, first_difference
+from ..runs.claim import is_held
 from ..settings import SettingsError
 from .report import NOT_COMPARED, CompareError, cell_name, report, value_label
 
@@ -258,6 +259,12 @@ def with_states(cells: Sequence[Cell], out: Path) -> list[Cell]:
 def _with_state(cell: Cell, run_dir: Path) -> Cell:
     if not run_dir.exists():
         return cell
+    if is_held(run_dir):  # never moved aside or rerun under a live run
+        raise CompareError(
+            f"{run_dir} is held by a run that is still going (a cell of an earlier "
+            "pollen compare that was killed?); let it finish or stop it, then "
+            "run pollen compare again"
+        )
     if _finished(run_dir):
         _check_computed(run_dir, cell)
         return dataclasses.replace(cell, state=DONE)
