@@ -7,18 +7,20 @@ import math
 
 import numpy as np
 import pytest
-from flwr.app import ConfigRecord, Error, Message
+from flwr.app import ConfigRecord, Error, Message, MetricRecord
 from flwr.common.constant import SUPERLINK_NODE_ID, ErrorCode
 
 from pollen.common.cohorts import COHORT_TRAIN, member_views, packed_reply
 from pollen.common.links import LinkShape
 from pollen.network_profile import NetworkProfile, ProfileError
 from pollen.protocol import CLIENT, CLIENT_RECORD, CONFIG, EVAL_SECONDS, METRICS
+from pollen.strategies.aggregation import ClientUpdate
 from pollen.strategies.clock import SimulatedClock, effective_rate, transfer_seconds
 from pollen.strategies.cohort_grid import CohortGrid
 from pollen.strategies.replies import reported_seconds
 from pollen.strategies.round import RoundTiming, play_round
 from pollen.strategies.sampling import Participants, Roster
+from pollen.strategies.strategy import TrainRequest
 from tests.conftest import reply_from
 from tests.test_round import ROSTER, EchoGrid, model, parts
 
@@ -288,3 +290,23 @@ def test_a_round_with_personal_evaluation_waits_for_it_too() -> None:
 def test_reported_seconds_count_only_a_finite_number_at_least_zero(reported, seconds):
     assert reported_seconds({"eval-seconds": reported}, "eval-seconds") == seconds
     assert reported_seconds(None, "eval-seconds") == 0.0
+
+
+def test_scaffolds_delta_c_travels_up_on_the_clock() -> None:
+    """SCAFFOLD's reply carries Delta c_k beside the update, as its message
+    carries c beside the model: 1 MB model + 1 MB c down at 8 Mbit/s, 0.02 +
+    2 s; 1 MB update + 1 MB Delta c up at 1 Mbit/s, 0.02 + 16 s (the clock
+    counted the update alone: 10.04 s)."""
+    profile = NetworkProfile.from_document(
+        {"default": {"delay-ms": 20, "up-mbit": 1, "down-mbit": 8}}, "test"
+    )
+    timing = RoundTiming(clock=SimulatedClock(profile, 1), simulated=True)
+    w = np.zeros(250_000, np.float32)  # 1 MB
+    request = TrainRequest(
+        server_round=1, messages=[], clients=[0], model={"w": w}, shared=("w",),
+        participants=None, bytes_down=2 * w.nbytes,
+    )  # fmt: skip
+    update = ClientUpdate(
+        0, {"w": w}, MetricRecord({"train-seconds": 0.0}), 1.0, {"control": {"w": w}}
+    )
+    assert timing.client_times(request, [update])[0] == pytest.approx(18.04)

@@ -824,3 +824,25 @@ def test_a_cell_a_live_run_holds_is_refused_not_moved_aside(tmp_path: Path) -> N
     ):
         compare.with_states([cell], tmp_path / "cmp")
     assert run_dir.is_dir()
+
+
+@pytest.mark.parametrize("simulate", [False, True])
+def test_a_grid_that_sets_the_network_profile_is_refused_under_network(
+    tmp_path: Path, simulate: bool
+) -> None:
+    """--network shapes (or clocks) every cell with its profile; a cell that
+    set another network-profile put the clock on that one while the links
+    were shaped as --network's. Refused, before anything runs."""
+    profiles = PROJECT / "configs" / "networks"
+    grid = grid_file(
+        tmp_path,
+        "[grid]\nnetwork-profile = "
+        f'["{profiles / "mobile-4g.toml"}", "{profiles / "mixed.toml"}"]\n',
+    )
+    comparison = compare.Comparison(
+        grid, PROJECT, tmp_path / "out", network=profiles / "mixed.toml",
+        simulate=simulate,
+    )  # fmt: skip
+    with pytest.raises(compare.CompareError, match="sets network-profile, and "):
+        compare.run_comparison(comparison, dry_run=True)
+    assert not (tmp_path / "out").exists()

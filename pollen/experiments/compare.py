@@ -123,6 +123,14 @@ class Grid:
             )
         return cls(dict(base), dict(axes), target)
 
+    def sets(self, key: str) -> bool:
+        """Whether [base], a grid key or a named table among its values sets
+        run-config `key`."""
+        named = (
+            v for values in self.axes.values() for v in values if isinstance(v, dict)
+        )
+        return key in self.base or key in self.axes or any(key in v for v in named)
+
     def cells(self) -> list[dict[str, Any]]:
         """Each cell's values of the varying keys, in the grid's order (a named
         value stays a table; `cell_settings` spreads it)."""
@@ -535,6 +543,12 @@ def run_comparison(comparison: Comparison, dry_run: bool = False) -> None:
 
     out = comparison.out
     grid = Grid.load(comparison.grid_path).select(comparison.only)
+    if comparison.network is not None and grid.sets("network-profile"):
+        raise CompareError(
+            f"{comparison.grid_path} sets network-profile, and --network sets it "
+            "for every cell (the links shaped and the clock must be one profile); "
+            "leave it out of the grid, or run without --network"
+        )
     cells = validate_cells(grid, comparison.validate)  # before any write
     run_configs = {cell.name: cell.run_config for cell in cells}
     if comparison.deployed:

@@ -84,14 +84,15 @@ class RoundTiming:
     def client_times(
         self, request: TrainRequest, updates: list[ClientUpdate]
     ) -> dict[int, float]:
-        """Each accepted update's client time on the simulated clock."""
+        """Each accepted update's client time on the simulated clock: its
+        upload is its entries and its further records (SCAFFOLD's Delta c_k)."""
         if self.clock is None:
             return {}
         per_client = request.bytes_down // max(len(request.clients), 1)
         return {
             u.client: self.clock.client_seconds(
                 u.client, per_client, reported_seconds(u.metrics, TRAIN_SECONDS),
-                sum(int(a.nbytes) for a in u.arrays.values()),
+                _upload_bytes(u),
             )
             for u in updates
         }  # fmt: skip
@@ -202,6 +203,12 @@ def _train_in_clear(
         late,
         times,
     )
+
+
+def _upload_bytes(update: ClientUpdate) -> int:
+    """The bytes of an update's arrays and of its further array records."""
+    records = [update.arrays, *update.records.values()]
+    return sum(int(a.nbytes) for record in records for a in record.values())
 
 
 def _late_in_real_time(request: TrainRequest, replies: list[Message]) -> list[int]:
