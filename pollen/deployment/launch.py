@@ -287,7 +287,9 @@ def _flower_log(run_dir: Path, watchdog: Watchdog, verbose: bool) -> Path:
     """A temporary file for the whole stream of `flwr run`, kept as the run
     directory's `FLOWER_LOG` when the run ends (by the watchdog if this
     command is killed); said on the console unless `verbose` shows it too."""
-    log_path = Path(tempfile.mkstemp(prefix="pollen-flower-", suffix=".log")[1])
+    descriptor, name = tempfile.mkstemp(prefix="pollen-flower-", suffix=".log")
+    os.close(descriptor)  # reopened by name to write the stream
+    log_path = Path(name)
     watchdog.log(log_path, run_dir, FLOWER_LOG)
     watchdog.temporary(log_path)
     if not verbose:
