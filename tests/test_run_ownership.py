@@ -174,3 +174,29 @@ def test_a_failed_resume_on_a_connection_never_reports_the_earlier_summary(
     assert not launch.run(tmp_path / "app", [], connection="remote")
     err = capsys.readouterr().err
     assert "run failed before writing its results" in err and "refused" in err
+
+
+def test_a_killed_commands_watchdog_leaves_a_resumed_runs_lock_alone(
+    tmp_path: Path,
+) -> None:
+    """The kernel frees a killed command's lock at once, so the run may be
+    resumed at once; the dead command's watchdog abandons its claim only
+    after its clean-up (a minute and more), and it unlinked the resumed
+    run's lock file then: nobody could tell the directory was held, and the
+    resumed run's ServerApp failed its check."""
+    import io
+
+    from pollen.deployment import watchdog
+
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    (run_dir / "settings.json").write_text("{}")
+    resumed = claim(run_dir, new=False)  # the first command is already dead
+    try:
+        told = json.dumps({"claim": str(run_dir), "made": []}) + "\n"
+        watchdog.watch(io.StringIO(told))  # the dead command's watchdog, late
+        assert is_held(run_dir)
+        check_claimed(run_dir, resumed.token)
+    finally:
+        resumed.release()
+    assert not is_held(run_dir) and not (run_dir / LOCK_FILE).exists()

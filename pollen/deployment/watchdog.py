@@ -147,7 +147,7 @@ def watch(pipe: IO[str]) -> None:
         interrupt_new_serverapps(int(run["warm"]), set(run["earlier"]))
     clean_up(superlinks, started, logs, paths)
     for claim in claims:
-        abandon(Path(claim["claim"]), [Path(p) for p in claim["made"]])
+        abandon(Path(claim["claim"]), [Path(p) for p in claim["made"]], ours=False)
 
 
 def interrupt_serverapp(superlink_pid: int) -> None:

@@ -49,10 +49,14 @@ class RunClaim:
         os.close(self._lock)  # releases the flock
 
 
-def abandon(run_dir: Path, made: list[Path]) -> None:
+def abandon(run_dir: Path, made: list[Path], *, ours: bool = True) -> None:
     """Remove `run_dir`'s lock file; and if the run never started (no
     `settings.json`), the folders `made` for it, when empty: a run that
-    never ran leaves nothing."""
+    never ran leaves nothing. Not `ours` (the watchdog of a killed command,
+    whose lock the kernel freed at once): nothing, when another command
+    holds the directory by now (a resume started meanwhile)."""
+    if not ours and is_held(run_dir):
+        return
     with contextlib.suppress(OSError):
         (run_dir / LOCK_FILE).unlink()
     if not (run_dir / RUN_MARKER).exists():
