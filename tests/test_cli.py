@@ -166,3 +166,48 @@ def test_a_simulation_never_waits_for_more_nodes_than_it_starts() -> None:
         checked_federation(settings, [], Target())
     more = ["num-supernodes=5"]
     assert checked_federation(settings, more, Target())[0] == "num-supernodes=5"
+
+
+def test_a_superlink_starting_up_is_stopped_when_the_command_dies(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The watchdog learns of the SuperLink as it starts, not after its
+    health check (up to a minute): a command killed in between left the
+    SuperLink, in its own session, running. A `sleep` stands in for it; the
+    command dies while waiting for it to answer."""
+    import os
+    import signal
+    import subprocess
+    import time
+
+    from pollen.deployment import processes
+    from pollen.deployment.watchdog import Watchdog
+
+    started: list[subprocess.Popen] = []
+    real_popen = processes._popen
+
+    def start(command, *, log, env=None, cwd=None):
+        started.append(real_popen(["sleep", "300"], env, cwd, subprocess.DEVNULL))
+        return started[-1]
+
+    watchdog = Watchdog()
+
+    def dies_waiting(pid, ready, *, name, log, timeout):
+        assert watchdog.process.stdin is not None
+        watchdog.process.stdin.close()  # what the kernel does for a killed command
+        watchdog.process.wait(timeout=30)
+        raise SystemExit
+
+    monkeypatch.setattr(processes, "start", start)
+    monkeypatch.setattr(processes, "wait_ready", dies_waiting)
+    monkeypatch.setattr(processes, "stop", lambda pid, grace=0: None)  # it is dead
+    try:
+        with pytest.raises(SystemExit):
+            LocalSuperLink(tmp_path / "run", watchdog).__enter__()
+        time.sleep(0.2)
+        assert started and started[0].poll() is not None, "the SuperLink outlived it"
+    finally:
+        for process in started:
+            if process.poll() is None:
+                os.kill(process.pid, signal.SIGKILL)
+                process.wait()

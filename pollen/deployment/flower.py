@@ -8,7 +8,7 @@ import os
 import ssl
 import subprocess
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from . import flower_superexec, processes
@@ -65,6 +65,7 @@ def start_superlink(
     own_log: bool = False,
     cwd: Path | None = None,
     ca: Path | None = None,
+    started: Callable[[int], None] | None = None,
 ) -> subprocess.Popen[bytes]:
     """Start `flower-superlink` listening on `host:port` (ServerApps in
     subprocesses, no dependency installation) with `options` added, and
@@ -72,7 +73,9 @@ def start_superlink(
     `ca`, when given). Its console output goes to `log`; with `own_log` it
     writes `log` itself instead (`--log-file`: Flower's format, with times).
     A SuperLink that exits or stays silent for `SUPERLINK_START_SECONDS` is
-    stopped and reported (`processes.ProcessError`, with its log's end)."""
+    stopped and reported (`processes.ProcessError`, with its log's end).
+    `started` is told its pid at once, before the wait (a watchdog that
+    stops it if this command is killed meanwhile)."""
     command = [
         processes.entry_point("flower-superlink"), "--isolation", "subprocess",
         "--host", host, "--port", str(port),
@@ -81,6 +84,8 @@ def start_superlink(
     if own_log:
         command += ["--log-file", str(log)]
     process = processes.start(command, env=env, log=None if own_log else log, cwd=cwd)
+    if started is not None:
+        started(process.pid)
     context = None if ca is None else ssl.create_default_context(cafile=ca)
     url = f"{'http' if ca is None else 'https'}://{address}/health"
     try:
@@ -101,7 +106,10 @@ def simulation_env(home: Path) -> dict[str, str]:
 
 
 def start_simulation_superlink(
-    home: Path, env: dict[str, str], log: Path
+    home: Path,
+    env: dict[str, str],
+    log: Path,
+    started: Callable[[int], None] | None = None,
 ) -> tuple[subprocess.Popen[bytes], int]:
     """A simulation SuperLink on a free loopback port, insecure, named the
     default connection ("pollen") in `home`'s Flower config, so `flwr run`
@@ -120,5 +128,6 @@ def start_simulation_superlink(
     process = start_superlink(
         ["--insecure", "--simulation"], host="127.0.0.1", port=port,
         address=f"127.0.0.1:{port}", env=env, log=log, own_log=True, cwd=home,
+        started=started,
     )  # fmt: skip
     return process, port

@@ -98,15 +98,14 @@ class LocalSuperLink:
         return simulation_env(self.home)
 
     def __enter__(self) -> LocalSuperLink:
-        try:
+        watched = None if self.watchdog is None else self.watchdog.superlink
+        try:  # the watchdog knows the SuperLink before it waits for it
             self.process, _ = start_simulation_superlink(
-                self.home, self.env, self.log_path
+                self.home, self.env, self.log_path, started=watched
             )
         except BaseException:
             shutil.rmtree(self.home, ignore_errors=True)
             raise
-        if self.watchdog is not None:
-            self.watchdog.superlink(self.process.pid)
         return self
 
     def interrupt(self) -> None:
