@@ -163,12 +163,16 @@ def guard(names: Sequence[str], unchanged: str) -> bool:
 
 
 def _quicker_pulls(name: str, poll_seconds: float) -> None:
-    """Object pulls through `name` retry after `poll_seconds`, doubling up to
-    `PULL_RETRY_CAP_SECONDS`, for up to Flower's `max_time` (Flower: after
-    1 s, doubling up to 10 s, at most 500 tries)."""
+    """Object pulls through `name` retry after `poll_seconds` (never later
+    than Flower's first retry), doubling up to `PULL_RETRY_CAP_SECONDS`, for
+    up to Flower's `max_time` (Flower: after 1 s, doubling up to 10 s, at
+    most 500 tries)."""
+    from flwr.supercore.constant import PULL_INITIAL_BACKOFF
+
     defaults = resolve(name).__kwdefaults__
-    defaults["initial_backoff"] = poll_seconds
-    defaults["backoff_cap"] = max(poll_seconds, PULL_RETRY_CAP_SECONDS)
+    first = min(poll_seconds, PULL_INITIAL_BACKOFF)
+    defaults["initial_backoff"] = first
+    defaults["backoff_cap"] = max(first, PULL_RETRY_CAP_SECONDS)
     defaults["max_tries_per_object"] = None
 
 

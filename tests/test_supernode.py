@@ -250,3 +250,19 @@ def test_the_clock_restarts_after_a_message_pulled_or_a_reply_pushed(monkeypatch
     pushed = flower_waits.NotingMessages(lambda: None, clock, pull=False)
     pushed()
     assert clock.last_message == fake.now
+
+
+def test_object_pulls_never_retry_later_than_flowers():
+    """--poll-interval takes up to 3 s; the object pulls' first retry is
+    that interval, but never later than Flower's own (1 s): at 3 s it was 3."""
+    result = run_python(
+        "from pollen import flower_waits\n"
+        "from flwr.supercore import constant\n"
+        "from flwr.supercore.inflatable import inflatable_utils as utils\n"
+        "assert flower_waits.shorten_clientapp_pulls(3.0)\n"
+        "first = utils.pull_and_inflate_object_from_tree.__kwdefaults__\n"
+        "print(first['initial_backoff'], constant.PULL_INITIAL_BACKOFF)\n"
+    )
+    assert result.returncode == 0, result.stderr
+    first, flowers = map(float, result.stdout.split())
+    assert first == flowers == 1.0

@@ -211,6 +211,7 @@ def test_superexec_refuses_what_it_cannot_run(capsys: pytest.CaptureFixture) -> 
     for argv, says in (
         (["--max-tasks", "0"], "--max-tasks must be at least 1, got 0"),
         (["--executor", "kubernetes"], "pass --cold to choose Flower's executors"),
+        (["--executor=warm"], "pass --cold to choose Flower's executors"),
     ):
         with pytest.raises(SystemExit) as stop:
             superexec.main(argv)

@@ -492,7 +492,10 @@ def main(argv: Sequence[str]) -> int:
     args, flower_args = parser.parse_known_args(argv)
     if args.max_tasks < 1:
         parser.error(f"--max-tasks must be at least 1, got {args.max_tasks}")
-    if "--executor" in flower_args and not args.cold:
+    chooses_executor = any(
+        a == "--executor" or a.startswith("--executor=") for a in flower_args
+    )
+    if chooses_executor and not args.cold:
         parser.error("--executor: the warm executor replaces Flower's subprocess "
                      "executor; pass --cold to choose Flower's executors")  # fmt: skip
     if args.cold:
