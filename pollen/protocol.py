@@ -42,12 +42,19 @@ LR = "lr"  # this round's client learning rate
 
 # ---- node config and the start-up query's answer (client -> server) ---------
 NUM_PARTITIONS = "num-partitions"
+DATA_ROOT = "data-root"  # node config: where this node finds the run's data set
+DATA_FILE = "data-file"  # node config: a .npz of this node's own examples
+STATE_DIR = (
+    "state-dir"  # node config (wins) or server config: where client state is kept
+)
 NUM_EXAMPLES = "num-examples"  # also the weight of a training reply
 OWN_DATA = "own-data"  # the node trains on its own data file
 SHARD_FINGERPRINT = "shard-fingerprint"
 # a straggler's compute slowdown (network profiles): local work takes this
 # many times as long (node config; 1 when absent)
 SLOWDOWN = "slowdown"
+# every key a node reads of its node config (with CLIENT, the partition it serves)
+NODE_CONFIG_KEYS = (CLIENT, NUM_PARTITIONS, DATA_ROOT, DATA_FILE, STATE_DIR, SLOWDOWN)
 
 # ---- metrics (client -> server) ---------------------------------------------
 TRAIN_LOSS = "train-loss"

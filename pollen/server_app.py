@@ -31,6 +31,7 @@ from flwr.superlink.grid.inmemory_grid import InMemoryGrid
 from .files import write_atomic, write_json
 from .flower_waits import shorten_serverapp_pulls
 from .network_profile import NetworkProfile
+from .protocol import STATE_DIR
 from .runs.checkpoints import Checkpoint, load_resumable
 from .runs.claim import check_claimed
 from .runs.evaluation import GlobalEvaluation
@@ -261,7 +262,7 @@ def _client_state(
     client_config = client_state.server_config(
         run.run_dir, run.name, run.resumed_round, run.settings.checkpoint_every > 0
     )
-    state_store = client_state.ClientStateStore(client_config[client_state.STATE_DIR])
+    state_store = client_state.ClientStateStore(client_config[STATE_DIR])
     if simulation and run.resumed_round:
         state_store.forget_abandoned(run_id, run.resumed_round)
     return client_config, state_store

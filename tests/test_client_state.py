@@ -12,13 +12,12 @@ from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Message, RecordD
 
 from pollen import client_app
 from pollen.files import write_json
-from pollen.protocol import CLIENT
+from pollen.protocol import CLIENT, STATE_DIR
 from pollen.settings import Settings
 from pollen.task.client_state import (
     KEEP_FROM,
     RESUME_ROUND,
     RUN_NAME,
-    STATE_DIR,
     ClientStateError,
     ClientStateStore,
     export_state,

@@ -62,7 +62,7 @@ def test_node_config_flags_are_checked(tmp_path: Path) -> None:
         ("0:data-root=not toml", "--node-config"),
         ("0:partiton-id=1", "unknown node-config key 'partiton-id'; allowed: "
          "partition-id, num-partitions, data-root, data-file, state-dir, slowdown"),
-        ("0:partition-id=", "'partition-id=' is not key=value"),
+        ("0:partition-id=", "'partition-id=' has no value"),
         ("0:partition-id=1 oops", "'oops' is not key=value"),
         ("1:data-file='/nonexistent/silo.npz'", "no such file"),
         ("0:num-partitions=4", r"disagree on num-partitions \(node by node: 4, 3, 3\)"),

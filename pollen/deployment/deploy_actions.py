@@ -9,13 +9,12 @@ can fix is a `cluster.DeployError`.
 from __future__ import annotations
 
 import os
-import re
-import shlex
 import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from . import certificates, cluster
+from ..protocol import CLIENT, DATA_FILE, NODE_CONFIG_KEYS, NUM_PARTITIONS
+from . import certificates, cluster, run_config
 
 
 def up(
@@ -114,19 +113,10 @@ class NodeConfigError(ValueError):
     """A `--node-config` that cannot work; nothing was started."""
 
 
-# what a node reads of its node config (task/node_data.py, task/client_state.py,
-# task/straggler.py)
-NODE_CONFIG_KEYS = ("partition-id", "num-partitions", "data-root", "data-file",
-                    "state-dir", "slowdown")  # fmt: skip
-
-
 def node_extra(values: Sequence[str], num_nodes: int) -> dict[int, dict[str, str]]:
     """`K:key=value` flags -> {K: {key: value}} (values parsed as TOML): only
     keys a node reads, each with a value, and a `data-file` that exists
     (the nodes run on this machine)."""
-    from click import ClickException
-    from flwr.common.config import parse_config_args
-
     extra: dict[int, dict[str, str]] = {}
     for value in values:
         node, sep, pairs = value.partition(":")
@@ -135,13 +125,9 @@ def node_extra(values: Sequence[str], num_nodes: int) -> dict[int, dict[str, str
                 f"--node-config {value!r}: expected K:key=value with K a node "
                 f"index 0..{num_nodes - 1}"
             )
-        _check_pairs(value, pairs)
-        try:
-            extra.setdefault(int(node), {}).update(parse_config_args([pairs]))
-        except (ValueError, ClickException) as err:
-            raise NodeConfigError(f"--node-config {value!r}: {err}") from None
+        extra.setdefault(int(node), {}).update(_pairs(value, pairs))
     for node, config in extra.items():
-        data_file = config.get("data-file")
+        data_file = config.get(DATA_FILE)
         if (
             isinstance(data_file, str)
             and data_file
@@ -154,23 +140,25 @@ def node_extra(values: Sequence[str], num_nodes: int) -> dict[int, dict[str, str
     return extra
 
 
-def _check_pairs(value: str, pairs: str) -> None:
-    """Every word of `pairs` is key=value with a key a node reads (Flower's
-    parser drops a word without '=' and a key without a value)."""
+def _pairs(value: str, pairs: str) -> dict[str, object]:
+    """`pairs` as a node reads them: key=value words only (Flower's parser
+    drops a word without '=' and a key without a value), keys a node reads."""
+    from click import ClickException
+    from flwr.common.config import parse_config_args
+
+    if problem := run_config.pairs_problem(pairs):
+        raise NodeConfigError(f"--node-config {value!r}: {problem}")
     try:
-        words = shlex.split(pairs)
-    except ValueError as err:
+        parsed = parse_config_args([pairs])
+    except (ValueError, ClickException) as err:
         raise NodeConfigError(f"--node-config {value!r}: {err}") from None
-    for word in words:
-        key, sep, text = word.partition("=")
-        bare = re.search(rf"(?:^|\s){re.escape(key)}=(?:\s|$)", pairs)  # not key=""
-        if not sep or (not text and bare):
-            raise NodeConfigError(f"--node-config {value!r}: {word!r} is not key=value")
+    for key in parsed:
         if key not in NODE_CONFIG_KEYS:
             raise NodeConfigError(
                 f"--node-config {value!r}: unknown node-config key {key!r}; "
                 f"allowed: {', '.join(NODE_CONFIG_KEYS)}"
             )
+    return parsed
 
 
 def check_partitions(extra: dict[int, dict[str, object]], num_nodes: int) -> None:
@@ -182,8 +170,8 @@ def check_partitions(extra: dict[int, dict[str, object]], num_nodes: int) -> Non
     served: dict[int, int] = {}
     for node in range(num_nodes):
         config = extra.get(node, {})
-        count = config.get("num-partitions", num_nodes)
-        partition = config.get("partition-id", node)
+        count = config.get(NUM_PARTITIONS, num_nodes)
+        partition = config.get(CLIENT, node)
         if isinstance(count, bool) or not isinstance(count, int) or count < 1:
             raise NodeConfigError(
                 f"--node-config {node}:num-partitions={count!r}; allowed: an "
@@ -205,9 +193,7 @@ def check_partitions(extra: dict[int, dict[str, object]], num_nodes: int) -> Non
                 "node serves its own partition"
             )
         served[partition] = node
-    counts = [
-        extra.get(n, {}).get("num-partitions", num_nodes) for n in range(num_nodes)
-    ]
+    counts = [extra.get(n, {}).get(NUM_PARTITIONS, num_nodes) for n in range(num_nodes)]
     if len(set(map(repr, counts))) > 1:
         raise NodeConfigError(
             f"--node-config: the nodes disagree on num-partitions (node by node: "

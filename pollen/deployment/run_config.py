@@ -36,12 +36,12 @@ class RunConfigError(ValueError):
     unreadable value); the user must fix it before anything runs."""
 
 
-# One "key=value" of a --run-config string, as Flower's parser reads it.
+# One "key=value" of a --run-config or --node-config string, as Flower's parser reads it.
 PAIR = re.compile(r"""[^\s=]+=(?:'[^']*'|"[^"]*"|\S+)""")
 
 
-def check_pairs(text: str) -> None:
-    """Refuse anything in a "key=value ..." string besides such pairs.
+def pairs_problem(text: str) -> str | None:
+    """What, in a "key=value ..." string, is not such a pair (None when all are).
 
     Flower's parser keeps only what its pattern matches, so `rounds=` (no
     value) or a stray word would silently fall back to the default.
@@ -52,18 +52,11 @@ def check_pairs(text: str) -> None:
         if pair is None:
             token = text[position:].split(maxsplit=1)[0]
             lone = token.endswith("=") and token.count("=") == 1
-            problem = f"{token!r} {'has no value' if lone else 'is not key=value'}"
-        elif pair.end() < len(text) and not text[pair.end()].isspace():
-            problem = (
-                f"{pair.group()!r} is followed by {text[pair.end()]!r}, not a space"
-            )
-        else:
-            position = pair.end()
-            continue
-        raise RunConfigError(
-            f"invalid --run-config {text!r}: {problem}; write key=value pairs "
-            "separated by spaces, strings quoted (e.g. rounds=3 run-name='a b')"
-        )
+            return f"{token!r} {'has no value' if lone else 'is not key=value'}"
+        if pair.end() < len(text) and not text[pair.end()].isspace():
+            return f"{pair.group()!r} is followed by {text[pair.end()]!r}, not a space"
+        position = pair.end()
+    return None
 
 
 def _skip_spaces(text: str, position: int) -> int:
@@ -87,8 +80,11 @@ def resolve_run_config(app: Path, overrides: Sequence[str]) -> dict[str, Any]:
             f"{app} is not a Flower App with [tool.flwr.app.config]: {err}"
         ) from err
     for value in overrides:
-        if not value.endswith(".toml"):
-            check_pairs(value)
+        if not value.endswith(".toml") and (problem := pairs_problem(value)):
+            raise RunConfigError(
+                f"invalid --run-config {value!r}: {problem}; write key=value pairs "
+                "separated by spaces, strings quoted (e.g. rounds=3 run-name='a b')"
+            )
         try:
             parsed = parse_config_args([value])
         except (ValueError, OSError, ClickException) as err:

@@ -56,8 +56,8 @@ from flwr.app import Array, ArrayRecord, ConfigRecord, Context
 from flwr.common.logger import log
 
 from ..files import NpzError, read_npz, write_atomic, write_npz
+from ..protocol import STATE_DIR
 
-STATE_DIR = "state-dir"  # node config (wins) or server config: where to keep it
 RUN_NAME = "run-name"  # server config: the run's name, a folder under a node's dir
 RESUME_ROUND = "resume-round"  # server config: the checkpoint this run started from
 KEEP_FROM = "keep-from"  # server config: the newest round a resume may start from

@@ -20,7 +20,7 @@ import torch
 from flwr.app import Context
 from flwr.common.logger import log
 
-from ..protocol import CLIENT, NUM_PARTITIONS
+from ..protocol import CLIENT, DATA_FILE, DATA_ROOT, NUM_PARTITIONS
 from ..settings import Settings
 from .data import DataError, Dataset, load_dataset, read_node_file
 from .partition import (
@@ -161,10 +161,6 @@ class NodeData:
     def split_key(self, split: str, client: int) -> Hashable:
         """What `model_inputs` names `client`'s `split` ("train", "test") by."""
         return f"{split}-{client}" if self.own is None else (split, self.own)
-
-
-DATA_ROOT = "data-root"  # node config: where this node finds the run's data set
-DATA_FILE = "data-file"  # node config: a .npz of this node's own examples
 
 
 @cache
