@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import hashlib
 import importlib.util
 import io
+import os
 import subprocess
 import sys
 import tarfile
@@ -277,3 +279,33 @@ def test_cifar100_takes_fine_labels_0_to_99(tmp_path: Path) -> None:
     write_npz(tmp_path / "bad", "cifar100", {**arrays, "y_test": arrays["y_test"] + 1})
     with pytest.raises(DataError, match=r"classes 0\.\.99"):
         load_dataset("cifar100", tmp_path / "bad", download=False)
+
+
+def test_an_image_folders_fingerprint_is_every_file_in_walk_order(
+    tmp_path: Path,
+) -> None:
+    """The fingerprint digests each file's path, size and modification time
+    in `os.walk`'s order (a folder's files, then its subfolders, each by
+    name), so caches written before it was computed with `os.scandir` stay
+    valid; links to folders are not followed, dangling links are skipped."""
+    top = tmp_path / "cifar10"
+    for name in ("b.png", "a/z.png", "a/b/c.png", "a/b/a.png", "c/x.png", "a.png"):
+        (top / name).parent.mkdir(parents=True, exist_ok=True)
+        (top / name).write_bytes(name.encode())
+    (top / "a" / "gone.png").symlink_to("nowhere.png")
+    (top / "a" / "linked").symlink_to(top / "c", target_is_directory=True)
+    lines = []
+    for folder, subfolders, names in os.walk(top):
+        subfolders.sort()
+        for name in sorted(names):
+            file = Path(folder, name)
+            if file.is_file():
+                info = file.stat()
+                lines.append(f"{file.relative_to(top)}\0{info.st_size}\0"
+                             f"{info.st_mtime_ns}\n")  # fmt: skip
+    assert len(lines) == 6
+    assert data_module._fingerprint(top) == {
+        "path": str(top),
+        "files": 6,
+        "digest": hashlib.sha256("".join(lines).encode()).hexdigest(),
+    }
