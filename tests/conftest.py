@@ -146,17 +146,21 @@ def client_update(
     return ClientUpdate(client, arrays, metric_record, float(examples), records or {})
 
 
-def reply_from(node: int, content, message_type: str = "train"):
-    """A reply as node `node` sends it to the server (needs `task_identity`)."""
+def reply_from(node: int, content, message_type: str = "train", answering=None):
+    """A reply as node `node` sends it to the server (needs `task_identity`),
+    answering message `answering` by its ID when one is given."""
     from flwr.app import Message
     from flwr.supercore.task_identity import TaskIdentity
 
     server = TaskIdentity.node_id
     TaskIdentity.node_id = node
     try:
-        return Message(content, dst_node_id=server, message_type=message_type)
+        reply = Message(content, dst_node_id=server, message_type=message_type)
     finally:
         TaskIdentity.node_id = server
+    if answering is not None:  # as Flower's Message(content, reply_to=...) sets it
+        reply.metadata.__dict__["_reply_to_message_id"] = answering.metadata.message_id
+    return reply
 
 
 @pytest.fixture(scope="session")

@@ -191,6 +191,34 @@ class FailingNodes:
         return replies
 
 
+class OmittingNode:
+    """Node 11 answers its cohort with the first member's own error (its
+    `<client>/error` record) and says nothing of the second."""
+
+    def send_and_receive(self, messages, *, timeout=None) -> list[Message]:
+        replies = []
+        for msg in messages:
+            first = int(member_views(msg)[0].content[CONFIG][CLIENT])
+            packed = packed_reply(msg, [], {first: ValueError("no step")})
+            replies.append(reply_from(11, packed.content, COHORT_TRAIN))
+        return replies
+
+
+@pytest.mark.usefixtures("task_identity")
+def test_a_cohort_member_its_nodes_reply_leaves_out_is_late() -> None:
+    """A member's own error answers for that member only: client 1, of
+    which its node's reply says nothing, is late (client 0's error counted
+    it answered, as if the error were its node's)."""
+    strategy, personal = parts()
+    outcome = play_round(
+        CohortGrid(OmittingNode()), strategy, personal, 1, model(),
+        (ConfigRecord({"lr": 0.1}), ConfigRecord()),
+        Participants(Roster({0: 11, 1: 11})), 10.0, RoundTiming(deadline=0.5),
+    )  # fmt: skip
+    assert outcome.late == [1] and not outcome.updates
+    assert any("no step" in f for f in outcome.failures)
+
+
 @pytest.mark.usefixtures("task_identity")
 def test_a_deployed_round_with_a_late_client_lasts_its_deadline_on_the_clock() -> None:
     """Deployed (a real deadline, a profile's clock for the prediction; 0.25 s

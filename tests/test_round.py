@@ -30,6 +30,8 @@ class EchoGrid:
     def send_and_receive(self, messages, *, timeout=None) -> list[Message]:
         replies = []
         for msg in messages:
+            if not msg.metadata.message_id:  # as Flower's grids set it
+                msg.metadata.__dict__["_message_id"] = f"m{len(self.sent)}"
             self.sent.append(msg)
             client = int(msg.content[CONFIG][CLIENT])
             if client in self.silent:
@@ -54,6 +56,7 @@ class EchoGrid:
                     msg.metadata.dst_node_id,
                     RecordDict(content),
                     msg.metadata.message_type,
+                    answering=msg,
                 )
             )
         return replies

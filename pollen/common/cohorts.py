@@ -98,6 +98,11 @@ def unpack(requests: Iterable[Message], replies: Iterable[Message]) -> list[Mess
     member's own `FAILED` record an error for it alone; a member its node's
     reply says nothing of gets no reply (the round counts it as not
     answered). Replies to other messages pass through.
+
+    The members of a node that replied are given the message ID `<the
+    cohort message's ID>/<client>`, as Flower's grids give a message its ID
+    when they push it, so a member's reply answers its message by ID as any
+    other reply does.
     """
     members: dict[int, list[Message]] = {}
     for request in requests:
@@ -111,6 +116,9 @@ def unpack(requests: Iterable[Message], replies: Iterable[Message]) -> list[Mess
             continue
         for request in members[node]:
             client = int(request.content[CONFIG][CLIENT])
+            _name_member(
+                request, _member_id(reply.metadata.reply_to_message_id, client)
+            )
             if reply.has_error():
                 out.append(Message(reply.error, reply_to=request))
             elif failed := _member_failure(reply.content, client):
@@ -118,6 +126,17 @@ def unpack(requests: Iterable[Message], replies: Iterable[Message]) -> list[Mess
             elif content := _member_records(reply.content, client):
                 out.append(Message(content, reply_to=request))
     return out
+
+
+def _member_id(cohort_id: str, client: int) -> str:
+    """The message ID of `client`'s message in the cohort message `cohort_id`."""
+    return f"{cohort_id}/{client}"
+
+
+def _name_member(request: Message, message_id: str) -> None:
+    """Give a member's message (never pushed itself) its ID, where Flower's
+    grids write a pushed message's (`Metadata` has no setter for it)."""
+    request.metadata.__dict__["_message_id"] = message_id
 
 
 def _member_failure(content: RecordDict, client: int) -> Error | None:

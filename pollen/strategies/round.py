@@ -33,7 +33,7 @@ from ..protocol import ARRAYS, CLIENT, CONFIG, TRAIN_SECONDS
 from .aggregation import ClientUpdate
 from .clock import SimulatedClock
 from .personal import PersonalEvaluation, PersonalOutcome
-from .replies import ReplyError, named_client, reported_seconds
+from .replies import reported_seconds
 from .sampling import Participants
 from .strategy import Strategy, TrainOutcome, TrainRequest
 
@@ -213,29 +213,19 @@ def _upload_bytes(update: ClientUpdate) -> int:
 
 def _late_in_real_time(request: TrainRequest, replies: list[Message]) -> list[int]:
     """The sampled clients with no reply of any kind (an update or an error)
-    when the round stopped waiting (at its deadline, or its timeout without
-    one): their message unanswered, or not sent yet (queued behind their
-    node's other clients). A reply is its message's client's; a cohort's
-    member replies (`CohortGrid`) answer no message that was sent, so they
-    count for the client they name, or, an error, for every client of the
-    node. Late clients are recorded as late, the others' errors as
-    failures."""
-    owner = request.participants.roster.owner
+    to their message when the round stopped waiting (at its deadline, or its
+    timeout without one): their message unanswered, or not sent yet (queued
+    behind their node's other clients). A cohort's members are answered by
+    ID too (`pollen.common.cohorts.unpack`). Late clients are recorded as
+    late, the others' errors as failures."""
     client_of = {
         m.metadata.message_id: int(m.content[CONFIG][CLIENT])
         for m in request.messages
         if m.metadata.message_id
     }
-    replied: set[int] = set()
-    for reply in replies:
-        node = reply.metadata.src_node_id
-        if (client := client_of.get(reply.metadata.reply_to_message_id)) is not None:
-            replied.add(client)
-        elif reply.has_error():
-            replied.update(c for c in request.clients if owner[c] == node)
-        else:
-            try:
-                replied.add(named_client(reply, owner, request.clients, set(), "train"))
-            except ReplyError:
-                continue  # the reply checks name what is wrong with it
+    replied = {
+        client_of[reply.metadata.reply_to_message_id]
+        for reply in replies
+        if reply.metadata.reply_to_message_id in client_of
+    }
     return [c for c in request.clients if c not in replied]
