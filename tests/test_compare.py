@@ -26,9 +26,11 @@ def write_run(
     accuracy: list[float],
     seconds: float = 10.0,
     history: list[dict] | None = None,
+    summary: dict | None = None,
 ) -> Path:
     """A finished run directory as `pollen run` leaves it (what reports read);
-    `history` replaces the default rows (1 MB up, 2 MB down a round)."""
+    `history` replaces the default rows (1 MB up, 2 MB down a round),
+    `summary` the summary."""
     run = root / name
     run.mkdir(parents=True)
     settings = {"seed": 1, "data-set": "digits", "run-name": name, **settings}
@@ -36,7 +38,7 @@ def write_run(
         {"round": i + 1, "accuracy": a, "bytes-up": 1_000_000, "bytes-down": 2_000_000}
         for i, a in enumerate(accuracy)
     ]
-    summary = {
+    summary = summary or {
         "status": "completed", "rounds": len(accuracy),
         "final-accuracy": accuracy[-1], "best-accuracy": max(accuracy),
         "best-round": accuracy.index(max(accuracy)) + 1, "total-seconds": seconds,

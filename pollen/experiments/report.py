@@ -68,10 +68,14 @@ class Measure:
     value: Callable[[Mapping[str, Any]], float | None]
 
 
-def _row_mb(row: Mapping[str, Any]) -> float:
+def _row_mb(row: Mapping[str, Any]) -> float | None:
     """All a round moved: the model and updates both ways and the federated
-    evaluation's messages (older rows have no `eval-bytes`)."""
-    return (row["bytes-up"] + row["bytes-down"] + row.get("eval-bytes", 0)) / MB
+    evaluation's messages (older rows have no `eval-bytes`); None for a row
+    that does not record its bytes."""
+    counts = [row.get("bytes-up"), row.get("bytes-down"), row.get("eval-bytes", 0)]
+    if not all(_is_number(c) for c in counts):
+        return None
+    return sum(counts) / MB
 
 
 MEASURES = (
@@ -115,19 +119,30 @@ class Run:
 
     @classmethod
     def read(cls, path: Path) -> Run:
-        def load(name: str) -> Any:
-            return json.loads((path / name).read_text())
-
-        try:
-            return cls(
-                path.name, path, load("settings.json"), load("summary.json"),
-                load("history.json"),
-                load("network.json") if (path / "network.json").exists() else None,
-            )  # fmt: skip
-        except (OSError, ValueError) as err:
-            raise CompareError(
-                f"{path} is not a finished run directory: {err}"
-            ) from err
+        """The run in `path`, its files checked for what the report reads:
+        `CompareError` names a file that is unreadable or holds something
+        else. A setting its settings.json lacks (written by an older pollen
+        or by hand) counts as that setting's default."""
+        summary = _read_json(path / "summary.json", dict)
+        _check_numbers(path / "summary.json", summary, SUMMARY_NUMBERS)
+        history = _read_json(path / "history.json", list)
+        for row in history:
+            if not isinstance(row, dict):
+                raise CompareError(f"{path / 'history.json'}: a row is not an object")
+            _check_numbers(path / "history.json", row, ("round", "accuracy"))
+        network = None
+        if (path / "network.json").exists():
+            network = _read_json(path / "network.json", dict)
+            nodes = network.get("nodes")
+            if not isinstance(nodes, list) or not all(
+                isinstance(n, dict) for n in nodes
+            ):
+                raise CompareError(f"{path / 'network.json'}: no list of nodes")
+            for node in nodes:
+                _check_numbers(path / "network.json", node, ("bytes-up", "bytes-down"))
+        settings = _read_json(path / "settings.json", dict)
+        missing = {k: v for k, v in DEFAULTS.items() if k not in settings}
+        return cls(path.name, path, {**settings, **missing}, summary, history, network)
 
     def reaching(self, target: float) -> int | None:
         """The index of the first history row at `target` accuracy or above."""
@@ -191,8 +206,39 @@ class Run:
         """MB the shaped links carried both ways (network.json), if measured."""
         if self.network is None:
             return None
-        nodes = self.network["nodes"]
+        nodes = self.network["nodes"]  # checked by `read`
         return sum(n["bytes-up"] + n["bytes-down"] for n in nodes) / MB
+
+
+# what the report reads of a run's summary.json
+SUMMARY_NUMBERS = ("final-accuracy", "best-accuracy", "total-seconds",
+                   "total-bytes-up", "total-bytes-down")  # fmt: skip
+
+
+def _read_json(path: Path, kind: type) -> Any:
+    """`path`'s JSON value, which must be a `kind` (dict: an object; list)."""
+    try:
+        value = json.loads(path.read_text())
+    except (OSError, ValueError) as err:
+        raise CompareError(f"{path} is not a finished run's file: {err}") from err
+    if not isinstance(value, kind):
+        shape = "an object" if kind is dict else "a list"
+        raise CompareError(f"{path} does not hold {shape}, as a finished run's does")
+    return value
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool)
+
+
+def _check_numbers(path: Path, record: Mapping[str, Any], keys: Sequence[str]) -> None:
+    """`record` (an object in `path`) has a number at each of `keys`."""
+    for key in keys:
+        if not _is_number(record.get(key)):
+            raise CompareError(
+                f"{path}: {key!r} is {json.dumps(record.get(key))}, not a number "
+                "(a finished run writes one)"
+            )
 
 
 def _mean_own(personal: Mapping[str, Any] | None) -> float | None:
@@ -203,21 +249,22 @@ def _mean_own(personal: Mapping[str, Any] | None) -> float | None:
 
 def _statuses(directory: Path) -> list[tuple[Path, str, dict[str, Any]]]:
     """Every run directory under `directory/runs/` (or `directory`), with how
-    it stands ("completed", "failed", "interrupted", or "running": a command
-    holds it) and its summary (empty if it wrote none)."""
+    it stands ("running": a command holds it, a resume of a completed run
+    too; else its summary's "completed", "failed" or "interrupted";
+    "damaged": its summary.json is unreadable) and its summary (empty if it
+    wrote none; for a damaged one, `error` says what is wrong)."""
     root = directory / "runs" if (directory / "runs").is_dir() else directory
     found = []
     for marker in sorted(root.glob(f"*/{RUN_MARKER}")):
-        try:
-            summary = json.loads((marker.parent / "summary.json").read_text())
-        except (OSError, ValueError):
-            summary = {}
-        if not isinstance(summary, dict):
-            summary = {}
-        status = str(summary.get("status", "failed"))
-        if status != "completed" and is_held(marker.parent):
-            status = "running"
-        found.append((marker.parent, status, summary))
+        run = marker.parent
+        summary: dict[str, Any] = {}
+        if (run / "summary.json").exists():
+            try:
+                summary = _read_json(run / "summary.json", dict)
+            except CompareError as err:
+                summary = {"status": "damaged", "error": str(err)}
+        status = "running" if is_held(run) else str(summary.get("status", "failed"))
+        found.append((run, status, summary))
     return found
 
 
@@ -729,14 +776,18 @@ def report(directory: Path, target: float | None = None) -> Path:
     unfinished = unfinished_runs(directory)
     if unfinished:
         table += "\nRuns that did not complete:\n\n" + unfinished_table(unfinished)
-    write_json(
-        directory / "comparison.json",
-        {"target": target, "groups": rows, "unfinished": unfinished},
-    )
-    write_atomic(directory / "comparison.md", table)
-    fresh, plots = directory / ".plots-new", directory / "plots"
-    shutil.rmtree(fresh, ignore_errors=True)
-    plot_groups(runs, fresh, GridShape.read(directory / "grid.toml"))
-    shutil.rmtree(plots, ignore_errors=True)  # made by an earlier report
-    fresh.rename(plots)
+    grid = GridShape.read(directory / "grid.toml")
+    try:
+        write_json(
+            directory / "comparison.json",
+            {"target": target, "groups": rows, "unfinished": unfinished},
+        )
+        write_atomic(directory / "comparison.md", table)
+        fresh, plots = directory / ".plots-new", directory / "plots"
+        shutil.rmtree(fresh, ignore_errors=True)
+        plot_groups(runs, fresh, grid)
+        shutil.rmtree(plots, ignore_errors=True)  # made by an earlier report
+        fresh.rename(plots)
+    except OSError as err:
+        raise CompareError(f"cannot write the report in {directory}: {err}") from err
     return directory / "comparison.md"
