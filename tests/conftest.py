@@ -205,3 +205,12 @@ def mlflow_server(tmp_path_factory) -> Iterator[str]:
         yield uri
     finally:
         processes.stop(server.pid)
+
+
+def resumable_extra(run_config: dict) -> dict:
+    """A checkpoint's `extra` as a run writes it: the run config and the
+    learning-rate schedule's state."""
+    from pollen.runs.lr_schedule import SCHEDULE_KEY, PlateauSchedule
+
+    schedule = PlateauSchedule(0.01, 0.5, 1, 0.0, 0, 0.0)
+    return {"settings": run_config, SCHEDULE_KEY: schedule.state_dict()}

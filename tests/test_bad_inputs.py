@@ -27,6 +27,7 @@ from pollen.task import data as data_module
 from pollen.task.data import CACHE_DIR, DataError, load_dataset
 from pollen.task.partition import PartitionError, partition_indices
 from pollen.task.shards import client_shard, client_test_shard
+from tests.conftest import resumable_extra
 
 
 def fake_mnist() -> dict[str, np.ndarray]:
@@ -448,7 +449,7 @@ def test_checkpoint_of_another_model_or_strategy(
     tmp_path: Path, key: str, value: str
 ) -> None:
     model = {"w": np.ones((2, 2), np.float32)}
-    extra = {"settings": RUN_CONFIG}
+    extra = resumable_extra(RUN_CONFIG)
     save_checkpoint(tmp_path, Checkpoint(2, model, extra=extra), keep=2)
     before = snapshot(tmp_path)
     changed = {**RUN_CONFIG, key: value, "rounds": 8}  # rounds may change
@@ -463,6 +464,30 @@ def test_checkpoint_of_another_model_or_strategy(
     assert load_resumable(tmp_path, {**RUN_CONFIG, "rounds": 8}).round == 2
 
 
+@pytest.mark.parametrize(
+    ("damage", "problem"),
+    [({"_last_lr": ...}, r"_last_lr=None, not \[one learning rate > 0\]"),
+     ({"_last_lr": [0.0]}, r"_last_lr=\[0.0\]"),
+     ({"num_bad_epochs": "2"}, r"num_bad_epochs='2', not an integer >= 0"),
+     ({"best": None}, r"best=None, not a number")],
+)  # fmt: skip
+def test_a_checkpoint_with_a_damaged_schedule_state_is_refused_before_the_run(
+    tmp_path: Path, damage: dict, problem: str
+) -> None:
+    """The learning-rate schedule's state in meta.json is checked with the
+    rest of the checkpoint (a KeyError in the ServerApp, after start-up)."""
+    extra = resumable_extra(RUN_CONFIG)
+    state = {**extra["lr-scheduler"], **damage}
+    extra["lr-scheduler"] = {k: v for k, v in state.items() if v is not ...}
+    model = {"w": np.ones((2, 2), np.float32)}
+    save_checkpoint(tmp_path, Checkpoint(2, model, extra=extra), keep=2)
+    for check in (check_resumable, load_resumable):
+        with pytest.raises(
+            CheckpointError, match=rf"meta.json: its 'lr-scheduler' entry has {problem}"
+        ):
+            check(tmp_path, {**RUN_CONFIG, "rounds": 8})
+
+
 @pytest.mark.parametrize(("strategy", "refused"), [("feddyn", True), ("fedavg", False)])
 def test_a_resume_may_not_stop_checkpointing_clients_that_keep_state(
     tmp_path: Path, strategy: str, refused: bool
@@ -473,7 +498,9 @@ def test_a_resume_may_not_stop_checkpointing_clients_that_keep_state(
     FedAvg's clients keep nothing, so its checkpoints may stop."""
     saved = {**RUN_CONFIG, "strategy": strategy, "checkpoint-every": 2}
     model = {"w": np.ones((2, 2), np.float32)}
-    save_checkpoint(tmp_path, Checkpoint(2, model, extra={"settings": saved}), keep=2)
+    save_checkpoint(
+        tmp_path, Checkpoint(2, model, extra=resumable_extra(saved)), keep=2
+    )
     resumed = {**saved, "checkpoint-every": 0, "rounds": 8}
     if refused:
         with pytest.raises(CheckpointError, match="keep checkpoint-every > 0"):

@@ -22,7 +22,7 @@ from pollen.deployment.run_config import resolve_settings
 from pollen.runs.checkpoints import Checkpoint, save_checkpoint
 from pollen.runs.claim import claim
 from pollen.runs.results import check_run_dir_is_new
-from tests.conftest import PROJECT
+from tests.conftest import PROJECT, resumable_extra
 
 
 @pytest.fixture
@@ -255,7 +255,7 @@ def _checkpointed_run(run_dir: Path, config: str) -> None:
     (run_dir / "settings.json").write_text(json.dumps({"run-name": run_dir.name}))
     save_checkpoint(run_dir, Checkpoint(
         1, {"w": np.ones((50, 50), np.float32)}, {"m": np.zeros(3)},
-        {"settings": settings.to_run_config()},
+        resumable_extra(settings.to_run_config()),
     ), keep=1)  # fmt: skip
 
 

@@ -22,6 +22,7 @@ from pollen.runs.results import (
 )
 from pollen.settings import Settings
 from pollen.strategies.round import RoundOutcome
+from tests.conftest import resumable_extra
 
 
 def rows(pairs: list[tuple[float, float]]) -> list[RoundRecord]:
@@ -100,7 +101,7 @@ def test_a_resumed_run_records_the_settings_it_now_has(tmp_path: Path) -> None:
         json.dumps({**first.to_run_config(), "run-name": "run"})
     )
     model = {"w": np.zeros(2, np.float32)}
-    extra = {"settings": first.to_run_config()}
+    extra = resumable_extra(first.to_run_config())
     save_checkpoint(run_dir, Checkpoint(2, model, {}, extra), 2)
     resumed = Settings.from_run_config(
         {**first.to_run_config(), "rounds": 4, "resume": str(run_dir)}

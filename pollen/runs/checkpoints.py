@@ -38,6 +38,8 @@ from pollen.files import write_json, write_npz
 from pollen.presets import resolve_auto
 from pollen.settings import INVOCATION_KEYS, Settings
 
+from . import lr_schedule
+
 FORMAT_VERSION = 1
 CHECKPOINTS = "checkpoints"
 MODEL_FILE = "model.npz"
@@ -215,10 +217,15 @@ def check_resumable(run_dir: Path, run_config: dict[str, Any]) -> int:
     round, where = _locate(run_dir, None)
     for name in (MODEL_FILE, STRATEGY_FILE):
         read_npz(where / name)
-    saved = _read_meta(where / META_FILE, round)["extra"].get("settings")
+    extra = _read_meta(where / META_FILE, round)["extra"]
+    saved = extra.get("settings")
     if not isinstance(saved, dict):
         raise CheckpointError(
             f"{where / META_FILE} does not record the settings of its run"
+        )
+    if problem := lr_schedule.state_problem(extra.get(lr_schedule.SCHEDULE_KEY)):
+        raise CheckpointError(
+            f"{where / META_FILE}: its {lr_schedule.SCHEDULE_KEY!r} entry {problem}"
         )
     key = first_difference(saved, run_config, RESUMABLE_CHANGES)
     if key is not None:

@@ -18,8 +18,34 @@ from typing import Any
 
 from ..settings import Settings
 
+SCHEDULE_KEY = "lr-scheduler"  # a checkpoint's `extra` entry for the schedule's state
 # the state a checkpoint keeps; the rest comes from the run's settings
 _STATE_KEYS = ("best", "num_bad_epochs", "cooldown_counter")
+
+
+def state_problem(state: Any) -> str | None:
+    """What keeps `state` (a checkpoint's, `PlateauSchedule.state_dict`'s
+    shape) from being continued, or None: counters that are integers >= 0,
+    a best loss and one positive learning rate."""
+    if not isinstance(state, dict):
+        return "is not a JSON object"
+    for key in ("num_bad_epochs", "cooldown_counter"):
+        value = state.get(key)
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            return f"has {key}={value!r}, not an integer >= 0"
+    best = state.get("best")
+    if isinstance(best, bool) or not isinstance(best, int | float):
+        return f"has best={best!r}, not a number"
+    last = state.get("_last_lr")
+    if (
+        not isinstance(last, list)
+        or len(last) != 1
+        or isinstance(last[0], bool)
+        or not isinstance(last[0], int | float)
+        or not 0 < last[0] < math.inf
+    ):
+        return f"has _last_lr={last!r}, not [one learning rate > 0]"
+    return None
 
 
 @dataclass
@@ -71,7 +97,10 @@ class PlateauSchedule:
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Continue from `state_dict()`'s output (or torch's scheduler's)."""
+        """Continue from `state_dict()`'s output (or torch's scheduler's);
+        ValueError if `state_problem` finds one."""
+        if problem := state_problem(state):
+            raise ValueError(f"the learning-rate schedule's state {problem}")
         for key in _STATE_KEYS:
             setattr(self, key, type(getattr(self, key))(state[key]))
         self.lr = float(state["_last_lr"][0])

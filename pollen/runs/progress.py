@@ -28,12 +28,11 @@ from ..settings import Settings, SettingsError
 from ..strategies.personal import PersonalEvaluation
 from ..strategies.strategy import Strategy, to_numpy
 from .checkpoints import Checkpoint, save_checkpoint
-from .lr_schedule import PlateauSchedule
+from .lr_schedule import SCHEDULE_KEY, PlateauSchedule
 
 # A checkpoint's record of the run's seconds so far (ServerApp time, over
 # every process that ran it), which a resumed run's total time continues.
 ELAPSED = "elapsed-seconds"
-LR_SCHEDULER = "lr-scheduler"  # a checkpoint's learning-rate schedule state
 
 
 @dataclass(frozen=True)
@@ -76,7 +75,7 @@ class ServerParts:
             )
         self.strategy.load_state_arrays(checkpoint.strategy_state)
         self.personal.load_state_arrays(checkpoint.strategy_state)
-        self.schedule.load_state_dict(checkpoint.extra[LR_SCHEDULER])
+        self.schedule.load_state_dict(checkpoint.extra[SCHEDULE_KEY])
         print(f"pollen: resuming after round {checkpoint.round}", flush=True)
         return ArrayRecord(
             {k: Array(np.asarray(v, order="C")) for k, v in checkpoint.model.items()}
@@ -113,7 +112,7 @@ def save_progress(
         strategy_state=progress.state.arrays,
         extra={
             "settings": settings.to_run_config(),
-            LR_SCHEDULER: progress.state.schedule,
+            SCHEDULE_KEY: progress.state.schedule,
             ELAPSED: elapsed,
         },
     )
