@@ -16,7 +16,7 @@ from pollen.runs.recorder import RoundRecorder
 from pollen.runs.tracking import open_tracker
 from pollen.runs.tracking_mlflow import RUN_FILE, URI_ENV
 from pollen.runs.tracking_tensorboard import TENSORBOARD_DIR
-from pollen.settings import Settings
+from pollen.settings import Settings, SettingsError
 from pollen.strategies.round import RoundOutcome
 
 event_accumulator = pytest.importorskip(
@@ -220,3 +220,31 @@ def test_the_cli_pins_where_mlflow_logs(
     monkeypatch.delenv(URI_ENV)
     plain = Settings.from_run_config({"tracker": "tensorboard"})
     assert pin_tracking_uri(plain) == plain
+
+
+def test_a_tracking_uri_from_the_environment_is_checked_before_the_run(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """$MLFLOW_TRACKING_URI=mlruns (MLflow's plain folder) was pinned
+    unchecked, and the ServerApp refused its own run config after start-up."""
+    monkeypatch.setenv(URI_ENV, "mlruns")
+    with pytest.raises(SettingsError, match=r"'mlruns' \(from \$MLFLOW_TRACKING_URI"):
+        pin_tracking_uri(Settings.from_run_config({"tracker": "mlflow"}))
+
+
+def test_a_store_mlflow_cannot_open_is_said_once_and_the_run_goes_on(
+    tmp_path: Path, capsys
+) -> None:
+    """A database store whose driver is not installed failed in MLflow's
+    client constructor, outside the tracker's guard: the run crashed."""
+    pytest.importorskip("mlflow")
+    settings = Settings.from_run_config(
+        {"tracker": "mlflow", "tracking-uri": "postgresql://u:p@127.0.0.1:1/db",
+         "rounds": 2}
+    )  # fmt: skip
+    recorder = recorder_for(settings, tmp_path)
+    play(recorder, {1: 0.5, 2: 0.6})
+    recorder.tracker.finish(tmp_path, "completed")
+    assert capsys.readouterr().err.count("MLflow logging at") == 1
+    rounds = json.loads((tmp_path / "history.json").read_text())
+    assert [row["round"] for row in rounds] == [1, 2]

@@ -19,15 +19,11 @@ from typing import Any
 from ..catalog import BACKBONE_SOURCES, DATA_SETS
 from ..common.webhook import URL_ENV, check_url
 from ..files import readable_folder_problem
-from ..keys import unknown_key_message
+from ..keys import tracking_uri_rule, unknown_key_message
 from ..presets import departures
 from ..runs.checkpoints import check_resumable
 from ..runs.results import check_run_dir_is_new, default_run_name
-from ..runs.tracking_mlflow import (
-    check_server,
-    pin_uri,
-    tracking_uri,
-)
+from ..runs.tracking_mlflow import URI_ENV, check_server, pin_uri, tracking_uri
 from ..settings import Settings, SettingsError
 
 
@@ -165,7 +161,15 @@ def pin_tracking_uri(settings: Settings) -> Settings:
     SQLite store beside the runs; a relative SQLite path made absolute."""
     if settings.tracker != "mlflow":
         return settings
-    return dataclasses.replace(settings, tracking_uri=pin_uri(tracking_uri(settings)))
+    uri = pin_uri(tracking_uri(settings))
+    rule = tracking_uri_rule()
+    if not rule.check(uri):  # from the environment or a resumed run's record
+        raise SettingsError(
+            f"the MLflow tracking URI {uri!r} (from ${URI_ENV}, or the record of "
+            f"the run resumed) is not one pollen takes; allowed: {rule.allowed}; "
+            "set tracking-uri to override it"
+        )
+    return dataclasses.replace(settings, tracking_uri=uri)
 
 
 def pin_paths(settings: Settings, strategy: str) -> Settings:

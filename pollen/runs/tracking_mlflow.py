@@ -132,9 +132,13 @@ class MlflowTracker:
             "ignore", category=DeprecationWarning, module=r"mlflow\."
         )
         self.uri = tracking_uri(settings)
-        self.client: Any = MlflowClient(tracking_uri=self.uri)
         self.run_id = ""
         self.logged_to = 0
+        self.client: Any = None
+        try:  # a store MLflow cannot open (a database driver missing) fails here
+            self.client = MlflowClient(tracking_uri=self.uri)
+        except Exception as err:
+            self._stopped(err)
         self._call(self._open, settings, run_dir, run_name, bool(restored))
         if self.client is None:
             return
@@ -249,9 +253,13 @@ class MlflowTracker:
         try:
             method(*args, **kwargs)
         except Exception as err:
-            print(
-                f"pollen: MLflow logging at {self.uri} stopped ({type(err).__name__}: "
-                f"{err}); the run goes on and its own files are complete",
-                file=sys.stderr, flush=True,
-            )  # fmt: skip
-            self.client = None
+            self._stopped(err)
+
+    def _stopped(self, err: Exception) -> None:
+        """Say once that logging stopped on `err`, and log nothing more."""
+        print(
+            f"pollen: MLflow logging at {self.uri} stopped ({type(err).__name__}: "
+            f"{err}); the run goes on and its own files are complete",
+            file=sys.stderr, flush=True,
+        )  # fmt: skip
+        self.client = None
