@@ -133,7 +133,7 @@ def test_the_stash_gives_back_a_module_only_for_the_same_file(
     before = set(sys.modules)
     preloaded = importlib.import_module("stashapp.core")
     sys.path.remove(str(first))
-    stash = ModuleStash.take(first, set(sys.modules) - before)
+    stash = ModuleStash.take(set(sys.modules) - before)
     assert set(stash.modules) == {"stashapp", "stashapp.core"}
     assert "stashapp" not in sys.modules
     stash.install()
@@ -161,13 +161,37 @@ def test_the_stash_refuses_a_file_changed_since_it_was_loaded(
     _write_app(app, 1)
     sys.path.insert(0, str(app))
     importlib.import_module("stashapp.core")
-    stash = ModuleStash.take(app, ["stashapp", "stashapp.core", "itertools"])
+    stash = ModuleStash.take(["stashapp", "stashapp.core", "itertools"])
     stash.install()
     core = app / "stashapp" / "core.py"
     core.write_text("VALUE = 3  # edited in place\n")
     os.utime(core, ns=(time.time_ns() + 10**9,) * 2)
     assert importlib.import_module("stashapp.core").VALUE == 3
     assert stash.restored == ["stashapp"]
+
+
+def test_a_plug_in_beside_the_app_is_stashed_and_its_edits_are_seen(
+    tmp_path: Path, clean_import_state: None
+) -> None:
+    """A user's plug-in (a rule named by import path) imported by the warm-up
+    from outside the app's folder is stashed as the app is, so a child
+    imports its edited file (it stayed in the parent's `sys.modules`, and
+    every task ran the code of the warm-up); modules installed in the
+    environment stay loaded."""
+    import importlib
+
+    plugins = tmp_path / "plugins"
+    _write_app(plugins, 1)  # `stashapp` here stands for the plug-in package
+    sys.path.insert(0, str(plugins))
+    importlib.import_module("stashapp.core")
+    stash = ModuleStash.take(["stashapp", "stashapp.core", "pytest", "json.decoder"])
+    assert set(stash.modules) == {"stashapp", "stashapp.core"}
+    assert "pytest" in sys.modules and "json.decoder" in sys.modules
+    stash.install()
+    core = plugins / "stashapp" / "core.py"
+    core.write_text("VALUE = 4  # the user edits the plug-in\n")
+    os.utime(core, ns=(time.time_ns() + 10**9,) * 2)
+    assert importlib.import_module("stashapp.core").VALUE == 4
 
 
 # --- hints ---------------------------------------------------------------------

@@ -1,5 +1,5 @@
-"""Modules preloaded from one app directory, used only where a task would
-import exactly those files.
+"""Modules preloaded by a warm-up (an app's, and the user's plug-ins it
+imports), used only where a task would import exactly those files.
 
 Flower loads a ClientApp with `importlib.import_module` from the directory
 its FAB is installed in (`<FLWR_HOME>/apps/<publisher>.<name>.<version>.<hash>`)
@@ -11,7 +11,8 @@ forked child installs the stash as the first import finder: a stashed
 module comes back only when the normal path search, run at that moment on
 the child's `sys.path`, resolves its name to the very file it was loaded
 from, with the same size and modification time. Another FAB lives in
-another directory, so its imports miss the stash and run its own code.
+another directory, so its imports miss the stash and run its own code; an
+edited plug-in has another modification time, so it is imported again.
 """
 
 from __future__ import annotations
@@ -51,20 +52,25 @@ class ModuleStash(importlib.abc.MetaPathFinder, importlib.abc.Loader):
         self.restored: list[str] = []
 
     @classmethod
-    def take(cls, directory: Path, names: Iterable[str]) -> ModuleStash:
-        """Remove the modules `names` that were loaded from a file under
-        `directory` from `sys.modules` and keep them here (the others, such
-        as packages installed in a virtual environment inside the app's
-        folder, stay where they are)."""
-        root, environment = directory.resolve(), Path(sys.prefix).resolve()
+    def take(cls, names: Iterable[str]) -> ModuleStash:
+        """Remove the modules `names` that were loaded from a file outside
+        this Python environment from `sys.modules` and keep them here: the
+        app's own, and a user's plug-ins beside it (a rule or model named by
+        import path, on `PYTHONPATH` or installed in editable mode), which a
+        child must import again once their file changes. Modules installed
+        in the environment (its standard library, its packages, torch's
+        lazily imported parts) stay where they are."""
+        environment = {
+            Path(prefix).resolve()
+            for prefix in (sys.prefix, sys.base_prefix, sys.exec_prefix,
+                           sys.base_exec_prefix)
+        }  # fmt: skip
         taken: dict[str, tuple[ModuleType, _Origin]] = {}
         for name in names:
             module = sys.modules.get(name)
             origin = _Origin.of(getattr(module, "__file__", None))
-            if (
-                origin is not None
-                and Path(origin.path).is_relative_to(root)
-                and not Path(origin.path).is_relative_to(environment)
+            if origin is not None and not any(
+                Path(origin.path).is_relative_to(prefix) for prefix in environment
             ):
                 taken[name] = (module, origin)
                 del sys.modules[name]

@@ -367,7 +367,7 @@ class WarmExecutor:
                   file=sys.stderr)  # fmt: skip
         finally:
             sys.path.remove(str(app_dir))
-            self.stash = ModuleStash.take(app_dir, set(sys.modules) - before)
+            self.stash = ModuleStash.take(set(sys.modules) - before)
             sys.modules.update(own)
         if threading.active_count() > 1:  # a fork copies none of them
             names = [t.name for t in threading.enumerate()][1:]
