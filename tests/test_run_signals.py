@@ -17,6 +17,8 @@ from pathlib import Path
 
 import pytest
 
+from pollen.deployment import processes
+from pollen.deployment.launch import LocalSuperLink
 from pollen.deployment.processes import alive, descendants
 from tests.conftest import PROJECT
 
@@ -147,3 +149,35 @@ def test_a_killed_run_on_a_warm_federation_stops_its_serverapp_only(
     assert alive(warm.superlink_pid)
     summary = json.loads((tmp_path / "stopped" / "summary.json").read_text())
     assert summary["status"] == "interrupted"
+
+
+def test_a_stop_signal_while_a_finished_runs_superlink_stops_waits_for_the_clean_up(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """SIGTERM arrives while the SuperLink of a run that has ended is being
+    stopped: the SuperLink is stopped, its log kept and its Flower home
+    removed all the same (the signal cut that short and the finished run
+    was reported as interrupted)."""
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    (run_dir / "settings.json").write_text("{}")
+    link = LocalSuperLink(run_dir)
+    link.log_path.write_text("the SuperLink's log\n")
+    link.process = subprocess.Popen(["sleep", "30"], start_new_session=True)
+    stop = processes.stop
+
+    def stop_signalled(pid: int) -> None:
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(0.1)  # the handler runs here
+        stop(pid)
+
+    monkeypatch.setattr(processes, "stop", stop_signalled)
+    try:
+        with processes.stop_signals_interrupt():
+            link.__exit__(None, None, None)
+    except KeyboardInterrupt:
+        pytest.fail("the signal cut the clean-up short")
+    finally:
+        link.process.kill()
+    assert (run_dir / "superlink.log").read_text() == "the SuperLink's log\n"
+    assert not link.home.exists() and link.process.wait(5) is not None

@@ -116,16 +116,20 @@ class LocalSuperLink:
     def __exit__(self, exc_type: type[BaseException] | None, *exc: object) -> None:
         """Stop everything the SuperLink started. On Ctrl-C or SIGTERM the
         ServerApp's process goes first, with time to record the interruption
-        (a second Ctrl-C cuts that short; the rest is stopped all the same)."""
+        (a second Ctrl-C cuts that short; the rest is stopped all the same).
+        A stop signal while the processes are stopped and the log kept waits
+        for that to finish: it came after the run ended (it used to cut the
+        clean-up short and report the finished run as interrupted)."""
         if self.process is None:
             return
         try:
             if exc_type is not None and issubclass(exc_type, KeyboardInterrupt):
                 interrupt_serverapp(self.process.pid)
         finally:
-            processes.stop(self.process.pid)
-            keep_log(self.log_path, self.run_dir, "superlink.log")
-            shutil.rmtree(self.home, ignore_errors=True)
+            with processes.stop_signals_deferred():
+                processes.stop(self.process.pid)
+                keep_log(self.log_path, self.run_dir, "superlink.log")
+                shutil.rmtree(self.home, ignore_errors=True)
 
 
 def run_on_warm(

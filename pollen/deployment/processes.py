@@ -244,6 +244,32 @@ def stop_signals_interrupt() -> Iterator[None]:
             signal.signal(sig, handler)
 
 
+@contextlib.contextmanager
+def stop_signals_deferred() -> Iterator[list[int]]:
+    """While inside, Ctrl-C, SIGTERM and SIGHUP are noted (in the list
+    yielded) instead of interrupting: for clean-up that must finish, such
+    as stopping a finished run's processes and keeping their logs. Whoever
+    holds the list decides what a noted signal means afterwards. Only the
+    main thread can install a handler; elsewhere nothing is deferred."""
+    noted: list[int] = []
+    if threading.current_thread() is not threading.main_thread():
+        yield noted
+        return
+
+    def note(signum: int, frame: object) -> None:
+        if signum == signal.SIGHUP:
+            silence_closed_terminal()
+        noted.append(signum)
+
+    signals = (signal.SIGINT, *STOP_SIGNALS)
+    previous = {sig: signal.signal(sig, note) for sig in signals}
+    try:
+        yield noted
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
 def silence_closed_terminal() -> None:
     """After SIGHUP: standard output and error that are a terminal (now
     closed) go to /dev/null, so what the clean-up still says cannot fail it
