@@ -109,7 +109,7 @@ def compare_command(args: argparse.Namespace) -> int:
             args.grid, app, args.out, args.run_config, only=args.only,
             network=network_profile(args.network, app), simulate=args.simulate,
         )  # fmt: skip
-        compare.run_comparison(comparison, dry_run=args.dry_run)
+        completed = compare.run_comparison(comparison, dry_run=args.dry_run)
     except KeyboardInterrupt:  # Ctrl-C, or SIGTERM during a deployed cell
         print(
             f"pollen: compare interrupted (the running cell was stopped and torn "
@@ -117,7 +117,7 @@ def compare_command(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return EXIT_INTERRUPTED
-    return 0
+    return 0 if completed else EXIT_FAILED
 
 
 def warm_command(args: argparse.Namespace) -> None:

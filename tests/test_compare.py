@@ -824,7 +824,7 @@ def test_a_cell_a_live_run_holds_is_refused_not_moved_aside(tmp_path: Path) -> N
         claim(run_dir, new=False),
         pytest.raises(compare.CompareError, match="is held by a run that is"),
     ):
-        compare.with_states([cell], tmp_path / "cmp")
+        compare.refuse_held(compare.with_states([cell], tmp_path / "cmp"), tmp_path)
     assert run_dir.is_dir()
 
 

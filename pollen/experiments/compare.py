@@ -44,7 +44,14 @@ from ..files import write_atomic
 from ..runs.checkpoints import CheckpointError, check_resumable, first_difference
 from ..runs.claim import is_held
 from ..settings import SettingsError
-from .report import NOT_COMPARED, CompareError, cell_name, report, value_label
+from .report import (
+    NOT_COMPARED,
+    CompareError,
+    cell_name,
+    directory_label,
+    report,
+    value_label,
+)
 
 # How long an interrupted cell's `pollen run` gets to stop its run (and record
 # it as interrupted, checkpointed) before it is killed
@@ -112,6 +119,7 @@ class Grid:
                     _check_named_value(path, key, value, set(axes))
                 else:
                     _check_scalar(f"{path}: grid key {key!r}", value)
+        _check_tables_apart(path, axes)
         target = document.get("target")
         if target is not None and not (
             isinstance(target, int | float)
@@ -153,12 +161,16 @@ class Grid:
                     f"--only {selector!r}: expected key=value with a grid key "
                     f"({', '.join(self.axes) or 'this grid has none'})"
                 )
-            labels = [value_label(value) for value in self.axes[key]]
-            if label not in labels:
+            values = self.axes[key]
+            spelled = [directory_label(value_label(value)) for value in values]
+            matches = [v for v, text in zip(values, spelled, strict=True)
+                       if label in (value_label(v), text)]  # fmt: skip
+            if not matches:
                 raise CompareError(
-                    f"--only {selector!r}: {key} takes {', '.join(labels)} in this grid"
+                    f"--only {selector!r}: {key} takes {', '.join(spelled)} in this grid"
                 )
-            chosen.setdefault(key, []).append(self.axes[key][labels.index(label)])
+            picked = chosen.setdefault(key, [])
+            picked += [value for value in matches[:1] if value not in picked]
         return dataclasses.replace(self, axes={**self.axes, **chosen})
 
 
@@ -204,6 +216,24 @@ def _check_named_value(
             )
 
 
+def _check_tables_apart(path: Path, axes: Mapping[str, list[Any]]) -> None:
+    """Tables of two grid keys may not set one key: a cell of both would
+    take the later table's value and drop the other's without a word."""
+    setters: dict[str, str] = {}
+    for key, values in axes.items():
+        for value in values:
+            if not isinstance(value, dict):
+                continue
+            for setting in set(value) - {"name"}:
+                other = setters.setdefault(setting, key)
+                if other != key:
+                    raise CompareError(
+                        f"{path}: tables in grid keys {other!r} and {key!r} both "
+                        f"set {setting!r}, and a cell of both would drop one; set "
+                        "it in one place"
+                    )
+
+
 def cell_settings(values: Mapping[str, Any]) -> dict[str, Any]:
     """A cell's run-config values: named tables spread into their keys."""
     settings: dict[str, Any] = {}
@@ -221,6 +251,7 @@ def config_text(values: Mapping[str, Any]) -> str:
 
 
 DONE, TO_RUN, RESUMES, RESTARTS = "done", "to run", "resumes", "restarts"
+HELD = "held by a run that is still going"
 # what compare sets for every cell itself: where its run directory goes
 CELL_KEYS = frozenset({"output-dir", "run-name"})
 
@@ -268,11 +299,7 @@ def _with_state(cell: Cell, run_dir: Path) -> Cell:
     if not run_dir.exists():
         return cell
     if is_held(run_dir):  # never moved aside or rerun under a live run
-        raise CompareError(
-            f"{run_dir} is held by a run that is still going (a cell of an earlier "
-            "pollen compare that was killed?); let it finish or stop it, then "
-            "run pollen compare again"
-        )
+        return dataclasses.replace(cell, state=HELD)
     if _finished(run_dir):
         _check_computed(run_dir, cell)
         return dataclasses.replace(cell, state=DONE)
@@ -283,6 +310,17 @@ def _with_state(cell: Cell, run_dir: Path) -> Cell:
     return dataclasses.replace(cell, state=RESUMES, resume_after=round)
 
 
+def refuse_held(cells: Sequence[Cell], out: Path) -> None:
+    """Refuse to run while a cell's directory is held by a live run."""
+    for cell in cells:
+        if cell.state == HELD:
+            raise CompareError(
+                f"{out / 'runs' / cell.name} is held by a run that is still going "
+                "(a cell of an earlier pollen compare that was killed?); let it "
+                "finish or stop it, then run pollen compare again"
+            )
+
+
 def _check_computed(run_dir: Path, cell: Cell) -> None:
     """Refuse a finished run whose recorded settings differ from its cell's
     (keys naming only where it ran aside; a key the run did not record, from
@@ -291,6 +329,8 @@ def _check_computed(run_dir: Path, cell: Cell) -> None:
         recorded = json.loads((run_dir / "settings.json").read_text())
     except (OSError, ValueError) as err:
         raise CompareError(f"cannot read {run_dir / 'settings.json'}: {err}") from err
+    if not isinstance(recorded, dict):
+        raise CompareError(f"{run_dir / 'settings.json'} does not hold an object")
     unrecorded = cell.run_config.keys() - recorded.keys()
     key = first_difference(recorded, cell.run_config, NOT_COMPARED | unrecorded)
     if key is not None:
@@ -315,6 +355,8 @@ def describe(cell: Cell, running: Holder | None = None) -> str:
     its directory looks interrupted."""
     if running is not None and cell.name == running.cell_name:
         return f"running now (pid {running.pid})"
+    if cell.state == HELD:
+        return f"{HELD} (its run directory's lock is held)"
     if cell.state == RESUMES:
         return f"interrupted, resumes after round {cell.resume_after}"
     if cell.state == RESTARTS:
@@ -332,8 +374,14 @@ def exclusive(out: Path) -> Iterator[Callable[[str], None]]:
     run directory. The lock goes with the process, however it ends. Yields
     `running(cell_name)`, which records the cell being run in the lock file
     for `running_now`."""
-    out.mkdir(parents=True, exist_ok=True)
-    with (out / LOCK).open("a+") as lock:
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        lock_file = (out / LOCK).open("a+")
+    except OSError as err:
+        raise CompareError(
+            f"--out {out}: cannot hold a comparison there: {err}"
+        ) from err
+    with lock_file as lock:
         try:
             fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -381,17 +429,19 @@ def run_grid(
     run_cell: Callable[[str, str, Path], int],
     echo: Callable[[str], None] = print,
     running: Callable[[str], None] = lambda cell_name: None,
-) -> None:
+) -> list[str]:
     """Run every unfinished cell into `out/runs/`, a progress line per cell
-    with an ETA. `run_cell(config, name, log)` runs one (exit status);
-    `running(name)` is told which cell runs (`exclusive`'s). An interrupted
-    cell continues from its checkpoint, or its directory is moved to
-    `out/incomplete/` (never deleted) and it runs again."""
+    with an ETA; the cells whose run failed. `run_cell(config, name, log)`
+    runs one (exit status); `running(name)` is told which cell runs
+    (`exclusive`'s). An interrupted cell continues from its checkpoint, or
+    its directory is moved to `out/incomplete/` (never deleted) and it runs
+    again."""
     runs, logs = out / "runs", out / "logs"
     runs.mkdir(parents=True, exist_ok=True)
     logs.mkdir(exist_ok=True)
     left = sum(cell.state != DONE for cell in cells)
     spent: list[float] = []
+    failed: list[str] = []
     for index, cell in enumerate(cells, 1):
         prefix = f"[{index}/{len(cells)}] {cell.name}:"
         if cell.state == DONE:
@@ -413,23 +463,23 @@ def run_grid(
         spent.append(time.monotonic() - started)
         left -= 1
         eta = statistics.fmean(spent) * left
-        outcome = (
-            _outcome(runs / cell.name)
-            if status == 0
-            else f"failed (see {logs / cell.name}.log)"
-        )
+        if status == 0:
+            outcome = _outcome(runs / cell.name)
+        else:
+            outcome = f"failed (see {logs / cell.name}.log)"
+            failed.append(cell.name)
         echo(
             f"{prefix} {outcome}, {spent[-1]:.0f} s; {left} left, ETA {_duration(eta)}"
         )
+    return failed
 
 
 def _finished(run_dir: Path) -> bool:
     try:
-        return (
-            json.loads((run_dir / "summary.json").read_text())["status"] == "completed"
-        )
-    except (OSError, ValueError, KeyError):
+        summary = json.loads((run_dir / "summary.json").read_text())
+    except (OSError, ValueError):
         return False
+    return isinstance(summary, dict) and summary.get("status") == "completed"
 
 
 def _outcome(run_dir: Path) -> str:
@@ -535,10 +585,10 @@ class Comparison:
             raise CompareError(f"cell {config!r}: {err}") from None
 
 
-def run_comparison(comparison: Comparison, dry_run: bool = False) -> None:
+def run_comparison(comparison: Comparison, dry_run: bool = False) -> bool:
     """`pollen compare`: validate every selected cell of the comparison's
     grid, then list them (`dry_run`) or run the unfinished ones into its
-    `out` and print the report's table."""
+    `out` and print the report's table; whether every cell completed."""
     from . import network_cells  # the deployment side: only --network pays
 
     out = comparison.out
@@ -557,19 +607,24 @@ def run_comparison(comparison: Comparison, dry_run: bool = False) -> None:
         if comparison.deployed:
             print(f"pollen: each cell runs as a deployment over {comparison.network}")
         print_plan(cells, out)
-        return
+        return True
     if comparison.deployed:
         network_cells.check_host()
     # SIGTERM stops a comparison as Ctrl-C does: the cell's processes go too
     with exclusive(out) as running, processes.stop_signals_interrupt():
         cells = with_states(cells, out)
+        refuse_held(cells, out)
         write_atomic(out / "grid.toml", comparison.grid_path.read_text())
         with _shared_federation(comparison, cells):
             run_cell = _cell_runner(comparison, run_configs)
-            run_grid(cells, out, run_cell, running=running)
-        table = report(out, grid.target)
-    print(table.read_text(), end="")
+            failed = run_grid(cells, out, run_cell, running=running)
+        if len(failed) < len(cells):  # else no run to report
+            print(report(out, grid.target).read_text(), end="")
     print(f"pollen: comparison in {out}")
+    if failed:
+        print(f"pollen: {len(failed)} of {len(cells)} cells failed: "
+              f"{', '.join(failed)} (their logs in {out / 'logs'})", file=sys.stderr)  # fmt: skip
+    return not failed
 
 
 def _shared_federation(

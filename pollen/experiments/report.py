@@ -98,8 +98,13 @@ def cell_name(values: Mapping[str, Any]) -> str:
     """A directory name for a cell: `strategy-fedavg_seed-1` (a named table
     gives its name: `strategy-feddyn-sam`)."""
     parts = [f"{key}-{value_label(value)}" for key, value in values.items()]
-    name = "_".join(parts) or "all"
-    return "".join(c if c.isalnum() or c in "-_." else "-" for c in name)
+    return directory_label("_".join(parts) or "all")
+
+
+def directory_label(text: str) -> str:
+    """`text` as a directory name spells it: a character other than a letter,
+    a digit, "-", "_" or "." becomes "-"."""
+    return "".join(c if c.isalnum() or c in "-_." else "-" for c in text)
 
 
 def value_label(value: Any) -> str:

@@ -1,0 +1,191 @@
+"""`pollen compare` on what users and killed runs leave: a cell a live run
+holds (the dry run names it), cells that fail (the exit status says so),
+`--only` as directory names spell values, named tables that set one key,
+damaged run records and an `--out` that cannot hold a comparison. None
+starts Flower."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+from pathlib import Path
+
+import pytest
+
+from pollen.cli import main
+from pollen.experiments import compare, report
+from tests.conftest import PROJECT
+
+
+def write_finished(run: Path, settings: dict, summary: dict | None = None) -> None:
+    run.mkdir(parents=True)
+    (run / "settings.json").write_text(json.dumps(settings))
+    summary = summary or {
+        "status": "completed", "rounds": 1, "final-accuracy": 0.5,
+        "best-accuracy": 0.5, "best-round": 1, "total-seconds": 1.0,
+        "total-bytes-up": 1, "total-bytes-down": 1,
+    }  # fmt: skip
+    (run / "summary.json").write_text(json.dumps(summary))
+    (run / "history.json").write_text(
+        json.dumps([{"round": 1, "accuracy": 0.5, "bytes-up": 1, "bytes-down": 1}])
+    )
+
+
+# 1. --dry-run while another compare runs a cell ------------------------------
+
+
+def test_dry_run_names_the_cell_another_compare_is_running(
+    tmp_path: Path, capsys
+) -> None:
+    """docs/usage.md: `--dry-run` there names the cell being run ("running
+    now (pid N)"). While a compare runs a cell, that cell's `pollen run`
+    holds its run directory (run.lock); the dry run was refused."""
+    from pollen.runs.claim import claim
+
+    out = tmp_path / "cmp"
+    run_dir = out / "runs" / "strategy-fedavg"
+    run_dir.mkdir(parents=True)
+    (run_dir / "settings.json").write_text("{}")  # the live run's first file
+    cell = compare.Cell("strategy-fedavg", 'strategy="fedavg"', {"rounds": 3})
+    with compare.exclusive(out) as running, claim(run_dir, new=False):
+        running("strategy-fedavg")  # what the other compare records
+        compare.print_plan([cell], out)
+    assert f"strategy-fedavg: running now (pid {os.getpid()})" in (
+        capsys.readouterr().out
+    )
+
+
+# 2. exit status of a compare whose cells failed -------------------------------
+
+
+@pytest.mark.parametrize("failing", [{"seed-2"}, {"seed-1", "seed-2"}])
+def test_a_compare_whose_cell_failed_exits_with_exit_failed(
+    tmp_path: Path, monkeypatch, capsys, failing: set
+) -> None:
+    """A cell whose `pollen run` fails makes `pollen compare` exit 1, as
+    `pollen run` does for a run that did not complete (it exited 0 when
+    another cell completed, and 2, "input to fix", when none did)."""
+    grid = tmp_path / "grid.toml"
+    grid.write_text('[base]\ndata-set = "digits"\nrounds = 1\n[grid]\nseed = [1, 2]\n')
+    out = tmp_path / "cmp"
+
+    def run_cell(config: str, name: str, log: Path) -> int:
+        settings = {"seed": int(name[-1]), "data-set": "digits", "run-name": name}
+        if name in failing:
+            write_finished(
+                out / "runs" / name, settings,
+                {"status": "failed", "error": "boom", "rounds": 0},
+            )  # fmt: skip
+            return 1
+        write_finished(out / "runs" / name, settings)
+        return 0
+
+    monkeypatch.setattr(compare, "_cell_runner", lambda *a: run_cell)
+    monkeypatch.setattr(
+        compare, "_shared_federation", lambda *a: contextlib.nullcontext()
+    )
+    status = main(["compare", str(grid), str(PROJECT), "--out", str(out)])
+    printed = capsys.readouterr()
+    assert "[2/2] seed-2: failed" in printed.out
+    assert status == 1, f"exit {status}; stderr: {printed.err}"
+
+
+# 3. --only ------------------------------------------------------------------
+
+
+def test_only_given_the_same_value_twice_selects_the_cell_once() -> None:
+    """`--only seed=1 --only seed=1` (a script adding the seeds it wants)
+    made the cell twice, and the grid was refused as one whose values share
+    a directory name."""
+    grid = compare.Grid({}, {"strategy": ["fedavg"], "seed": [1, 2]})
+    chosen = grid.select(["seed=1", "seed=1"])
+    cells = compare.validate_cells(chosen, lambda c: {})
+    assert [c.name for c in cells] == ["strategy-fedavg_seed-1"]
+
+
+@pytest.mark.parametrize(
+    ("axes", "selector", "directory"),
+    [
+        # a named table whose name has a space: directory strategy-feddyn-sam
+        (
+            {"strategy": [{"name": "feddyn sam", "strategy": "feddyn"}, "fedavg"]},
+            "strategy=feddyn-sam",
+            "strategy-feddyn-sam",
+        ),
+        # a float TOML writes 1e+20: directory lr-1e-20
+        ({"lr": [1e20, 0.1]}, "lr=1e-20", "lr-1e-20"),
+    ],
+)
+def test_only_accepts_the_value_as_its_directory_name_spells_it(
+    axes: dict, selector: str, directory: str
+) -> None:
+    """docs/usage.md: `--only KEY=VALUE` runs the cells with that value,
+    "spelled as in their directory names". A value that sanitising changes
+    was only found by its raw spelling; the directory's spelling was refused."""
+    grid = compare.Grid({}, axes)
+    assert directory in [report.cell_name(c) for c in grid.cells()]
+    chosen = grid.select([selector])
+    assert [report.cell_name(c) for c in chosen.cells()] == [directory]
+
+
+# 4. a grid whose named tables set one key twice --------------------------------
+
+
+def test_two_named_tables_that_set_the_same_key_are_refused(tmp_path: Path) -> None:
+    """A named table may not set another grid key ("set it in one place"),
+    nor may two tables under different grid keys both set `lr`: the grid was
+    accepted and in their cell the later table's lr silently won, while the
+    cell's name claimed both variants."""
+    path = tmp_path / "grid.toml"
+    path.write_text(
+        "[grid]\n"
+        'strategy = [{name = "prox-fast", strategy = "fedprox", lr = 0.5}]\n'
+        'sharing = [{name = "slow", sharing = "none", lr = 0.01}]\n'
+    )
+    with pytest.raises(compare.CompareError, match="both set 'lr'"):
+        compare.Grid.load(path)
+
+
+# 5. a damaged finished-run record: a traceback instead of a one-line error ------
+
+
+def test_a_summary_that_is_not_an_object_does_not_crash_the_plan(
+    tmp_path: Path,
+) -> None:
+    """A summary.json holding a JSON list: the run did not finish (a
+    TypeError traceback ended `pollen compare` and --dry-run)."""
+    run_dir = tmp_path / "runs" / "seed-1"
+    write_finished(run_dir, {"seed": 1})
+    (run_dir / "summary.json").write_text("[]")
+    cell = compare.Cell("seed-1", "seed=1", {"seed": 1, "rounds": 1})
+    (state,) = compare.with_states([cell], tmp_path)
+    assert state.state != compare.DONE
+
+
+def test_a_settings_record_that_is_not_an_object_is_a_compare_error(
+    tmp_path: Path,
+) -> None:
+    """A finished run whose settings.json holds a list is named (an
+    AttributeError traceback)."""
+    run_dir = tmp_path / "runs" / "seed-1"
+    write_finished(run_dir, {"seed": 1})
+    (run_dir / "settings.json").write_text("[1]")
+    cell = compare.Cell("seed-1", "seed=1", {"seed": 1, "rounds": 1})
+    with pytest.raises(compare.CompareError, match=r"settings\.json"):
+        compare.with_states([cell], tmp_path)
+
+
+# 6. --out that cannot be a directory: a traceback ------------------------------
+
+
+def test_an_out_that_is_a_file_is_refused_in_one_line(tmp_path: Path, capsys) -> None:
+    """`--out` naming an existing file is one line and exit 2 (a
+    FileExistsError traceback)."""
+    grid = tmp_path / "grid.toml"
+    grid.write_text('[base]\ndata-set = "digits"\nrounds = 1\n[grid]\nseed = [1]\n')
+    out = tmp_path / "results.txt"
+    out.write_text("not a directory\n")
+    status = main(["compare", str(grid), str(PROJECT), "--out", str(out)])
+    assert status == 2 and "pollen: error:" in capsys.readouterr().err
+    assert out.read_text() == "not a directory\n"
