@@ -38,7 +38,9 @@ from __future__ import annotations
 
 import math
 import tomllib
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
+from fractions import Fraction
 from pathlib import Path
 from typing import Any
 
@@ -83,7 +85,8 @@ class Group:
         """The node indices of this group in a federation of `num_nodes`."""
         if not self.fraction:
             return [i for i in self.nodes if i < num_nodes]
-        count = max(1, round(self.fraction * num_nodes))
+        # the fraction as written (0.35, not 0.34999...): halves round to even
+        count = max(1, round(Fraction(repr(self.fraction)) * num_nodes))
         return list(range(num_nodes - count, num_nodes))
 
 
@@ -102,22 +105,30 @@ class NetworkProfile:
 
     def nodes(self, num_nodes: int) -> list[NodeProfile]:
         """The profile of every node 0..num_nodes-1."""
-        profiles = [self.default] * num_nodes
+        return [profile for profile, _ in self._assigned(num_nodes)]
+
+    def _assigned(self, num_nodes: int) -> list[tuple[NodeProfile, str | None]]:
+        """Every node's profile and group name (None: the default); a later
+        group wins a node two groups name."""
+        assigned: list[tuple[NodeProfile, str | None]] = [
+            (self.default, None)
+        ] * num_nodes
         for group in self.groups:
             for i in group.members(num_nodes):
-                profiles[i] = group.profile
-        return profiles
+                assigned[i] = (group.profile, group.name)
+        return assigned
 
     def as_dict(self, num_nodes: int) -> dict[str, Any]:
-        """What a run records: the profile's text fields and every node's values."""
+        """What a run records: the profile's text fields and every node's
+        values, with the group it is in (null: the default)."""
         return {
             "name": self.name,
             "description": self.description,
             "source": self.source,
             "message-overhead": self.message_overhead,
             "nodes": [
-                {"link": str(p.link), "slowdown": p.slowdown}
-                for p in self.nodes(num_nodes)
+                {"link": str(p.link), "slowdown": p.slowdown, "group": group}
+                for p, group in self._assigned(num_nodes)
             ],
         }
 
@@ -193,15 +204,26 @@ def _no_unknown(table: dict[str, Any], allowed: tuple[str, ...], where: str,
         )
 
 
-def _number(table: dict[str, Any], key: str, where: str) -> float:
+def _number(
+    table: dict[str, Any],
+    key: str,
+    where: str,
+    allowed: str = "a finite number >= 0",
+    valid: Callable[[float], bool] = lambda value: value >= 0,
+) -> float:
+    """`table[key]` as a float, if it is a finite number that is `valid`
+    (else `ProfileError` saying what is `allowed`); an integer too large for
+    a float is not finite."""
     value = table[key]
     if isinstance(value, bool) or not isinstance(value, int | float):
         raise ProfileError(f"{where}: {key} must be a number, got {value!r}")
-    if not math.isfinite(value) or value < 0:
-        raise ProfileError(
-            f"{where}: {key} must be a finite number >= 0, got {value!r}"
-        )
-    return float(value)
+    try:
+        number = float(value)
+    except OverflowError:
+        number = math.inf
+    if not (math.isfinite(number) and valid(number)):
+        raise ProfileError(f"{where}: {key} must be {allowed}, got {value!r}")
+    return number
 
 
 def _node(table: dict[str, Any], base: NodeProfile, where: str) -> NodeProfile:
@@ -212,12 +234,10 @@ def _node(table: dict[str, Any], base: NodeProfile, where: str) -> NodeProfile:
             link[name] = _number(table, key, where)
     slowdown = base.slowdown
     if "slowdown" in table:
-        slowdown = _number(table, "slowdown", where)
-        if slowdown < 1:
-            raise ProfileError(
-                f"{where}: slowdown must be >= 1 (1: this machine's speed), got "
-                f"{table['slowdown']!r}"
-            )
+        slowdown = _number(
+            table, "slowdown", where, ">= 1 (1: this machine's speed)",
+            lambda value: value >= 1,
+        )  # fmt: skip
     try:
         shape = LinkShape(**link)
     except ValueError as err:  # jitter above delay, loss of 100 % or more
@@ -242,9 +262,9 @@ def _group(table: Any, default: NodeProfile, where: str) -> Group:
         )
     profile = _node(table, default, where)
     if "fraction" in table:
-        fraction = _number(table, "fraction", where)
-        if not 0 < fraction <= 1:
-            raise ProfileError(f"{where}: fraction must be in (0, 1], got {fraction!r}")
+        fraction = _number(
+            table, "fraction", where, "in (0, 1]", lambda value: 0 < value <= 1
+        )
         return Group(name, profile, fraction=fraction)
     nodes = table["nodes"]
     if (

@@ -276,3 +276,99 @@ def test_the_docs_table_gives_every_preset_s_numbers() -> None:
             for n in nodes
         ]  # fmt: skip
         assert documented == actual, name
+
+
+HUGE = "1" + "0" * 400  # a TOML integer tomllib accepts but no float can hold
+
+
+# --- an integer no float can hold (an OverflowError traceback) ---------------
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        f"[default]\nup-mbit = {HUGE}\n",
+        f"[default]\ndelay-ms = -{HUGE}\n",
+        f"[default]\nslowdown = {HUGE}\n",
+        f"message-overhead = {HUGE}\n",
+        f"[[group]]\nfraction = {HUGE}\n",
+    ],
+    ids=["up-mbit", "negative-delay", "slowdown", "message-overhead", "fraction"],
+)
+def test_a_huge_integer_is_a_one_line_profile_error(tmp_path: Path, text: str) -> None:
+    path = tmp_path / "big.toml"
+    path.write_text(text)
+    with pytest.raises(ProfileError) as info:
+        NetworkProfile.load(path)
+    assert str(path) in str(info.value) and "\n" not in str(info.value)
+
+
+def test_settings_refuse_a_huge_integer_with_a_settings_error(tmp_path: Path) -> None:
+    path = tmp_path / "big.toml"
+    path.write_text(f"[default]\nup-mbit = {HUGE}\n")
+    with pytest.raises(SettingsError, match=r"network-profile: .*up-mbit"):
+        Settings.from_run_config({"network-profile": str(path)})
+
+
+# --- a recorded link keeps every digit (it kept 6 significant ones) ----------
+
+
+def test_as_dict_records_a_link_without_losing_digits() -> None:
+    profile = NetworkProfile.from_document(
+        {"default": {"delay-ms": 1234567, "up-mbit": 18.4123456, "down-mbit": 69.4}},
+        "precise",
+    )
+    recorded = profile.as_dict(1)["nodes"][0]["link"]
+    assert LinkShape.parse(recorded) == profile.default.link, recorded
+
+
+# --- a group's name is recorded ------------------------------------------------
+
+
+def test_as_dict_records_which_group_each_node_is_in() -> None:
+    """docs/network.md: `name` is "a group's name in messages and records"
+    (it was in neither)."""
+    profile = NetworkProfile.from_document(
+        {"group": [{"name": "slow", "fraction": 0.5, "slowdown": 2}]}, "p"
+    )
+    assert [n["group"] for n in profile.as_dict(4)["nodes"]] == [
+        None,
+        None,
+        "slow",
+        "slow",
+    ]
+
+
+# --- the error states the key's own range (it said >= 0 for both) ------------
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        ("[default]\nslowdown = -1\n", "slowdown must be >= 1"),
+        ("[default]\n[[group]]\nfraction = -0.5\n", "fraction must be in (0, 1]"),
+        ("[default]\n[[group]]\nfraction = nan\n", "fraction must be in (0, 1]"),
+    ],
+    ids=["slowdown", "fraction", "fraction-nan"],
+)
+def test_the_error_states_what_is_allowed(
+    tmp_path: Path, text: str, expected: str
+) -> None:
+    path = tmp_path / "p.toml"
+    path.write_text(text)
+    with pytest.raises(ProfileError) as info:
+        NetworkProfile.load(path)
+    assert expected in str(info.value), str(info.value)
+
+
+# --- fraction x N rounds half to even as written, not after a float error ----
+
+
+def test_a_half_rounds_to_even_as_documented() -> None:
+    """0.35 x 90 = 31.5, which rounds (half to even) to 32 nodes; the float
+    product 31.499999999999996 rounds to 31."""
+    profile = NetworkProfile.from_document(
+        {"group": [{"fraction": 0.35, "slowdown": 2}]}, "p"
+    )
+    slow = [i for i, node in enumerate(profile.nodes(90)) if node.slowdown == 2]
+    assert len(slow) == 32 and slow[0] == 58, (len(slow), slow[0])

@@ -93,8 +93,8 @@ class LinkShape:
 
     def __str__(self) -> str:
         """The compact form that `parse` reads, naming only the set keys."""
-        items = [
-            f"{key}={getattr(self, name):g}{unit}"
+        items = [  # each number as short as `parse` reads it back exactly
+            f"{key}={repr(float(getattr(self, name))).removesuffix('.0')}{unit}"
             for key, (name, unit) in self._KEYS.items()
             if getattr(self, name)
         ]
