@@ -454,3 +454,12 @@ def test_min_train_replies_above_the_buffer_is_refused() -> None:
             {"mode": "async", "num-clients": 4, "client-frac": 1.0,
              "buffer-size": 2, "min-train-replies": 3}
         )  # fmt: skip
+
+
+def test_dp_sgd_is_refused_with_async() -> None:
+    """DP-SGD's noise is set for at most one training of a client a round;
+    FedBuff hands a fast client its next task at once (one trained 10 times
+    in 5 versions, spending epsilon 5.33 of a 4.0 budget, by Opacus's RDP
+    accountant): refused, before anything starts."""
+    with pytest.raises(SettingsError, match=r"dp=true with mode='async'"):
+        Settings.from_run_config({"mode": "async", "dp": True, "model": "cnn-gn"})

@@ -109,3 +109,27 @@ def test_a_resumed_run_records_the_settings_it_now_has(tmp_path: Path) -> None:
     server_app._open_run_dir(resumed)
     recorded = json.loads((run_dir / "settings.json").read_text())
     assert recorded["rounds"] == 4 and recorded["run-name"] == "run"
+
+
+def test_the_epsilon_a_skipped_rounds_clients_report_is_counted(tmp_path: Path) -> None:
+    """The clients of a round skipped for too few replies trained with DP-SGD
+    all the same: the largest epsilon reported counts (it was dropped, so
+    the history and the summary said 1.0 where a client had spent 2.0)."""
+    from pollen.protocol import DP_EPSILON
+    from pollen.strategies.aggregation import ClientUpdate
+
+    def outcome(epsilons: dict[int, float], skipped: bool) -> RoundOutcome:
+        updates = [
+            ClientUpdate(c, {}, {DP_EPSILON: e}, 1.0) for c, e in epsilons.items()
+        ]
+        return RoundOutcome(
+            arrays=ArrayRecord(), clients=list(epsilons), updates=updates,
+            bytes_down=0, bytes_up=0, skipped=skipped, failures=[], clipped=[],
+            evaluating=[], eval_bytes=0, personal={},
+        )  # fmt: skip
+
+    settings = Settings.from_run_config({"rounds": 2, "dp": True, "model": "cnn-gn"})
+    recorder = RoundRecorder(settings, [], tmp_path, Notifier.from_settings("", 1), "r")
+    recorder.record(1, outcome({0: 1.0, 1: 1.0}, skipped=False), 1.0, 0.5, 0.1)
+    last = recorder.record(2, outcome({0: 2.0}, skipped=True), 1.0, 0.5, 0.1)
+    assert last.dp_epsilon == 2.0

@@ -142,9 +142,11 @@ class RoundRecorder:
         )
 
     def _privacy_spent(self, outcome: RoundOutcome) -> float | None:
-        """The largest epsilon any client has reported so far (None without DP)."""
-        for update in [] if outcome.skipped else outcome.updates:
+        """The largest epsilon any client has reported so far (None without
+        DP): a skipped round's replies count too, their clients trained."""
+        for update in outcome.updates:
             epsilon = update.metrics.get(DP_EPSILON)
             if isinstance(epsilon, float):
-                self.dp_epsilon[update.client] = epsilon
+                spent = self.dp_epsilon.get(update.client, 0.0)
+                self.dp_epsilon[update.client] = max(spent, epsilon)
         return max(self.dp_epsilon.values()) if self.dp_epsilon else None

@@ -35,6 +35,14 @@ def async_problem(s: Settings) -> str | None:
                 f"mode='async' with {key}={name!r}: {why}; allowed with async: "
                 + ", ".join(allowed)
             )
+    if s.dp:
+        return (
+            "dp=true with mode='async': DP-SGD's noise is set for each client "
+            "training at most once a round (rounds x local-epochs at its sampling "
+            "rate), and FedBuff gives a client its next task as soon as it "
+            "replies, so a fast client would spend more than dp-epsilon; use "
+            "mode='sync'"
+        )
     if s.round_deadline:
         return (
             "round-deadline with mode='async': a deadline ends a synchronous "
