@@ -13,6 +13,7 @@ implementation, where `pollen.settings` asks them at run time.
 
 from __future__ import annotations
 
+import functools
 import importlib
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -97,6 +98,7 @@ class ModelInfo:
     colour_only: bool = False
     # a frozen backbone whose features `cache-features` computes once
     frozen_backbone: bool = False
+    linear: bool = True  # has an nn.Linear layer: FedPer's local classifier
 
     def input_problem(self, channels: int, side: int) -> str | None:
         """Why this model cannot take `channels` x `side` x `side` images, or None."""
@@ -120,6 +122,12 @@ class ModelInfo:
             return (
                 f"sharing={sharing!r} needs a model with LoRA layers; model is "
                 f"{self.name!r}; allowed: " + ", ".join(_models(lambda m: m.lora))
+            )
+        if sharing == "fedper" and not self.linear:
+            return (
+                f"sharing='fedper' with model={self.name!r}: FedPer keeps the last "
+                "nn.Linear layer (the classifier) on each client, and this model "
+                "has none, so the run would be plain FedAvg"
             )
         if sharing == "fedper" and self.lora:
             return (
@@ -172,10 +180,13 @@ def _models(has: Callable[[ModelInfo], bool]) -> list[str]:
 
 
 def load(path: str) -> Any:
-    """The object at `path` ("module:attribute"), its module imported on
-    first use: how every part, pollen's own or a plug-in, is reached."""
+    """The object at `path` ("module:attribute", the attribute dotted where
+    an entry point names one: "module:Class.factory"), its module imported
+    on first use: how every part, pollen's own or a plug-in, is reached."""
     module, _, attribute = path.partition(":")
-    return getattr(importlib.import_module(module), attribute)
+    return functools.reduce(
+        getattr, attribute.split("."), importlib.import_module(module)
+    )
 
 
 @dataclass(frozen=True)

@@ -54,7 +54,7 @@ PART_BASES = {
     "local-objective": "pollen.task.objective_parts:Plain",
 }
 # "package.module:function"
-IMPORT_PATH = re.compile(r"[A-Za-z_][\w.]*:[A-Za-z_]\w*")
+IMPORT_PATH = re.compile(r"[A-Za-z_][\w.]*:[A-Za-z_]\w*(?:\.[A-Za-z_]\w*)*")
 # what "auto" takes for a user's data set: mnist's and fashion-mnist's measured
 # defaults (catalog.TrainingDefaults), a fair start for a small image task
 USER_TRAINING = TrainingDefaults(lr=0.01)
@@ -76,8 +76,11 @@ def registered(group: str) -> Mapping[str, str]:
     built in asks it, and a scan of the installed distributions' metadata
     takes milliseconds each time. A package installed while a process runs
     is seen by the next process (or after `registered.cache_clear()`)."""
-    return MappingProxyType(
-        {point.name: point.value for point in entry_points(group=group)}
+    return MappingProxyType(  # "module:attr.attr", without the point's extras
+        {
+            point.name: f"{point.module}:{point.attr}"
+            for point in entry_points(group=group)
+        }
     )
 
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 
 from .catalog import (
     AGGREGATORS,
@@ -87,12 +87,17 @@ def _model_notes(info: ModelInfo) -> str:
     return f" ({', '.join(marked)})" if marked else ""
 
 
-def _user_rows(group: str, what: str) -> list[tuple[str, str]]:
-    """The names installed packages register under `group`, then the import
-    path form: read from the packages' metadata, nothing imported."""
+def _user_rows(
+    group: str, what: str, built_in: Collection[str]
+) -> list[tuple[str, str]]:
+    """The names installed packages register under `group` (one a built-in
+    name shadows said so: the built-in wins), then the import path form:
+    read from the packages' metadata, nothing imported."""
     return [
-        *((name, f"{path} (an installed package's)") for name, path in
-          sorted(registered(group).items())),
+        *((name, f"{path} (an installed package's"
+                 + ("; not used: the built-in of this name wins)" if name in built_in
+                    else ")"))
+          for name, path in sorted(registered(group).items())),
         ("module:function", f"{what} of your own (docs/extending.md)"),
     ]  # fmt: skip
 
@@ -100,7 +105,7 @@ def _user_rows(group: str, what: str) -> list[tuple[str, str]]:
 def models() -> str:
     return _rows(
         [(m.name, m.summary + _model_notes(m)) for m in MODELS.values()]
-        + _user_rows(MODEL_GROUP, "a model factory")
+        + _user_rows(MODEL_GROUP, "a model factory", MODELS)
     )
 
 
@@ -113,7 +118,7 @@ def datasets() -> str:
             )
             for d in DATA_SETS.values()
         ]
-        + _user_rows(DATA_SET_GROUP, "a data-set loader")
+        + _user_rows(DATA_SET_GROUP, "a data-set loader", DATA_SETS)
     )
 
 

@@ -56,6 +56,7 @@ from .common.partition_sizes import split_problem
 from .extensions import (
     DATA_SET_GROUP,
     MODEL_GROUP,
+    PART_KEYS,
     ExtensionError,
     data_set_info,
     model_info,
@@ -674,6 +675,8 @@ def _part_problems(s: Settings) -> Iterator[str | None]:
     aggregators its objective and server update allow, then the aggregator
     itself, each loaded from the catalogue."""
     objective = part("local-objective", s.local_objective).load()
+    if s.local_objective not in PART_KEYS["local-objective"][0]:  # a user's
+        yield _term_problem(s.local_objective, objective.term)
     yield objective.problem(s)
     if s.krum_select and s.aggregator != "multi-krum":
         yield (
@@ -686,6 +689,22 @@ def _part_problems(s: Settings) -> Iterator[str | None]:
             yield f"aggregator={s.aggregator!r} with {chooser}={name!r}: {why}"
     yield part("server-update", s.server_update).load().problem(s)
     yield part("aggregator", s.aggregator).load().problem(s)
+
+
+def _term_problem(name: str, term: str | None) -> str | None:
+    """Why a user's local objective's regulariser `term` ("module:Class")
+    cannot be imported, or None: found here, not in every client after
+    start-up (pollen's own terms import torch, which validation spares)."""
+    if not term:
+        return None
+    try:
+        load(term)
+    except Exception as err:  # a user's module runs on import: anything ends here
+        return (
+            f"local-objective={name!r}: its term {term!r} cannot be imported "
+            f"({type(err).__name__}: {err})"
+        )
+    return None
 
 
 def _profile_problem(path: str) -> str | None:

@@ -42,6 +42,7 @@ import zlib
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from functools import cache
+from numbers import Integral
 from pathlib import Path
 from typing import Any
 
@@ -340,7 +341,10 @@ def _user_arrays(returned: object) -> tuple[dict[str, np.ndarray], int]:
     if missing:
         raise DataError(f"its loader's mapping lacks {', '.join(missing)}")
     classes = returned["classes"]
-    if isinstance(classes, bool) or not isinstance(classes, int) or classes < 2:
+    if isinstance(classes, bool | np.bool_) or not isinstance(classes, Integral):
+        raise DataError(f"classes is {classes!r}; expected an integer >= 2")
+    classes = int(classes)  # numpy's integers too (y_train.max() + 1)
+    if classes < 2:
         raise DataError(f"classes is {classes!r}; expected an integer >= 2")
     arrays = {}
     for split in ("train", "test"):
@@ -369,6 +373,8 @@ def _user_split(
         x = x[:, None]
     elif np.issubdtype(x.dtype, np.floating) and x.ndim == 2:
         x = x[:, :, None, None]
+    elif x.ndim == 4 and x.shape[3] in (1, 3) and x.shape[1] not in (1, 3):
+        x = x.transpose(0, 3, 1, 2)  # channels last, as a Keras .npz keeps images
     if x.ndim != 4 or not (x.dtype == np.uint8 or np.issubdtype(x.dtype, np.floating)):
         raise DataError(
             f"x_{split} is {x.dtype} of shape {list(x.shape)}; expected uint8 "

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import torch
 from torch import nn
+from torch.nn.parameter import is_lazy
 
 from ..catalog import DATA_SETS, ModelInfo
 from ..catalog import MODELS as CATALOG
@@ -260,7 +261,23 @@ def build_model(
             )
         if name in MODELS:
             return MODELS[name](input_shape, num_classes)
-        return user_function("model", name, MODEL_GROUP)(input_shape, num_classes)
+        model = user_function("model", name, MODEL_GROUP)(input_shape, num_classes)
+        if isinstance(model, nn.Module):
+            _materialise(model, input_shape)
+        return model
+
+
+def _materialise(model: nn.Module, input_shape: tuple[int, ...]) -> None:
+    """Give a user's lazy layers (`nn.LazyLinear`, ...) their sizes by one
+    batch of zeros, under the model's seed: every entry must exist before
+    the sharing policy and the optimiser see the model."""
+    tensors = [*model.parameters(), *model.buffers()]
+    if not any(is_lazy(t) for t in tensors):
+        return
+    training = model.training
+    with torch.no_grad():
+        model.eval()(torch.zeros(2, *input_shape))
+    model.train(training)
 
 
 @cache
@@ -316,6 +333,7 @@ def user_model_info(name: str, data_set: str) -> ModelInfo:
         summary=summary(user_function("model", name, MODEL_GROUP), path),
         batchnorm=any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in modules),
         lora=any(isinstance(m, LoRALinear) for m in modules),
+        linear=any(isinstance(m, nn.Linear) for m in modules),
         dropout=any(
             isinstance(m, nn.modules.dropout._DropoutNd) and m.p > 0 for m in modules
         ),

@@ -53,7 +53,7 @@ POLICIES: dict[str, frozenset[Kind]] = {
 def entry_kinds(model: nn.Module) -> dict[str, Kind]:
     """The kind of every state-dict entry of `model`, in state-dict order."""
     kinds: dict[str, Kind] = {}
-    for prefix, module in model.named_modules():
+    for prefix, module in model.named_modules(remove_duplicate=False):
         is_bn = isinstance(module, nn.modules.batchnorm._BatchNorm)
         dot = f"{prefix}." if prefix else ""
         for name, param in module.named_parameters(recurse=False):
@@ -63,13 +63,17 @@ def entry_kinds(model: nn.Module) -> dict[str, Kind]:
                 kinds[dot + name] = "bn-affine" if is_bn else "weight"
         for name, _ in module.named_buffers(recurse=False):
             kinds[dot + name] = "bn-stat" if is_bn else "buffer"
-    linears = [p for p, m in model.named_modules() if isinstance(m, nn.Linear)]
+    linears = [
+        p
+        for p, m in model.named_modules(remove_duplicate=False)
+        if isinstance(m, nn.Linear)
+    ]
     if linears:
         dot = f"{linears[-1]}." if linears[-1] else ""
         for name in ("weight", "bias"):
             if kinds.get(dot + name) == "weight":
                 kinds[dot + name] = "head"
-    for prefix, module in model.named_modules():
+    for prefix, module in model.named_modules(remove_duplicate=False):
         if isinstance(module, LoRALinear):
             for part, kind in (("lora_a", "lora-a"), ("lora_b", "lora-b")):
                 name = f"{prefix}.{part}.weight" if prefix else f"{part}.weight"
