@@ -531,7 +531,7 @@ class Settings:
         "'first-deterministic' (client i's first class is i mod classes, the others "
         "drawn by seed, as in NIID-Bench), 'deterministic' (client i holds classes "
         "i, i+1, ... mod classes: every class on equally many clients when "
-        "num-clients x classes-per-client is a multiple of the classes), 'random' "
+        "num-clients is a multiple of the classes, or classes-per-client is all of them), 'random' "
         "(all drawn by seed; a class may go unused)",
         one_of(*CLASS_ASSIGNMENTS),
     )

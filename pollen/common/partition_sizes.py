@@ -70,6 +70,12 @@ def split_problem(
         check_min_size(scheme, num_clients, min_size, examples)
     except PartitionError as err:
         return f"{err} (data-set={name!r})"
+    if scheme == "silos" and num_clients > data_set.classes:
+        return (
+            f"num-clients={num_clients} with partition='silos' and data-set={name!r}: "
+            f"silos give each client whole classes, so at most {data_set.classes} "
+            "clients"
+        )
     if scheme == "pathological" and classes_per_client > data_set.classes:
         return (
             f"classes-per-client={classes_per_client} with data-set={name!r}, "

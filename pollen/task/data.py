@@ -381,8 +381,10 @@ def _user_split(
             "images [N, H, W] or [N, C, H, W], or float features [N, F] or "
             "[N, C, H, W]"
         )
-    if x.dtype != np.uint8 and not np.isfinite(x).all():
-        raise DataError(f"x_{split} holds values that are not finite")
+    if x.dtype != np.uint8:
+        x = x.astype(np.float32, copy=False)  # finite as trained: 1e39 is not
+        if not np.isfinite(x).all():
+            raise DataError(f"x_{split} holds values that are not finite in float32")
     if y.ndim != 1 or len(y) != len(x) or not np.issubdtype(y.dtype, np.integer):
         raise DataError(
             f"y_{split} is {y.dtype} of shape {list(y.shape)}; expected "
