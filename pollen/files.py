@@ -63,6 +63,24 @@ def write_atomic(path: Path, data: bytes | str, private: bool = False) -> None:
         raise
 
 
+def sync_folder(folder: Path) -> None:
+    """Flush `folder`'s files and then its entries to the disk: what a rename
+    of it (or in it) must follow before anything older is deleted, so that
+    a power loss leaves the old copy or the whole new one."""
+    for path in folder.iterdir():
+        if path.is_file():
+            _fsync(path, os.O_RDONLY)
+    _fsync(folder, os.O_RDONLY | os.O_DIRECTORY)
+
+
+def _fsync(path: Path, flags: int) -> None:
+    fd = os.open(path, flags)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
 def write_json(path: Path, obj: Any) -> None:
     """`obj` as indented JSON, atomically."""
     write_atomic(path, json.dumps(obj, indent=2) + "\n")
@@ -110,9 +128,10 @@ def read_npz(path: Path) -> dict[str, np.ndarray]:
 
 
 def _plain(npz: np.lib.npyio.NpzFile, name: str, path: Path) -> np.ndarray:
-    """One array of an open .npz; an object array is refused, not unpickled."""
+    """One array of an open .npz; an object array is refused, not unpickled,
+    and so is a member that is no .npy array (numpy hands its raw bytes)."""
     try:
-        return npz[name]
+        value = npz[name]
     except ValueError as err:
         if "allow_pickle" not in str(err):
             raise
@@ -120,3 +139,6 @@ def _plain(npz: np.lib.npyio.NpzFile, name: str, path: Path) -> np.ndarray:
             f"cannot read {path}: {name} holds pickled Python objects ({err}); "
             "unpickling could run code, so only plain arrays are read"
         ) from err
+    if not isinstance(value, np.ndarray):
+        raise NpzError(f"cannot read {path}: its member {name!r} is not an array")
+    return value

@@ -4,11 +4,14 @@ from __future__ import annotations
 
 import json
 import os
+import zipfile
 from pathlib import Path
 
 import numpy as np
 import pytest
 
+from pollen.files import NpzError, read_npz
+from pollen.runs import checkpoints
 from pollen.runs.checkpoints import (
     Checkpoint,
     CheckpointError,
@@ -274,3 +277,39 @@ def test_meta_json_is_plain_json(tmp_path: Path) -> None:
         "round": 2,
         "extra": {"lr": 0.1 / 3, "model": "mlp"},
     }
+
+
+def test_a_saved_checkpoint_is_on_the_disk_before_the_older_one_goes(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """keep=1 deletes the previous checkpoint right after the new one is in
+    place: the new one's files and folders are flushed first (nothing was,
+    so a power loss could leave an empty meta.json and no older copy)."""
+    events: list[str] = []
+    fsync, remove = os.fsync, checkpoints._remove
+    monkeypatch.setattr(os, "fsync", lambda fd: (events.append("sync"), fsync(fd))[1])
+    monkeypatch.setattr(
+        checkpoints, "_remove", lambda path: (events.append("remove"), remove(path))[1]
+    )
+    model = {"w": np.ones(3, np.float32)}
+    save_checkpoint(tmp_path, Checkpoint(1, model, {}, {}), keep=1)
+    events.clear()
+    save_checkpoint(tmp_path, Checkpoint(2, model, {}, {}), keep=1)
+    assert "sync" in events and events.index("sync") < events.index("remove")
+
+
+def test_a_checkpoint_with_an_empty_meta_json_is_not_complete(tmp_path: Path) -> None:
+    model = {"w": np.ones(3, np.float32)}
+    save_checkpoint(tmp_path, Checkpoint(1, model, {}, {}), keep=2)
+    newest = save_checkpoint(tmp_path, Checkpoint(2, model, {}, {}), keep=2)
+    (newest / "meta.json").write_bytes(b"")
+    assert list_checkpoints(tmp_path) == [1]
+
+
+def test_an_npz_member_that_is_no_array_is_refused(tmp_path: Path) -> None:
+    """numpy hands a member without the .npy header back as raw bytes."""
+    path = tmp_path / "model.npz"
+    with zipfile.ZipFile(path, "w") as archive:
+        archive.writestr("w.npy", b"\x80\x04\x95\x05\x00\x00\x00\x00\x00\x00\x00K\x01.")
+    with pytest.raises(NpzError, match="'w' is not an array"):
+        read_npz(path)

@@ -23,6 +23,8 @@ from pollen.task.client_state import (
     export_state,
     held_bytes,
     import_state,
+    server_config,
+    store_for,
 )
 from pollen.task.models import build_model
 from pollen.task.sharing import Sharing
@@ -269,3 +271,20 @@ def test_a_resumed_run_never_reads_another_runs_spill_files(tmp_path: Path) -> N
     assert store.load(2, run_id=8, resume_round=5)[0] == 3
     assert store.forget_abandoned(run_id=8, resume_round=5) == 1
     assert rounds(store, 1) == [] and rounds(store, 2) == [(3, 7)]
+
+
+def test_two_runs_of_one_name_in_two_output_folders_keep_apart_on_a_node(
+    tmp_path: Path,
+) -> None:
+    """A node's own state-dir held every run named "exp" in one folder, so a
+    fresh run of that name elsewhere (another comparison's cell) deleted an
+    interrupted one's state at its start query, or its resume read the
+    other's; the folder now carries a digest of the run directory, the same
+    for a resume of that directory."""
+    node = Context(1, 1, {STATE_DIR: str(tmp_path / "node")}, RecordDict(), {})
+    a, b = tmp_path / "results-a" / "exp", tmp_path / "results-b" / "exp"
+    first = store_for(node, server_config(a, "exp", 0, checkpoints=True))
+    again = store_for(node, server_config(a, "exp", 2, checkpoints=True))
+    other = store_for(node, server_config(b, "exp", 0, checkpoints=True))
+    assert first.root == again.root != other.root
+    assert first.root.name.startswith("exp-")

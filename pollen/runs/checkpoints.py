@@ -112,9 +112,11 @@ def save_checkpoint(run_dir: Path, checkpoint: Checkpoint, keep: int) -> Path:
         raise
     # POSIX renames a directory over an empty one only: move the old copy
     # aside first; the readers fall back to it if a crash comes in between.
+    files.sync_folder(tmp)  # on the disk before any older copy goes
     if final.exists():
         os.replace(final, old)
     os.replace(tmp, final)
+    files.sync_folder(root)
     if old.exists():
         _remove(old)
 
@@ -321,7 +323,8 @@ def _complete(root: Path) -> dict[int, Path]:
     """
     final, old = {}, {}
     for path in root.iterdir():
-        if not (path / META_FILE).is_file():
+        meta = path / META_FILE
+        if not (meta.is_file() and meta.stat().st_size):  # empty: cut off mid-write
             continue
         if match := _FINAL.fullmatch(path.name):
             final[int(match[1])] = path

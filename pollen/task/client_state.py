@@ -44,6 +44,7 @@ renamed.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import io
 import re
 from collections.abc import Iterator, Mapping
@@ -58,7 +59,10 @@ from flwr.common.logger import log
 from ..files import NpzError, read_npz, write_atomic, write_npz
 from ..protocol import STATE_DIR
 
-RUN_NAME = "run-name"  # server config: the run's name, a folder under a node's dir
+# server config: the run's folder under a node's own state-dir, its name and a
+# digest of its run directory (two runs of one name in two output folders, two
+# comparisons' cells, keep apart)
+RUN_NAME = "run-name"
 RESUME_ROUND = "resume-round"  # server config: the checkpoint this run started from
 KEEP_FROM = "keep-from"  # server config: the newest round a resume may start from
 
@@ -356,8 +360,9 @@ def server_config(
     run can resume from an earlier round, so `KEEP_FROM` is left out and
     nothing is written each round: a node with its own `state-dir` keeps
     only its newest file (what it reads back after a SuperNode restart)."""
+    digest = hashlib.sha256(str(run_dir.resolve()).encode()).hexdigest()[:8]
     config: dict[str, str | int] = {
-        RUN_NAME: run_name,
+        RUN_NAME: f"{run_name}-{digest}",
         RESUME_ROUND: resume_round,
         STATE_DIR: str(run_dir / "client-state"),
     }
