@@ -79,11 +79,8 @@ def test_fedavg_and_feddyn_train_on_real_processes(
     finish(submit(deployment, tmp_path, dyn))
     assert len(history(tmp_path / "dyn")) == 2
     for k in range(NODES):  # h_k, kept on the node's own disk after each round
-        files = sorted(
-            (deployment.root / "state" / f"node-{k}" / "dyn" / f"client-{k}").glob(
-                "round-*.npz"
-            )
-        )
+        (run_folder,) = (deployment.root / "state" / f"node-{k}").glob("dyn-*")
+        files = sorted((run_folder / f"client-{k}").glob("round-*.npz"))
         assert [f.name[:11] for f in files] == ["round-00001", "round-00002"]
         first, second = (read_npz(f) for f in files)
         h_keys = [name for name in first if name.startswith("feddyn-h/")]
