@@ -143,7 +143,7 @@ def _last_version(
     evaluated = loop.parts.personal.run(
         federation.grid, loop.settings.rounds, outcome.arrays,
         progress.eval_config(), federation.membership.participants(),
-        loop.settings.round_timeout,
+        loop.settings.round_timeout, final=True,
     )  # fmt: skip
     return replace(
         outcome,

@@ -70,10 +70,13 @@ class PersonalEvaluation:
         """Clients whose update was accepted now hold a model of their own."""
         self.trained_clients.update(clients)
 
-    def due(self, server_round: int) -> bool:
-        """Whether clients evaluate their own models after this round."""
+    def due(self, server_round: int, final: bool = False) -> bool:
+        """Whether clients evaluate their own models after this round (every
+        `every` rounds, or, `final`, once at the end: async mode's only one)."""
         return bool(
-            self.every and self.sharing is not None and server_round % self.every == 0
+            self.every
+            and self.sharing is not None
+            and (final or server_round % self.every == 0)
         )
 
     def configure(
@@ -82,9 +85,10 @@ class PersonalEvaluation:
         arrays: ArrayRecord,
         config: ConfigRecord,
         participants: Participants,
+        final: bool = False,
     ) -> EvaluateRequest | None:
         """Messages to every connected client that has trained (None when not due)."""
-        if not self.due(server_round) or self.sharing is None:
+        if not self.due(server_round, final) or self.sharing is None:
             return None
         owner = participants.roster.owner
         payload = ArrayRecord({key: arrays[key] for key in self.sharing.shared})
@@ -104,10 +108,11 @@ class PersonalEvaluation:
         config: ConfigRecord,
         participants: Participants,
         timeout: float,
+        final: bool = False,
     ) -> PersonalOutcome:
         """Ask the clients for their personal metrics and wait for them (up
-        to `timeout` s) when due; an empty outcome when not."""
-        asked = self.configure(server_round, arrays, config, participants)
+        to `timeout` s) when due (`due`); an empty outcome when not."""
+        asked = self.configure(server_round, arrays, config, participants, final)
         if asked is None:
             return PersonalOutcome()
         return self.aggregate(
