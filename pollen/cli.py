@@ -33,6 +33,7 @@ from .deployment import (
     supernode,
     warm_simulation,
 )
+from .deployment.certificates import CertificateError
 from .deployment.flower import without_telemetry
 from .deployment.network import NetworkError
 from .deployment.processes import ProcessError
@@ -51,7 +52,7 @@ RUN_CONFIG_HELP = 'TOML file or "key=value ..." overrides (repeatable)'
 EXIT_CODES = (
     ((SettingsError, RunConfigError, launch.LaunchError, ResultsError,
       CheckpointError, compare.CompareError, ProfileError,
-      deploy_actions.NodeConfigError), EXIT_BAD_INPUT),
+      deploy_actions.NodeConfigError, CertificateError), EXIT_BAD_INPUT),
     ((cluster.DeployError, ProcessError, NetworkError,
       warm_simulation.WarmSimulationError), EXIT_FAILED),
 )  # fmt: skip

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import datetime
 import ipaddress
+import re
 from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -38,6 +39,7 @@ def make_certificates(directory: Path, hosts: Sequence[str], days: int = 365) ->
 
     if not hosts:
         raise ValueError("certificates need at least one host name or address")
+    check_hosts(hosts)
     now = datetime.datetime.now(datetime.UTC)
     validity = (
         now - datetime.timedelta(minutes=5),
@@ -158,6 +160,32 @@ def _ca_key_usage() -> KeyUsage:
     others = ("content_commitment", "key_encipherment", "data_encipherment",
               "key_agreement", "encipher_only", "decipher_only")  # fmt: skip
     return x509.KeyUsage(**dict.fromkeys(uses, True), **dict.fromkeys(others, False))
+
+
+# a DNS name as a certificate holds it: ASCII labels of letters, digits and
+# inner hyphens (a name in another script goes in its punycode form, xn--...)
+_HOST_NAME = re.compile(
+    r"(?=.{1,253}\.?$)([A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?\.)*"
+    r"[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?\.?"
+)
+
+
+class CertificateError(ValueError):
+    """A host a certificate cannot name; nothing was written."""
+
+
+def check_hosts(hosts: Sequence[str]) -> None:
+    """Refuse a host that is neither an IP address nor a DNS name."""
+    for host in hosts:
+        try:
+            ipaddress.ip_address(host)
+        except ValueError:
+            if not _HOST_NAME.fullmatch(host):
+                raise CertificateError(
+                    f"host {host!r} is neither an IP address nor a DNS name "
+                    "(ASCII letters, digits, inner hyphens and dots; a name in "
+                    "another script in its xn-- form)"
+                ) from None
 
 
 def _san(host: str) -> GeneralName:

@@ -30,7 +30,7 @@ from ..files import write_json
 from ..flower_waits import POLL_SECONDS
 from .certificates import make_certificates, make_node_key
 from .flower import flower_env, start_superlink
-from .processes import alive, entry_point, free_port, log_tail, start, stop
+from .processes import alive, entry_point, free_port, log_tail, start, start_time, stop
 
 CONNECTION = "pollen"
 STATE_FILE = "deployment.json"
@@ -101,6 +101,9 @@ class Deployment:
     # from before `pollen supernode` ran Flower's)
     node_poll: float = 0.0
     superlink_state: str = "file"  # one of SUPERLINK_STATES (older records: file)
+    # each recorded PID's start time (`processes.start_time`): a PID the system
+    # gave to another process since is not this deployment's (older records: {})
+    started: dict[str, int] = field(default_factory=dict)
 
     @property
     def root(self) -> Path:
@@ -116,7 +119,30 @@ class Deployment:
         return self.root / "certs" / "ca.pem"
 
     def save(self) -> None:
+        """Write the record, with the start time of each process it names."""
+        self.started = {
+            str(pid): when
+            for pid in self._pids()
+            if (when := self.started.get(str(pid)) or start_time(pid)) is not None
+        }
         write_json(self.root / STATE_FILE, asdict(self))
+
+    def _pids(self) -> list[int]:
+        return [pid for pid in (self.superlink_pid, *(n.pid for n in self.nodes),
+                                *(n.executor_pid for n in self.nodes)) if pid]  # fmt: skip
+
+    def ours(self, pid: int) -> bool:
+        """Whether `pid` runs and is the process this deployment started (not
+        one the PID was reused for after it ended: a reboot, an old record)."""
+        if not (pid and alive(pid)):
+            return False
+        recorded = self.started.get(str(pid))
+        return recorded is None or recorded == start_time(pid)
+
+    def stop(self, pid: int) -> None:
+        """Stop `pid` (its process group) if it is this deployment's."""
+        if self.ours(pid):
+            stop(pid)
 
     @classmethod
     def load(cls, directory: Path) -> Deployment:
@@ -136,9 +162,7 @@ class Deployment:
 
     def running(self) -> list[int]:
         """PIDs of this deployment's processes that are still alive."""
-        pids = [self.superlink_pid, *(n.pid for n in self.nodes),
-                *(n.executor_pid for n in self.nodes)]  # fmt: skip
-        return [pid for pid in pids if pid and alive(pid)]
+        return [pid for pid in self._pids() if self.ours(pid)]
 
     def write_flower_config(self) -> None:
         """The connection `flwr run . pollen` uses with FLWR_HOME=flwr_home."""
@@ -343,7 +367,8 @@ def up(
     """
     _check_options(num_nodes, executor, superlink_state)
     directory = _free_directory(directory)
-    address = f"{'127.0.0.1' if host in ANY_ADDRESSES else host}:{port}"
+    reach = "127.0.0.1" if host in ANY_ADDRESSES else host
+    address = f"[{reach}]:{port}" if ":" in reach else f"{reach}:{port}"  # IPv6
     deployment = Deployment(
         str(directory), address, insecure, executor=executor, host=host,
         node_poll=node_poll, superlink_state=superlink_state,
@@ -456,16 +481,15 @@ def down(directory: Path) -> list[int]:
     deployment = Deployment.load(directory.expanduser().resolve())
     stopped = deployment.running()
     for node in deployment.nodes:
-        stop_node(node)
-    stop(deployment.superlink_pid)
+        stop_node(deployment, node)
+    deployment.stop(deployment.superlink_pid)
     return stopped
 
 
-def stop_node(node: Node) -> None:
+def stop_node(deployment: Deployment, node: Node) -> None:
     """Stop a SuperNode's warm executor (and its tasks), then the SuperNode."""
-    if node.executor_pid:
-        stop(node.executor_pid)
-    stop(node.pid)
+    deployment.stop(node.executor_pid)
+    deployment.stop(node.pid)
 
 
 def restart_superlink(directory: Path) -> int:
@@ -482,9 +506,9 @@ def restart_superlink(directory: Path) -> int:
             "registered SuperNodes and the runs; `pollen deploy down` and `up` "
             "instead, or `up --superlink-state file` for a SuperLink that restarts"
         )
-    stop(deployment.superlink_pid)
+    deployment.stop(deployment.superlink_pid)
     address_host, _, port = deployment.address.rpartition(":")
-    deployment.start_superlink(deployment.host or address_host, int(port))
+    deployment.start_superlink(deployment.host or address_host.strip("[]"), int(port))
     deployment.save()
     return deployment.superlink_pid
 
@@ -494,7 +518,7 @@ def restart_node(directory: Path, partition_id: int) -> Node:
     its recorded node config and key."""
     deployment = Deployment.load(directory.expanduser().resolve())
     old = deployment.node(partition_id)
-    stop_node(old)
+    stop_node(deployment, old)
     node = deployment.start_node(partition_id, old.node_config, old.prefix)
     deployment.save()
     return node
@@ -516,19 +540,19 @@ def status(directory: Path) -> str:
         )
         + ")",
         f"superlink  pid {deployment.superlink_pid:>7}  "
-        f"{state[alive(deployment.superlink_pid)]}",
+        f"{state[deployment.ours(deployment.superlink_pid)]}",
     ]
     for node in deployment.nodes:
         lines.append(
-            f"node {node.partition_id:<5} pid {node.pid:>7}  {state[alive(node.pid)]:8} "
+            f"node {node.partition_id:<5} pid {node.pid:>7}  {state[deployment.ours(node.pid)]:8} "
             f"{node.node_config}"
         )
         if node.executor_pid:
             lines.append(
                 f"  executor  pid {node.executor_pid:>7}  "
-                f"{state[alive(node.executor_pid)]}"
+                f"{state[deployment.ours(node.executor_pid)]}"
             )
-    if alive(deployment.superlink_pid):
+    if deployment.ours(deployment.superlink_pid):
         lines.append(f"online SuperNodes: {deployment.online_nodes()}")
     lines.append(
         f"submit runs with: pollen run . --deployment {deployment.root}  "

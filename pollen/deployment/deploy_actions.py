@@ -33,6 +33,7 @@ def up(
 ) -> None:
     """Start a SuperLink and `num_nodes` SuperNodes; print their status."""
     extra = node_extra(node_config, num_nodes)
+    certificates.check_hosts(san)  # before the directory is made
     if insecure:
         print("pollen: warning: insecure deployment: no TLS, any SuperNode "
               "may join; use it on a trusted network only", file=sys.stderr)  # fmt: skip
@@ -61,7 +62,7 @@ def restart(directory: Path, target: str) -> None:
               "reconnect by themselves; resume an interrupted run with "
               "resume='<its run directory>'")  # fmt: skip
         return
-    if not target.isdigit():
+    if not (target.isascii() and target.isdigit()):
         raise cluster.DeployError(
             f"restart {target!r}: expected `superlink` or a node's "
             "partition-id (0, 1, ...)"
@@ -91,6 +92,15 @@ def register(paths: Sequence[Path], connection: str) -> None:
 
 
 def key(path: Path) -> None:
+    """A SuperNode key pair at `path`; never replaces one a SuperLink may
+    have registered (the node would be locked out)."""
+    for existing in (path, path.with_name(path.name + ".pub")):
+        if existing.exists():
+            raise cluster.DeployError(
+                f"{existing} exists; a SuperLink may have its public key "
+                "registered, and a new pair would lock that node out: keep it, "
+                "or delete both files to make another"
+            )
     public = certificates.make_node_key(path)
     print(f"pollen: SuperNode key {path}; register {public} with "
           "`flwr supernode register`")  # fmt: skip
@@ -120,7 +130,7 @@ def node_extra(values: Sequence[str], num_nodes: int) -> dict[int, dict[str, str
     extra: dict[int, dict[str, str]] = {}
     for value in values:
         node, sep, pairs = value.partition(":")
-        if not (sep and node.isdigit() and int(node) < num_nodes):
+        if not (sep and node.isascii() and node.isdigit() and int(node) < num_nodes):
             raise NodeConfigError(
                 f"--node-config {value!r}: expected K:key=value with K a node "
                 f"index 0..{num_nodes - 1}"

@@ -76,6 +76,8 @@ def start_superlink(
     stopped and reported (`processes.ProcessError`, with its log's end).
     `started` is told its pid at once, before the wait (a watchdog that
     stops it if this command is killed meanwhile)."""
+    if problem := processes.port_problem(host, port):
+        raise processes.ProcessError(f"flower-superlink cannot listen on {problem}")
     command = [
         processes.entry_point("flower-superlink"), "--isolation", "subprocess",
         "--host", host, "--port", str(port),

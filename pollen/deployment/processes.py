@@ -121,6 +121,30 @@ def log_tail(path: Path, chars: int = 2000) -> str:
         return "(no log)"
 
 
+def port_problem(host: str, port: int) -> str | None:
+    """Why nothing new can listen on `host:port` (another program does), or
+    None: checked before a server starts, since a health probe on a taken
+    port hears the other program and the new server's exit goes unseen."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            probe.bind((host, port))
+        except OSError as err:
+            return f"{host}:{port}: {err.strerror or err}"
+    return None
+
+
+def start_time(pid: int) -> int | None:
+    """When process `pid` started (clock ticks after boot, /proc's field 22),
+    None when it is gone: with its PID, what tells a process from a later
+    one the PID was reused for."""
+    try:
+        return int(Path(f"/proc/{pid}/stat").read_text().rsplit(") ", 1)[1].split()[19])
+    except (OSError, IndexError, ValueError):
+        return None
+
+
 def alive(pid: int) -> bool:
     """Whether process `pid` runs (a zombie, exited but not reaped, does not)."""
     try:
