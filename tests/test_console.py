@@ -108,3 +108,102 @@ def test_the_last_error_is_the_exception_line_or_flowers_error_box() -> None:
         "The provided configuration string is in an invalid format."
     )
     assert err.getvalue().splitlines() == box  # shown in full, as errors
+
+
+# Flower's error reports as its logger writes them: a traceback as an ERROR
+# record's message, a chained traceback, an ERROR record starting with a newline
+ERROR = "\x1b[91mERROR \x1b[0m:     "
+WARNING = "\x1b[93mWARNING \x1b[0m:   "
+
+# What flwr/server/superlink/fleet/vce/vce_api.py:262-264 logs when the
+# simulation runtime crashes: `log(ERROR, "An exception occured!! %s", ex)`,
+# `log(ERROR, traceback.format_exc())`, `log(WARN, ...)`. The traceback is the
+# message of an ERROR record, so its first line carries the ERROR prefix and
+# the rest (frames, the exception's line) follow unprefixed.
+FORMAT_EXC_STREAM = [
+    ERROR + "An exception occured!! the shard is empty",
+    ERROR + "Traceback (most recent call last):",
+    '  File "/app/pollen/client_app.py", line 9, in train',
+    "    f()",
+    "ValueError: the shard is empty",
+    "",
+    WARNING + "Stopping Simulation Runtime.",
+]
+
+
+def feed_lines(lines: list[str]) -> tuple[Console, io.StringIO]:
+    err = io.StringIO()
+    console = Console(io.StringIO(), io.StringIO(), err)
+    for line in lines:
+        console.line(line)
+    console.close()
+    return console, err
+
+
+def test_a_traceback_logged_as_an_error_message_reaches_stderr_in_full() -> None:
+    _, err = feed_lines(FORMAT_EXC_STREAM)
+    shown = err.getvalue().splitlines()
+    # the frames and the exception's own line are errors too
+    assert '  File "/app/pollen/client_app.py", line 9, in train' in shown
+    assert "ValueError: the shard is empty" in shown
+
+
+def test_the_last_error_of_a_logged_traceback_is_its_exception_line() -> None:
+    console, _ = feed_lines(FORMAT_EXC_STREAM)
+    # what `pollen run` names if the run fails before writing its summary
+    assert console.last_error == "ValueError: the shard is empty"
+
+
+# A ServerApp failure with a cause (`raise ResultsError(...) from err`), as
+# Flower logs it: `log(ERROR, "%s raised an exception", ..., exc_info=ex)`.
+CHAINED = [
+    ERROR + "ServerApp raised an exception",
+    "Traceback (most recent call last):",
+    '  File "/app/pollen/runs/results.py", line 120, in create_run_dir',
+    "    path.mkdir()",
+    "PermissionError: [Errno 13] Permission denied: '/results/r'",
+    "",
+    "The above exception was the direct cause of the following exception:",
+    "",
+    "Traceback (most recent call last):",
+    '  File "/app/pollen/server_app.py", line 90, in main',
+    "    _run(grid, context, started, stop)",
+    "pollen.runs.results.ResultsError: cannot create run directory /results/r",
+]
+
+
+def test_a_chained_traceback_keeps_the_line_that_links_its_parts() -> None:
+    _, err = feed_lines(CHAINED)
+    assert (
+        "The above exception was the direct cause of the following exception:"
+        in err.getvalue().splitlines()
+    )
+
+
+# A ClientApp that raises in a simulation, as flwr/server/superlink/fleet/vce/
+# vce_api.py:143-144 logs it (`log(ERROR, ex)`, `log(ERROR, traceback.format_exc())`)
+# for ray_actor.py:65's `raise ClientAppException(str(ex)) from ex`;
+# ClientAppException's message starts with a newline (client_app.py:89).
+# Captured from flwr 1.41's logger.
+CLIENT_APP_FAILURE = [
+    ERROR,
+    "Exception ClientAppException occurred. Message: client broke",
+    ERROR + "Traceback (most recent call last):",
+    '  File "/app/pollen/client_app.py", line 12, in train',
+    "    f()",
+    "ValueError: client broke",
+    "",
+    "The above exception was the direct cause of the following exception:",
+    "",
+    "Traceback (most recent call last):",
+    '  File "/flwr/simulation/ray_transport/ray_actor.py", line 65, in run',
+    "    raise ClientAppException(str(ex)) from ex",
+    "flwr.clientapp.client_app.ClientAppException: ",
+    "Exception ClientAppException occurred. Message: client broke",
+]
+
+
+def test_a_failing_client_apps_message_reaches_stderr() -> None:
+    console, err = feed_lines(CLIENT_APP_FAILURE)
+    assert "client broke" in err.getvalue()
+    assert "client broke" in (console.last_error or "")

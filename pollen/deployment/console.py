@@ -41,6 +41,14 @@ POLLEN_LINE = re.compile(
 )
 COLOUR = re.compile(r"\x1b\[\d+(?:;\d+)*m")
 TRACEBACK_START = "Traceback (most recent call last):"
+# what a chained traceback says between its parts
+CHAIN_LINK = re.compile(
+    r"The above exception was the direct cause of the following exception:"
+    r"|During handling of the above exception, another exception occurred:"
+)
+# after an error, unprefixed lines are a traceback's FRAMES, then its (or an
+# ERROR record's) MESSAGE, then, past a blank or a chain's link, still shown AFTER
+FRAMES, MESSAGE, AFTER = "frames", "message", "after"
 # `flwr` (the CLI) reports a refused command in a box: "╭─ Error ─...╮", its
 # text in "│ ... │" lines, "╰─...─╯"
 ERROR_BOX_START, ERROR_BOX_END = "╭─ Error ", "╰"
@@ -63,7 +71,7 @@ class Console:
         self.verbose = verbose
         self.live = self.out.isatty()
         self.started = time.monotonic()
-        self._in_traceback = False
+        self._error_tail: str | None = None  # what unprefixed lines continue
         # the stream's last error: a traceback's exception line, or the text
         # of Flower's last ERROR line (`pollen run` names it if the run fails)
         self.last_error: str | None = None
@@ -124,19 +132,37 @@ class Console:
             else:
                 self._box.append(raw.strip("│ "))
             return True
-        if raw.startswith(TRACEBACK_START):
-            self._in_traceback = True
-            return True
-        if self._in_traceback:
-            self._in_traceback = raw[:1].isspace() or not raw
-            if not self._in_traceback:  # the exception's own line
-                self.last_error = COLOUR.sub("", raw).strip()
-            return True
         logged = FLOWER_LOG.match(raw)
+        text = COLOUR.sub("", logged.group(2) if logged else raw).strip()
+        if text.startswith(TRACEBACK_START):  # alone, or an ERROR record's message
+            self._error_tail = FRAMES
+            return True
+        if logged is None and self._error_tail is not None:
+            return self._error_continues(raw, text)
+        self._error_tail = None
         if logged and logged.group(1) in ERROR_LEVELS:
-            self.last_error = COLOUR.sub("", logged.group(2)).strip()
+            self.last_error = text
+            self._error_tail = MESSAGE  # a message of several lines goes on unprefixed
             return True
         return False
+
+    def _error_continues(self, raw: str, text: str) -> bool:
+        """An unprefixed line after an error: a traceback's frame, its
+        exception's line, that message's further lines, a chained
+        traceback's link; pollen's own lines end the error."""
+        if self._error_tail == FRAMES:
+            if raw[:1].isspace() or not raw:
+                return True
+            self._error_tail, self.last_error = MESSAGE, text  # the exception's line
+            return True
+        if POLLEN_LINE.match(raw):
+            self._error_tail = None
+            return False
+        if not text or CHAIN_LINK.fullmatch(text):
+            self._error_tail = AFTER  # shown, no longer the message
+        elif self._error_tail == MESSAGE:
+            self.last_error = f"{self.last_error} {text}".strip()
+        return True
 
     def _note_progress(self, raw: str) -> None:
         if match := ACCURACY_LINE.match(raw):
