@@ -133,3 +133,27 @@ def test_the_epsilon_a_skipped_rounds_clients_report_is_counted(tmp_path: Path) 
     recorder.record(1, outcome({0: 1.0, 1: 1.0}, skipped=False), 1.0, 0.5, 0.1)
     last = recorder.record(2, outcome({0: 2.0}, skipped=True), 1.0, 0.5, 0.1)
     assert last.dp_epsilon == 2.0
+
+
+def test_a_nan_loss_is_null_in_history_and_summary_json(tmp_path: Path) -> None:
+    """A diverged `pollen centralized` epoch's NaN loss was written as bare
+    NaN, which is not JSON; it reads back as NaN."""
+    import math
+
+    from pollen.files import write_json
+    from pollen.runs.results import RoundRecord, summarize, write_history
+
+    def refuse(name: str) -> None:
+        raise ValueError(f"{name} is not JSON")
+
+    common = {"lr": 0.5, "seconds": 1.0, "bytes_up": 0, "bytes_down": 0}
+    history = [
+        RoundRecord(round=1, accuracy=0.42, loss=1.9, **common),
+        RoundRecord(round=2, accuracy=0.1, loss=math.nan, **common),
+    ]
+    write_history(tmp_path, history)
+    rows = json.loads((tmp_path / "history.json").read_text(), parse_constant=refuse)
+    assert rows[1]["loss"] is None and math.isnan(RoundRecord.from_row(rows[1]).loss)
+    write_json(tmp_path / "summary.json", summarize(history, "completed", 3.0))
+    summary = json.loads((tmp_path / "summary.json").read_text(), parse_constant=refuse)
+    assert summary["final-loss"] is None

@@ -43,6 +43,13 @@ class ResultsError(RuntimeError):
     """The run directory cannot be created or written."""
 
 
+FLOAT_COLUMNS = ("accuracy", "loss")  # NaN where a run diverged: null in JSON
+
+
+def _finite_or_none(value: float) -> float | None:
+    return value if math.isfinite(value) else None
+
+
 @dataclass(frozen=True)
 class RoundRecord:
     """One row of the history."""
@@ -83,7 +90,10 @@ class RoundRecord:
     aggregation: dict[str, float] = field(default_factory=dict)
 
     def as_row(self) -> dict[str, Any]:
+        """The row history.json holds: JSON, so a NaN (a diverged loss) is null."""
         row = {k.replace("_", "-"): v for k, v in asdict(self).items()}
+        for key in FLOAT_COLUMNS:
+            row[key] = _finite_or_none(row[key])
         row["personal"] = {
             str(c): {k: v if math.isfinite(v) else None for k, v in values.items()}
             for c, values in self.personal.items()
@@ -94,6 +104,9 @@ class RoundRecord:
     def from_row(cls, row: dict[str, Any]) -> RoundRecord:
         """The record `as_row` wrote (a resumed run reads its history back)."""
         values = {k.replace("-", "_"): v for k, v in row.items()}
+        for key in FLOAT_COLUMNS:
+            if values.get(key) is None:
+                values[key] = math.nan
         values["personal"] = {
             int(c): {k: math.nan if v is None else v for k, v in stats.items()}
             for c, stats in row.get("personal", {}).items()
@@ -211,7 +224,7 @@ def summarize(
         "run-token": run_token,
         "rounds": len(history),
         "final-accuracy": history[-1].accuracy if history else None,
-        "final-loss": history[-1].loss if history else None,
+        "final-loss": _finite_or_none(history[-1].loss) if history else None,
         "best-accuracy": best.accuracy if best else None,
         "best-round": best.round if best else None,
         "total-seconds": round(seconds, 3),
