@@ -207,3 +207,15 @@ def test_a_failing_client_apps_message_reaches_stderr() -> None:
     console, err = feed_lines(CLIENT_APP_FAILURE)
     assert "client broke" in err.getvalue()
     assert "client broke" in (console.last_error or "")
+
+
+def test_a_warning_after_a_one_line_error_is_no_part_of_it() -> None:
+    """Ray's and Python's unprefixed warnings stay hidden after an ERROR line
+    that says all it has to say, and are not glued onto the error named."""
+    console, err = feed_lines([
+        ERROR + "ServerApp thread raised an exception: boom",
+        "/venv/ray/_private/worker.py:2210: DeprecationWarning: x is deprecated",
+        "  warnings.warn(",
+    ])  # fmt: skip
+    assert console.last_error == "ServerApp thread raised an exception: boom"
+    assert "DeprecationWarning" not in err.getvalue()

@@ -46,9 +46,18 @@ CHAIN_LINK = re.compile(
     r"The above exception was the direct cause of the following exception:"
     r"|During handling of the above exception, another exception occurred:"
 )
-# after an error, unprefixed lines are a traceback's FRAMES, then its (or an
-# ERROR record's) MESSAGE, then, past a blank or a chain's link, still shown AFTER
-FRAMES, MESSAGE, AFTER = "frames", "message", "after"
+# after an error, unprefixed lines may be a traceback's FRAMES, the rest of a
+# MESSAGE that ended with a colon, or the blank and LINK lines between the
+# parts of a chained traceback
+FRAMES, MESSAGE, LINK = "frames", "message", "link"
+
+
+def _continued(text: str) -> str | None:
+    """MESSAGE when an error's text goes on in the lines after it (it is
+    empty or ends with a colon), else None."""
+    return MESSAGE if not text or text.endswith(":") else None
+
+
 # `flwr` (the CLI) reports a refused command in a box: "╭─ Error ─...╮", its
 # text in "│ ... │" lines, "╰─...─╯"
 ERROR_BOX_START, ERROR_BOX_END = "╭─ Error ", "╰"
@@ -137,32 +146,34 @@ class Console:
         if text.startswith(TRACEBACK_START):  # alone, or an ERROR record's message
             self._error_tail = FRAMES
             return True
-        if logged is None and self._error_tail is not None:
-            return self._error_continues(raw, text)
+        if logged is None and self._error_tail and self._error_continues(raw, text):
+            return True
         self._error_tail = None
         if logged and logged.group(1) in ERROR_LEVELS:
             self.last_error = text
-            self._error_tail = MESSAGE  # a message of several lines goes on unprefixed
+            self._error_tail = _continued(text)
             return True
         return False
 
     def _error_continues(self, raw: str, text: str) -> bool:
-        """An unprefixed line after an error: a traceback's frame, its
-        exception's line, that message's further lines, a chained
-        traceback's link; pollen's own lines end the error."""
+        """Whether an unprefixed line after an error is still that error: a
+        traceback's frame or its exception's line; the further lines of a
+        message that ended with a colon (or was empty: it starts on the next
+        line, as Flower's ClientAppException does); the blank and linking
+        lines of a chained traceback. Anything else (a Ray warning, pollen's
+        lines) is not."""
         if self._error_tail == FRAMES:
             if raw[:1].isspace() or not raw:
                 return True
-            self._error_tail, self.last_error = MESSAGE, text  # the exception's line
+            self.last_error, self._error_tail = text, _continued(text) or LINK
             return True
-        if POLLEN_LINE.match(raw):
-            self._error_tail = None
-            return False
-        if not text or CHAIN_LINK.fullmatch(text):
-            self._error_tail = AFTER  # shown, no longer the message
-        elif self._error_tail == MESSAGE:
+        if self._error_tail == MESSAGE and text and not POLLEN_LINE.match(raw):
             self.last_error = f"{self.last_error} {text}".strip()
-        return True
+            return True
+        if not text or CHAIN_LINK.fullmatch(text):
+            self._error_tail = LINK
+            return True
+        return False
 
     def _note_progress(self, raw: str) -> None:
         if match := ACCURACY_LINE.match(raw):
