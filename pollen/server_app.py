@@ -190,6 +190,7 @@ def _open_run_dir(settings: Settings) -> tuple[Path, str, Checkpoint | None]:
     else:
         run_dir = create_run_dir(settings.output_dir, run_name)
     write_json(run_dir / RUN_MARKER, {**settings.to_run_config(), "run-name": run_name})
+    client_state.tag_new_run(run_dir)
     return run_dir, run_name, None
 
 

@@ -25,6 +25,7 @@ from pollen.task.client_state import (
     import_state,
     server_config,
     store_for,
+    tag_new_run,
 )
 from pollen.task.models import build_model
 from pollen.task.sharing import Sharing
@@ -277,14 +278,26 @@ def test_two_runs_of_one_name_in_two_output_folders_keep_apart_on_a_node(
     tmp_path: Path,
 ) -> None:
     """A node's own state-dir held every run named "exp" in one folder, so a
-    fresh run of that name elsewhere (another comparison's cell) deleted an
-    interrupted one's state at its start query, or its resume read the
-    other's; the folder now carries a digest of the run directory, the same
-    for a resume of that directory."""
+    fresh run of that name elsewhere deleted an interrupted one's state at
+    its start query, or its resume read the other's. A run directory is
+    tagged when made, and its nodes' folders carry the tag: the same for its
+    resume and after the directory moves; a run made before tags keeps its
+    name alone, so its resume finds what its nodes wrote."""
     node = Context(1, 1, {STATE_DIR: str(tmp_path / "node")}, RecordDict(), {})
     a, b = tmp_path / "results-a" / "exp", tmp_path / "results-b" / "exp"
+    for run_dir in (a, b):
+        run_dir.mkdir(parents=True)
+        tag_new_run(run_dir)
     first = store_for(node, server_config(a, "exp", 0, checkpoints=True))
     again = store_for(node, server_config(a, "exp", 2, checkpoints=True))
     other = store_for(node, server_config(b, "exp", 0, checkpoints=True))
     assert first.root == again.root != other.root
-    assert first.root.name.startswith("exp-")
+    moved = tmp_path / "moved" / "exp"
+    a.parent.rename(moved.parent)
+    assert store_for(node, server_config(moved, "exp", 2, checkpoints=True)).root == (
+        first.root
+    )
+    older = tmp_path / "results-c" / "exp"  # made before run directories had tags
+    older.mkdir(parents=True)
+    legacy = store_for(node, server_config(older, "exp", 2, checkpoints=True))
+    assert legacy.root == tmp_path / "node" / "exp"

@@ -8,7 +8,7 @@ client also writes its state after every round it trains, to
 
     <root>/client-<c>/round-<r:05d>.run-<run-id>.npz
 
-where the root is `<state-dir>/<run-name>` with `state-dir` from the node
+where the root is `<state-dir>/<run-name>-<tag>` with `state-dir` from the node
 config (a SuperNode's own disk) or, without one, the server's
 `<run-dir>/client-state` (right when server and clients share a file
 system: simulation, a local deployment). The state never leaves the
@@ -44,9 +44,9 @@ renamed.
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import io
 import re
+import secrets
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from logging import WARNING
@@ -59,10 +59,11 @@ from flwr.common.logger import log
 from ..files import NpzError, read_npz, write_atomic, write_npz
 from ..protocol import STATE_DIR
 
-# server config: the run's folder under a node's own state-dir, its name and a
-# digest of its run directory (two runs of one name in two output folders, two
-# comparisons' cells, keep apart)
+# server config: the run's folder under a node's own state-dir: its name and
+# the tag its run directory keeps (`RUN_TAG_FILE`), so two runs of one name in
+# two output folders keep apart; a run made before tags, its name alone
 RUN_NAME = "run-name"
+RUN_TAG_FILE = "node-state-tag"  # in a run directory: 8 hex digits, made with it
 RESUME_ROUND = "resume-round"  # server config: the checkpoint this run started from
 KEEP_FROM = "keep-from"  # server config: the newest round a resume may start from
 
@@ -350,6 +351,12 @@ def spill(
     return spilled
 
 
+def tag_new_run(run_dir: Path) -> None:
+    """Give a new run directory the tag its nodes' state folders carry: it
+    moves with the directory and stays for its resumes."""
+    write_atomic(run_dir / RUN_TAG_FILE, secrets.token_hex(4) + "\n")
+
+
 def server_config(
     run_dir: Path, run_name: str, resume_round: int, checkpoints: bool
 ) -> dict[str, str | int]:
@@ -360,9 +367,12 @@ def server_config(
     run can resume from an earlier round, so `KEEP_FROM` is left out and
     nothing is written each round: a node with its own `state-dir` keeps
     only its newest file (what it reads back after a SuperNode restart)."""
-    digest = hashlib.sha256(str(run_dir.resolve()).encode()).hexdigest()[:8]
+    try:
+        tag = (run_dir / RUN_TAG_FILE).read_text().strip()
+    except OSError:  # a run made before tags: its nodes' folders are its name
+        tag = ""
     config: dict[str, str | int] = {
-        RUN_NAME: f"{run_name}-{digest}",
+        RUN_NAME: f"{run_name}-{tag}" if tag else run_name,
         RESUME_ROUND: resume_round,
         STATE_DIR: str(run_dir / "client-state"),
     }
