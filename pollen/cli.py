@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import argparse
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from . import listing
@@ -57,6 +57,22 @@ EXIT_CODES = (
       warm_simulation.WarmSimulationError), EXIT_FAILED),
 )  # fmt: skip
 EXPECTED_ERRORS = tuple(kind for kinds, _ in EXIT_CODES for kind in kinds)
+
+
+def _int_in(low: int, high: int) -> Callable[[str], int]:
+    """An argparse type: an integer from `low` to `high` (argparse says what
+    is wrong in one line and exits 2 before anything starts)."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+        if not low <= value <= high:
+            raise argparse.ArgumentTypeError(f"{value} is not in {low}..{high}")
+        return value
+
+    return parse
 
 
 def exit_code(error: Exception) -> int:
@@ -395,11 +411,16 @@ def _add_deploy_up(
     up = actions.add_parser(
         "up", parents=[where], help="start a SuperLink and N SuperNodes"
     )
-    up.add_argument("--nodes", type=int, default=3, help="SuperNodes (default 3)")
+    up.add_argument(
+        "--nodes", type=_int_in(1, 1000), default=3, help="SuperNodes (default 3)"
+    )
     up.add_argument("--host", default="127.0.0.1",
                     help="address the SuperLink listens on (default 127.0.0.1)")  # fmt: skip
     up.add_argument(
-        "--port", type=int, default=9093, help="SuperLink port (default 9093)"
+        "--port",
+        type=_int_in(1, 65535),
+        default=9093,
+        help="SuperLink port (default 9093)",
     )
     up.add_argument(
         "--san", action="append", default=[],

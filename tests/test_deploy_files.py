@@ -110,8 +110,10 @@ def test_commands_on_a_missing_deployment_say_so(tmp_path: Path, capsys) -> None
     (tmp_path / cluster.STATE_FILE).write_text("{not json")
     assert main(["deploy", "down", "--dir", str(tmp_path)]) == 1
     assert "is not a pollen deployment record" in capsys.readouterr().err
-    assert main(["deploy", "up", "--nodes", "0", "--dir", str(tmp_path / "x")]) == 1
-    assert "--nodes must be at least 1" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exit_info:  # argparse: input to fix, exit 2
+        main(["deploy", "up", "--nodes", "0", "--dir", str(tmp_path / "x")])
+    assert exit_info.value.code == 2
+    assert "--nodes: 0 is not in 1..1000" in capsys.readouterr().err
     assert main(["run", ".", "--deployment", str(tmp_path / "y")]) == 2
     assert "no deployment in" in capsys.readouterr().err
     assert main(["deploy", "restart", "node-1", "--dir", str(tmp_path)]) == 1

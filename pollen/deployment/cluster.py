@@ -155,7 +155,7 @@ class Deployment:
             raise DeployError(
                 f"no deployment in {directory} ({STATE_FILE} missing)"
             ) from None
-        except (ValueError, TypeError, KeyError) as err:
+        except (OSError, ValueError, TypeError, KeyError) as err:
             raise DeployError(
                 f"{path} is not a pollen deployment record: {err}"
             ) from None

@@ -86,7 +86,12 @@ def certs(directory: Path, hosts: Sequence[str], force: bool) -> None:
 
 def register(paths: Sequence[Path], connection: str) -> None:
     """Register every public key named (directories: their *.pub files)."""
-    for public in public_keys(paths):
+    keys = public_keys(paths)
+    if not keys:
+        raise cluster.DeployError(
+            f"no public key (*.pub) in {', '.join(map(str, paths))}: nothing to register"
+        )
+    for public in keys:
         new = cluster.register_key(public, connection, dict(os.environ))
         print(f"pollen: {public.stem} " + ("registered" if new else "was registered"))
 

@@ -40,6 +40,7 @@ from .run_config import (
     check_local_device,
     check_local_tracker,
     config_string,
+    pairs_problem,
     prepare_run,
 )
 from .warm_simulation import DEFAULT_DIR as DEFAULT_WARM_DIR
@@ -463,9 +464,12 @@ def _parse_federation(federation: Sequence[str]) -> dict[str, object]:
     from click import ClickException
     from flwr.common.config import parse_config_args  # what `flwr run` reads
 
+    for value in federation:
+        if not value.endswith(".toml") and (problem := pairs_problem(value)):
+            raise LaunchError(f"invalid --federation-config {value!r}: {problem}")
     try:
         return parse_config_args(list(federation))
-    except (ValueError, ClickException) as err:
+    except (OSError, ValueError, ClickException) as err:  # a .toml it cannot read
         raise LaunchError(f"invalid --federation-config {federation}: {err}") from err
 
 
@@ -552,7 +556,7 @@ def running_deployment(directory: Path, connection: str | None) -> cluster.Deplo
         deployment = cluster.Deployment.load(directory.expanduser().resolve())
     except cluster.DeployError as err:
         raise LaunchError(str(err)) from None
-    if not processes.alive(deployment.superlink_pid):
+    if not deployment.ours(deployment.superlink_pid):
         raise LaunchError(
             f"the deployment in {deployment.root} is not running; start it with "
             f"`pollen deploy up --dir {directory}`"

@@ -25,7 +25,7 @@ import shutil
 import subprocess
 import tempfile
 from collections.abc import Iterator
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from ..files import write_json
@@ -54,6 +54,9 @@ class WarmSimulation:
     ray_temp_dir: str
     ray_pid: int
     superlink_pid: int
+    # each PID's start time (`processes.start_time`): a PID reused by another
+    # process since is not this federation's (records made before: {})
+    started: dict[str, int] = field(default_factory=dict)
 
     @property
     def root(self) -> Path:
@@ -70,29 +73,51 @@ class WarmSimulation:
         every simulation it starts): Ray joins the head."""
         return federation_env(self.flwr_home, self.ray_address, self.ray_temp_dir)
 
-    def running(self) -> bool:
-        """Whether its Ray head and SuperLink both still run (their PIDs
-        alive and still theirs, not reused by other processes)."""
-        return all(
-            processes.alive(pid) and name in processes.command_line(pid)
+    def _ours(self, pid: int, name: str) -> bool:
+        """Whether `pid` runs as this federation's `name` process (not a
+        process its PID was reused for: its command and start time agree)."""
+        if not (processes.alive(pid) and name in processes.command_line(pid)):
+            return False
+        recorded = self.started.get(str(pid))
+        return recorded is None or recorded == processes.start_time(pid)
+
+    def live(self) -> list[int]:
+        """The PIDs of its Ray head and SuperLink that still run."""
+        return [
+            pid
             for pid, name in (
                 (self.ray_pid, "ray"),
                 (self.superlink_pid, "flower-superlink"),
             )
-        )
+            if self._ours(pid, name)
+        ]
+
+    def running(self) -> bool:
+        """Whether its Ray head and SuperLink both still run."""
+        return len(self.live()) == 2
 
     @classmethod
-    def load(cls, directory: Path) -> WarmSimulation:
-        """The running federation recorded in `directory`."""
+    def read(cls, directory: Path) -> WarmSimulation:
+        """The federation recorded in `directory`, running or not."""
         path = directory / STATE_FILE
         try:
-            federation = cls(**json.loads(path.read_text()))
+            raw = json.loads(path.read_text())
+            federation = cls(**raw)
         except FileNotFoundError:
             raise WarmSimulationError(
                 f"no warm simulation in {directory} ({STATE_FILE} missing)"
             ) from None
-        except (ValueError, TypeError) as err:
+        except (OSError, ValueError, TypeError) as err:
             raise WarmSimulationError(f"{path} is unreadable: {err}") from None
+        pids = (federation.ray_pid, federation.superlink_pid)
+        if not all(isinstance(p, int) and not isinstance(p, bool) for p in pids):
+            raise WarmSimulationError(f"{path} is unreadable: its PIDs are {pids}")
+        return federation
+
+    @classmethod
+    def load(cls, directory: Path) -> WarmSimulation:
+        """The running federation recorded in `directory`."""
+        federation = cls.read(directory)
         if not federation.running():
             raise WarmSimulationError(
                 f"the warm simulation in {directory} is not running any more"
@@ -133,7 +158,12 @@ def start_warm_simulation(directory: Path, cpus: int | None = None) -> WarmSimul
     start faster, where several federations share the machine's cores."""
     directory = directory.resolve()
     home = directory / FLWR_HOME
-    home.mkdir(parents=True, exist_ok=True)
+    try:
+        home.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        raise WarmSimulationError(
+            f"cannot keep a federation in {directory}: {err}"
+        ) from err
     # Ray's socket paths must stay under ~107 characters: a short temp dir
     ray_temp_dir = tempfile.mkdtemp(prefix="pollen-ray-", dir="/tmp")
     head = link = None
@@ -145,8 +175,10 @@ def start_warm_simulation(directory: Path, cpus: int | None = None) -> WarmSimul
         )
         link, _ = start_simulation_superlink(home, env, directory / "superlink.log")
         federation = WarmSimulation(
-            str(directory), env["RAY_ADDRESS"], ray_temp_dir, head.pid, link.pid
-        )
+            str(directory), env["RAY_ADDRESS"], ray_temp_dir, head.pid, link.pid,
+            {str(p): t for p in (head.pid, link.pid)
+             if (t := processes.start_time(p)) is not None},
+        )  # fmt: skip
         write_json(directory / STATE_FILE, asdict(federation))
     except BaseException:
         _stop(link and link.pid, head and head.pid, ray_temp_dir)
@@ -155,9 +187,15 @@ def start_warm_simulation(directory: Path, cpus: int | None = None) -> WarmSimul
 
 
 def stop_warm_simulation(federation: WarmSimulation) -> None:
-    """Stop the SuperLink (with the runs in it), then the Ray head; forget it."""
+    """Stop the SuperLink (with the runs in it), then the Ray head, those of
+    them that still run as its own; forget it."""
     (federation.root / STATE_FILE).unlink(missing_ok=True)
-    _stop(federation.superlink_pid, federation.ray_pid, federation.ray_temp_dir)
+    live = federation.live()
+    _stop(
+        federation.superlink_pid if federation.superlink_pid in live else None,
+        federation.ray_pid if federation.ray_pid in live else None,
+        federation.ray_temp_dir,
+    )
 
 
 def _stop(superlink: int | None, head: int | None, ray_temp_dir: str) -> None:
@@ -173,11 +211,13 @@ def _stop(superlink: int | None, head: int | None, ray_temp_dir: str) -> None:
 def warm_up(directory: Path, cpus: int | None) -> str:
     """`pollen warm up`: a federation in `directory` that outlives the
     command, unless one runs there already; what to tell the user."""
-    try:
-        federation = WarmSimulation.load(directory.resolve())
-        return f"pollen: the warm simulation in {directory} runs already ({describe(federation)})"
-    except WarmSimulationError:
-        pass
+    with contextlib.suppress(WarmSimulationError):
+        earlier = WarmSimulation.read(directory.resolve())
+        if earlier.running():
+            return f"pollen: the warm simulation in {directory} runs already ({describe(earlier)})"
+        stop_warm_simulation(
+            earlier
+        )  # what is left of it: a head without its SuperLink
     federation = start_warm_simulation(directory, cpus)
     return (
         f"pollen: warm simulation up in {directory} ({describe(federation)}); "
@@ -186,8 +226,12 @@ def warm_up(directory: Path, cpus: int | None) -> str:
 
 
 def warm_down(directory: Path) -> str:
-    """`pollen warm down`: stop the federation recorded in `directory`."""
-    federation = WarmSimulation.load(directory.resolve())
+    """`pollen warm down`: stop the federation recorded in `directory`, or
+    what still runs of it (a Ray head whose SuperLink died)."""
+    federation = WarmSimulation.read(directory.resolve())
+    if not federation.live():
+        stop_warm_simulation(federation)  # its record and Ray's files
+        return f"pollen: the warm simulation in {directory} was not running; forgotten"
     stop_warm_simulation(federation)
     return f"pollen: warm simulation in {directory} stopped"
 

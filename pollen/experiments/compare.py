@@ -659,6 +659,8 @@ def _cell_runner(
 def print_plan(cells: list[Cell], out: Path) -> None:
     """`compare --dry-run`: each cell's state, and the cell another compare
     is running there now (its run directory looks interrupted)."""
+    if out.exists() and not out.is_dir():
+        raise CompareError(f"--out {out} is a file; give a folder for the comparison")
     running = running_now(out)
     if running is not None:
         print(f"pollen: another pollen compare (pid {running.pid}) is running in {out}")
