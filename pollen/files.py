@@ -45,6 +45,16 @@ def readable_folder_problem(path: Path, key: str) -> str | None:
     return f"cannot read {path}: permission denied; {key} must be a folder this user can read"
 
 
+def made_folder_problem(path: Path) -> str | None:
+    """Make folder `path` (and its parents) if it is not there; why it
+    cannot be (a file in the way, no permission), or None."""
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        return str(err)
+    return None
+
+
 def write_atomic(path: Path, data: bytes | str, private: bool = False) -> None:
     """Write via a temporary file in the same folder and an atomic rename.
 

@@ -174,55 +174,28 @@ def test_run_federation_config_stray_word_is_refused(
 # --- warm down / warm up on a federation that is half gone or not its own ----
 
 
-def test_warm_down_stops_the_ray_head_left_when_the_superlink_died(
-    tmp_path: Path, capsys
+@pytest.mark.parametrize("action", ["down", "up"])
+def test_what_is_left_of_a_federation_is_stopped(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, action: str
 ) -> None:
-    """The SuperLink died, the Ray head still runs: `warm down` says 'not
-    running any more', exits 1 and leaves the head (and simulation.json,
-    and the Ray temp dir) for ever: no command stops it."""
-    head = standin("ray-head-standin")
-    gone = standin("flower-superlink-standin")
-    kill(gone)
-    try:
-        directory = tmp_path / "fed"
-        record(directory, head.pid, gone.pid)
-        main(["warm", "down", "--dir", str(directory)])
-        time.sleep(0.5)
-        assert head.poll() is not None, (
-            "warm down left the federation's Ray head running"
-        )
-    finally:
-        kill(head)
-
-
-def test_warm_up_over_a_half_dead_federation_does_not_orphan_its_ray_head(
-    tmp_path: Path, capsys, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """`warm up` in a directory whose SuperLink died but whose Ray head
-    runs starts a new federation over it (simulation.json overwritten): the
-    old head is orphaned, holding its CPUs, and no `warm down` reaches it."""
-    head = standin("ray-head-standin")
-    gone = standin("flower-superlink-standin")
-    kill(gone)
-    started: list[Path] = []
-
-    def fake_start(directory: Path, cpus: int | None = None):
-        started.append(directory)
-        return warm_simulation.WarmSimulation(
+    """The SuperLink died, the Ray head still runs: `warm down` said 'not
+    running any more' and left the head for ever; `warm up` started anew
+    over it (simulation.json overwritten) and orphaned it."""
+    monkeypatch.setattr(
+        warm_simulation, "start_warm_simulation",
+        lambda directory, cpus=None: warm_simulation.WarmSimulation(
             str(directory), "127.0.0.1:2", "/tmp/x", 1, 1
-        )
-
-    monkeypatch.setattr(warm_simulation, "start_warm_simulation", fake_start)
+        ),
+    )  # fmt: skip
+    head = standin("ray-head-standin")
+    gone = standin("flower-superlink-standin")
+    kill(gone)
     try:
         directory = tmp_path / "fed"
         record(directory, head.pid, gone.pid)
-        main(["warm", "up", "--dir", str(directory)])
+        main(["warm", action, "--dir", str(directory)])
         time.sleep(0.5)
-        assert head.poll() is not None, (
-            "warm up started a new federation and orphaned the old Ray head"
-            if started
-            else "warm up refused but left the old Ray head"
-        )
+        assert head.poll() is not None, f"warm {action} left the Ray head running"
     finally:
         kill(head)
 

@@ -19,7 +19,7 @@ from pollen.listing import datasets, models
 from pollen.settings import Settings, SettingsError
 from pollen.task.data import DataError, load_dataset, read_node_file, user_dataset
 from pollen.task.models import build_model
-from tests.user_package import PACKAGE, write_user_package
+from tests.user_package import PACKAGE, on_path, write_user_package
 
 NET, DATA, RULES = f"{PACKAGE}.nets", f"{PACKAGE}.data", f"{PACKAGE}.rules"
 
@@ -30,11 +30,8 @@ def user_package(tmp_path_factory) -> Iterator[Path]:
     entry points are read again on the way in and out: pollen reads them
     once per process)."""
     root = write_user_package(tmp_path_factory.mktemp("user"), entry_points=True)
-    with pytest.MonkeyPatch.context() as patch:
-        patch.syspath_prepend(str(root))
-        registered.cache_clear()
+    with on_path(root):
         yield root
-    registered.cache_clear()
 
 
 def settings(**values: object) -> Settings:

@@ -4,16 +4,16 @@ refuse before anything starts, and float features finite as trained."""
 from __future__ import annotations
 
 import warnings
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
 import pytest
 
-from pollen.extensions import registered
 from pollen.settings import Settings, SettingsError
 from pollen.task.data import DataError, load_dataset, read_node_file
 from pollen.task.partition import label_counts, partition_indices
-from tests.user_package import PACKAGE, write_user_package
+from tests.user_package import PACKAGE, on_path, write_user_package
 
 
 def digits_labels() -> np.ndarray:
@@ -49,13 +49,9 @@ def test_silos_with_more_clients_than_classes_is_refused_by_the_settings() -> No
 
 
 @pytest.fixture()
-def user_package(tmp_path: Path):
-    root = write_user_package(tmp_path / "user", entry_points=True)
-    with pytest.MonkeyPatch.context() as patch:
-        patch.syspath_prepend(str(root))
-        registered.cache_clear()
+def user_package(tmp_path: Path) -> Iterator[Path]:
+    with on_path(write_user_package(tmp_path / "user", entry_points=True)) as root:
         yield root
-    registered.cache_clear()
 
 
 def test_node_file_features_beyond_float32_are_refused(

@@ -13,9 +13,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from pollen.extensions import data_set_info, registered
+from pollen.extensions import data_set_info
 from pollen.listing import models
 from pollen.settings import Settings, SettingsError
+from tests.user_package import on_path, write_distribution, write_user_package
 
 PKG = "rvplug"
 
@@ -54,21 +55,10 @@ class Holder:
         return nn.Sequential(nn.Flatten(), nn.Linear(c * h * w, num_classes))
 
 
-def blobs():
-    """Three classes of 6x6 grey images."""
-    rng = np.random.default_rng(7)
-
-    def split(n):
-        y = rng.integers(0, 3, n)
-        x = rng.normal(60.0 + 60.0 * y[:, None, None], 25.0, (n, 6, 6))
-        return np.clip(x, 0, 255).astype(np.uint8), y
-
-    (a, b), (c, d) = split(160), split(60)
-    return {"x_train": a, "y_train": b, "x_test": c, "y_test": d, "classes": 3}
-
-
 def numpy_classes():
     """blobs, its classes counted with numpy (np.int64)."""
+    from userparts.data import blobs
+
     d = blobs()
     d["classes"] = d["y_train"].max() + 1
     return d
@@ -102,17 +92,10 @@ def package(tmp_path_factory) -> Iterator[Path]:
     (root / PKG).mkdir()
     (root / PKG / "__init__.py").write_text("")
     (root / PKG / "parts.py").write_text(textwrap.dedent(MODULE))
-    info = root / f"{PKG}-0.1.dist-info"
-    info.mkdir()
-    (info / "METADATA").write_text(
-        f"Metadata-Version: 2.1\nName: {PKG}\nVersion: 0.1\n"
-    )
-    (info / "entry_points.txt").write_text(ENTRY_POINTS)
-    with pytest.MonkeyPatch.context() as patch:
-        patch.syspath_prepend(str(root))
-        registered.cache_clear()
+    write_user_package(root)
+    write_distribution(root, PKG, ENTRY_POINTS)
+    with on_path(root):
         yield root
-    registered.cache_clear()
 
 
 def settings(**values: object) -> Settings:
@@ -136,7 +119,7 @@ def _run_model(s: Settings):
 def test_a_model_reusing_a_module_runs() -> None:
     """One hidden block applied twice: both its state-dict names get a kind
     (the sharing map raised KeyError '4.weight' inside the run)."""
-    s = settings(model=f"{PKG}.parts:reused", data_set=f"{PKG}.parts:blobs")
+    s = settings(model=f"{PKG}.parts:reused", data_set="userparts.data:blobs")
     entries = _run_model(s)
     assert np.array_equal(entries["2.weight"], entries["4.weight"])
 
@@ -145,7 +128,7 @@ def test_a_lazy_model_is_given_its_sizes_under_its_seed() -> None:
     """nn.LazyLinear passed the probe and failed in the run (an
     uninitialised parameter); it is now sized by a batch of zeros, the
     same way in every process."""
-    s = settings(model=f"{PKG}.parts:lazy", data_set=f"{PKG}.parts:blobs")
+    s = settings(model=f"{PKG}.parts:lazy", data_set="userparts.data:blobs")
     first, second = _run_model(s), _run_model(s)
     assert first["1.weight"].shape == (3, 36)
     assert np.array_equal(first["1.weight"], second["1.weight"])
@@ -154,7 +137,7 @@ def test_a_lazy_model_is_given_its_sizes_under_its_seed() -> None:
 def test_fedper_needs_a_linear_classifier() -> None:
     """With no nn.Linear FedPer kept nothing on the clients: plain FedAvg."""
     with pytest.raises(SettingsError, match="this model has none"):
-        settings(model=f"{PKG}.parts:conv_head", data_set=f"{PKG}.parts:blobs",
+        settings(model=f"{PKG}.parts:conv_head", data_set="userparts.data:blobs",
                  sharing="fedper")  # fmt: skip
 
 
@@ -175,7 +158,7 @@ def test_a_registered_name_a_built_in_shadows_is_listed_as_not_used() -> None:
 
 def test_an_entry_point_naming_a_nested_attribute_is_accepted() -> None:
     assert "nested" in models()
-    settings(model="nested", data_set=f"{PKG}.parts:blobs")
+    settings(model="nested", data_set="userparts.data:blobs")
 
 
 def test_a_local_objectives_term_that_cannot_be_imported_is_refused() -> None:

@@ -6,7 +6,13 @@ that a run can use, and the wrong ones each refusal is tested on.
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from pathlib import Path
+
+import pytest
+
+from pollen.extensions import registered
 
 PACKAGE = "userparts"
 
@@ -248,10 +254,27 @@ def write_user_package(root: Path, entry_points: bool = False) -> Path:
     (package / "updates.py").write_text(UPDATES)
     (package / "objectives.py").write_text(OBJECTIVES)
     if entry_points:
-        info = root / f"{PACKAGE}-0.1.dist-info"
-        info.mkdir()
-        (info / "METADATA").write_text(
-            f"Metadata-Version: 2.1\nName: {PACKAGE}\nVersion: 0.1\n"
-        )
-        (info / "entry_points.txt").write_text(ENTRY_POINTS)
+        write_distribution(root, PACKAGE, ENTRY_POINTS)
     return root
+
+
+def write_distribution(root: Path, name: str, entry_points: str) -> None:
+    """The metadata of an installed distribution `name` in `root` that
+    registers `entry_points` (an entry_points.txt)."""
+    info = root / f"{name}-0.1.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text(
+        f"Metadata-Version: 2.1\nName: {name}\nVersion: 0.1\n"
+    )
+    (info / "entry_points.txt").write_text(entry_points)
+
+
+@contextlib.contextmanager
+def on_path(root: Path) -> Iterator[Path]:
+    """`root` first on the module path, and entry points read afresh on the
+    way in and out (pollen reads them once per process)."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.syspath_prepend(str(root))
+        registered.cache_clear()
+        yield root
+    registered.cache_clear()

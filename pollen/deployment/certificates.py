@@ -11,7 +11,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from ..files import write_atomic
+from ..files import made_folder_problem, write_atomic
 
 if TYPE_CHECKING:  # cryptography loads in the functions that use it, not with pollen
     from cryptography.hazmat.primitives.asymmetric.ec import (
@@ -49,12 +49,8 @@ def make_certificates(directory: Path, hosts: Sequence[str], days: int = 365) ->
     ca = _ca_certificate(ca_key, validity)
     server_key = ec.generate_private_key(ec.SECP256R1())
     server = _server_certificate(server_key, hosts, ca_key, validity)
-    try:
-        directory.mkdir(parents=True, exist_ok=True)
-    except OSError as err:
-        raise CertificateError(
-            f"cannot keep certificates in {directory}: {err}"
-        ) from err
+    if problem := made_folder_problem(directory):
+        raise CertificateError(f"cannot keep certificates in {directory}: {problem}")
     ca_pem, ca_private, server_pem, server_private = certificate_files(directory)
     write_atomic(ca_private, _private_pem(ca_key), private=True)
     write_atomic(server_private, _private_pem(server_key), private=True)

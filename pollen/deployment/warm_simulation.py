@@ -28,7 +28,7 @@ from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from ..files import write_json
+from ..files import made_folder_problem, write_json
 from . import processes
 from .flower import simulation_env, start_simulation_superlink
 
@@ -158,12 +158,8 @@ def start_warm_simulation(directory: Path, cpus: int | None = None) -> WarmSimul
     start faster, where several federations share the machine's cores."""
     directory = directory.resolve()
     home = directory / FLWR_HOME
-    try:
-        home.mkdir(parents=True, exist_ok=True)
-    except OSError as err:
-        raise WarmSimulationError(
-            f"cannot keep a federation in {directory}: {err}"
-        ) from err
+    if problem := made_folder_problem(home):
+        raise WarmSimulationError(f"cannot keep a federation in {directory}: {problem}")
     # Ray's socket paths must stay under ~107 characters: a short temp dir
     ray_temp_dir = tempfile.mkdtemp(prefix="pollen-ray-", dir="/tmp")
     head = link = None
