@@ -5,6 +5,7 @@ orphaned. None starts Flower."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -213,3 +214,22 @@ def test_deploy_up_numbers_out_of_range_are_refused_before_anything(
         main(["deploy", "up", "--dir", str(directory), "--insecure", *argv])
     assert exit_info.value.code == EXIT_BAD_INPUT and not directory.exists()
     assert "is not in" in capsys.readouterr().err
+
+
+def test_stopping_a_federation_stops_what_its_dead_ray_head_left(
+    tmp_path: Path,
+) -> None:
+    """The Ray head's process (`ray start --block`) ended, its raylet runs on
+    in its group: stopping the federation stops it (it was left)."""
+    from tests.test_deploy_inputs import group_with_a_dead_leader
+
+    head, member = group_with_a_dead_leader(tmp_path, "ray")
+    try:
+        record(tmp_path / "fed", head, head)
+        warm_simulation.stop_warm_simulation(
+            warm_simulation.WarmSimulation.read(tmp_path / "fed")
+        )
+        assert processes.reaped(member, 5.0) or not processes.alive(member)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(member, signal.SIGKILL)

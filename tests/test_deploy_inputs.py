@@ -6,10 +6,13 @@ handled in one line. No Flower process is started."""
 
 from __future__ import annotations
 
+import contextlib
 import http.server
 import json
 import os
+import signal
 import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -116,3 +119,32 @@ def test_a_superlink_whose_port_is_taken_is_not_reported_ready(tmp_path: Path) -
             )  # fmt: skip
     finally:
         server.shutdown()
+
+
+def group_with_a_dead_leader(tmp_path: Path, name: str) -> tuple[int, int]:
+    """A process group whose leader ended (reaped) while a member runs on:
+    the leader's PID (the group's ID) and the member's."""
+    pidfile = tmp_path / f"{name}.member"
+    code = (
+        "import subprocess; p = subprocess.Popen(['sleep', '60']); "
+        f"open({str(pidfile)!r}, 'w').write(str(p.pid))"
+    )
+    leader = subprocess.Popen([sys.executable, "-c", code], start_new_session=True)
+    leader.wait()
+    member = int(pidfile.read_text())
+    assert os.getpgid(member) == leader.pid
+    return leader.pid, member
+
+
+def test_down_stops_what_a_dead_process_left_in_its_group(tmp_path: Path) -> None:
+    """A SuperNode that died may leave its group running (its SuperExec):
+    down signals the group still, as before start times were checked (then
+    only a live leader's group was)."""
+    leader, member = group_with_a_dead_leader(tmp_path, "supernode")
+    cluster.Deployment(str(tmp_path), "127.0.0.1:1", True, superlink_pid=leader).save()
+    try:
+        cluster.down(tmp_path)
+        assert processes.reaped(member, 5.0) or not processes.alive(member)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(member, signal.SIGKILL)

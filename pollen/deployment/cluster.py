@@ -140,8 +140,11 @@ class Deployment:
         return recorded is None or recorded == start_time(pid)
 
     def stop(self, pid: int) -> None:
-        """Stop `pid` (its process group) if it is this deployment's."""
-        if self.ours(pid):
+        """Stop `pid`'s process group, unless the PID now runs another
+        program's process. A leader that died may leave its group running
+        (a SuperNode's SuperExec): Linux gives no new process a PID that is
+        still a group's ID, so that group is this deployment's."""
+        if pid and (self.ours(pid) or not alive(pid)):
             stop(pid)
 
     @classmethod

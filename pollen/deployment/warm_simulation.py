@@ -81,6 +81,14 @@ class WarmSimulation:
         recorded = self.started.get(str(pid))
         return recorded is None or recorded == processes.start_time(pid)
 
+    def own_group(self, pid: int, name: str) -> int | None:
+        """`pid` when its process group is this federation's to stop: it
+        runs as its `name` process, or it ended (a dead leader's group, such
+        as the Ray head's raylet, may run on; Linux gives no new process a
+        PID that is still a group's ID); None when the PID now runs another
+        program's process."""
+        return pid if self._ours(pid, name) or not processes.alive(pid) else None
+
     def live(self) -> list[int]:
         """The PIDs of its Ray head and SuperLink that still run."""
         return [
@@ -186,10 +194,9 @@ def stop_warm_simulation(federation: WarmSimulation) -> None:
     """Stop the SuperLink (with the runs in it), then the Ray head, those of
     them that still run as its own; forget it."""
     (federation.root / STATE_FILE).unlink(missing_ok=True)
-    live = federation.live()
     _stop(
-        federation.superlink_pid if federation.superlink_pid in live else None,
-        federation.ray_pid if federation.ray_pid in live else None,
+        federation.own_group(federation.superlink_pid, "flower-superlink"),
+        federation.own_group(federation.ray_pid, "ray"),
         federation.ray_temp_dir,
     )
 
