@@ -233,3 +233,16 @@ def test_stopping_a_federation_stops_what_its_dead_ray_head_left(
     finally:
         with contextlib.suppress(ProcessLookupError):
             os.kill(member, signal.SIGKILL)
+
+
+def test_a_federation_config_file_takes_pollens_simulation_defaults(
+    tmp_path: Path,
+) -> None:
+    """Flower refuses a .toml beside key=value words, and pollen added its
+    defaults as such words: every simulation given a file failed."""
+    toml = tmp_path / "fed.toml"
+    toml.write_text('num-supernodes = 2\nname = "a b"\n')
+    federation = launch.simulation_federation([str(toml)], num_clients=4)
+    given = launch._parse_federation(federation)
+    assert given["num-supernodes"] == 2 and given["name"] == "a b"
+    assert given["client-resources-num-cpus"] == 1

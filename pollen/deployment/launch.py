@@ -453,6 +453,9 @@ def simulation_federation(
         "num-supernodes": min(num_clients, actors if cohorts else SIMULATED_NODES),
         "client-resources-num-cpus": CLIENT_CPUS,
     }
+    if any(value.endswith(".toml") for value in federation):
+        # Flower takes a .toml alone, not beside key=value words: pass its values
+        federation = [f"{key}={json.dumps(value)}" for key, value in given.items()]
     return federation + [f"{k}={v}" for k, v in defaults.items() if k not in given]
 
 
