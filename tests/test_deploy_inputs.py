@@ -111,12 +111,17 @@ def test_a_superlink_whose_port_is_taken_is_not_reported_ready(tmp_path: Path) -
     port = server.server_address[1]
     threading.Thread(target=server.serve_forever, daemon=True).start()
     try:
-        with pytest.raises(processes.ProcessError, match=f"127.0.0.1:{port}"):
-            flower.start_superlink(
+        try:
+            process = flower.start_superlink(
                 ["--insecure"], host="127.0.0.1", port=port,
                 address=f"127.0.0.1:{port}", env=flower.flower_env(tmp_path / "home"),
                 log=tmp_path / "superlink.log",
             )  # fmt: skip
+        except processes.ProcessError as err:
+            assert f"127.0.0.1:{port}" in str(err)
+        else:  # reported ready: stop what it started, then fail
+            processes.stop(process.pid)
+            pytest.fail("a SuperLink on a taken port was reported ready")
     finally:
         server.shutdown()
 
