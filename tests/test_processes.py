@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -69,3 +71,33 @@ def test_stop_child_keeps_the_exit_status(tmp_path: Path) -> None:
     )
     processes.stop_child(process, grace=5)
     assert process.returncode == -15
+
+
+def test_a_record_knows_its_processes_by_pid_and_start_time() -> None:
+    """A recorded PID runs as recorded only with the start time the record
+    keeps; a record without one trusts the PID; a zombie or a PID that
+    ended does not run; a group is the record's while its leader runs as
+    recorded or has ended, never when the PID runs another program."""
+    process = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        started = processes.start_times([process.pid, 0], {})
+        assert started == {str(process.pid): processes.start_time(process.pid)}
+        assert processes.start_times([process.pid], {str(process.pid): 7}) == {
+            str(process.pid): 7
+        }  # a time already recorded is kept
+        assert processes.recorded_runs(process.pid, started)
+        assert processes.recorded_runs(process.pid, {})
+        assert not processes.recorded_runs(process.pid, {str(process.pid): 1})
+        assert not processes.recorded_runs(0, {})
+        assert processes.group_is_ours(process.pid, True)
+        assert not processes.group_is_ours(process.pid, False)  # reused PID
+        assert not processes.group_is_ours(0, False)
+        process.kill()
+        while processes.alive(process.pid):  # a zombie until reaped
+            time.sleep(0.01)
+        assert not processes.recorded_runs(process.pid, started)
+        assert processes.group_is_ours(process.pid, False)  # its group may run on
+    finally:
+        process.kill()
+        process.wait()
+    assert processes.start_times([process.pid], {}) == {}

@@ -30,7 +30,17 @@ from ..files import write_json
 from ..flower_waits import POLL_SECONDS
 from .certificates import make_certificates, make_node_key
 from .flower import flower_env, start_superlink
-from .processes import alive, entry_point, free_port, log_tail, start, start_time, stop
+from .processes import (
+    alive,
+    entry_point,
+    free_port,
+    group_is_ours,
+    log_tail,
+    recorded_runs,
+    start,
+    start_times,
+    stop,
+)
 
 CONNECTION = "pollen"
 STATE_FILE = "deployment.json"
@@ -101,7 +111,7 @@ class Deployment:
     # from before `pollen supernode` ran Flower's)
     node_poll: float = 0.0
     superlink_state: str = "file"  # one of SUPERLINK_STATES (older records: file)
-    # each recorded PID's start time (`processes.start_time`): a PID the system
+    # each recorded PID's start time (`processes.start_times`): a PID the system
     # gave to another process since is not this deployment's (older records: {})
     started: dict[str, int] = field(default_factory=dict)
 
@@ -120,11 +130,7 @@ class Deployment:
 
     def save(self) -> None:
         """Write the record, with the start time of each process it names."""
-        self.started = {
-            str(pid): when
-            for pid in self._pids()
-            if (when := self.started.get(str(pid)) or start_time(pid)) is not None
-        }
+        self.started = start_times(self._pids(), self.started)
         write_json(self.root / STATE_FILE, asdict(self))
 
     def _pids(self) -> list[int]:
@@ -134,17 +140,12 @@ class Deployment:
     def ours(self, pid: int) -> bool:
         """Whether `pid` runs and is the process this deployment started (not
         one the PID was reused for after it ended: a reboot, an old record)."""
-        if not (pid and alive(pid)):
-            return False
-        recorded = self.started.get(str(pid))
-        return recorded is None or recorded == start_time(pid)
+        return recorded_runs(pid, self.started)
 
     def stop(self, pid: int) -> None:
         """Stop `pid`'s process group, unless the PID now runs another
-        program's process. A leader that died may leave its group running
-        (a SuperNode's SuperExec): Linux gives no new process a PID that is
-        still a group's ID, so that group is this deployment's."""
-        if pid and (self.ours(pid) or not alive(pid)):
+        program's process (`processes.group_is_ours`)."""
+        if group_is_ours(pid, self.ours(pid)):
             stop(pid)
 
     @classmethod

@@ -21,7 +21,7 @@ import sys
 import threading
 import time
 import urllib.request
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 
 STOP_GRACE_SECONDS = 10.0  # from SIGTERM to SIGKILL, unless a caller says
@@ -135,14 +135,25 @@ def port_problem(host: str, port: int) -> str | None:
     return None
 
 
+def _stat(pid: int) -> list[str] | None:
+    """The fields of /proc/<pid>/stat after the command's name (the state
+    first, the start time 20th), None when it cannot be read."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(") ", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+
+
 def start_time(pid: int) -> int | None:
     """When process `pid` started (clock ticks after boot, /proc's field 22),
     None when it is gone: with its PID, what tells a process from a later
     one the PID was reused for."""
-    try:
-        return int(Path(f"/proc/{pid}/stat").read_text().rsplit(") ", 1)[1].split()[19])
-    except (OSError, IndexError, ValueError):
-        return None
+    fields = _stat(pid)
+    return (
+        int(fields[19])
+        if fields and len(fields) > 19 and fields[19].isdigit()
+        else None
+    )
 
 
 def alive(pid: int) -> bool:
@@ -153,10 +164,41 @@ def alive(pid: int) -> bool:
         return False
     except PermissionError:
         return True
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().split(") ")[1][0] != "Z"
-    except (OSError, IndexError):
-        return True
+    fields = _stat(pid)
+    return not fields or fields[0] != "Z"
+
+
+def start_times(pids: Iterable[int], known: Mapping[str, int]) -> dict[str, int]:
+    """A record's start time for each of `pids` that runs (keyed by the PID
+    as a string, as JSON keeps it), the one in `known` where it has one."""
+    return {
+        str(pid): when
+        for pid in pids
+        if (when := known.get(str(pid)) or start_time(pid)) is not None
+    }
+
+
+def recorded_runs(pid: int, started: Mapping[str, int]) -> bool:
+    """Whether the recorded process `pid` still runs: it is alive and, where
+    `started` (a record's `start_times`) has its start time, started then,
+    so it is not a later process the system gave the PID to. A PID the
+    record has no time for (a record written before times were kept) is
+    trusted."""
+    fields = _stat(pid) if pid > 0 else None  # one read: state and start time
+    if not fields or fields[0] == "Z":
+        return False
+    recorded = started.get(str(pid))
+    return recorded is None or fields[19:20] == [str(recorded)]
+
+
+def group_is_ours(pid: int, runs_as_recorded: bool) -> bool:
+    """Whether a record may stop the process group `pid` leads: its leader
+    runs as recorded, or it ended. A leader that died may leave its group
+    running (a SuperNode's SuperExec, the Ray head's raylet), and Linux
+    gives no new process a PID that is still a group's ID, so that group is
+    still the record's. A PID that now runs another program's process is
+    not."""
+    return bool(pid) and (runs_as_recorded or not alive(pid))
 
 
 def descendants(pid: int) -> list[int]:
@@ -269,26 +311,24 @@ def stop_signals_interrupt() -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def stop_signals_deferred() -> Iterator[list[int]]:
-    """While inside, Ctrl-C, SIGTERM and SIGHUP are noted (in the list
-    yielded) instead of interrupting: for clean-up that must finish, such
-    as stopping a finished run's processes and keeping their logs. Whoever
-    holds the list decides what a noted signal means afterwards. Only the
-    main thread can install a handler; elsewhere nothing is deferred."""
-    noted: list[int] = []
+def stop_signals_deferred() -> Iterator[None]:
+    """While inside, Ctrl-C, SIGTERM and SIGHUP are ignored instead of
+    interrupting: for clean-up that must finish, such as stopping a
+    finished run's processes and keeping their logs (a SIGHUP still
+    silences the closed terminal). Only the main thread can install a
+    handler; elsewhere nothing is deferred."""
     if threading.current_thread() is not threading.main_thread():
-        yield noted
+        yield
         return
 
-    def note(signum: int, frame: object) -> None:
+    def hold(signum: int, frame: object) -> None:
         if signum == signal.SIGHUP:
             silence_closed_terminal()
-        noted.append(signum)
 
     signals = (signal.SIGINT, *STOP_SIGNALS)
-    previous = {sig: signal.signal(sig, note) for sig in signals}
+    previous = {sig: signal.signal(sig, hold) for sig in signals}
     try:
-        yield noted
+        yield
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)

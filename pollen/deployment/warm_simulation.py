@@ -54,7 +54,7 @@ class WarmSimulation:
     ray_temp_dir: str
     ray_pid: int
     superlink_pid: int
-    # each PID's start time (`processes.start_time`): a PID reused by another
+    # each PID's start time (`processes.start_times`): a PID reused by another
     # process since is not this federation's (records made before: {})
     started: dict[str, int] = field(default_factory=dict)
 
@@ -76,18 +76,15 @@ class WarmSimulation:
     def _ours(self, pid: int, name: str) -> bool:
         """Whether `pid` runs as this federation's `name` process (not a
         process its PID was reused for: its command and start time agree)."""
-        if not (processes.alive(pid) and name in processes.command_line(pid)):
-            return False
-        recorded = self.started.get(str(pid))
-        return recorded is None or recorded == processes.start_time(pid)
+        return processes.recorded_runs(pid, self.started) and (
+            name in processes.command_line(pid)
+        )
 
     def own_group(self, pid: int, name: str) -> int | None:
-        """`pid` when its process group is this federation's to stop: it
-        runs as its `name` process, or it ended (a dead leader's group, such
-        as the Ray head's raylet, may run on; Linux gives no new process a
-        PID that is still a group's ID); None when the PID now runs another
-        program's process."""
-        return pid if self._ours(pid, name) or not processes.alive(pid) else None
+        """`pid` when its process group is this federation's to stop (it
+        runs as its `name` process, or it ended: `processes.group_is_ours`),
+        None when the PID now runs another program's process."""
+        return pid if processes.group_is_ours(pid, self._ours(pid, name)) else None
 
     def live(self) -> list[int]:
         """The PIDs of its Ray head and SuperLink that still run."""
@@ -179,10 +176,13 @@ def start_warm_simulation(directory: Path, cpus: int | None = None) -> WarmSimul
         )
         link, _ = start_simulation_superlink(home, env, directory / "superlink.log")
         federation = WarmSimulation(
-            str(directory), env["RAY_ADDRESS"], ray_temp_dir, head.pid, link.pid,
-            {str(p): t for p in (head.pid, link.pid)
-             if (t := processes.start_time(p)) is not None},
-        )  # fmt: skip
+            str(directory),
+            env["RAY_ADDRESS"],
+            ray_temp_dir,
+            head.pid,
+            link.pid,
+            processes.start_times((head.pid, link.pid), {}),
+        )
         write_json(directory / STATE_FILE, asdict(federation))
     except BaseException:
         _stop(link and link.pid, head and head.pid, ray_temp_dir)
