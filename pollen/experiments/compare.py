@@ -49,6 +49,7 @@ from .report import (
     CompareError,
     cell_name,
     directory_label,
+    read_json,
     report,
     value_label,
 )
@@ -325,12 +326,7 @@ def _check_computed(run_dir: Path, cell: Cell) -> None:
     """Refuse a finished run whose recorded settings differ from its cell's
     (keys naming only where it ran aside; a key the run did not record, from
     an older pollen, is not compared)."""
-    try:
-        recorded = json.loads((run_dir / "settings.json").read_text())
-    except (OSError, ValueError) as err:
-        raise CompareError(f"cannot read {run_dir / 'settings.json'}: {err}") from err
-    if not isinstance(recorded, dict):
-        raise CompareError(f"{run_dir / 'settings.json'} does not hold an object")
+    recorded = read_json(run_dir / "settings.json", dict)
     unrecorded = cell.run_config.keys() - recorded.keys()
     key = first_difference(recorded, cell.run_config, NOT_COMPARED | unrecorded)
     if key is not None:
@@ -476,14 +472,14 @@ def run_grid(
 
 def _finished(run_dir: Path) -> bool:
     try:
-        summary = json.loads((run_dir / "summary.json").read_text())
-    except (OSError, ValueError):
+        summary = read_json(run_dir / "summary.json", dict)
+    except CompareError:
         return False
-    return isinstance(summary, dict) and summary.get("status") == "completed"
+    return summary.get("status") == "completed"
 
 
 def _outcome(run_dir: Path) -> str:
-    summary = json.loads((run_dir / "summary.json").read_text())
+    summary = read_json(run_dir / "summary.json", dict)
     return (
         f"final {100 * summary['final-accuracy']:.2f}%, best "
         f"{100 * summary['best-accuracy']:.2f}% (round {summary['best-round']})"

@@ -123,21 +123,23 @@ class Run:
     network: dict[str, Any] | None = None
 
     @classmethod
-    def read(cls, path: Path) -> Run:
+    def read(cls, path: Path, summary: dict[str, Any] | None = None) -> Run:
         """The run in `path`, its files checked for what the report reads:
         `CompareError` names a file that is unreadable or holds something
-        else. A setting its settings.json lacks (written by an older pollen
-        or by hand) counts as that setting's default."""
-        summary = _read_json(path / "summary.json", dict)
+        else. `summary`: its summary.json, where the caller read it already.
+        A setting its settings.json lacks (written by an older pollen or by
+        hand) counts as that setting's default."""
+        if summary is None:
+            summary = read_json(path / "summary.json", dict)
         _check_numbers(path / "summary.json", summary, SUMMARY_NUMBERS)
-        history = _read_json(path / "history.json", list)
+        history = read_json(path / "history.json", list)
         for row in history:
             if not isinstance(row, dict):
                 raise CompareError(f"{path / 'history.json'}: a row is not an object")
             _check_numbers(path / "history.json", row, ("round", "accuracy"))
         network = None
         if (path / "network.json").exists():
-            network = _read_json(path / "network.json", dict)
+            network = read_json(path / "network.json", dict)
             nodes = network.get("nodes")
             if not isinstance(nodes, list) or not all(
                 isinstance(n, dict) for n in nodes
@@ -145,7 +147,7 @@ class Run:
                 raise CompareError(f"{path / 'network.json'}: no list of nodes")
             for node in nodes:
                 _check_numbers(path / "network.json", node, ("bytes-up", "bytes-down"))
-        settings = _read_json(path / "settings.json", dict)
+        settings = read_json(path / "settings.json", dict)
         missing = {k: v for k, v in DEFAULTS.items() if k not in settings}
         return cls(path.name, path, {**settings, **missing}, summary, history, network)
 
@@ -220,8 +222,9 @@ SUMMARY_NUMBERS = ("final-accuracy", "best-accuracy", "total-seconds",
                    "total-bytes-up", "total-bytes-down")  # fmt: skip
 
 
-def _read_json(path: Path, kind: type) -> Any:
-    """`path`'s JSON value, which must be a `kind` (dict: an object; list)."""
+def read_json(path: Path, kind: type) -> Any:
+    """`path`'s JSON value, which must be a `kind` (dict: an object; list);
+    `CompareError` says what is wrong with a file a finished run wrote."""
     try:
         value = json.loads(path.read_text())
     except (OSError, ValueError) as err:
@@ -265,7 +268,7 @@ def _statuses(directory: Path) -> list[tuple[Path, str, dict[str, Any]]]:
         summary: dict[str, Any] = {}
         if (run / "summary.json").exists():
             try:
-                summary = _read_json(run / "summary.json", dict)
+                summary = read_json(run / "summary.json", dict)
             except CompareError as err:
                 summary = {"status": "damaged", "error": str(err)}
         status = "running" if is_held(run) else str(summary.get("status", "failed"))
@@ -279,7 +282,9 @@ def read_runs(directory: Path) -> list[Run]:
     numbers to compare."""
     statuses = _statuses(directory)
     completed = [
-        Run.read(path) for path, status, _ in statuses if status == "completed"
+        Run.read(path, summary)
+        for path, status, summary in statuses
+        if status == "completed"
     ]
     if not completed:
         unfinished = len(statuses)
@@ -347,8 +352,9 @@ def varying_keys(runs: Sequence[Run]) -> list[str]:
             return run.settings.get(key) != preset[key]
         if key in TRAINING_KEYS:  # a part's own default (SCAFFOLD's momentum 0)
             return run.settings.get(key) != global_training_default(run, key)
-        default = DEFAULTS.get(key, AUTO)  # "auto": resolved per run, no default
-        return default != AUTO and run.settings.get(key, default) != default
+        # "auto": resolved per run, no default; `Run.read` filled any other
+        default = DEFAULTS.get(key, AUTO)
+        return default != AUTO and run.settings[key] != default
 
     by_strategy: dict[Any, list[Run]] = {}
     for run in runs:
