@@ -26,8 +26,13 @@ Per way: the mean round of rounds 2..R (round 1 holds the start-up query and
 the warm-up); the time per round outside every ClientApp task (from round
 2's first train message pulled to round R's: wall time minus the union of
 the tasks' launch-to-exit spans, the warm executors' log); per task, its
-launch-to-exit time minus the ClientApp handler's own work; and, for the
-8-node deployments, the CPU the SuperLink and a SuperNode use while the
+launch-to-exit time minus the ClientApp handler's own work; the CPU-s the
+whole machine spent busy per round over rounds 2..R (every process: the
+SuperLink, nodes, executors, tasks, ServerApp, Ray, this script's own
+watchers), and that divided by the cores: no round can be shorter while
+the processes do that work, so where a deployed round's bound exceeds 1.5x
+the simulated round, removing waits cannot reach it; and, for the 8-node
+deployments, the CPU the SuperLink and a SuperNode use while the
 deployment stands idle for `--idle` seconds before the run.
 
 Writes `<out>/deployed-rounds.md` (the table) and `<out>/deployed-rounds.json`.
@@ -36,11 +41,14 @@ Writes `<out>/deployed-rounds.md` (the table) and `<out>/deployed-rounds.json`.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import itertools
 import json
+import os
 import signal
 import statistics
 import sys
+import threading
 from pathlib import Path
 
 import numpy as np
@@ -48,9 +56,11 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from executors import COMMON, PROJECT, deployed, median, pollen_run
+from poll_cost import cpu_seconds
 
 # (label, name in file names, poll interval: None simulates, 0 is Flower's;
 # where the SuperLink keeps its state)
+CORES = os.cpu_count() or 1
 WAYS = (
     ("simulated", "sim", None, ""),
     ("Flower's waits", "flower", 0.0, "file"),
@@ -88,6 +98,92 @@ def outside_tasks(result: dict) -> float:
     start, end = starts[1], starts[-1]
     busy = union_within([tuple(s) for s in result["task_spans"]], start, end)
     return (end - start - busy) / (len(starts) - 2)
+
+
+# the deployment's processes by what their command line holds, in groups
+# (a warm executor's reaped tasks count in its CPU: /proc's cutime)
+GROUPS = {
+    "SuperLink and ServerApp": ("flower-superlink", "superlink-home", "flwr-serverapp"),
+    "SuperNodes": ("pollen supernode",),
+    "executors and tasks": ("pollen superexec", "flower_superexec"),
+}
+
+
+class RoundCpu:
+    """The machine's busy CPU (all processes, from /proc/stat) while a run
+    plays its rounds, and that of each group of a deployment's processes:
+    sampled every 0.05 s beside the number of rounds the run's history.json
+    holds, so rounds 2..R are timed the same way for a simulation and a
+    deployment (round 1 holds the start-up)."""
+
+    def __init__(self, history: Path) -> None:
+        self.history = history
+        # (rounds recorded, busy CPU-s of the machine, of each group)
+        self.samples: list[tuple[int, float, dict[str, float]]] = []
+        self.pids: dict[str, list[int]] | None = None  # found once round 1 is in
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def __enter__(self) -> RoundCpu:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def _run(self) -> None:
+        rounds = 0
+        while not self._stop.wait(0.05):
+            with contextlib.suppress(OSError, ValueError):  # not written yet
+                rounds = len(json.loads(self.history.read_text()))
+            if rounds and self.pids is None:
+                self.pids = _grouped_pids()
+            groups = {name: sum(cpu_seconds(pid) for pid in pids)
+                      for name, pids in (self.pids or {}).items()}  # fmt: skip
+            self.samples.append((rounds, busy_cpu_seconds(), groups))
+
+    def per_round(self) -> dict[str, float]:
+        """CPU-s per round, rounds 2..R: the machine's ("all") and each
+        group's."""
+        last = next(s for s in self.samples if s[0] == self.samples[-1][0])
+        first = next(
+            s for s in self.samples if s[0] >= 1 and s[2].keys() == last[2].keys()
+        )
+        rounds = last[0] - first[0]
+        return {"all": (last[1] - first[1]) / rounds,
+                **{g: (last[2][g] - first[2][g]) / rounds for g in first[2]}}  # fmt: skip
+
+
+def _grouped_pids() -> dict[str, list[int]]:
+    """The running processes of each of `GROUPS` (none in a simulation),
+    but a warm executor's forked tasks: its CPU counts them once reaped."""
+    commands: dict[int, tuple[int, str]] = {}  # pid -> (parent, command)
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            with contextlib.suppress(OSError, IndexError):
+                command = (entry / "cmdline").read_bytes().replace(b"\0", b" ")
+                parent = (entry / "stat").read_text().rsplit(") ", 1)[1].split()[1]
+                commands[int(entry.name)] = (int(parent), command.decode())
+    forked = "flower_superexec"
+    found: dict[str, list[int]] = {name: [] for name in GROUPS}
+    for pid, (parent, command) in commands.items():
+        if forked in command and forked in commands.get(parent, (0, ""))[1]:
+            continue  # a task, forked from its warm parent
+        for name, marks in GROUPS.items():
+            if any(mark in command for mark in marks):
+                found[name].append(pid)
+                break
+    return found if any(found.values()) else {}
+
+
+def busy_cpu_seconds() -> float:
+    """CPU-s all cores spent busy since boot (/proc/stat: all but idle and
+    iowait)."""
+    fields = [
+        int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]
+    ]
+    return (sum(fields) - fields[3] - fields[4]) / os.sysconf("SC_CLK_TCK")
 
 
 def main() -> None:
@@ -147,15 +243,17 @@ def main() -> None:
         config = f"{config} data-root='{data}' num-clients={nodes} {COMMON}"
         for way, slug, poll, state in ways:
             name = f"{workload}-{slug}{suffix}"
-            if poll is None:
-                rows = pollen_run(config, out, name, None)
-                result = {"rounds": [r["seconds"] for r in rows],
-                          "accuracy": rows[-1]["accuracy"]}  # fmt: skip
-            else:
-                idle = args.idle if nodes == 8 else 0.0
-                result = deployed(out, name, nodes, "warm", config, node_poll=poll,
-                                  idle_seconds=idle, superlink_state=state)  # fmt: skip
-                result["outside"] = outside_tasks(result)
+            with RoundCpu(out / name / "history.json") as cpu:
+                if poll is None:
+                    rows = pollen_run(config, out, name, None)
+                    result = {"rounds": [r["seconds"] for r in rows],
+                              "accuracy": rows[-1]["accuracy"]}  # fmt: skip
+                else:
+                    idle = args.idle if nodes == 8 else 0.0
+                    result = deployed(out, name, nodes, "warm", config, node_poll=poll,
+                                      idle_seconds=idle, superlink_state=state)  # fmt: skip
+                    result["outside"] = outside_tasks(result)
+            result["cpu_per_round"] = cpu.per_round()
             results[f"{workload}/{way}{turn}"] = result
             print(name, f"{statistics.mean(result['rounds'][1:]):.2f} s/round",
                   flush=True)  # fmt: skip
@@ -172,8 +270,8 @@ def render(
     turns: list[str],
 ) -> str:
     lines = [
-        "| workload | SuperNodes | way | mean round 2.. (s) | / simulated | outside tasks per round (s) | per task: launch -> exit minus work (s, median) | idle CPU: SuperLink / a SuperNode | final accuracy |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| workload | SuperNodes | way | mean round 2.. (s) | / simulated | outside tasks per round (s) | per task: launch -> exit minus work (s, median) | machine CPU-s a round | its lower bound on the round (s) | of the CPU-s: " + " / ".join(GROUPS) + " | idle CPU: SuperLink / a SuperNode | final accuracy |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]  # fmt: skip
     for (workload, nodes, _), turn in itertools.product(workloads, turns):
         simulated = statistics.mean(
@@ -189,9 +287,14 @@ def render(
                 if "superlink_idle_cpu" in r:
                     idle = (f"{r['superlink_idle_cpu']:.1%} / "
                             f"{r['supernode_idle_cpu']:.1%}")  # fmt: skip
+            cpu = r["cpu_per_round"]
+            parts = (
+                " / ".join(f"{cpu[g]:.2f}" for g in GROUPS) if poll is not None else "-"
+            )
             lines.append(
                 f"| {workload} | {nodes} | {way}{turn} | {mean:.2f} | {mean / simulated:.2f}x | "
-                f"{outside} | {task} | {idle} | {r['accuracy']:.2%} |"
+                f"{outside} | {task} | {cpu['all']:.2f} | {cpu['all'] / CORES:.2f} | "
+                f"{parts} | {idle} | {r['accuracy']:.2%} |"
             )
     return "\n".join(lines) + "\n"
 
