@@ -246,3 +246,31 @@ def test_a_federation_config_file_takes_pollens_simulation_defaults(
     given = launch._parse_federation(federation)
     assert given["num-supernodes"] == 2 and given["name"] == "a b"
     assert given["client-resources-num-cpus"] == 1
+
+
+def test_a_warm_federation_refuses_actors_its_head_cannot_place(
+    tmp_path: Path, capsys
+) -> None:
+    """A warm Ray head started with `--cpus 1` never places an actor that
+    needs 2 CPUs; `--warm-simulation` checked against this machine's cores
+    (2 here) and let the run wait for ever. A record without its CPUs (made
+    before they were kept) counts this machine's."""
+    head, link = standin("ray-head-standin"), standin("flower-superlink-standin")
+    try:
+        state = record(tmp_path / "fed", head.pid, link.pid)
+        raw = json.loads(state.read_text())
+        assert warm_simulation.WarmSimulation(**raw).cores == (os.cpu_count() or 1)
+        state.write_text(json.dumps({**raw, "cpus": 1}))
+        err = one_line_exit(
+            ["run", str(PROJECT), "--warm-simulation", str(tmp_path / "fed"),
+             "-c", f"output-dir='{tmp_path}'",
+             "--federation-config", "client-resources-num-cpus=2"],
+            EXIT_BAD_INPUT, capsys,
+        )  # fmt: skip
+        assert "client-resources-num-cpus=2" in err and "(0, 1]" in err
+        state.write_text(json.dumps({**raw, "cpus": "two"}))
+        with pytest.raises(warm_simulation.WarmSimulationError, match="its CPUs"):
+            warm_simulation.WarmSimulation.read(tmp_path / "fed")
+    finally:
+        kill(head)
+        kill(link)

@@ -271,6 +271,7 @@ def checked_federation(
         federation = simulation_federation(
             federation, settings.num_clients, settings.device,
             cohorts=settings.client_execution == "cohort",
+            cores=target.warm.cores if target.warm is not None else None,
         )  # fmt: skip
         check_local_gpus(federation)
         nodes = int(_parse_federation(federation)["num-supernodes"])
@@ -426,7 +427,11 @@ def report_interrupted(run_dir: Path, settings: Settings, command: str) -> None:
 
 
 def simulation_federation(
-    federation: list[str], num_clients: int, device: str = "auto", cohorts: bool = False
+    federation: list[str],
+    num_clients: int,
+    device: str = "auto",
+    cohorts: bool = False,
+    cores: int | None = None,
 ) -> list[str]:
     """The `--federation-config` values of a simulation, with pollen's defaults
     for the keys the user did not set: one SuperNode per client up to
@@ -439,16 +444,18 @@ def simulation_federation(
     1.8x faster (docs/performance.md). `device='cuda'` needs a GPU share
     (`client-resources-num-gpus` > 0): without one Ray hides the GPU from the
     ClientApp actors, every client fails and the run ends at chance accuracy
-    (seen on an H100, docs/performance.md)."""
+    (seen on an H100, docs/performance.md). `cores`: the CPUs the simulation's
+    Ray offers (a warm head's `--cpus`; default: this machine's)."""
+    cores = cores or os.cpu_count() or 1
     given = _parse_federation(federation)
-    check_federation(given)
+    check_federation(given, cores)
     if device == "cuda" and not given.get(GPU_SHARE):
         raise LaunchError(
             "invalid value for 'device': 'cuda' in a simulation without a GPU share; "
             f'give the ClientApps one, e.g. --federation-config "{GPU_SHARE}=0.25" '
             "(without it Ray hides the GPU from them), or use device='auto'"
         )
-    actors = max(1, (os.cpu_count() or 1) // CLIENT_CPUS)
+    actors = max(1, cores // CLIENT_CPUS)
     defaults = {
         "num-supernodes": min(num_clients, actors if cohorts else SIMULATED_NODES),
         "client-resources-num-cpus": CLIENT_CPUS,
@@ -495,16 +502,17 @@ def check_local_gpus(federation: Sequence[str]) -> None:
         )
 
 
-def check_federation(given: dict[str, object]) -> None:
+def check_federation(given: dict[str, object], cores: int) -> None:
     """Refuse simulation federation values Flower would only trip over after
     start-up: no SuperNodes (the run waits for nodes that never come), or
-    ClientApp resources no actor can be given (Ray never places one)."""
-    cores = os.cpu_count() or 1
+    ClientApp resources no actor can be given (Ray never places one; its
+    head offers `cores` CPUs)."""
     rules = {
         "num-supernodes": (lambda v: v >= 1, "an integer >= 1", int),
         "client-resources-num-cpus": (
-            lambda v: 0 < v <= cores, f"a number in (0, {cores}] (this machine's "
-            "cores: an actor needing more is never started)", (int, float),
+            lambda v: 0 < v <= cores, f"a number in (0, {cores}] (the CPUs the "
+            "simulation's Ray offers: an actor needing more is never started)",
+            (int, float),
         ),
         "client-resources-num-gpus": (lambda v: v >= 0, "a number >= 0", (int, float)),
     }  # fmt: skip

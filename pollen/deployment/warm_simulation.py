@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import shutil
 import subprocess
 import tempfile
@@ -57,6 +58,14 @@ class WarmSimulation:
     # each PID's start time (`processes.start_times`): a PID reused by another
     # process since is not this federation's (records made before: {})
     started: dict[str, int] = field(default_factory=dict)
+    # the CPUs its Ray head offers the ClientApp actors (`--cpus`; 0: this
+    # machine's, as Ray finds them and as records made before say nothing)
+    cpus: int = 0
+
+    @property
+    def cores(self) -> int:
+        """The CPUs its Ray head offers: what a run's actors may ask for."""
+        return self.cpus or os.cpu_count() or 1
 
     @property
     def root(self) -> Path:
@@ -117,6 +126,9 @@ class WarmSimulation:
         pids = (federation.ray_pid, federation.superlink_pid)
         if not all(isinstance(p, int) and not isinstance(p, bool) for p in pids):
             raise WarmSimulationError(f"{path} is unreadable: its PIDs are {pids}")
+        cpus = federation.cpus
+        if isinstance(cpus, bool) or not isinstance(cpus, int) or cpus < 0:
+            raise WarmSimulationError(f"{path} is unreadable: its CPUs are {cpus!r}")
         return federation
 
     @classmethod
@@ -182,6 +194,7 @@ def start_warm_simulation(directory: Path, cpus: int | None = None) -> WarmSimul
             head.pid,
             link.pid,
             processes.start_times((head.pid, link.pid), {}),
+            cpus or 0,
         )
         write_json(directory / STATE_FILE, asdict(federation))
     except BaseException:
