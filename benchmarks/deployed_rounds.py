@@ -48,14 +48,13 @@ import os
 import signal
 import statistics
 import sys
-import threading
 from pathlib import Path
 
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from executors import COMMON, PROJECT, deployed, median, pollen_run
+from executors import COMMON, PROJECT, Sampling, deployed, median, pollen_run
 from poll_cost import cpu_seconds
 
 # (label, name in file names, poll interval: None simulates, 0 is Flower's;
@@ -109,7 +108,7 @@ GROUPS = {
 }
 
 
-class RoundCpu:
+class RoundCpu(Sampling):
     """The machine's busy CPU (all processes, from /proc/stat) while a run
     plays its rounds, and that of each group of a deployment's processes:
     sampled every 0.05 s beside the number of rounds the run's history.json
@@ -121,27 +120,16 @@ class RoundCpu:
         # (rounds recorded, busy CPU-s of the machine, of each group)
         self.samples: list[tuple[int, float, dict[str, float]]] = []
         self.pids: dict[str, list[int]] | None = None  # found once round 1 is in
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
+        self.rounds = 0
 
-    def __enter__(self) -> RoundCpu:
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._stop.set()
-        self._thread.join()
-
-    def _run(self) -> None:
-        rounds = 0
-        while not self._stop.wait(0.05):
-            with contextlib.suppress(OSError, ValueError):  # not written yet
-                rounds = len(json.loads(self.history.read_text()))
-            if rounds and self.pids is None:
-                self.pids = _grouped_pids()
-            groups = {name: sum(cpu_seconds(pid) for pid in pids)
-                      for name, pids in (self.pids or {}).items()}  # fmt: skip
-            self.samples.append((rounds, busy_cpu_seconds(), groups))
+    def sample(self) -> None:
+        with contextlib.suppress(OSError, ValueError):  # not written yet
+            self.rounds = len(json.loads(self.history.read_text()))
+        if self.rounds and self.pids is None:
+            self.pids = _grouped_pids()
+        groups = {name: sum(cpu_seconds(pid) for pid in pids)
+                  for name, pids in (self.pids or {}).items()}  # fmt: skip
+        self.samples.append((self.rounds, busy_cpu_seconds(), groups))
 
     def per_round(self) -> dict[str, float]:
         """CPU-s per round, rounds 2..R: the machine's ("all") and each

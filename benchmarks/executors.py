@@ -59,23 +59,15 @@ TASK_LINE = re.compile(
 )
 
 
-@dataclass
-class Watch:
-    """Log lines of a deployment's nodes with the time each was first seen,
-    and the peak memory of its warm executors."""
+class Sampling:
+    """A daemon thread that calls `sample` every `INTERVAL` seconds while
+    inside `with`."""
 
-    deployment: cluster.Deployment
-    lines: dict[str, list[tuple[float, str]]] = field(default_factory=dict)
-    tasks: list[tuple[float, float]] = field(default_factory=list)  # (start, end)
-    parent_rss: int = 0
-    tree_pss: int = 0
-    _stop: threading.Event = field(default_factory=threading.Event)
+    INTERVAL = 0.05
 
-    def __enter__(self) -> Watch:
-        logs = [n.log for n in self.deployment.nodes]
-        logs += [n.executor_log for n in self.deployment.nodes if n.executor_pid]
-        self._offsets = {log: Path(log).stat().st_size for log in logs}
-        self._thread = threading.Thread(target=self._run, daemon=True)
+    def __enter__(self) -> Sampling:
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, daemon=True)
         self._thread.start()
         return self
 
@@ -83,25 +75,52 @@ class Watch:
         self._stop.set()
         self._thread.join()
 
-    def _run(self) -> None:
-        last_memory = 0.0
-        while not self._stop.wait(0.01):
-            now = time.monotonic()
-            for log, offset in self._offsets.items():
-                with open(log, "rb") as f:
-                    f.seek(offset)
-                    data = f.read()
-                end = data.rfind(b"\n") + 1
-                self._offsets[log] = offset + end
-                for line in data[:end].decode(errors="replace").splitlines():
-                    if log.endswith("-superexec.log"):
-                        if task := TASK_LINE.search(line):
-                            self.tasks.append((now - float(task.group(3)), now))
-                    else:
-                        self.lines.setdefault(log, []).append((now, line))
-            if now - last_memory > 0.2:
-                last_memory = now
-                self._sample_memory()
+    def _loop(self) -> None:
+        while not self._stop.wait(self.INTERVAL):
+            self.sample()
+
+    def sample(self) -> None:
+        raise NotImplementedError
+
+
+@dataclass
+class Watch(Sampling):
+    """Log lines of a deployment's nodes with the time each was first seen,
+    and the peak memory of its warm executors."""
+
+    INTERVAL = 0.01
+
+    deployment: cluster.Deployment
+    lines: dict[str, list[tuple[float, str]]] = field(default_factory=dict)
+    tasks: list[tuple[float, float]] = field(default_factory=list)  # (start, end)
+    parent_rss: int = 0
+    tree_pss: int = 0
+    last_memory: float = 0.0
+
+    def __enter__(self) -> Watch:
+        logs = [n.log for n in self.deployment.nodes]
+        logs += [n.executor_log for n in self.deployment.nodes if n.executor_pid]
+        self._offsets = {log: Path(log).stat().st_size for log in logs}
+        super().__enter__()
+        return self
+
+    def sample(self) -> None:
+        now = time.monotonic()
+        for log, offset in self._offsets.items():
+            with open(log, "rb") as f:
+                f.seek(offset)
+                data = f.read()
+            end = data.rfind(b"\n") + 1
+            self._offsets[log] = offset + end
+            for line in data[:end].decode(errors="replace").splitlines():
+                if log.endswith("-superexec.log"):
+                    if task := TASK_LINE.search(line):
+                        self.tasks.append((now - float(task.group(3)), now))
+                else:
+                    self.lines.setdefault(log, []).append((now, line))
+        if now - self.last_memory > 0.2:
+            self.last_memory = now
+            self._sample_memory()
 
     def _sample_memory(self) -> None:
         for node in self.deployment.nodes:
