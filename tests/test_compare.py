@@ -848,3 +848,11 @@ def test_a_grid_that_sets_the_network_profile_is_refused_under_network(
     with pytest.raises(compare.CompareError, match="sets network-profile, and "):
         compare.run_comparison(comparison, dry_run=True)
     assert not (tmp_path / "out").exists()
+
+
+def test_varying_keys_takes_runs_built_without_every_setting(tmp_path: Path) -> None:
+    """A `Run` a script builds itself (not `Run.read`, which fills defaults)
+    may lack a setting another run has: it counts as the default."""
+    a = report.Run("a", tmp_path / "a", {"strategy": "fedavg", "rounds": 10}, {}, [])
+    b = report.Run("b", tmp_path / "b", {"strategy": "fedprox"}, {}, [])
+    assert report.varying_keys([a, b]) == ["strategy"]

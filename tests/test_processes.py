@@ -101,3 +101,28 @@ def test_a_record_knows_its_processes_by_pid_and_start_time() -> None:
         process.kill()
         process.wait()
     assert processes.start_times([process.pid], {}) == {}
+
+
+def test_a_live_process_whose_stat_cannot_be_read_is_trusted_without_a_time(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Where /proc hides other processes' stat (hidepid=), a recorded PID
+    that runs is still the record's unless the record has a start time it
+    cannot check (the first `recorded_runs` called it gone: `deploy status`
+    said stopped and `down` left its group)."""
+    process = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    hidden = f"/proc/{process.pid}/stat"
+    read_text = Path.read_text
+
+    def hiding(self: Path, *args, **kwargs) -> str:
+        if str(self) == hidden:
+            raise PermissionError(13, "Permission denied", hidden)
+        return read_text(self, *args, **kwargs)
+
+    try:
+        monkeypatch.setattr(Path, "read_text", hiding)
+        assert processes.recorded_runs(process.pid, {})
+        assert not processes.recorded_runs(process.pid, {str(process.pid): 5})
+    finally:
+        process.kill()
+        process.wait()

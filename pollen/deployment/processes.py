@@ -185,7 +185,9 @@ def recorded_runs(pid: int, started: Mapping[str, int]) -> bool:
     record has no time for (a record written before times were kept) is
     trusted."""
     fields = _stat(pid) if pid > 0 else None  # one read: state and start time
-    if not fields or fields[0] == "Z":
+    if not fields:  # unreadable (hidepid=): alive tells, without a time to check
+        return pid > 0 and alive(pid) and str(pid) not in started
+    if fields[0] == "Z":
         return False
     recorded = started.get(str(pid))
     return recorded is None or fields[19:20] == [str(recorded)]

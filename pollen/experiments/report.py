@@ -352,9 +352,8 @@ def varying_keys(runs: Sequence[Run]) -> list[str]:
             return run.settings.get(key) != preset[key]
         if key in TRAINING_KEYS:  # a part's own default (SCAFFOLD's momentum 0)
             return run.settings.get(key) != global_training_default(run, key)
-        # "auto": resolved per run, no default; `Run.read` filled any other
-        default = DEFAULTS.get(key, AUTO)
-        return default != AUTO and run.settings[key] != default
+        default = DEFAULTS.get(key, AUTO)  # "auto": resolved per run, no default
+        return default != AUTO and run.settings.get(key, default) != default
 
     by_strategy: dict[Any, list[Run]] = {}
     for run in runs:
