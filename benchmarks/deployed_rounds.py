@@ -139,39 +139,40 @@ class RoundCpu(Sampling):
             s for s in self.samples if s[0] >= 1 and s[2].keys() == last[2].keys()
         )
         rounds = last[0] - first[0]
+        if rounds < 1:
+            raise ValueError(f"{self.history}: rounds 2..R need 2 rounds or more")
         return {"all": (last[1] - first[1]) / rounds,
                 **{g: (last[2][g] - first[2][g]) / rounds for g in first[2]}}  # fmt: skip
 
 
 def _grouped_pids() -> dict[str, list[int]]:
-    """The running processes of each of `GROUPS` (none in a simulation),
-    but a warm executor's forked tasks: its CPU counts them once reaped."""
-    commands: dict[int, tuple[int, str]] = {}  # pid -> (parent, command)
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            with contextlib.suppress(OSError, IndexError):
-                command = (entry / "cmdline").read_bytes().replace(b"\0", b" ")
-                parent = (entry / "stat").read_text().rsplit(") ", 1)[1].split()[1]
-                commands[int(entry.name)] = (int(parent), command.decode())
-    forked = "flower_superexec"
+    """The running processes of each of `GROUPS` (none in a simulation). A
+    warm task running at this scan counts its own CPU until it ends, then in
+    its parent's (reaped children's time): each CPU-s counts once."""
     found: dict[str, list[int]] = {name: [] for name in GROUPS}
-    for pid, (parent, command) in commands.items():
-        if forked in command and forked in commands.get(parent, (0, ""))[1]:
-            continue  # a task, forked from its warm parent
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            command = (entry / "cmdline").read_bytes().replace(b"\0", b" ")
+        except OSError:
+            continue  # ended since the listing
         for name, marks in GROUPS.items():
-            if any(mark in command for mark in marks):
-                found[name].append(pid)
+            if any(mark in command.decode(errors="replace") for mark in marks):
+                found[name].append(int(entry.name))
                 break
     return found if any(found.values()) else {}
 
 
 def busy_cpu_seconds() -> float:
-    """CPU-s all cores spent busy since boot (/proc/stat: all but idle and
-    iowait)."""
+    """CPU-s all cores spent on work since boot (/proc/stat: user, nice,
+    system, irq, softirq; not idle, iowait, steal, nor guest time, which
+    user and nice already hold)."""
     fields = [
         int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]
     ]
-    return (sum(fields) - fields[3] - fields[4]) / os.sysconf("SC_CLK_TCK")
+    user, nice, system, _idle, _iowait, irq, softirq = fields[:7]
+    return (user + nice + system + irq + softirq) / os.sysconf("SC_CLK_TCK")
 
 
 def main() -> None:
