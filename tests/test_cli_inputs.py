@@ -274,3 +274,24 @@ def test_a_warm_federation_refuses_actors_its_head_cannot_place(
     finally:
         kill(head)
         kill(link)
+
+
+def test_warm_up_says_the_cpus_a_running_head_keeps(tmp_path: Path) -> None:
+    """`warm up --cpus 1` over a head offering 2 said only 'runs already':
+    runs went on being sized for 2 with no word why. A head of 0 CPUs
+    (through the Python API; the command refuses it) is refused before
+    anything starts: Ray places no actor and every run waits."""
+    head, link = standin("ray-head-standin"), standin("flower-superlink-standin")
+    try:
+        state = record(tmp_path / "fed", head.pid, link.pid)
+        state.write_text(json.dumps({**json.loads(state.read_text()), "cpus": 2}))
+        said = warm_simulation.warm_up(tmp_path / "fed", 1)
+        assert "runs already" in said and "2 CPUs (--cpus 2)" in said
+        assert "`pollen warm down` first for --cpus 1" in said
+        assert "first for" not in warm_simulation.warm_up(tmp_path / "fed", 2)
+    finally:
+        kill(head)
+        kill(link)
+    with pytest.raises(warm_simulation.WarmSimulationError, match="at least 1 CPU"):
+        warm_simulation.start_warm_simulation(tmp_path / "zero", 0)
+    assert not (tmp_path / "zero").exists()

@@ -58,8 +58,8 @@ class WarmSimulation:
     # each PID's start time (`processes.start_times`): a PID reused by another
     # process since is not this federation's (records made before: {})
     started: dict[str, int] = field(default_factory=dict)
-    # the CPUs its Ray head offers the ClientApp actors (`--cpus`; 0: this
-    # machine's, as Ray finds them and as records made before say nothing)
+    # the CPUs its Ray head offers the ClientApp actors (`--cpus`; 0: not
+    # given, so this machine's cores count, as for records made before)
     cpus: int = 0
 
     @property
@@ -173,6 +173,11 @@ def start_warm_simulation(directory: Path, cpus: int | None = None) -> WarmSimul
     `cpus` caps the CPUs the head offers (default: the CPUs Ray finds), and
     so how many ClientApp actors (one CPU each) a run starts: fewer actors
     start faster, where several federations share the machine's cores."""
+    if cpus is not None and (isinstance(cpus, bool) or cpus < 1):
+        raise WarmSimulationError(
+            f"a warm federation offers at least 1 CPU, got cpus={cpus!r} (Ray "
+            "would place no ClientApp actor)"
+        )
     directory = directory.resolve()
     home = directory / FLWR_HOME
     if problem := made_folder_problem(home):
@@ -230,7 +235,15 @@ def warm_up(directory: Path, cpus: int | None) -> str:
     with contextlib.suppress(WarmSimulationError):
         earlier = WarmSimulation.read(directory.resolve())
         if earlier.running():
-            return f"pollen: the warm simulation in {directory} runs already ({describe(earlier)})"
+            differs = (
+                f"; it keeps them: `pollen warm down` first for --cpus {cpus}"
+                if cpus is not None and cpus != earlier.cpus
+                else ""
+            )
+            return (
+                f"pollen: the warm simulation in {directory} runs already "
+                f"({describe(earlier)}){differs}"
+            )
         stop_warm_simulation(
             earlier
         )  # what is left of it: a head without its SuperLink
@@ -253,9 +266,11 @@ def warm_down(directory: Path) -> str:
 
 
 def describe(federation: WarmSimulation) -> str:
+    offered = f"--cpus {federation.cpus}" if federation.cpus else "this machine's"
     return (
         f"SuperLink pid {federation.superlink_pid}, Ray head pid "
-        f"{federation.ray_pid} at {federation.ray_address}"
+        f"{federation.ray_pid} at {federation.ray_address}, "
+        f"{federation.cores} CPUs ({offered})"
     )
 
 
