@@ -856,3 +856,7 @@ def test_varying_keys_takes_runs_built_without_every_setting(tmp_path: Path) -> 
     a = report.Run("a", tmp_path / "a", {"strategy": "fedavg", "rounds": 10}, {}, [])
     b = report.Run("b", tmp_path / "b", {"strategy": "fedprox"}, {}, [])
     assert report.varying_keys([a, b]) == ["strategy"]
+    c = report.Run("c", tmp_path / "c", {"strategy": "fedavg"}, {}, [])
+    assert report.varying_keys([a, c]) == []  # rounds=10 is the default
+    d = report.Run("d", tmp_path / "d", {"strategy": "fedavg", "rounds": 3}, {}, [])
+    assert report.varying_keys([c, d]) == ["rounds"]

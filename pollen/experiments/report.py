@@ -122,13 +122,17 @@ class Run:
     # a deployment over shaped links: the bytes each node's link carried
     network: dict[str, Any] | None = None
 
+    def __post_init__(self) -> None:
+        """A setting the run's settings lack (written by an older pollen or
+        by hand, or a script's own `Run`) counts as that setting's default."""
+        missing = {k: v for k, v in DEFAULTS.items() if k not in self.settings}
+        object.__setattr__(self, "settings", {**self.settings, **missing})
+
     @classmethod
     def read(cls, path: Path, summary: dict[str, Any] | None = None) -> Run:
         """The run in `path`, its files checked for what the report reads:
         `CompareError` names a file that is unreadable or holds something
-        else. `summary`: its summary.json, where the caller read it already.
-        A setting its settings.json lacks (written by an older pollen or by
-        hand) counts as that setting's default."""
+        else. `summary`: its summary.json, where the caller read it already."""
         if summary is None:
             summary = read_json(path / "summary.json", dict)
         _check_numbers(path / "summary.json", summary, SUMMARY_NUMBERS)
@@ -148,8 +152,7 @@ class Run:
             for node in nodes:
                 _check_numbers(path / "network.json", node, ("bytes-up", "bytes-down"))
         settings = read_json(path / "settings.json", dict)
-        missing = {k: v for k, v in DEFAULTS.items() if k not in settings}
-        return cls(path.name, path, {**settings, **missing}, summary, history, network)
+        return cls(path.name, path, settings, summary, history, network)
 
     def reaching(self, target: float) -> int | None:
         """The index of the first history row at `target` accuracy or above."""
@@ -353,7 +356,7 @@ def varying_keys(runs: Sequence[Run]) -> list[str]:
         if key in TRAINING_KEYS:  # a part's own default (SCAFFOLD's momentum 0)
             return run.settings.get(key) != global_training_default(run, key)
         default = DEFAULTS.get(key, AUTO)  # "auto": resolved per run, no default
-        return default != AUTO and run.settings.get(key, default) != default
+        return default != AUTO and run.settings.get(key) != default
 
     by_strategy: dict[Any, list[Run]] = {}
     for run in runs:
