@@ -57,9 +57,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from executors import COMMON, PROJECT, Sampling, deployed, median, pollen_run
 from poll_cost import cpu_seconds
 
+CORES = os.cpu_count() or 1
 # (label, name in file names, poll interval: None simulates, 0 is Flower's;
 # where the SuperLink keeps its state)
-CORES = os.cpu_count() or 1
 WAYS = (
     ("simulated", "sim", None, ""),
     ("Flower's waits", "flower", 0.0, "file"),
@@ -154,11 +154,16 @@ def _grouped_pids() -> dict[str, list[int]]:
         if not entry.name.isdigit():
             continue
         try:
-            command = (entry / "cmdline").read_bytes().replace(b"\0", b" ")
+            command = (
+                (entry / "cmdline")
+                .read_bytes()
+                .replace(b"\0", b" ")
+                .decode(errors="replace")
+            )
         except OSError:
             continue  # ended since the listing
         for name, marks in GROUPS.items():
-            if any(mark in command.decode(errors="replace") for mark in marks):
+            if any(mark in command for mark in marks):
                 found[name].append(int(entry.name))
                 break
     return found if any(found.values()) else {}
