@@ -1,12 +1,14 @@
 """The `pollen` command.
 
 Argument parsing, and one map from errors to exit codes; each command's
-work is done elsewhere: `pollen run` by `pollen.deployment.launch`,
+work is done elsewhere: `pollen run`, `pollen compare` and `pollen report`
+by `pollen.api` (the same functions a Python user calls: `pollen.run`,
+`pollen.compare`, `pollen.report`; the run itself: `pollen.deployment.launch`),
 `pollen deploy` by `pollen.deployment.deploy_actions` (the processes:
 `pollen.deployment.cluster`), `pollen superexec` by
 `pollen.deployment.superexec`, `pollen supernode` by
-`pollen.deployment.supernode`, `pollen compare` and `pollen report` by
-`pollen.experiments.compare` (tables and plots: `pollen.experiments.report`),
+`pollen.deployment.supernode`, the grids by `pollen.experiments.compare`
+(tables and plots: `pollen.experiments.report`),
 `pollen centralized` by `pollen.experiments.centralized`, `pollen list` and
 `pollen config` by `pollen.listing`. An expected error
 is printed as one line and ends the command with the exit status
@@ -24,35 +26,20 @@ import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-from . import listing
-from .deployment import (
-    cluster,
-    deploy_actions,
-    launch,
-    processes,
-    supernode,
-    warm_simulation,
-)
-from .deployment.certificates import CertificateError
+from . import api, listing
+from .deployment import cluster, deploy_actions, supernode, warm_simulation
 from .deployment.flower import without_telemetry
 from .deployment.network import NetworkError
 from .deployment.processes import ProcessError
-from .deployment.run_config import RunConfigError
 from .experiments import compare, report
 from .flower_waits import add_poll_interval
-from .network_profile import NetworkProfile, ProfileError, resolve
-from .runs.checkpoints import CheckpointError
-from .runs.results import ResultsError
-from .settings import SettingsError
 
 EXIT_FAILED, EXIT_BAD_INPUT = 1, 2
 EXIT_INTERRUPTED = 130  # as a shell reports a command Ctrl-C stopped
 DEPLOY_DIR = Path(".pollen-deploy")
 RUN_CONFIG_HELP = 'TOML file or "key=value ..." overrides (repeatable)'
 EXIT_CODES = (
-    ((SettingsError, RunConfigError, launch.LaunchError, ResultsError,
-      CheckpointError, compare.CompareError, ProfileError,
-      deploy_actions.NodeConfigError, CertificateError), EXIT_BAD_INPUT),
+    (api.BAD_INPUT, EXIT_BAD_INPUT),
     ((cluster.DeployError, ProcessError, NetworkError,
       warm_simulation.WarmSimulationError), EXIT_FAILED),
 )  # fmt: skip
@@ -80,34 +67,18 @@ def exit_code(error: Exception) -> int:
     return next(code for kinds, code in EXIT_CODES if isinstance(error, kinds))
 
 
-def network_profile(spec: str | None, app: Path) -> Path | None:
-    """The profile file `--network` names (a path or a preset of the app's
-    configs/networks/), read and validated now: None without --network."""
-    if spec is None:
-        return None
-    path = resolve(spec, app)
-    NetworkProfile.load(path)
-    return path
-
-
 def run_command(args: argparse.Namespace) -> int:
-    app = Path(args.app).expanduser().resolve()
-    overrides = list(args.run_config)
-    profile = network_profile(args.network, app)
-    if profile is not None:
-        overrides.append(compare.config_text({"network-profile": str(profile)}))
     try:
-        with processes.stop_signals_interrupt():  # SIGTERM, SIGHUP: as Ctrl-C
-            completed = launch.run(
-                app, overrides,
-                connection=args.connection, federation=args.federation_config,
-                deployment_dir=Path(args.deployment) if args.deployment else None,
-                warm_dir=Path(args.warm_simulation) if args.warm_simulation else None,
-                verbose=args.verbose,
-            )  # fmt: skip
-    except KeyboardInterrupt:  # said by `launch.run`: where it stopped, how to resume
+        api.run(
+            args.run_config, app=args.app, connection=args.connection,
+            federation=args.federation_config, deployment=args.deployment,
+            warm=args.warm_simulation, network=args.network, verbose=args.verbose,
+        )  # fmt: skip
+    except KeyboardInterrupt:  # said by the run: where it stopped, how to resume
         return EXIT_INTERRUPTED
-    return 0 if completed else EXIT_FAILED
+    except api.RunFailed:  # said by the run: its error, where its results are
+        return EXIT_FAILED
+    return 0
 
 
 def centralized_command(args: argparse.Namespace) -> None:
@@ -118,23 +89,16 @@ def centralized_command(args: argparse.Namespace) -> None:
 
 
 def compare_command(args: argparse.Namespace) -> int:
-    app = Path(args.app).expanduser().resolve()
-    if args.simulate and args.network is None:
-        raise compare.CompareError("--simulate needs --network PROFILE")
     try:
-        comparison = compare.Comparison(
-            args.grid, app, args.out, args.run_config, only=args.only,
-            network=network_profile(args.network, app), simulate=args.simulate,
+        api.compare(
+            args.grid, args.run_config, out=args.out, app=args.app, only=args.only,
+            network=args.network, simulate=args.simulate, dry_run=args.dry_run,
         )  # fmt: skip
-        completed = compare.run_comparison(comparison, dry_run=args.dry_run)
-    except KeyboardInterrupt:  # Ctrl-C, or SIGTERM during a deployed cell
-        print(
-            f"pollen: compare interrupted (the running cell was stopped and torn "
-            f"down); run it again to resume in {args.out}",
-            file=sys.stderr,
-        )
+    except KeyboardInterrupt:  # said by the comparison: how to resume it
         return EXIT_INTERRUPTED
-    return 0 if completed else EXIT_FAILED
+    except api.RunFailed:  # said by the comparison: which cells, their logs
+        return EXIT_FAILED
+    return 0
 
 
 def warm_command(args: argparse.Namespace) -> None:
@@ -149,7 +113,7 @@ def warm_command(args: argparse.Namespace) -> None:
 
 
 def report_command(args: argparse.Namespace) -> None:
-    compare.report_comparison(args.directory, args.target)
+    print(api.report(args.directory, args.target).table(), end="")
 
 
 def deploy_command(args: argparse.Namespace) -> None:

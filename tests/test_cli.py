@@ -149,8 +149,9 @@ def test_run_network_passes_the_profile_key(
 
     given: list[list[str]] = []
     monkeypatch.setattr(
-        launch, "run", lambda app, overrides, **kwargs: given.append(overrides) or True
-    )
+        launch, "run", lambda app, overrides, **kwargs: given.append(overrides)
+        or launch.Outcome(tmp_path, completed=True),
+    )  # fmt: skip
     profile = tmp_path / "net.toml"
     profile.write_text("[default]\ndelay-ms = 5\n")
     assert main(["run", "-c", "rounds=1", "--network", str(profile)]) == 0

@@ -12,9 +12,10 @@ error in full on stderr (Flower's `ERROR` lines and any traceback).
 
 On a terminal a status line under the output says the round, accuracy,
 loss, time since the command started and the time left, redrawn every
-second; elsewhere (a file, a pipe, a comparison's cell log) there is no
-status line and no control character (Flower's colours are dropped), only
-the lines.
+second; in a Jupyter kernel (`pollen.run` in a notebook) the same status is
+one output above the lines, updated in place; elsewhere (a file, a pipe, a
+comparison's cell log) there is no status line and no control character
+(Flower's colours are dropped), only the lines.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import re
 import sys
 import threading
 import time
+from collections.abc import Callable
 from typing import TextIO
 
 from ..runs.results import ACCURACY_LINE, ROUND_LINE
@@ -79,6 +81,8 @@ class Console:
         self.err = err or sys.stderr
         self.verbose = verbose
         self.live = self.out.isatty()
+        # in a Jupyter kernel: the status as an output updated in place
+        self._show = None if self.live else notebook_status()
         self.started = time.monotonic()
         self._error_tail: str | None = None  # what unprefixed lines continue
         # the stream's last error: a traceback's exception line, or the text
@@ -89,7 +93,7 @@ class Console:
         self._progress: dict[str, float] = {}
         self._lock = threading.Lock()
         self._stopped = threading.Event()
-        if self.live:
+        if self.live or self._show is not None:
             threading.Thread(target=self._redraw_every_second, daemon=True).start()
 
     def line(self, raw: str) -> None:
@@ -201,7 +205,9 @@ class Console:
         )
 
     def _draw_status(self) -> None:
-        if self.live and not self._stopped.is_set():
+        if self._show is not None:
+            self._show(self.status())
+        elif self.live and not self._stopped.is_set():
             self._status = self.status()
             self.out.write(self._status)
 
@@ -216,6 +222,28 @@ class Console:
                 self._clear_status()
                 self._draw_status()
                 self.out.flush()
+
+
+def notebook_status() -> Callable[[str], None] | None:
+    """In a Jupyter kernel, a function that shows a line of text as one
+    output of the running cell, replaced at each call (IPython's display
+    handles: no widget library needed, and a notebook run by nbclient keeps
+    the last one); None anywhere else. IPython is imported only where a
+    kernel already did."""
+    if "ipykernel" not in sys.modules:
+        return None
+    from IPython import get_ipython
+    from IPython.display import display
+
+    if getattr(get_ipython(), "kernel", None) is None:
+        return None
+    handle = display({"text/plain": "pollen: starting up ..."}, raw=True,
+                     display_id=True)  # fmt: skip
+
+    def show(text: str) -> None:
+        handle.update({"text/plain": text}, raw=True)
+
+    return show
 
 
 def _clock(seconds: float) -> str:

@@ -74,6 +74,29 @@ RUN_STOP_SECONDS = (
 )  # fmt: skip
 
 
+class Interrupted(KeyboardInterrupt):
+    """A run (or a comparison) stopped by Ctrl-C (Jupyter's stop button),
+    SIGTERM or SIGHUP, once every process it started here has stopped.
+    `dir` holds what it wrote; `resume_after` is the round a run's
+    checkpoint continues after (the same settings with `resume` set to
+    `dir`), None when there is none (stopped before its first round, under
+    DP-SGD, a run on a SuperLink elsewhere, which goes on, or a comparison,
+    which resumes when run again)."""
+
+    def __init__(
+        self, dir: Path, resume_after: int | None, message: str | None = None
+    ) -> None:
+        if message is None:
+            message = (
+                f"interrupted; {dir} resumes after round {resume_after}"
+                if resume_after is not None
+                else f"interrupted; nothing in {dir} to resume"
+            )
+        super().__init__(message)
+        self.dir = dir
+        self.resume_after = resume_after
+
+
 class LaunchError(ValueError):
     """Where to run is asked for in a way that cannot work (a deployment
     that is not running, a bad `--federation-config`); nothing ran."""
@@ -179,6 +202,23 @@ class Target:
         return self.connection is None and self.deployment is None
 
 
+@dataclass(frozen=True)
+class Outcome:
+    """How a run ended: where its results are (`here`: on this machine, not
+    on a remote ServerApp's), whether it `completed` and, if not, the
+    `error` that ended it (the ServerApp's, or the last error line of
+    Flower's stream when the run failed before writing its results). True
+    exactly when it completed, as the command's exit status reads it."""
+
+    run_dir: Path
+    completed: bool
+    error: str | None = None
+    here: bool = True
+
+    def __bool__(self) -> bool:
+        return self.completed
+
+
 def run(
     app: Path,
     overrides: Sequence[str],
@@ -188,10 +228,10 @@ def run(
     deployment_dir: Path | None = None,
     warm_dir: Path | None = None,
     verbose: bool = False,
-) -> bool:
-    """Validate, submit and follow one run of `app`; whether it completed
-    (what its `summary.json` says, reported on the console). A simulation
-    runs on a SuperLink of its own, or on the warm federation in `warm_dir`."""
+) -> Outcome:
+    """Validate, submit and follow one run of `app`; how it ended (what its
+    `summary.json` says, reported on the console). A simulation runs on a
+    SuperLink of its own, or on the warm federation in `warm_dir`."""
     started = time.monotonic()
     settings, run_config = prepare_run(app, overrides)
     target = find_target(connection, deployment_dir, warm_dir)
@@ -217,8 +257,8 @@ def run(
                                          console, watchdog)  # fmt: skip
         except KeyboardInterrupt:  # Ctrl-C, SIGTERM or SIGHUP
             resume = resume_command(app, overrides, federation, run_dir)
-            _report_stopped(target, run_dir, settings, resume)
-            raise
+            after = _report_stopped(target, run_dir, settings, resume)
+            raise Interrupted(run_dir, after) from None
         finally:
             kept = _keep_flower_log(log_path, run_dir)
         wall_seconds = time.monotonic() - started
@@ -228,7 +268,7 @@ def run(
             print(
                 f"pollen: run completed; results in {run_dir} on the ServerApp's machine"
             )
-            return True
+            return Outcome(run_dir, True, here=False)
         return report_outcome(
             run_dir, wall_seconds, resumed=bool(settings.resume), token=token,
             error=console.last_error, log=kept or log_path, earlier=earlier,
@@ -320,18 +360,19 @@ def _keep_flower_log(log_path: Path, run_dir: Path) -> Path | None:
 
 def _report_stopped(
     target: Target, run_dir: Path, settings: Settings, resume: str
-) -> None:
+) -> int | None:
     """Say what an interrupted `pollen run` leaves: a simulation here has
     recorded the interruption (`report_interrupted`, with the `resume`
-    command); a run elsewhere goes on without this command."""
+    command); a run elsewhere goes on without this command. The round a
+    resume continues after; None when there is none to resume here."""
     if target.simulated:
-        report_interrupted(run_dir, settings, resume)
-    else:
-        print(
-            "pollen: stopped following the run; it goes on at the SuperLink "
-            "(`flwr stop RUN_ID` ends it; the run id is in Flower's lines)",
-            file=sys.stderr,
-        )
+        return report_interrupted(run_dir, settings, resume)
+    print(
+        "pollen: stopped following the run; it goes on at the SuperLink "
+        "(`flwr stop RUN_ID` ends it; the run id is in Flower's lines)",
+        file=sys.stderr,
+    )
+    return None
 
 
 def _submit(
@@ -394,15 +435,16 @@ def _shell_word(text: str) -> str:
     return f'"{text}"'
 
 
-def report_interrupted(run_dir: Path, settings: Settings, command: str) -> None:
-    """Say where an interrupted run stopped and how to continue it."""
+def report_interrupted(run_dir: Path, settings: Settings, command: str) -> int | None:
+    """Say where an interrupted run stopped and how to continue it; the round
+    a resume continues after (None: it cannot be resumed)."""
     if settings.dp:
         print(
             "pollen: interrupted; a dp=true run cannot be resumed (its privacy "
             f"accounting covers the run as planned); what it wrote is in {run_dir}",
             file=sys.stderr,
         )
-        return
+        return None
     try:
         round = check_resumable(run_dir, settings.to_run_config())
     except (CheckpointError, OSError, ValueError):
@@ -412,7 +454,7 @@ def report_interrupted(run_dir: Path, settings: Settings, command: str) -> None:
             "pollen: interrupted before the run started",
             file=sys.stderr,
         )  # fmt: skip
-        return
+        return None
     print(
         f"pollen: interrupted after round {round} (checkpointed); resume with:\n"
         f"  {command}",
@@ -424,6 +466,7 @@ def report_interrupted(run_dir: Path, settings: Settings, command: str) -> None:
             "only with checkpoint-every; the resumed run starts it afresh",
             file=sys.stderr,
         )
+    return round
 
 
 def simulation_federation(
@@ -639,8 +682,8 @@ def report_outcome(
     error: str | None = None,
     log: Path | None = None,
     earlier: bytes | None = None,
-) -> bool:
-    """Whether the run completed, from its own record of how it ended; said
+) -> Outcome:
+    """How the run ended, from its own record of how it ended; said
     on the console with where its results are, the command's wall time and,
     of it, the ServerApp's (start-up of Flower and Ray is the difference; a
     resumed run's ServerApp time covers every part, so it is given apart).
@@ -663,17 +706,17 @@ def report_outcome(
     if token is None and earlier is not None and text == earlier:
         summary = {}
     if not summary:
+        error = error or "Flower gave no error line"
         print(
-            f"pollen: run failed before writing its results: "
-            f"{error or 'Flower gave no error line'}"
+            f"pollen: run failed before writing its results: {error}"
             + (f" (Flower's lines: {log})" if log else ""),
             file=sys.stderr,
         )
-        return False
+        return Outcome(run_dir, False, error)
     if summary.get("status") != "completed":
         print(f"pollen: run failed: {summary.get('error')}", file=sys.stderr)
         print(f"pollen: results (partial) in {run_dir}", file=sys.stderr)
-        return False
+        return Outcome(run_dir, False, str(summary.get("error")))
     print(
         f"pollen: completed {summary['rounds']} rounds, final accuracy "
         f"{100 * summary['final-accuracy']:.2f}% (best {100 * summary['best-accuracy']:.2f}%"
@@ -683,4 +726,4 @@ def report_outcome(
            f"({summary['total-seconds']:.1f} s of them in the ServerApp)")
     )  # fmt: skip
     print(f"pollen: results in {run_dir}")
-    return True
+    return Outcome(run_dir, True)

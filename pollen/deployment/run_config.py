@@ -61,10 +61,23 @@ def _skip_spaces(text: str, position: int) -> int:
     return position
 
 
+PRESETS_DIR = "configs"  # in the app: a preset is a TOML file there, by its stem
+
+
+def preset(app: Path, value: str) -> Path | None:
+    """The app's preset that a `--run-config` value names (`mnist-fedavg`:
+    `configs/mnist-fedavg.toml`), or None when the value names none."""
+    if not re.fullmatch(r"[\w.-]+", value) or value.endswith(".toml"):
+        return None
+    path = app / PRESETS_DIR / f"{value}.toml"
+    return path if path.is_file() else None
+
+
 def resolve_run_config(app: Path, overrides: Sequence[str]) -> dict[str, Any]:
     """pyproject defaults, then each `--run-config` value in order (later wins).
 
-    Unlike `flwr run`, TOML files and "key=value" strings may be mixed.
+    Unlike `flwr run`, TOML files, the app's presets (by name) and
+    "key=value" strings may be mixed.
     """
     from click import ClickException
     from flwr.common.config import get_project_config, parse_config_args
@@ -76,6 +89,7 @@ def resolve_run_config(app: Path, overrides: Sequence[str]) -> dict[str, Any]:
             f"{app} is not a Flower App with [tool.flwr.app.config]: {err}"
         ) from err
     for value in overrides:
+        value = str(preset(app, value) or value)
         if not value.endswith(".toml") and (problem := pairs_problem(value)):
             raise RunConfigError(
                 f"invalid --run-config {value!r}: {problem}; write key=value pairs "

@@ -73,14 +73,15 @@ class Grid:
 
     @classmethod
     def load(cls, path: Path) -> Grid:
+        """The grid in the TOML file `path`."""
+        return cls.loads(grid_text(path), path)
+
+    @classmethod
+    def loads(cls, text: str, path: Path) -> Grid:
+        """The grid the TOML `text` holds, its errors said as `path`'s."""
         try:
-            document = tomllib.loads(path.read_text(encoding="utf-8"))
-        except UnicodeDecodeError as err:
-            raise CompareError(
-                f"cannot read grid {path}: not UTF-8 text (byte {err.start}); a "
-                "grid is a TOML file"
-            ) from None
-        except (OSError, tomllib.TOMLDecodeError) as err:
+            document = tomllib.loads(text)
+        except tomllib.TOMLDecodeError as err:
             raise CompareError(f"cannot read grid {path}: {err}") from err
         unknown = set(document) - {"base", "grid", "target"}
         if unknown:
@@ -173,6 +174,19 @@ class Grid:
             picked = chosen.setdefault(key, [])
             picked += [value for value in matches[:1] if value not in picked]
         return dataclasses.replace(self, axes={**self.axes, **chosen})
+
+
+def grid_text(path: Path) -> str:
+    """The text of the grid file `path`, or `CompareError` saying why not."""
+    try:
+        return path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as err:
+        raise CompareError(
+            f"cannot read grid {path}: not UTF-8 text (byte {err.start}); a "
+            "grid is a TOML file"
+        ) from None
+    except OSError as err:
+        raise CompareError(f"cannot read grid {path}: {err}") from err
 
 
 def _check_scalar(where: str, value: Any) -> None:
@@ -556,6 +570,14 @@ class Comparison:
     only: Sequence[str] = ()
     network: Path | None = None
     simulate: bool = False
+    # the grid's TOML when it was not read from `grid_path` (one given in
+    # Python, kept at `grid_path` when the comparison runs)
+    grid_text: str = ""
+
+    @property
+    def grid_toml(self) -> str:
+        """The grid's TOML: `grid_text`, else `grid_path`'s."""
+        return self.grid_text or grid_text(self.grid_path)
 
     @property
     def deployed(self) -> bool:
@@ -581,14 +603,15 @@ class Comparison:
             raise CompareError(f"cell {config!r}: {err}") from None
 
 
-def run_comparison(comparison: Comparison, dry_run: bool = False) -> bool:
+def run_comparison(comparison: Comparison, dry_run: bool = False) -> list[str]:
     """`pollen compare`: validate every selected cell of the comparison's
     grid, then list them (`dry_run`) or run the unfinished ones into its
-    `out` and print the report's table; whether every cell completed."""
+    `out` and print the report's table; the cells that failed."""
     from . import network_cells  # the deployment side: only --network pays
 
     out = comparison.out
-    grid = Grid.load(comparison.grid_path).select(comparison.only)
+    grid_toml = comparison.grid_toml
+    grid = Grid.loads(grid_toml, comparison.grid_path).select(comparison.only)
     if comparison.network is not None and grid.sets("network-profile"):
         raise CompareError(
             f"{comparison.grid_path} sets network-profile, and --network sets it "
@@ -603,14 +626,14 @@ def run_comparison(comparison: Comparison, dry_run: bool = False) -> bool:
         if comparison.deployed:
             print(f"pollen: each cell runs as a deployment over {comparison.network}")
         print_plan(cells, out)
-        return True
+        return []
     if comparison.deployed:
         network_cells.check_host()
     # SIGTERM stops a comparison as Ctrl-C does: the cell's processes go too
     with exclusive(out) as running, processes.stop_signals_interrupt():
         cells = with_states(cells, out)
         refuse_held(cells, out)
-        write_atomic(out / "grid.toml", comparison.grid_path.read_text())
+        write_atomic(out / "grid.toml", grid_toml)
         with _shared_federation(comparison, cells):
             run_cell = _cell_runner(comparison, run_configs)
             failed = run_grid(cells, out, run_cell, running=running)
@@ -620,7 +643,7 @@ def run_comparison(comparison: Comparison, dry_run: bool = False) -> bool:
     if failed:
         print(f"pollen: {len(failed)} of {len(cells)} cells failed: "
               f"{', '.join(failed)} (their logs in {out / 'logs'})", file=sys.stderr)  # fmt: skip
-    return not failed
+    return failed
 
 
 def _shared_federation(
@@ -664,11 +687,11 @@ def print_plan(cells: list[Cell], out: Path) -> None:
         print(f"{cell.name}: {describe(cell, running)}: {cell.config}")
 
 
-def report_comparison(directory: Path, target: float | None) -> None:
+def report_comparison(directory: Path, target: float | None) -> Path:
     """`pollen report`: the report of `directory` at `target`, or at the
-    target of the grid it holds, its table printed."""
+    target of the grid it holds; its markdown table's path."""
     if target is None and (directory / "grid.toml").exists():
         target = Grid.load(directory / "grid.toml").target
     if target is not None and not 0 < target <= 1:
         raise CompareError(f"--target must be in (0, 1], got {target}")
-    print(report(directory, target).read_text(), end="")
+    return report(directory, target)

@@ -26,7 +26,7 @@ import json
 import shutil
 import statistics
 import tomllib
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
@@ -34,7 +34,7 @@ from typing import Any, TypeVar
 from ..catalog import DATA_SETS, TRAINING_KEYS, Scalar
 from ..files import write_atomic, write_json
 from ..runs.claim import is_held
-from ..runs.results import RUN_MARKER, plot_accuracy_against
+from ..runs.results import RUN_MARKER, accuracy_figure, plot_accuracy_against
 from ..settings import AUTO, INVOCATION_KEYS, PRESETS, Settings
 
 # Keys that name where or how a run ran, not what it computed.
@@ -558,18 +558,54 @@ def plot_groups(
     (dashed); each setting's label distribution. A line whose seeds do not
     all record a measure is left off that figure, and a figure no line has
     is not drawn."""
-    keys = [k for k in varying_keys(runs) if k != "seed"]
-    line_keys, figure_keys = split_line_and_figure_keys(keys, grid, runs)
-    figures = _figures(runs, line_keys, figure_keys)
     plots.mkdir(parents=True, exist_ok=True)
     written = []
-    for slug, lines in figures.items():
-        title, labels = _figure_title(lines, line_keys, figure_keys)
-        written += _plot_figure(plots, slug, lines, title, labels)
+    for name, figure in figure_data(runs, grid).items():
+        written.append(plots / f"{name}.png")
+        plot_accuracy_against(
+            figure.series, written[-1], figure.title, figure.xlabel,
+            integer_x=figure.xlabel == "round", own_models=figure.own_models,
+        )  # fmt: skip
+    keys = [k for k in varying_keys(runs) if k != "seed"]
+    _, figure_keys = split_line_and_figure_keys(keys, grid, runs)
     partition_keys = [  # not the strategy, nor what only a named cell or preset sets
         k for k in keys if k not in SERIES_KEYS and (grid is None or k in figure_keys)
     ]
     return written + _copy_label_plots(runs, plots, partition_keys)
+
+
+@dataclass(frozen=True)
+class FigureData:
+    """What one of the report's figures draws: a line per setting (`series`:
+    label -> (x, mean accuracy over seeds)), its clients' own models dashed
+    beside a personalised line (`own_models`), its `title` and `xlabel`."""
+
+    title: str
+    xlabel: str
+    series: dict[str, tuple[list[float], list[float]]]
+    own_models: dict[str, tuple[list[float], list[float]]]
+
+    def figure(self) -> Any:
+        """The figure, as a matplotlib `Figure` (`results.accuracy_figure`)."""
+        return accuracy_figure(self.series, self.title, self.xlabel,
+                               integer_x=self.xlabel == "round",
+                               own_models=self.own_models)  # fmt: skip
+
+
+def figure_data(
+    runs: Sequence[Run], grid: GridShape | None = None
+) -> dict[str, FigureData]:
+    """`plot_groups`' figures by name (their files' names without `.png`):
+    `accuracy-<x>-<setting>`, x being `rounds`, `seconds`, `sim-seconds` or
+    `bytes`."""
+    keys = [k for k in varying_keys(runs) if k != "seed"]
+    line_keys, figure_keys = split_line_and_figure_keys(keys, grid, runs)
+    figures = {}
+    for slug, lines in _figures(runs, line_keys, figure_keys).items():
+        title, labels = _figure_title(lines, line_keys, figure_keys)
+        for x, data in _setting_figures(lines, title, labels):
+            figures[f"accuracy-{x}-{slug}"] = data
+    return figures
 
 
 def _figures(
@@ -602,15 +638,12 @@ def _figure_title(
     return title + seeds_in_title, labels
 
 
-def _plot_figure(
-    plots: Path,
-    slug: str,
-    lines: Mapping[str, Sequence[Run]],
-    title: str,
-    labels: Mapping[str, str],
-) -> list[Path]:
-    """One setting's figures: accuracy per round, and against each measure
-    every line records (a measure no line records has no figure)."""
+def _setting_figures(
+    lines: Mapping[str, Sequence[Run]], title: str, labels: Mapping[str, str]
+) -> Iterator[tuple[str, FigureData]]:
+    """One setting's figures, each with the name of its x: accuracy per
+    round, and against each measure every line records (a measure no line
+    records has no figure)."""
     accuracy = {
         line: [[r["accuracy"] for r in m.history] for m in members]
         for line, members in lines.items()
@@ -620,18 +653,13 @@ def _plot_figure(
         line: [float(r["round"]) for r in members[0].history]
         for line, members in lines.items()
     }
-    path = plots / f"accuracy-rounds-{slug}.png"
-    written = [_plot_lines(path, title, "round", x_rounds, accuracy, own, labels)]
+    yield "rounds", _lines(title, "round", x_rounds, accuracy, own, labels)
     for measure in MEASURES:
         sums = {line: _of_every_seed([m.cumulative(measure) for m in members])
                 for line, members in lines.items()}  # fmt: skip
         xs = {line: _mean_curve(s) for line, s in sums.items() if s is not None}
         if xs:  # else no line records this measure: no figure
-            path = plots / f"accuracy-{measure.plot}-{slug}.png"
-            written.append(
-                _plot_lines(path, title, measure.xlabel, xs, accuracy, own, labels)
-            )
-    return written
+            yield measure.plot, _lines(title, measure.xlabel, xs, accuracy, own, labels)
 
 
 def _copy_label_plots(
@@ -741,11 +769,11 @@ def _mean_own_curve(members: Sequence[Run]) -> list[float | None] | None:
     ]  # fmt: skip
 
 
-def _plot_lines(
-    path: Path, title: str, xlabel: str,
+def _lines(
+    title: str, xlabel: str,
     xs: Mapping[str, Sequence[float]], accuracy: Mapping[str, Sequence[Sequence[float]]],
     own: Mapping[str, list[float | None] | None], labels: Mapping[str, str],
-) -> Path:  # fmt: skip
+) -> FigureData:  # fmt: skip
     """One figure: each line in `xs` (its mean accuracy over seeds against
     x), and beside a personalised line its clients' own models at the rounds
     they were evaluated."""
@@ -757,9 +785,7 @@ def _plot_lines(
         if (curve := own.get(line)) is not None:
             points = [(x[i], v) for i, v in enumerate(curve[: len(x)]) if v is not None]
             own_models[labels[line]] = ([p[0] for p in points], [p[1] for p in points])
-    plot_accuracy_against(series, path, title, xlabel, integer_x=xlabel == "round",
-                          own_models=own_models)  # fmt: skip
-    return path
+    return FigureData(title, xlabel, series, own_models)
 
 
 def _seed_counts(lines: Mapping[str, Sequence[Run]]) -> tuple[str, dict[str, str]]:

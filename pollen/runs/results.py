@@ -13,7 +13,8 @@ import io
 import json
 import math
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from datetime import datetime
 from pathlib import Path
@@ -336,59 +337,88 @@ def _mb(n: int) -> str:
     return f"{n / 1e6:.2f} MB"
 
 
-def _pyplot():
-    import matplotlib
+PLOT_STYLE = "seaborn-v0_8-whitegrid"
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
 
-    plt.style.use("seaborn-v0_8-whitegrid")
-    return plt
+@contextmanager
+def _figure(width: float, height: float) -> Iterator[Any]:
+    """A matplotlib `Figure` of `width` x `height` inches in pollen's style,
+    to draw on inside the block. It is made without pyplot: neither pyplot's
+    global state, its rcParams nor the caller's backend changes (a notebook
+    keeps its own, and shows the figure as a cell's value), and the figure
+    goes with its last reference."""
+    import matplotlib.style
+    from matplotlib.figure import Figure
+
+    with matplotlib.style.context(PLOT_STYLE):
+        fig = Figure(figsize=(width, height), dpi=110)
+        yield fig
+        fig.tight_layout()
 
 
 def plot_curves(
     history: list[RoundRecord], path: Path, title: str, xlabel: str = "round"
 ) -> None:
+    """`curves_figure`, saved as a PNG at `path`."""
+    _save(curves_figure(history, title, xlabel), path)
+
+
+def curves_figure(
+    history: Sequence[RoundRecord], title: str, xlabel: str = "round"
+) -> Any:
     """Test accuracy and loss per round (or epoch), side by side."""
-    plt = _pyplot()
     rounds = [r.round for r in history]
-    fig, (ax_acc, ax_loss) = plt.subplots(1, 2, figsize=(10, 4), dpi=110)
-    ax_acc.plot(rounds, [100 * r.accuracy for r in history], marker="o", ms=3)
-    ax_acc.set(xlabel=xlabel, ylabel="test accuracy (%)", title="Accuracy")
-    ax_loss.plot(rounds, [r.loss for r in history], marker="o", ms=3, color="C3")
-    ax_loss.set(xlabel=xlabel, ylabel="test cross-entropy", title="Loss")
-    fig.suptitle(title)
-    fig.tight_layout()
-    _save(fig, path)
+    with _figure(10, 4) as fig:
+        ax_acc, ax_loss = fig.subplots(1, 2)
+        ax_acc.plot(rounds, [100 * r.accuracy for r in history], marker="o", ms=3)
+        ax_acc.set(xlabel=xlabel, ylabel="test accuracy (%)", title="Accuracy")
+        ax_loss.plot(rounds, [r.loss for r in history], marker="o", ms=3, color="C3")
+        ax_loss.set(xlabel=xlabel, ylabel="test cross-entropy", title="Loss")
+        fig.suptitle(title)
+    return fig
+
+
+Series = Mapping[str, tuple[Sequence[float], Sequence[float]]]
 
 
 def plot_accuracy_against(
-    series: Mapping[str, tuple[Sequence[float], Sequence[float]]],
+    series: Series,
     path: Path,
     title: str,
     xlabel: str,
     integer_x: bool = False,
-    own_models: Mapping[str, tuple[Sequence[float], Sequence[float]]] | None = None,
+    own_models: Series | None = None,
 ) -> None:
+    """`accuracy_figure`, saved as a PNG at `path`."""
+    _save(accuracy_figure(series, title, xlabel, integer_x, own_models), path)
+
+
+def accuracy_figure(
+    series: Series,
+    title: str,
+    xlabel: str,
+    integer_x: bool = False,
+    own_models: Series | None = None,
+) -> Any:
     """Test accuracy (%) of several runs against a common x (round, seconds,
     megabytes), one line per run, for comparing strategies on one figure;
     `integer_x` for rounds (no tick at round 2.5). `own_models[name]`, where
     given, is drawn dashed in `name`'s colour: a personalised run's clients'
     mean accuracy with their own models on their own test shards."""
-    plt = _pyplot()
-    fig, ax = plt.subplots(figsize=(7, 4.5), dpi=110)
-    for name, (x, accuracy) in series.items():
-        (line,) = ax.plot(x, [100 * a for a in accuracy], marker="o", ms=3, label=name)
-        if own_models and name in own_models:
-            own_x, own = own_models[name]
-            ax.plot(own_x, [100 * a for a in own], linestyle="--", marker="s", ms=3,
-                    color=line.get_color(), label=f"{name}: own models")  # fmt: skip
-    ax.set(xlabel=xlabel, ylabel="test accuracy (%)", title=title)
-    if integer_x:
-        ax.xaxis.get_major_locator().set_params(integer=True)
-    ax.legend()
-    fig.tight_layout()
-    _save(fig, path)
+    with _figure(7, 4.5) as fig:
+        ax = fig.subplots()
+        for name, (x, accuracy) in series.items():
+            (line,) = ax.plot(x, [100 * a for a in accuracy], marker="o", ms=3,
+                              label=name)  # fmt: skip
+            if own_models and name in own_models:
+                own_x, own = own_models[name]
+                ax.plot(own_x, [100 * a for a in own], linestyle="--", marker="s",
+                        ms=3, color=line.get_color(), label=f"{name}: own models")  # fmt: skip
+        ax.set(xlabel=xlabel, ylabel="test accuracy (%)", title=title)
+        if integer_x:
+            ax.xaxis.get_major_locator().set_params(integer=True)
+        ax.legend()
+    return fig
 
 
 HEATMAP_MAX_INCHES = 12.0
@@ -399,36 +429,31 @@ def plot_label_heatmap(counts: np.ndarray, path: Path, title: str) -> None:
     per client up to 30 clients; beyond, the rows share a figure of at most
     `HEATMAP_MAX_INCHES` (10,000 clients at 0.35 inch a row made a 385,000-
     pixel-tall image and 9 GiB of memory)."""
-    plt = _pyplot()
     clients, classes = counts.shape
     height = min(HEATMAP_MAX_INCHES, max(3, 0.35 * clients + 1.5))
-    fig, ax = plt.subplots(figsize=(max(5, 0.5 * classes + 2), height), dpi=110)
-    image = ax.imshow(counts, aspect="auto", cmap="viridis")
-    ax.grid(False)
-    ax.set(xlabel="class", ylabel="client", title=title)
-    if clients * classes <= 400:
-        peak = counts.max() or 1
-        for (i, j), v in np.ndenumerate(counts):
-            color = "black" if v > 0.6 * peak else "white"
-            ax.text(
-                j, i, str(int(v)), ha="center", va="center", fontsize=7, color=color
-            )
-    if classes <= 20:
-        ax.set_xticks(range(classes))
-    if clients <= 30:
-        ax.set_yticks(range(clients))
-    fig.colorbar(image, ax=ax, label="samples")
-    fig.tight_layout()
+    with _figure(max(5, 0.5 * classes + 2), height) as fig:
+        ax = fig.subplots()
+        image = ax.imshow(counts, aspect="auto", cmap="viridis")
+        ax.grid(False)
+        ax.set(xlabel="class", ylabel="client", title=title)
+        if clients * classes <= 400:
+            peak = counts.max() or 1
+            for (i, j), v in np.ndenumerate(counts):
+                color = "black" if v > 0.6 * peak else "white"
+                ax.text(j, i, str(int(v)), ha="center", va="center", fontsize=7,
+                        color=color)  # fmt: skip
+        if classes <= 20:
+            ax.set_xticks(range(classes))
+        if clients <= 30:
+            ax.set_yticks(range(clients))
+        fig.colorbar(image, ax=ax, label="samples")
     _save(fig, path)
 
 
 def _save(fig: Any, path: Path) -> None:
+    """`fig` as a PNG at `path`, written atomically."""
     buffer = io.BytesIO()
     fig.savefig(buffer, format="png")
-    fig.clf()
-    import matplotlib.pyplot as plt
-
-    plt.close(fig)
     write_atomic(path, buffer.getvalue())
 
 

@@ -4,7 +4,7 @@ for a frozen backbone with `cache-features`, its features computed once.
 
 from __future__ import annotations
 
-from collections.abc import Hashable
+from collections.abc import Hashable, Mapping
 
 import torch
 from torch import nn
@@ -12,21 +12,37 @@ from torch import nn
 from ..settings import Settings
 from .data import Dataset
 from .lora import FrozenBackboneClassifier
-from .models import ModelOptions, build_model
+from .models import ModelOptions, build_model, data_shape
 from .shards import DataKey
 from .train import Preprocess, Transform, backbone_features, no_preprocess
 
 
 def settings_model(settings: Settings, dataset: Dataset) -> nn.Module:
     """The run's model, freshly initialised from its seed (same on every node)."""
-    options = ModelOptions(
+    return build_model(
+        settings.model, dataset.input_shape, dataset.num_classes, settings.seed,
+        _options(settings),
+    )  # fmt: skip
+
+
+def trained_model(settings: Settings, weights: Mapping[str, torch.Tensor]) -> nn.Module:
+    """The run's model holding `weights` (a run's `model.pt`: every entry of
+    the model, by name), in evaluation mode. Its shape comes from the data
+    set's catalogue entry (or a user's loader), so no data is read."""
+    shape, classes = data_shape(settings.data_set)
+    model = build_model(
+        settings.model, shape, classes, settings.seed, _options(settings)
+    )
+    model.load_state_dict(weights)
+    return model.eval()
+
+
+def _options(settings: Settings) -> ModelOptions:
+    return ModelOptions(
         settings.lora_rank,
         settings.lora_alpha,
         settings.lora_dropout,
         settings.backbone_weights,
-    )
-    return build_model(
-        settings.model, dataset.input_shape, dataset.num_classes, settings.seed, options
     )
 
 

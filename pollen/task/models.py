@@ -280,6 +280,16 @@ def _materialise(model: nn.Module, input_shape: tuple[int, ...]) -> None:
     model.train(training)
 
 
+def data_shape(data_set: str) -> tuple[Shape, int]:
+    """A data set's input shape (channels, height, width) and its number of
+    classes: a built-in's from the catalogue, a user's from its loader."""
+    if data_set in DATA_SETS:
+        info = DATA_SETS[data_set]
+        return (info.channels, info.side, info.side), info.classes
+    dataset = user_dataset(data_set)
+    return dataset.input_shape, dataset.num_classes
+
+
 @cache
 def user_model_info(name: str, data_set: str) -> ModelInfo:
     """What the catalogue says of a user's model, found by building it on
@@ -289,12 +299,7 @@ def user_model_info(name: str, data_set: str) -> ModelInfo:
     returns no `nn.Module`, or the model cannot take the data or gives
     other than one output per class (`pollen.extensions.model_info` asks
     this at run time)."""
-    if data_set in DATA_SETS:
-        info = DATA_SETS[data_set]
-        shape, classes = (info.channels, info.side, info.side), info.classes
-    else:
-        dataset = user_dataset(data_set)
-        shape, classes = dataset.input_shape, dataset.num_classes
+    shape, classes = data_shape(data_set)
     given = (
         f"for data-set {data_set!r} ({'x'.join(map(str, shape))}, {classes} classes)"
     )

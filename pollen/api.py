@@ -1,0 +1,487 @@
+"""pollen from Python: run a federation, compare a grid, read the results.
+
+```python
+import pollen
+
+run = pollen.run(rounds=3, strategy="fedprox")  # blocks until the run ends
+run.history[-1].accuracy, run.plot(), run.model()
+grid = pollen.compare({"strategy": ["fedavg", "fedprox"]}, out="results/cmp", rounds=5)
+grid.table(), grid.plot()
+```
+
+Each function is the command of the same name: `pollen run`, `pollen
+compare` and `pollen report` parse their flags and call these, so a
+setting, a check, a console line or an error is the same either way. A run
+still goes through Flower's `flwr run`, on a SuperLink of its own, on the
+warm federation, on a deployment or over a shaped network, and writes its
+run directory as the command does; `Run` and `Comparison` read those files.
+
+Settings are given as the command's `-c` values are: `config` is a dict, a
+TOML file, a preset's name (a file in the app's `configs/`), a
+"key=value ..." string, or a list of these applied in order, and keyword
+arguments come last. A key may be spelled in Python (`local_epochs=2`) or
+as the run config names it (`{"local-epochs": 2}`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import os
+import sys
+import tomllib
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from functools import cached_property
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from .deployment import launch, processes
+from .deployment.certificates import CertificateError
+from .deployment.deploy_actions import NodeConfigError
+from .deployment.launch import Interrupted, LaunchError
+from .deployment.run_config import RunConfigError
+from .experiments import compare as grids
+from .experiments.report import CompareError, figure_data, read_json
+from .network_profile import NetworkProfile, ProfileError, resolve
+from .runs.checkpoints import CheckpointError
+from .runs.results import (
+    RUN_MARKER,
+    ResultsError,
+    RoundRecord,
+    curves_figure,
+    is_run_dir,
+    read_history,
+)
+from .settings import SettingsError
+
+if TYPE_CHECKING:
+    import pandas
+    from matplotlib.figure import Figure
+    from torch import nn
+
+__all__ = [
+    "Comparison", "Interrupted", "Run", "RunFailed", "SettingsError", "compare",
+    "report", "run",
+]  # fmt: skip
+
+Scalar = str | int | float | bool
+# One layer of settings: a dict, a TOML file, a preset's name, "key=value ..."
+Layer = Mapping[str, Scalar | os.PathLike[str]] | str | os.PathLike[str]
+Config = Layer | Sequence[Layer] | None
+# Input a user must fix before anything runs: `SettingsError` in Python, exit
+# status 2 from the command
+BAD_INPUT = (
+    SettingsError, RunConfigError, LaunchError, ResultsError, CheckpointError,
+    CompareError, ProfileError, NodeConfigError, CertificateError,
+)  # fmt: skip
+
+
+class RunFailed(RuntimeError):
+    """A run, or cells of a comparison, that did not complete. The message
+    names the error that ended the run (the ServerApp's, or the last error
+    line of Flower's stream when it failed before writing its results);
+    `dir` holds what it wrote (a comparison's folder for `compare`)."""
+
+    def __init__(self, message: str, dir: Path) -> None:
+        super().__init__(message)
+        self.dir = dir
+
+
+@dataclass(frozen=True)
+class Run:
+    """A run's directory and what it recorded, read when first asked for.
+
+    `settings` is the complete run config it ran with (`settings.json`),
+    `summary` how it ended (`summary.json`), `history` one `RoundRecord` per
+    round (accuracy, loss, lr, seconds, bytes up and down, clients, ...).
+    """
+
+    dir: Path
+
+    @classmethod
+    def read(cls, path: str | os.PathLike[str]) -> Run:
+        """The run recorded in `path`; `ResultsError` when `path` holds no
+        run (no `settings.json` that names one)."""
+        directory = Path(path).expanduser().resolve()
+        if not is_run_dir(directory):
+            raise ResultsError(
+                f"{directory} holds no pollen run (no {RUN_MARKER} naming one); "
+                "give a run directory, e.g. results/<run-name>"
+            )
+        return cls(directory)
+
+    @cached_property
+    def settings(self) -> dict[str, Any]:
+        """The run config the run ran with, every key (`settings.json`)."""
+        return read_json(self.dir / RUN_MARKER, dict)
+
+    @cached_property
+    def summary(self) -> dict[str, Any]:
+        """How the run ended: status, rounds, final and best accuracy, total
+        seconds and bytes (`summary.json`); empty for a run that failed
+        before writing one."""
+        if not (self.dir / "summary.json").exists():
+            return {}
+        return read_json(self.dir / "summary.json", dict)
+
+    @cached_property
+    def history(self) -> list[RoundRecord]:
+        """One record per round, in order (`history.json`)."""
+        return read_history(self.dir)
+
+    def to_pandas(self) -> pandas.DataFrame:
+        """The history as a DataFrame, one row per round: the columns of
+        `history.csv`. Needs pandas (`pip install 'pollen-fl[pandas]'`)."""
+        try:
+            import pandas
+        except ImportError:
+            raise ImportError(
+                "Run.to_pandas needs pandas: pip install 'pollen-fl[pandas]'"
+            ) from None
+        return pandas.read_csv(self.dir / "history.csv")
+
+    def model(self) -> nn.Module:
+        """The final global model, with its weights (`model.pt`), in
+        evaluation mode."""
+        import torch
+
+        from .settings import Settings
+        from .task.inputs import trained_model
+
+        known = {field for field, *_ in Settings.describe()}
+        settings = Settings.from_run_config(
+            {k: v for k, v in self.settings.items() if k in known}
+        )
+        weights = torch.load(self.dir / "model.pt", weights_only=True)
+        return trained_model(settings, weights)
+
+    def plot(self) -> Figure:
+        """Test accuracy and loss per round, side by side (a matplotlib
+        `Figure`; a notebook shows it, `.savefig` writes it)."""
+        title = f"{self.settings.get('strategy')} on {self.settings.get('data-set')}"
+        return curves_figure(self.history, title)
+
+    def __repr__(self) -> str:
+        summary = self.summary
+        if summary.get("final-accuracy") is None:
+            return f"Run({str(self.dir)!r}, {summary.get('status', 'no summary')})"
+        return (
+            f"Run({str(self.dir)!r}, {summary['status']}, {summary['rounds']} "
+            f"rounds, final accuracy {100 * summary['final-accuracy']:.2f}%)"
+        )
+
+
+class Table(str):
+    """A markdown table: printed as text, shown as a table in a notebook."""
+
+    def _repr_markdown_(self) -> str:
+        return str(self)
+
+
+@dataclass(frozen=True)
+class Comparison:
+    """A comparison's folder (`pollen compare --out`, or any folder of runs)
+    and its report: `runs` (the completed ones), `table()` (mean ± std over
+    seeds per setting), `plot()`; `failed` names the cells that did not
+    complete when it was run."""
+
+    dir: Path
+    failed: tuple[str, ...] = ()
+
+    @cached_property
+    def runs(self) -> list[Run]:
+        """Every completed run of the comparison, by directory name."""
+        return [Run(run.path) for run in _report_runs(self.dir)]
+
+    def table(self) -> Table:
+        """The report's table (`comparison.md`): per setting, the mean ±
+        standard deviation over seeds of final and best accuracy, rounds,
+        time and bytes to the target, and the runs that did not complete."""
+        return Table((self.dir / "comparison.md").read_text(encoding="utf-8"))
+
+    @property
+    def groups(self) -> list[dict[str, Any]]:
+        """The table's rows as data (`comparison.json`'s groups)."""
+        return read_json(self.dir / "comparison.json", dict)["groups"]
+
+    def to_pandas(self) -> pandas.DataFrame:
+        """The table's rows as a DataFrame: a column per varying setting,
+        `<measure>-mean` and `<measure>-std` per measure. Needs pandas."""
+        import pandas
+
+        rows = []
+        for group in self.groups:
+            row = dict(group["setting"])
+            for key, value in group.items():
+                if isinstance(value, dict) and set(value) == {"mean", "std"}:
+                    row |= {f"{key}-mean": value["mean"], f"{key}-std": value["std"]}
+            rows.append(row | {"seeds": len(group["runs"])})
+        return pandas.DataFrame(rows)
+
+    def plots(self, x: str = "rounds") -> dict[str, Figure]:
+        """The report's figures of accuracy against `x` (`rounds`,
+        `seconds`, `sim-seconds` or `bytes`), one per setting, by name."""
+        grid = grids.GridShape.read(self.dir / "grid.toml")
+        prefix = f"accuracy-{x}-"
+        return {
+            name.removeprefix(prefix): data.figure()
+            for name, data in figure_data(_report_runs(self.dir), grid).items()
+            if name.startswith(prefix)
+        }
+
+    def plot(self, x: str = "rounds") -> Figure:
+        """Accuracy against `x` (`plots`), a line per strategy (mean over
+        seeds): the one figure of a comparison with one setting; `plots`
+        gives a comparison with several its figure for each."""
+        figures = self.plots(x)
+        if len(figures) != 1:
+            raise ValueError(
+                f"this comparison has {len(figures)} figures against {x!r}"
+                + (f" ({', '.join(figures)}); use .plots({x!r})" if figures else "")
+            )
+        return next(iter(figures.values()))
+
+
+def _report_runs(directory: Path) -> list[Any]:
+    from .experiments.report import read_runs
+
+    return read_runs(directory)
+
+
+def run(
+    config: Config = None,
+    /,
+    *,
+    app: str | os.PathLike[str] | None = None,
+    deployment: str | os.PathLike[str] | None = None,
+    warm: str | os.PathLike[str] | None = None,
+    network: str | os.PathLike[str] | None = None,
+    connection: str | None = None,
+    federation: Sequence[str] = (),
+    verbose: bool = False,
+    **keys: Scalar | os.PathLike[str],
+) -> Run:
+    """Run one federation and wait for it: `pollen run`.
+
+    A simulation on this machine by default (on the warm federation of
+    `pollen warm up` when one runs in this directory, or the one in
+    `warm`); `deployment`: on the `pollen deploy up` deployment recorded in
+    that folder; `connection`: on that SuperLink of your Flower config;
+    `network`: a network profile (a TOML file, or a preset of the app's
+    `configs/networks/`) for the simulated clock. `federation`: `flwr run`'s
+    `--federation-config` values. `app`: the Flower App (default: the
+    pollen checkout this package is in, else the current directory).
+
+    Shows pollen's lines and a status line (in a terminal, or as one
+    output a notebook updates), and Flower's with `verbose`; all of them
+    go to the run directory's `flower.log`.
+
+    Raises `SettingsError` before any process starts for a setting that
+    cannot run (the command's one-line message), `RunFailed` for a run that
+    did not complete, and `Interrupted` (a `KeyboardInterrupt`) on Ctrl-C or
+    Jupyter's stop button, once every process the run started has stopped;
+    the run resumes with `resume=` its directory.
+    """
+    app_dir = _app(app)
+    overrides = _overrides(config, keys)
+    with _bad_input():
+        if (profile := network_profile(network, app_dir)) is not None:
+            overrides.append(grids.config_text({"network-profile": str(profile)}))
+        with processes.stop_signals_interrupt():  # SIGTERM, SIGHUP: as Ctrl-C
+            outcome = launch.run(
+                app_dir, overrides, connection=connection, federation=list(federation),
+                deployment_dir=_path(deployment), warm_dir=_path(warm), verbose=verbose,
+            )  # fmt: skip
+    if not outcome.completed:
+        raise RunFailed(f"run failed: {outcome.error}", outcome.run_dir)
+    return Run(outcome.run_dir)
+
+
+def compare(
+    grid: str | os.PathLike[str] | Mapping[str, Sequence[Any]],
+    config: Config = None,
+    /,
+    *,
+    out: str | os.PathLike[str],
+    target: float | None = None,
+    app: str | os.PathLike[str] | None = None,
+    only: Sequence[str] = (),
+    network: str | os.PathLike[str] | None = None,
+    simulate: bool = False,
+    dry_run: bool = False,
+    **keys: Scalar | os.PathLike[str],
+) -> Comparison:
+    """Run every cell of a grid into `out`, then report: `pollen compare`.
+
+    `grid` is a grid file (TOML: `[base]`, `[grid]`, `target`) or the
+    `[grid]` table as a dict, each key a list of the values to compare
+    (`{"strategy": ["fedavg", "fedprox"], "seed": [1, 2]}`), with the
+    report's `target` accuracy given here. `config` and `keys` apply to
+    every cell. Cells that completed in `out` before are kept, an
+    interrupted one resumes; `only` narrows the grid (`"strategy=fedavg"`);
+    `network` runs every cell as a deployment over links shaped as that
+    profile says (root), or with `simulate` as a simulation on its clock;
+    `dry_run` validates and lists the cells, running none.
+
+    Raises `SettingsError` before any cell starts for a grid or setting
+    that cannot run, `RunFailed` (after the others ran and the report was
+    written) when cells failed, and `Interrupted` on Ctrl-C; running it
+    again resumes.
+    """
+    app_dir, out_dir = _app(app), Path(out).expanduser()
+    overrides = _overrides(config, keys)
+    with _bad_input():
+        if isinstance(grid, Mapping):
+            grid_path, text = out_dir / "grid.toml", grid_toml(grid, target)
+        else:
+            if target is not None:
+                raise SettingsError(
+                    f"target={target!r} with a grid file: the file sets its own "
+                    "target; give the grid as a dict to set it here"
+                )
+            grid_path, text = Path(grid).expanduser(), ""
+        if simulate and network is None:
+            raise grids.CompareError("--simulate needs --network PROFILE")
+        request = grids.Comparison(
+            grid_path, app_dir, out_dir, overrides, only=list(only),
+            network=network_profile(network, app_dir), simulate=simulate,
+            grid_text=text,
+        )  # fmt: skip
+        try:
+            failed = grids.run_comparison(request, dry_run=dry_run)
+        except KeyboardInterrupt:  # Ctrl-C, or SIGTERM during a deployed cell
+            message = COMPARE_INTERRUPTED.format(out_dir)
+            print(f"pollen: {message}", file=sys.stderr)
+            raise Interrupted(out_dir, None, message) from None
+    comparison = Comparison(out_dir.resolve(), tuple(failed))
+    if failed:
+        raise RunFailed(
+            f"{len(failed)} cell(s) failed: {', '.join(failed)} (their logs in "
+            f"{out_dir / 'logs'})",
+            comparison.dir,
+        )
+    return comparison
+
+
+COMPARE_INTERRUPTED = (
+    "compare interrupted (the running cell was stopped and torn down); run it "
+    "again to resume in {}"
+)
+
+
+def report(folder: str | os.PathLike[str], target: float | None = None) -> Comparison:
+    """Tables and plots of the runs in `folder` (a comparison's, or any
+    folder of run directories), written there: `pollen report`. `target`:
+    the accuracy whose first round, seconds and bytes the table gives
+    (default: the comparison grid's)."""
+    directory = Path(folder).expanduser()
+    with _bad_input():
+        grids.report_comparison(directory, target)
+    return Comparison(directory.resolve())
+
+
+def grid_toml(axes: Mapping[str, Sequence[Any]], target: float | None) -> str:
+    """A grid given in Python (the `[grid]` table: key -> values, a value
+    a scalar or a table of keys set together with a `name`) as the TOML a
+    grid file holds, keys in the run config's spelling."""
+    lines = [] if target is None else [f"target = {_toml_value('target', target)}"]
+    lines.append("[grid]")
+    for key, values in axes.items():
+        if isinstance(values, str) or not isinstance(values, Sequence):
+            raise SettingsError(
+                f"grid key {key!r}: {values!r} is not a list of values to compare"
+            )
+        spelled = ", ".join(_toml_value(key, value) for value in values)
+        lines.append(f"{_key(key)} = [{spelled}]")
+    return "\n".join(lines) + "\n"
+
+
+def _toml_value(key: str, value: Any) -> str:
+    if isinstance(value, Mapping):
+        pairs = (f"{_key(k)} = {_toml_value(k, v)}" for k, v in value.items())
+        return "{ " + ", ".join(pairs) + " }"
+    return json.dumps(_scalar(key, value))
+
+
+def _key(name: str) -> str:
+    """A key as the run config spells it (`local_epochs` -> `local-epochs`)."""
+    return name.replace("_", "-")
+
+
+def _scalar(key: str, value: Any) -> Scalar:
+    """A setting's value as the run config takes it: a path as its text."""
+    if isinstance(value, os.PathLike):
+        return os.fspath(value)
+    if not isinstance(value, str | int | float | bool):
+        raise SettingsError(
+            f"invalid value for {_key(key)!r}: {value!r} is a {type(value).__name__}; "
+            "a run-config value is a string, a number or true/false"
+        )
+    if isinstance(value, float) and not math.isfinite(value):
+        raise SettingsError(f"invalid value for {_key(key)!r}: {value!r} is not finite")
+    return value
+
+
+def _overrides(config: Config, keys: Mapping[str, Any]) -> list[str]:
+    """`config`'s layers, then `keys`, as the command's `-c` values."""
+    if config is None:
+        layers: list[Any] = []
+    elif isinstance(config, str | os.PathLike | Mapping):
+        layers = [config]
+    else:
+        layers = list(config)
+    if keys:
+        layers.append(keys)
+    overrides = []
+    for layer in layers:
+        if isinstance(layer, Mapping):
+            values = {_key(k): _scalar(k, v) for k, v in layer.items()}
+            overrides.append(grids.config_text(values))
+        elif isinstance(layer, str | os.PathLike):
+            overrides.append(os.fspath(layer))
+        else:
+            raise SettingsError(
+                f"settings {layer!r}: give a dict, a TOML file, a preset's name or "
+                '"key=value ..." text'
+            )
+    return overrides
+
+
+def network_profile(spec: str | os.PathLike[str] | None, app: Path) -> Path | None:
+    """The profile file `spec` names (a path or a preset of the app's
+    configs/networks/), read and validated now: None without one."""
+    if spec is None:
+        return None
+    path = resolve(os.fspath(spec), app)
+    NetworkProfile.load(path)
+    return path
+
+
+def _path(value: str | os.PathLike[str] | None) -> Path | None:
+    return None if value is None else Path(value)
+
+
+def _app(app: str | os.PathLike[str] | None) -> Path:
+    """The Flower App to run: `app`, else the checkout this package is in
+    (a source checkout or an editable install), else the current folder."""
+    if app is not None:
+        return Path(app).expanduser().resolve()
+    checkout = Path(__file__).resolve().parent.parent
+    try:
+        project = tomllib.loads((checkout / "pyproject.toml").read_text())
+    except (OSError, tomllib.TOMLDecodeError):
+        return Path.cwd()
+    return checkout if "flwr" in project.get("tool", {}) else Path.cwd()
+
+
+@contextlib.contextmanager
+def _bad_input() -> Iterator[None]:
+    """Input to fix raised as `SettingsError`, with the command's message."""
+    try:
+        yield
+    except SettingsError:
+        raise
+    except BAD_INPUT as err:
+        raise SettingsError(str(err)) from err
