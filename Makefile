@@ -24,8 +24,8 @@ test: .venv/.synced
 	.venv/bin/ruff format --check pollen tests benchmarks
 	.venv/bin/pytest -q $(PYTEST_PARALLEL) --durations=15
 
-docs: .venv/.synced  # the documentation site, into site/ (warnings are errors)
-	NO_MKDOCS_2_WARNING=1 .venv/bin/mkdocs build --strict
+docs: .venv/.synced  # the documentation site, into site/ (warnings are errors; the tutorials run, about 2 min)
+	NO_MKDOCS_2_WARNING=1 POLLEN_DOCS_EXECUTE=true .venv/bin/mkdocs build --strict
 
 lint: .venv/.synced
 	.venv/bin/ruff check pollen tests benchmarks

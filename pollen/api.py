@@ -43,7 +43,7 @@ from .deployment.deploy_actions import NodeConfigError
 from .deployment.launch import Interrupted, LaunchError
 from .deployment.run_config import RunConfigError
 from .experiments import compare as grids
-from .experiments.report import CompareError, figure_data, read_json
+from .experiments.report import CompareError, GridShape, figure_data, read_json
 from .network_profile import NetworkProfile, ProfileError, resolve
 from .runs.checkpoints import CheckpointError
 from .runs.results import (
@@ -102,11 +102,11 @@ class Run:
 
     @classmethod
     def read(cls, path: str | os.PathLike[str]) -> Run:
-        """The run recorded in `path`; `ResultsError` when `path` holds no
-        run (no `settings.json` that names one)."""
+        """The run recorded in `path`; `FileNotFoundError` when `path`
+        holds no run (no `settings.json` that names one)."""
         directory = Path(path).expanduser().resolve()
         if not is_run_dir(directory):
-            raise ResultsError(
+            raise FileNotFoundError(
                 f"{directory} holds no pollen run (no {RUN_MARKER} naming one); "
                 "give a run directory, e.g. results/<run-name>"
             )
@@ -223,7 +223,7 @@ class Comparison:
     def plots(self, x: str = "rounds") -> dict[str, Figure]:
         """The report's figures of accuracy against `x` (`rounds`,
         `seconds`, `sim-seconds` or `bytes`), one per setting, by name."""
-        grid = grids.GridShape.read(self.dir / "grid.toml")
+        grid = GridShape.read(self.dir / "grid.toml")
         prefix = f"accuracy-{x}-"
         return {
             name.removeprefix(prefix): data.figure()

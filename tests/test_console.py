@@ -219,3 +219,21 @@ def test_a_warning_after_a_one_line_error_is_no_part_of_it() -> None:
     ])  # fmt: skip
     assert console.last_error == "ServerApp thread raised an exception: boom"
     assert "DeprecationWarning" not in err.getvalue()
+
+
+def test_a_failure_names_the_exception_before_flowers_exit_line() -> None:
+    """Flower ends a failed simulation with "Exit Code: 700": the failure
+    said is the traceback's exception, then that line."""
+    console, _ = feed_lines([
+        ERROR + "Simulation raised an exception",
+        "Traceback (most recent call last):",
+        '  File "/pollen/settings.py", line 9, in check',
+        "pollen.keys.SettingsError: model='m:net': cannot import 'm:net'",
+        ERROR + "Exit Code: 700",
+    ])  # fmt: skip
+    assert console.failure() == (
+        "pollen.keys.SettingsError: model='m:net': cannot import 'm:net' "
+        "(then Exit Code: 700)"
+    )
+    alone, _ = feed_lines([ERROR + "ServerApp thread raised an exception: boom"])
+    assert alone.failure() == "ServerApp thread raised an exception: boom"

@@ -88,6 +88,9 @@ class Console:
         # the stream's last error: a traceback's exception line, or the text
         # of Flower's last ERROR line (`pollen run` names it if the run fails)
         self.last_error: str | None = None
+        # the exception line of the stream's last traceback (Flower's last
+        # ERROR line often only says how the process ended: "Exit Code: 700")
+        self.exception: str | None = None
         self._box: list[str] | None = None  # the text of a `flwr` error box
         self._status = ""
         self._progress: dict[str, float] = {}
@@ -170,14 +173,24 @@ class Console:
             if raw[:1].isspace() or not raw:
                 return True
             self.last_error, self._error_tail = text, _continued(text) or LINK
+            self.exception = text
             return True
         if self._error_tail == MESSAGE and text and not POLLEN_LINE.match(raw):
+            if self.exception is not None and self.exception == self.last_error:
+                self.exception = f"{self.exception} {text}".strip()
             self.last_error = f"{self.last_error} {text}".strip()
             return True
         if not text or CHAIN_LINK.fullmatch(text):
             self._error_tail = LINK
             return True
         return False
+
+    def failure(self) -> str | None:
+        """Why the run failed, as the stream says it: its last error line and,
+        where another came before it, the last traceback's exception."""
+        if self.exception and self.last_error and self.exception != self.last_error:
+            return f"{self.exception} (then {self.last_error})"
+        return self.last_error or self.exception
 
     def _note_progress(self, raw: str) -> None:
         if match := ACCURACY_LINE.match(raw):

@@ -271,7 +271,7 @@ def run(
             return Outcome(run_dir, True, here=False)
         return report_outcome(
             run_dir, wall_seconds, resumed=bool(settings.resume), token=token,
-            error=console.last_error, log=kept or log_path, earlier=earlier,
+            error=console.failure(), log=kept or log_path, earlier=earlier,
         )  # fmt: skip
 
 

@@ -9,6 +9,7 @@ leaves half a file, and an existing run directory is never reused.
 from __future__ import annotations
 
 import csv
+import functools
 import io
 import json
 import math
@@ -354,6 +355,16 @@ def _figure(width: float, height: float) -> Iterator[Any]:
         fig = Figure(figsize=(width, height), dpi=110)
         yield fig
         fig.tight_layout()
+    # IPython shows an object by its `_repr_png_`; a pyplot figure gets its
+    # picture from the notebook's matplotlib backend, which this one skips
+    fig._repr_png_ = functools.partial(_png, fig)
+
+
+def _png(fig: Any) -> bytes:
+    """`fig` as PNG bytes."""
+    buffer = io.BytesIO()
+    fig.savefig(buffer, format="png")
+    return buffer.getvalue()
 
 
 def plot_curves(
@@ -452,9 +463,7 @@ def plot_label_heatmap(counts: np.ndarray, path: Path, title: str) -> None:
 
 def _save(fig: Any, path: Path) -> None:
     """`fig` as a PNG at `path`, written atomically."""
-    buffer = io.BytesIO()
-    fig.savefig(buffer, format="png")
-    write_atomic(path, buffer.getvalue())
+    write_atomic(path, _png(fig))
 
 
 def round_scalars(record: RoundRecord) -> dict[str, float]:
