@@ -87,6 +87,7 @@ def pollen_command(
     tree: Path = PROJECT,
     federation: tuple[str, ...] = (),
     options: tuple[str, ...] = (),
+    python: bool = False,
 ) -> tuple[list[str], dict]:
     """The `pollen run` of this project, or of the checkout `tree` (its app
     and, through PYTHONPATH, its `pollen` package), writing run `name` under
@@ -94,9 +95,14 @@ def pollen_command(
     `pollen run` before 832c5e8 ran its simulation in the shell's directory,
     which Ray puts first on the actors' module path. `federation` values go
     to `--federation-config`; `options` are `pollen run`'s own (e.g.
-    `--warm-simulation DIR`)."""
+    `--warm-simulation DIR`). `python`: the same run through `pollen.run`,
+    in a Python process of its own (`PYTHON_RUN`), instead of the command."""
+    values = [*config, f"output-dir='{out}' run-name='{name}'"]
+    if python:
+        assert not federation and not options, "pollen.run here takes settings only"
+        return [sys.executable, "-c", PYTHON_RUN, str(tree), *values], {"cwd": tree}
     args = [POLLEN, "run", str(tree), *options]
-    for value in [*config, f"output-dir='{out}' run-name='{name}'"]:
+    for value in values:
         args += ["-c", value]
     for value in federation:
         args += ["--federation-config", value]
@@ -113,12 +119,13 @@ def run_pollen(
     tree: Path = PROJECT,
     federation: tuple[str, ...] = (),
     options: tuple[str, ...] = (),
+    python: bool = False,
 ) -> dict[str, float]:
     """One complete `pollen run` (see `pollen_command`), timed from the
     command's start to its exit: wall, start-up (wall less the rounds' own
     seconds, as the ServerApp times them), every round's seconds, accuracy
     and peak RSS."""
-    args, popen = pollen_command(config, out, name, tree, federation, options)
+    args, popen = pollen_command(config, out, name, tree, federation, options, python)
     wall, peak, _ = measure(args, **popen)
     history = json.loads((out / name / "history.json").read_text())
     rounds = [r["seconds"] for r in history]
@@ -132,6 +139,10 @@ def run_pollen(
 
 
 WARM = "warm"  # the label of runs on a warm federation (`side_by_side`'s --warm)
+# the label of runs through `pollen.run` (`side_by_side`'s --python), and the
+# program they run: the app, then the settings, as `-c` values
+PYTHON = "python"
+PYTHON_RUN = "import sys, pollen; pollen.run(sys.argv[2:], app=sys.argv[1])"
 
 
 def side_by_side(description: str) -> tuple[argparse.Namespace, dict[str, Path]]:
@@ -148,10 +159,21 @@ def side_by_side(description: str) -> tuple[argparse.Namespace, dict[str, Path]]
         help="this checkout on a federation of its own per run, alternated with "
         "runs on one warm simulation federation (`pollen run --warm-simulation`)",
     )  # fmt: skip
+    parser.add_argument(
+        "--python", action="store_true",
+        help="this checkout's `pollen run` command alternated with the same run "
+        "through `pollen.run` in a Python process (`PYTHON_RUN`)",
+    )  # fmt: skip
     args = parser.parse_args()
-    if args.warm and args.against:
-        parser.error("--warm compares this checkout with itself: no --against")
+    if (args.warm or args.python) and args.against:
+        parser.error(
+            "--warm and --python compare this checkout with itself: no --against"
+        )
+    if args.warm and args.python:
+        parser.error("give --warm or --python, not both")
     trees = {"own": PROJECT, WARM: PROJECT} if args.warm else {"this": PROJECT}
+    if args.python:
+        trees = {"command": PROJECT, PYTHON: PROJECT}
     if args.against:
         if not (args.against / "pollen" / "server_app.py").is_file():
             parser.error(f"--against {args.against}: not a checkout of this project")

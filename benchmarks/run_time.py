@@ -20,6 +20,10 @@ paths in `-c` (`data-root='../shared/data'`) resolve against it.
 run` does) with runs on one warm simulation federation ("warm", as `pollen
 compare`'s cells do; started once before the first run, its start time
 printed apart).
+
+`--python` alternates the `pollen run` command ("command") with the same
+run through the Python API ("python": `pollen.run(...)` in a fresh Python
+process, timed from its start to its exit as the command is).
 """
 
 from __future__ import annotations
@@ -29,7 +33,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from measure import WARM, alternated, run_pollen, side_by_side
+from measure import PYTHON, WARM, alternated, run_pollen, side_by_side
 
 from pollen.deployment.warm_simulation import warm_simulation
 
@@ -46,7 +50,7 @@ def main() -> None:
         rows = []
         for label, i, tree in alternated(trees, args.repeat):
             run = run_pollen(args.run_config, Path(tmp), f"{label}-{i}", tree,
-                             options=options.get(label, ()))  # fmt: skip
+                             options=options.get(label, ()), python=label == PYTHON)  # fmt: skip
             rows.append((label, i, run))
     print("| tree | run | wall s | start-up s | round 1 s | later rounds s | fixed s "
           "| rounds | accuracy |")  # fmt: skip

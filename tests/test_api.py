@@ -220,3 +220,24 @@ def test_an_interrupt_stops_every_process_and_leaves_the_run_resumable(
     assert summary["status"] == "interrupted"
     settings = json.loads((run_dir / "settings.json").read_text())
     assert check_resumable(run_dir, settings) == resume_after
+
+
+@pytest.mark.integration
+def test_the_readmes_python_example_runs(warm_federation: Path, tmp_path: Path) -> None:
+    """The README's Python block, as written, with its run shortened to two
+    rounds on the session's warm federation."""
+    import re
+    import types
+
+    readme = (PROJECT / "README.md").read_text()
+    (code,) = re.findall(r"```python\n(.*?)```", readme, re.S)
+    shortened = types.SimpleNamespace(
+        run=lambda *a, **k: pollen.run(
+            *a, **k, rounds=2, output_dir=tmp_path, warm=warm_federation
+        )
+    )  # fmt: skip
+    namespace: dict = {}
+    exec(code.replace("import pollen\n", ""), {"pollen": shortened}, namespace)
+    assert namespace["run"].settings["strategy"] == "fedprox"
+    assert namespace["run"].summary["status"] == "completed"
+    assert sum(p.numel() for p in namespace["model"].parameters()) > 0
