@@ -80,9 +80,10 @@ BAD_INPUT = (
 
 class RunFailed(RuntimeError):
     """A run, or cells of a comparison, that did not complete. The message
-    names the error that ended the run (the ServerApp's, or the last error
-    line of Flower's stream when it failed before writing its results);
-    `dir` holds what it wrote (a comparison's folder for `compare`)."""
+    names the error that ended the run: the ServerApp's, or, when the run
+    failed before writing its results, the exception in Flower's stream and
+    Flower's last error line. `dir` holds what it wrote (a comparison's
+    folder for `compare`)."""
 
     def __init__(self, message: str, dir: Path) -> None:
         super().__init__(message)
@@ -134,13 +135,7 @@ class Run:
     def to_pandas(self) -> pandas.DataFrame:
         """The history as a DataFrame, one row per round: the columns of
         `history.csv`. Needs pandas (`pip install 'pollen-fl[pandas]'`)."""
-        try:
-            import pandas
-        except ImportError:
-            raise ImportError(
-                "Run.to_pandas needs pandas: pip install 'pollen-fl[pandas]'"
-            ) from None
-        return pandas.read_csv(self.dir / "history.csv")
+        return _pandas().read_csv(self.dir / "history.csv")
 
     def model(self) -> nn.Module:
         """The final global model, with its weights (`model.pt`), in
@@ -209,8 +204,6 @@ class Comparison:
     def to_pandas(self) -> pandas.DataFrame:
         """The table's rows as a DataFrame: a column per varying setting,
         `<measure>-mean` and `<measure>-std` per measure. Needs pandas."""
-        import pandas
-
         rows = []
         for group in self.groups:
             row = dict(group["setting"])
@@ -218,7 +211,7 @@ class Comparison:
                 if isinstance(value, dict) and set(value) == {"mean", "std"}:
                     row |= {f"{key}-mean": value["mean"], f"{key}-std": value["std"]}
             rows.append(row | {"seeds": len(group["runs"])})
-        return pandas.DataFrame(rows)
+        return _pandas().DataFrame(rows)
 
     def plots(self, x: str = "rounds") -> dict[str, Figure]:
         """The report's figures of accuracy against `x` (`rounds`,
@@ -242,6 +235,17 @@ class Comparison:
                 + (f" ({', '.join(figures)}); use .plots({x!r})" if figures else "")
             )
         return next(iter(figures.values()))
+
+
+def _pandas() -> Any:
+    """The pandas module, an optional extra of pollen's."""
+    try:
+        import pandas
+    except ImportError:
+        raise ImportError(
+            "this needs pandas: pip install 'pollen-fl[pandas]'"
+        ) from None
+    return pandas
 
 
 def _report_runs(directory: Path) -> list[Any]:

@@ -112,6 +112,44 @@ def test_a_preset_is_named_as_the_command_names_it() -> None:
     )
 
 
+def test_a_report_is_a_comparison_of_its_runs(tmp_path: Path) -> None:
+    """`pollen.report` of a folder of finished runs: the runs, the table
+    (markdown in a notebook), a figure with a line per strategy, a
+    DataFrame with a row per setting."""
+    from pollen.runs.results import RoundRecord
+    from tests.test_compare import write_run
+
+    for strategy, seed, accuracy in (("fedavg", 1, [0.5, 0.7]),
+                                     ("fedavg", 2, [0.6, 0.9]),
+                                     ("fedprox", 1, [0.4, 0.8])):  # fmt: skip
+        rows = [RoundRecord(i + 1, a, 1.0, 0.05, 2.0, 1_000_000, 2_000_000).as_row()
+                for i, a in enumerate(accuracy)]  # fmt: skip
+        write_run(tmp_path / "runs", f"{strategy}-{seed}",
+                  {"strategy": strategy, "seed": seed}, accuracy, history=rows)  # fmt: skip
+    comparison = pollen.report(tmp_path, target=0.75)
+    assert [run.dir.name for run in comparison.runs] == [
+        "fedavg-1",
+        "fedavg-2",
+        "fedprox-1",
+    ]
+    assert comparison.runs[1].history[-1].accuracy == 0.9
+    table = comparison.table()
+    assert table._repr_markdown_() == table == (tmp_path / "comparison.md").read_text()
+    assert "| fedavg |" in table and "| fedprox |" in table
+    figure = comparison.plot()
+    assert sorted(line.get_label() for line in figure.axes[0].lines) == [
+        "fedavg (mean of 2 seeds)", "fedprox (1 seed)"
+    ]  # fmt: skip
+    assert figure._repr_png_().startswith(b"\x89PNG")
+    assert set(comparison.plots("bytes")) == {"all"}
+    frame = comparison.to_pandas()
+    assert list(frame["strategy"]) == ["fedavg", "fedprox"]
+    assert list(frame["final-accuracy-mean"]) == pytest.approx([0.8, 0.8])
+    assert list(frame["seeds"]) == [2, 1]
+    with pytest.raises(ValueError, match="0 figures against 'sim-seconds'"):
+        comparison.plot("sim-seconds")
+
+
 @pytest.mark.integration
 def test_a_run_returns_its_history_model_and_plot(
     warm_federation: Path, tmp_path: Path
