@@ -29,6 +29,7 @@ import contextlib
 import json
 import math
 import os
+import re
 import sys
 import tomllib
 from collections.abc import Iterator, Mapping, Sequence
@@ -83,11 +84,15 @@ class RunFailed(RuntimeError):
     names the error that ended the run: the ServerApp's, or, when the run
     failed before writing its results, the exception in Flower's stream and
     Flower's last error line. `dir` holds what it wrote (a comparison's
-    folder for `compare`)."""
+    folder for `compare`, whose `comparison` holds the report of the cells
+    that completed)."""
 
-    def __init__(self, message: str, dir: Path) -> None:
+    def __init__(
+        self, message: str, dir: Path, comparison: Comparison | None = None
+    ) -> None:
         super().__init__(message)
         self.dir = dir
+        self.comparison = comparison
 
 
 @dataclass(frozen=True)
@@ -97,9 +102,13 @@ class Run:
     `settings` is the complete run config it ran with (`settings.json`),
     `summary` how it ended (`summary.json`), `history` one `RoundRecord` per
     round (accuracy, loss, lr, seconds, bytes up and down, clients, ...).
+    A run on a SuperLink elsewhere (`run(connection=...)`) wrote them on the
+    ServerApp's machine (`elsewhere`): reading them here raises
+    `FileNotFoundError`, which says so.
     """
 
     dir: Path
+    elsewhere: bool = False
 
     @classmethod
     def read(cls, path: str | os.PathLike[str]) -> Run:
@@ -116,30 +125,42 @@ class Run:
     @cached_property
     def settings(self) -> dict[str, Any]:
         """The run config the run ran with, every key (`settings.json`)."""
-        return read_json(self.dir / RUN_MARKER, dict)
+        return read_json(self._file(RUN_MARKER), dict)
 
     @cached_property
     def summary(self) -> dict[str, Any]:
         """How the run ended: status, rounds, final and best accuracy, total
         seconds and bytes (`summary.json`); empty for a run that failed
         before writing one."""
-        if not (self.dir / "summary.json").exists():
+        if not self._file("summary.json").exists():
             return {}
         return read_json(self.dir / "summary.json", dict)
 
     @cached_property
     def history(self) -> list[RoundRecord]:
         """One record per round, in order (`history.json`)."""
-        return read_history(self.dir)
+        return read_history(self._file("history.json").parent)
 
     def to_pandas(self) -> pandas.DataFrame:
         """The history as a DataFrame, one row per round: the columns of
         `history.csv`. Needs pandas (`pip install 'pollen-fl[pandas]'`)."""
-        return _pandas().read_csv(self.dir / "history.csv")
+        return _pandas().read_csv(self._file("history.csv"))
+
+    def _file(self, name: str) -> Path:
+        """The run's file `name`, or why it cannot be read here."""
+        if self.elsewhere:
+            raise FileNotFoundError(
+                f"the run's results are on the ServerApp's machine, in {self.dir} "
+                "there: copy that folder here and use Run.read"
+            )
+        return self.dir / name
 
     def model(self) -> nn.Module:
         """The final global model, with its weights (`model.pt`), in
-        evaluation mode."""
+        evaluation mode: the server's model after the last round. Entries
+        that never travel (FedBN's BatchNorm, FedPer's head, what a LoRA
+        sharing keeps) hold the server's copy, their initial values: each
+        client's own stay on the client."""
         import torch
 
         from .settings import Settings
@@ -149,7 +170,7 @@ class Run:
         settings = Settings.from_run_config(
             {k: v for k, v in self.settings.items() if k in known}
         )
-        weights = torch.load(self.dir / "model.pt", weights_only=True)
+        weights = torch.load(self._file("model.pt"), weights_only=True)
         return trained_model(settings, weights)
 
     def plot(self) -> Figure:
@@ -179,11 +200,9 @@ class Table(str):
 class Comparison:
     """A comparison's folder (`pollen compare --out`, or any folder of runs)
     and its report: `runs` (the completed ones), `table()` (mean ± std over
-    seeds per setting), `plot()`; `failed` names the cells that did not
-    complete when it was run."""
+    seeds per setting), `plot()`."""
 
     dir: Path
-    failed: tuple[str, ...] = ()
 
     @cached_property
     def runs(self) -> list[Run]:
@@ -263,7 +282,7 @@ def run(
     warm: str | os.PathLike[str] | None = None,
     network: str | os.PathLike[str] | None = None,
     connection: str | None = None,
-    federation: Sequence[str] = (),
+    federation: str | Sequence[str] = (),
     verbose: bool = False,
     **keys: Scalar | os.PathLike[str],
 ) -> Run:
@@ -276,17 +295,19 @@ def run(
     `network`: a network profile (a TOML file, or a preset of the app's
     `configs/networks/`) for the simulated clock. `federation`: `flwr run`'s
     `--federation-config` values. `app`: the Flower App (default: the
-    pollen checkout this package is in, else the current directory).
+    current folder when it is one, as for the command, else the pollen
+    checkout this package is in).
 
     Shows pollen's lines and a status line (in a terminal, or as one
     output a notebook updates), and Flower's with `verbose`; all of them
     go to the run directory's `flower.log`.
 
-    Raises `SettingsError` before any process starts for a setting that
-    cannot run (the command's one-line message), `RunFailed` for a run that
-    did not complete, and `Interrupted` (a `KeyboardInterrupt`) on Ctrl-C or
-    Jupyter's stop button, once every process the run started has stopped;
-    the run resumes with `resume=` its directory.
+    Raises `SettingsError` for input to fix, with the command's one-line
+    message: a setting that cannot run is refused before any process
+    starts. `RunFailed` for a run that did not complete, and `Interrupted`
+    (a `KeyboardInterrupt`) on Ctrl-C or Jupyter's stop button, once every
+    process the run started has stopped; the run resumes with `resume=` its
+    directory.
     """
     app_dir = _app(app)
     overrides = _overrides(config, keys)
@@ -295,12 +316,18 @@ def run(
             overrides.append(grids.config_text({"network-profile": str(profile)}))
         with processes.stop_signals_interrupt():  # SIGTERM, SIGHUP: as Ctrl-C
             outcome = launch.run(
-                app_dir, overrides, connection=connection, federation=list(federation),
+                app_dir, overrides, connection=connection, federation=_words(federation),
                 deployment_dir=_path(deployment), warm_dir=_path(warm), verbose=verbose,
             )  # fmt: skip
     if not outcome.completed:
         raise RunFailed(f"run failed: {outcome.error}", outcome.run_dir)
-    return Run(outcome.run_dir)
+    return Run(outcome.run_dir, elsewhere=not outcome.here)
+
+
+COMPARE_INTERRUPTED = (
+    "compare interrupted (the running cell was stopped and torn down); run it "
+    "again to resume in {}"
+)
 
 
 def compare(
@@ -311,7 +338,7 @@ def compare(
     out: str | os.PathLike[str],
     target: float | None = None,
     app: str | os.PathLike[str] | None = None,
-    only: Sequence[str] = (),
+    only: str | Sequence[str] = (),
     network: str | os.PathLike[str] | None = None,
     simulate: bool = False,
     dry_run: bool = False,
@@ -327,12 +354,15 @@ def compare(
     interrupted one resumes; `only` narrows the grid (`"strategy=fedavg"`);
     `network` runs every cell as a deployment over links shaped as that
     profile says (root), or with `simulate` as a simulation on its clock;
-    `dry_run` validates and lists the cells, running none.
+    `dry_run` validates and lists the cells, running none; `app` as for
+    `run`.
 
-    Raises `SettingsError` before any cell starts for a grid or setting
-    that cannot run, `RunFailed` (after the others ran and the report was
-    written) when cells failed, and `Interrupted` on Ctrl-C; running it
-    again resumes.
+    Raises `SettingsError` for input to fix: a grid or a setting that
+    cannot run is refused before any cell starts (so is a report that
+    cannot be written). `RunFailed` when cells failed, after the others ran
+    and the report was written (its `comparison` holds it), and
+    `Interrupted` on Ctrl-C; running it again resumes. With `dry_run` the
+    `Comparison` returned is of what `out` held before, if anything.
     """
     app_dir, out_dir = _app(app), Path(out).expanduser()
     overrides = _overrides(config, keys)
@@ -348,8 +378,10 @@ def compare(
             grid_path, text = Path(grid).expanduser(), ""
         if simulate and network is None:
             raise grids.CompareError("--simulate needs --network PROFILE")
+        selected = ["".join((_key(k), *rest)) for k, *rest in
+                    (w.partition("=") for w in _words(only))]  # fmt: skip
         request = grids.Comparison(
-            grid_path, app_dir, out_dir, overrides, only=list(only),
+            grid_path, app_dir, out_dir, overrides, only=selected,
             network=network_profile(network, app_dir), simulate=simulate,
             grid_text=text,
         )  # fmt: skip
@@ -359,20 +391,15 @@ def compare(
             message = COMPARE_INTERRUPTED.format(out_dir)
             print(f"pollen: {message}", file=sys.stderr)
             raise Interrupted(out_dir, None, message) from None
-    comparison = Comparison(out_dir.resolve(), tuple(failed))
+    comparison = Comparison(out_dir.resolve())
     if failed:
         raise RunFailed(
             f"{len(failed)} cell(s) failed: {', '.join(failed)} (their logs in "
             f"{out_dir / 'logs'})",
             comparison.dir,
+            comparison,
         )
     return comparison
-
-
-COMPARE_INTERRUPTED = (
-    "compare interrupted (the running cell was stopped and torn down); run it "
-    "again to resume in {}"
-)
 
 
 def report(folder: str | os.PathLike[str], target: float | None = None) -> Comparison:
@@ -393,18 +420,27 @@ def grid_toml(axes: Mapping[str, Sequence[Any]], target: float | None) -> str:
     lines = [] if target is None else [f"target = {_toml_value('target', target)}"]
     lines.append("[grid]")
     for key, values in axes.items():
+        if hasattr(values, "tolist"):  # a numpy array
+            values = values.tolist()
         if isinstance(values, str) or not isinstance(values, Sequence):
             raise SettingsError(
                 f"grid key {key!r}: {values!r} is not a list of values to compare"
             )
         spelled = ", ".join(_toml_value(key, value) for value in values)
-        lines.append(f"{_key(key)} = [{spelled}]")
+        lines.append(f"{_toml_key(key)} = [{spelled}]")
     return "\n".join(lines) + "\n"
+
+
+def _toml_key(name: str) -> str:
+    """A key of the grid as TOML writes it: bare, or quoted where it must be
+    (the grid's own check then names it)."""
+    key = _key(name)
+    return key if re.fullmatch(r"[A-Za-z0-9_-]+", key) else json.dumps(key)
 
 
 def _toml_value(key: str, value: Any) -> str:
     if isinstance(value, Mapping):
-        pairs = (f"{_key(k)} = {_toml_value(k, v)}" for k, v in value.items())
+        pairs = (f"{_toml_key(k)} = {_toml_value(k, v)}" for k, v in value.items())
         return "{ " + ", ".join(pairs) + " }"
     return json.dumps(_scalar(key, value))
 
@@ -418,6 +454,8 @@ def _scalar(key: str, value: Any) -> Scalar:
     """A setting's value as the run config takes it: a path as its text."""
     if isinstance(value, os.PathLike):
         return os.fspath(value)
+    if type(value).__module__ == "numpy" and hasattr(value, "item"):
+        value = value.item()  # a numpy scalar, as from np.linspace
     if not isinstance(value, str | int | float | bool):
         raise SettingsError(
             f"invalid value for {_key(key)!r}: {value!r} is a {type(value).__name__}; "
@@ -463,21 +501,37 @@ def network_profile(spec: str | os.PathLike[str] | None, app: Path) -> Path | No
     return path
 
 
+def _words(values: str | Sequence[str]) -> list[str]:
+    """A flag's values: one string is one value, not its letters."""
+    return [values] if isinstance(values, str) else list(values)
+
+
 def _path(value: str | os.PathLike[str] | None) -> Path | None:
     return None if value is None else Path(value)
 
 
 def _app(app: str | os.PathLike[str] | None) -> Path:
-    """The Flower App to run: `app`, else the checkout this package is in
-    (a source checkout or an editable install), else the current folder."""
+    """The Flower App to run: `app`; else the current folder when it is a
+    Flower App (as the command's default `.`); else the checkout this
+    package is in (a source checkout or an editable install, as `make run`
+    makes), so that a notebook anywhere runs pollen's own app; else the
+    current folder (whose error says what is missing)."""
     if app is not None:
         return Path(app).expanduser().resolve()
     checkout = Path(__file__).resolve().parent.parent
+    for folder in (Path.cwd(), checkout):
+        if _is_flower_app(folder):
+            return folder
+    return Path.cwd()
+
+
+def _is_flower_app(folder: Path) -> bool:
+    """Whether `folder` holds a pyproject.toml with `[tool.flwr.app]`."""
     try:
-        project = tomllib.loads((checkout / "pyproject.toml").read_text())
-    except (OSError, tomllib.TOMLDecodeError):
-        return Path.cwd()
-    return checkout if "flwr" in project.get("tool", {}) else Path.cwd()
+        project = tomllib.loads((folder / "pyproject.toml").read_text())
+    except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError):
+        return False
+    return "app" in project.get("tool", {}).get("flwr", {})
 
 
 @contextlib.contextmanager

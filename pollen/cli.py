@@ -37,7 +37,10 @@ from .flower_waits import add_poll_interval
 EXIT_FAILED, EXIT_BAD_INPUT = 1, 2
 EXIT_INTERRUPTED = 130  # as a shell reports a command Ctrl-C stopped
 DEPLOY_DIR = Path(".pollen-deploy")
-RUN_CONFIG_HELP = 'TOML file or "key=value ..." overrides (repeatable)'
+RUN_CONFIG_HELP = (
+    'TOML file, a preset\'s name (configs/NAME.toml) or "key=value ..." overrides '
+    "(repeatable)"
+)
 EXIT_CODES = (
     (api.BAD_INPUT, EXIT_BAD_INPUT),
     ((cluster.DeployError, ProcessError, NetworkError,

@@ -150,6 +150,31 @@ def test_a_report_is_a_comparison_of_its_runs(tmp_path: Path) -> None:
         comparison.plot("sim-seconds")
 
 
+def test_a_dry_run_of_a_grid_given_in_python_lists_the_cells_it_selects(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`only` as one string, with a key in Python's spelling; nothing is
+    written, and the grid's numpy values are taken as numbers."""
+    import numpy as np
+
+    pollen.compare(
+        {"local_epochs": np.array([1, 2]), "strategy": ["fedavg"]},
+        out=tmp_path / "cmp", only="local_epochs=2", dry_run=True, rounds=1,
+    )  # fmt: skip
+    listed = capsys.readouterr().out.splitlines()
+    assert [line.split(":")[0] for line in listed] == ["local-epochs-2_strategy-fedavg"]
+    assert not (tmp_path / "cmp").exists()
+
+
+def test_a_run_on_another_machines_superlink_says_where_its_files_are(
+    tmp_path: Path,
+) -> None:
+    run = pollen.Run(tmp_path / "there", elsewhere=True)
+    for read in (lambda: run.history, lambda: run.settings, run.model):
+        with pytest.raises(FileNotFoundError, match="on the ServerApp's machine"):
+            read()
+
+
 @pytest.mark.integration
 def test_a_run_returns_its_history_model_and_plot(
     warm_federation: Path, tmp_path: Path

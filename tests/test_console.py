@@ -6,6 +6,9 @@ from __future__ import annotations
 
 import io
 import re
+import sys
+
+import pytest
 
 from pollen.deployment.console import Console
 
@@ -237,3 +240,45 @@ def test_a_failure_names_the_exception_before_flowers_exit_line() -> None:
     )
     alone, _ = feed_lines([ERROR + "ServerApp thread raised an exception: boom"])
     assert alone.failure() == "ServerApp thread raised an exception: boom"
+
+
+def test_a_traceback_the_run_survived_is_not_named_as_its_failure() -> None:
+    """One client's traceback, rounds after it, then Flower's exit line: the
+    failure is that line, not the old exception."""
+    console, _ = feed_lines([
+        "Traceback (most recent call last):",
+        '  File "/pollen/client_app.py", line 9, in train',
+        "ValueError: one client broke",
+        "[03] acc=50.00%, loss=1.000000",
+        ERROR + "Exit Code: 700",
+    ])  # fmt: skip
+    assert console.failure() == "Exit Code: 700"
+
+
+def test_in_a_notebook_the_status_is_one_output_updated_in_place(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """In a Jupyter kernel the status goes to an IPython display handle (no
+    control characters in the output), and closing shows where the run ended."""
+    import types
+
+    import IPython
+    import IPython.display
+
+    shown: list[str] = []
+
+    class Handle:
+        def update(self, data: dict, raw: bool) -> None:
+            shown.append(data["text/plain"])
+
+    monkeypatch.setitem(sys.modules, "ipykernel", types.ModuleType("ipykernel"))
+    monkeypatch.setattr(IPython, "get_ipython", lambda: types.SimpleNamespace(kernel=1))
+    monkeypatch.setattr(IPython.display, "display",
+                        lambda data, raw, display_id: Handle())  # fmt: skip
+    out = io.StringIO()
+    console = Console(io.StringIO(), out)
+    console.line("     round 1/2: 0.50 s, up 0.01 MB, down 0.01 MB, lr 0.05, "
+                 "clients 5, ~1 s left")  # fmt: skip
+    console.close()
+    assert shown[-1].startswith("pollen: round 1/2 | ")
+    assert "\r" not in out.getvalue() and "\x1b" not in out.getvalue()

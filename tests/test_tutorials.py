@@ -9,6 +9,8 @@ figures as pictures.
 
 from __future__ import annotations
 
+import shutil
+import tempfile
 import time
 from pathlib import Path
 
@@ -51,10 +53,19 @@ def test_there_is_a_tutorial() -> None:
     assert [p.name for p in TUTORIALS] == ["first-comparison.py"]
 
 
-def test_the_first_comparison_runs_and_shows_its_results(tmp_path: Path) -> None:
-    notebook, seconds = execute(
-        PROJECT / "docs/tutorials/first-comparison.py", tmp_path
-    )
+def test_the_first_comparison_runs_and_shows_its_results(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # the kernel's temporary folder, where the notebook writes, removed after;
+    # beside this one's (not in tmp_path: Ray's socket paths must stay short)
+    scratch = Path(tempfile.mkdtemp(prefix="pollen-tutorial-test-"))
+    monkeypatch.setenv("TMPDIR", str(scratch))
+    try:
+        notebook, seconds = execute(
+            PROJECT / "docs/tutorials/first-comparison.py", tmp_path
+        )
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
     code = [cell for cell in notebook.cells if cell.cell_type == "code"]
     shown = {
         mime: "\n".join(text for cell in code for text in outputs(cell, mime))

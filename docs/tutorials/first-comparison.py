@@ -92,7 +92,9 @@ best.settings["strategy"], best.history[-1].accuracy
         )
 '''))
 sys.path.insert(0, str(work))  # for this notebook, which checks the settings
-os.environ["PYTHONPATH"] = str(work)  # for the processes the run starts
+os.environ["PYTHONPATH"] = os.pathsep.join(  # for the processes the run starts
+    [str(work), *filter(None, [os.environ.get("PYTHONPATH")])]
+)
 
 run = pollen.run(
     skewed, strategy=best.settings["strategy"], model="my_nets:wide_mlp",

@@ -119,10 +119,13 @@ class Console:
             self.out.flush()
 
     def close(self) -> None:
-        """Stop the status line and leave the terminal as it was."""
+        """Stop the status line and leave the terminal as it was (a
+        notebook's status says where the run ended)."""
         self._stopped.set()
         with self._lock:
             self._clear_status()
+            if self._show is not None:
+                self._show(self.status())
             self.out.flush()
         self.log.flush()
 
@@ -160,6 +163,8 @@ class Console:
             self.last_error = text
             self._error_tail = _continued(text)
             return True
+        if self._pollen_text(raw) is not None:  # the run went on: it survived
+            self.exception = None  # the traceback (one client's failure, say)
         return False
 
     def _error_continues(self, raw: str, text: str) -> bool:

@@ -206,9 +206,9 @@ class Target:
 class Outcome:
     """How a run ended: where its results are (`here`: on this machine, not
     on a remote ServerApp's), whether it `completed` and, if not, the
-    `error` that ended it (the ServerApp's, or the last error line of
-    Flower's stream when the run failed before writing its results). True
-    exactly when it completed, as the command's exit status reads it."""
+    `error` that ended it (the ServerApp's, or what Flower's stream said
+    when the run failed before writing its results). True exactly when it
+    completed."""
 
     run_dir: Path
     completed: bool

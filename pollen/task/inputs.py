@@ -28,7 +28,8 @@ def settings_model(settings: Settings, dataset: Dataset) -> nn.Module:
 def trained_model(settings: Settings, weights: Mapping[str, torch.Tensor]) -> nn.Module:
     """The run's model holding `weights` (a run's `model.pt`: every entry of
     the model, by name), in evaluation mode. Its shape comes from the data
-    set's catalogue entry (or a user's loader), so no data is read."""
+    set's catalogue entry, so a built-in data set is not read (a user's
+    loader is asked for its shape)."""
     shape, classes = data_shape(settings.data_set)
     model = build_model(
         settings.model, shape, classes, settings.seed, _options(settings)
