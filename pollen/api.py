@@ -44,6 +44,7 @@ from .deployment.deploy_actions import NodeConfigError
 from .deployment.launch import Interrupted, LaunchError
 from .deployment.run_config import RunConfigError
 from .experiments import compare as grids
+from .experiments import report as reports
 from .experiments.report import CompareError, GridShape, figure_data, read_json
 from .network_profile import NetworkProfile, ProfileError, resolve
 from .runs.checkpoints import CheckpointError
@@ -132,14 +133,13 @@ class Run:
         """How the run ended: status, rounds, final and best accuracy, total
         seconds and bytes (`summary.json`); empty for a run that failed
         before writing one."""
-        if not self._file("summary.json").exists():
-            return {}
-        return read_json(self.dir / "summary.json", dict)
+        path = self._file("summary.json")
+        return read_json(path, dict) if path.exists() else {}
 
     @cached_property
     def history(self) -> list[RoundRecord]:
         """One record per round, in order (`history.json`)."""
-        return read_history(self._file("history.json").parent)
+        return read_history(self._file("."))
 
     def to_pandas(self) -> pandas.DataFrame:
         """The history as a DataFrame, one row per round: the columns of
@@ -147,7 +147,8 @@ class Run:
         return _pandas().read_csv(self._file("history.csv"))
 
     def _file(self, name: str) -> Path:
-        """The run's file `name`, or why it cannot be read here."""
+        """The run's file `name` ("." for its folder), or why it cannot be
+        read here."""
         if self.elsewhere:
             raise FileNotFoundError(
                 f"the run's results are on the ServerApp's machine, in {self.dir} "
@@ -166,6 +167,7 @@ class Run:
         from .settings import Settings
         from .task.inputs import trained_model
 
+        # keys the settings know: a run of an older pollen may record others
         known = {field for field, *_ in Settings.describe()}
         settings = Settings.from_run_config(
             {k: v for k, v in self.settings.items() if k in known}
@@ -205,9 +207,14 @@ class Comparison:
     dir: Path
 
     @cached_property
+    def _recorded(self) -> list[reports.Run]:
+        """The completed runs, as the report reads them."""
+        return reports.read_runs(self.dir)
+
+    @cached_property
     def runs(self) -> list[Run]:
         """Every completed run of the comparison, by directory name."""
-        return [Run(run.path) for run in _report_runs(self.dir)]
+        return [Run(run.path) for run in self._recorded]
 
     def table(self) -> Table:
         """The report's table (`comparison.md`): per setting, the mean ±
@@ -239,7 +246,7 @@ class Comparison:
         prefix = f"accuracy-{x}-"
         return {
             name.removeprefix(prefix): data.figure()
-            for name, data in figure_data(_report_runs(self.dir), grid).items()
+            for name, data in figure_data(self._recorded, grid).items()
             if name.startswith(prefix)
         }
 
@@ -265,12 +272,6 @@ def _pandas() -> Any:
             "this needs pandas: pip install 'pollen-fl[pandas]'"
         ) from None
     return pandas
-
-
-def _report_runs(directory: Path) -> list[Any]:
-    from .experiments.report import read_runs
-
-    return read_runs(directory)
 
 
 def run(

@@ -560,14 +560,13 @@ def plot_groups(
     is not drawn."""
     plots.mkdir(parents=True, exist_ok=True)
     written = []
-    for name, figure in figure_data(runs, grid).items():
+    keys, line_keys, figure_keys = _plot_keys(runs, grid)
+    for name, figure in _figure_data(runs, line_keys, figure_keys).items():
         written.append(plots / f"{name}.png")
         plot_accuracy_against(
             figure.series, written[-1], figure.title, figure.xlabel,
-            integer_x=figure.xlabel == "round", own_models=figure.own_models,
+            integer_x=figure.integer_x, own_models=figure.own_models,
         )  # fmt: skip
-    keys = [k for k in varying_keys(runs) if k != "seed"]
-    _, figure_keys = split_line_and_figure_keys(keys, grid, runs)
     partition_keys = [  # not the strategy, nor what only a named cell or preset sets
         k for k in keys if k not in SERIES_KEYS and (grid is None or k in figure_keys)
     ]
@@ -585,10 +584,15 @@ class FigureData:
     series: dict[str, tuple[list[float], list[float]]]
     own_models: dict[str, tuple[list[float], list[float]]]
 
+    @property
+    def integer_x(self) -> bool:
+        """Whether x counts rounds (no tick at round 2.5)."""
+        return self.xlabel == "round"
+
     def figure(self) -> Any:
         """The figure, as a matplotlib `Figure` (`results.accuracy_figure`)."""
         return accuracy_figure(self.series, self.title, self.xlabel,
-                               integer_x=self.xlabel == "round",
+                               integer_x=self.integer_x,
                                own_models=self.own_models)  # fmt: skip
 
 
@@ -598,8 +602,24 @@ def figure_data(
     """`plot_groups`' figures by name (their files' names without `.png`):
     `accuracy-<x>-<setting>`, x being `rounds`, `seconds`, `sim-seconds` or
     `bytes`."""
+    _, line_keys, figure_keys = _plot_keys(runs, grid)
+    return _figure_data(runs, line_keys, figure_keys)
+
+
+def _plot_keys(
+    runs: Sequence[Run], grid: GridShape | None
+) -> tuple[list[str], list[str], list[str]]:
+    """The keys that vary between the runs (but the seed, averaged over),
+    and of them those drawn as lines of one figure and those that make
+    figures of their own (`split_line_and_figure_keys`)."""
     keys = [k for k in varying_keys(runs) if k != "seed"]
     line_keys, figure_keys = split_line_and_figure_keys(keys, grid, runs)
+    return keys, list(line_keys), list(figure_keys)
+
+
+def _figure_data(
+    runs: Sequence[Run], line_keys: Sequence[str], figure_keys: Sequence[str]
+) -> dict[str, FigureData]:
     figures = {}
     for slug, lines in _figures(runs, line_keys, figure_keys).items():
         title, labels = _figure_title(lines, line_keys, figure_keys)
