@@ -11,6 +11,7 @@ import sys
 import pytest
 
 from pollen.deployment.console import Console
+from pollen.runs.results import RoundRecord, round_lines
 
 STREAM = [
     "Using SuperLink: pollen (127.0.0.1:40771)",
@@ -253,6 +254,40 @@ def test_a_traceback_the_run_survived_is_not_named_as_its_failure() -> None:
         ERROR + "Exit Code: 700",
     ])  # fmt: skip
     assert console.failure() == "Exit Code: 700"
+
+
+def records(count: int) -> list[RoundRecord]:
+    return [RoundRecord(n, 0.5 + n / 100, 1.0, 0.05, 2.0, 1_000, 2_000)
+            for n in range(1, count + 1)]  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("stream", "shown_after"),
+    [
+        ([], 0),  # the stream lost every round
+        (round_lines(records(2)[1], 5, 3).splitlines(), 2),
+        (["pollen: resuming after round 3"], 3),  # the rounds before were not shown
+    ],
+)
+def test_an_interrupted_run_shows_the_rounds_its_history_holds_and_the_stream_lost(
+    stream: list[str], shown_after: int
+) -> None:
+    """Flower's log stream can end before the ServerApp's last lines reach
+    it; the console then shows the rest from the history, once each, and
+    not in Flower's log."""
+    out, log = io.StringIO(), io.StringIO()
+    console = Console(log, out, io.StringIO())
+    for line in stream:
+        console.line(line)
+    console.catch_up(records(5), 5)
+    console.catch_up(records(5), 5)
+    console.close()
+    caught_up = out.getvalue().splitlines()[len(stream) :]
+    assert [
+        int(m) for m in re.findall(r"^\[(\d+)\]", "\n".join(caught_up), re.M)
+    ] == list(range(shown_after + 1, 6))
+    assert "round 5/5: " in caught_up[-1]
+    assert log.getvalue().splitlines() == stream
 
 
 def test_in_a_notebook_the_status_is_one_output_updated_in_place(

@@ -24,15 +24,17 @@ import re
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import TextIO
 
-from ..runs.results import ACCURACY_LINE, ROUND_LINE
+from ..runs.results import ACCURACY_LINE, ROUND_LINE, RoundRecord, round_lines
 
 # A line of Flower's logger: colour, level, colour reset, colon, padding
 FLOWER_LOG = re.compile(
     r"^(?:\x1b\[\d+m)?(DEBUG|INFO|WARNING|ERROR|CRITICAL)\s*(?:\x1b\[0m)?:\s+(.*)$"
 )
+# What a resumed run's ServerApp says first (`runs.progress`)
+RESUMING_LINE = re.compile(r"^pollen: resuming after round (?P<round>\d+)$")
 ERROR_LEVELS = ("ERROR", "CRITICAL")
 # What the ServerApp prints itself: pollen's messages, the round block
 # (`results.round_lines`: its header, the accuracy line, indented details)
@@ -118,6 +120,22 @@ class Console:
             self._draw_status()
             self.out.flush()
 
+    def catch_up(self, history: Sequence[RoundRecord], total_rounds: int) -> None:
+        """Show the round blocks of `history` that the stream did not, after
+        an interrupted run has stopped: Flower's log stream ends when the run
+        is finished, and the ServerApp's last lines can still be on their way
+        to the SuperLink (its uploader sends every 0.2 s; on a loaded machine
+        several rounds were lost). What the console shows last is then what
+        the history holds. Not written to Flower's log: they are not its."""
+        shown = self._progress.get("round", 0)
+        with self._lock:
+            self._clear_status()
+            for record in history:
+                if record.round > shown:
+                    self.out.write(round_lines(record, total_rounds, 0) + "\n")
+                    self._progress["round"] = record.round
+            self.out.flush()
+
     def close(self) -> None:
         """Stop the status line and leave the terminal as it was (a
         notebook's status says where the run ended)."""
@@ -198,7 +216,9 @@ class Console:
         return self.last_error or self.exception
 
     def _note_progress(self, raw: str) -> None:
-        if match := ACCURACY_LINE.match(raw):
+        if match := RESUMING_LINE.match(raw):  # the rounds before are not this run's
+            self._progress["round"] = int(match["round"])
+        elif match := ACCURACY_LINE.match(raw):
             self._progress["round"] = int(match["round"])
             self._progress["accuracy"] = float(match["accuracy"])
             self._progress["loss"] = float(match["loss"])

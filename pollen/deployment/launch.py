@@ -29,7 +29,7 @@ from pathlib import Path
 
 from ..runs.checkpoints import CheckpointError, check_resumable
 from ..runs.claim import claim as claim_run_dir
-from ..runs.results import RUN_COMPLETED
+from ..runs.results import RUN_COMPLETED, read_history
 from ..settings import Settings
 from . import cluster, processes
 from .console import Console
@@ -253,8 +253,13 @@ def run(
                 log_path.open("w") as log,
                 contextlib.closing(Console(log, verbose=verbose)) as console,
             ):
-                said_completed = _submit(app, run_config, run_dir, submitted, target,
-                                         console, watchdog)  # fmt: skip
+                try:
+                    said_completed = _submit(app, run_config, run_dir, submitted,
+                                             target, console, watchdog)  # fmt: skip
+                except KeyboardInterrupt:  # every process of the run has stopped
+                    if target.simulated:
+                        console.catch_up(read_history(run_dir), settings.rounds)
+                    raise
         except KeyboardInterrupt:  # Ctrl-C, SIGTERM or SIGHUP
             resume = resume_command(app, overrides, federation, run_dir)
             after = _report_stopped(target, run_dir, settings, resume)
