@@ -53,7 +53,7 @@ NOTEBOOK = {
     ("FedBN", "Adam"): "(83, 84)",
 }
 FMNIST_CONFIG = "configs/fmnist-2class.toml"
-# Tuned on seed 1 (docs/algorithms.md lists what else was tried).
+# Tuned on seed 1 (docs/lab-notes/algorithms.md lists what else was tried).
 FMNIST = {
     "fedavg": "strategy='fedavg'",
     "fedprox": "strategy='fedprox' prox-mu=0.1",

@@ -34,7 +34,7 @@ epoch; steps = ceil(train examples / 10), as `train_local` takes them):
   whole run's bound is the ratio of the rounds' sums (what a mean round
   time compares), and each round's bound is listed by its median and range.
 
-Measured, with the date: docs/performance.md, "Cohorts".
+Measured, with the date: docs/lab-notes/performance.md.
 """
 
 from __future__ import annotations

@@ -275,7 +275,9 @@ class Settings:
     )
     # LoRA heads and the frozen VGG16 backbone (models cnn-lora, vgg16-lora)
     lora_rank: int = key(
-        8, "LoRA rank r (seed 002: 8 for CIFAR-10, 16 for CIFAR-100)", at_least(1)
+        8,
+        "LoRA rank r (FedSA-FTL's setting: 8 for CIFAR-10, 16 for CIFAR-100)",
+        at_least(1),
     )
     lora_alpha: float = key(
         8.0, "LoRA scale alpha; the update is alpha/r * B A", above(0)

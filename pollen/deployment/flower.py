@@ -16,7 +16,7 @@ from . import flower_superexec, processes
 SUPERLINK_START_SECONDS = 60.0
 # Ray starts one idle Python worker per CPU for a simulation's first driver;
 # Flower's ClientApp actors never run in them, so they only cost start-up CPU
-# (1.2 s of 28 on 2 cores, docs/performance.md). A value the user sets wins.
+# (1.2 s of 28 on 2 cores, docs/lab-notes/performance.md). A value the user sets wins.
 RAY_SIMULATION_ENV = {"RAY_prestart_worker_first_driver": "0"}
 # Each Flower process posts a usage event to telemetry.flower.ai as it starts
 # and ends, and waits up to 4 s at its exit for the post: every ClientApp

@@ -492,7 +492,7 @@ def simulation_federation(
     1.8x faster (docs/performance.md). `device='cuda'` needs a GPU share
     (`client-resources-num-gpus` > 0): without one Ray hides the GPU from the
     ClientApp actors, every client fails and the run ends at chance accuracy
-    (seen on an H100, docs/performance.md). `cores`: the CPUs the simulation's
+    (seen on an H100, docs/lab-notes/performance.md). `cores`: the CPUs the simulation's
     Ray offers (a warm head's `--cpus`; default: this machine's)."""
     cores = cores or os.cpu_count() or 1
     given = _parse_federation(federation)

@@ -19,7 +19,7 @@ and machine, hold no data of their own, and never come or go, so node i of
 their sorted IDs serves clients i, i + n, i + 2n, ... for the whole run.
 Start-up then costs two lookups of the node IDs 0.05 s apart (until they
 agree: Flower may still be registering the nodes), whatever the number of
-clients (the query took 12-20 s for 1,000 nodes, docs/performance.md).
+clients (the query took 12-20 s for 1,000 nodes, docs/lab-notes/performance.md).
 """
 
 from __future__ import annotations
