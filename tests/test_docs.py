@@ -1,5 +1,7 @@
-"""The documentation stays true to the code: the configuration reference is the
-settings declaration's, every relative link resolves, the README stays short."""
+"""The documentation stays true to the code and readable by a newcomer: the
+configuration and command-line references and the results are generated,
+every relative link resolves, user pages hold current facts only (their
+history is in docs/lab-notes/), and the README stays short."""
 
 from __future__ import annotations
 
@@ -12,11 +14,25 @@ from pathlib import Path
 
 import pytest
 
+from pollen.pages import README_END, README_START, pages
 from pollen.reference import MARKER, generated_part, render
 from pollen.settings import Settings
 from tests.conftest import PROJECT
 
-PAGES = [PROJECT / "README.md", *sorted((PROJECT / "docs").glob("*.md"))]
+DOCS = PROJECT / "docs"
+PAGES = [PROJECT / "README.md", *sorted(DOCS.rglob("*.md"))]
+LAB_NOTES = DOCS / "lab-notes"
+# what a user page must not hold: the lab notebook's marks
+NOT_ON_A_USER_PAGE = {
+    "a dated heading": re.compile(r"^#+ .*\b20\d\d-\d\d-\d\d", re.M),
+    "a commit hash": re.compile(r"\b(?=[0-9a-f]*[a-f])(?=[0-9a-f]*\d)[0-9a-f]{7,12}\b"),
+    "an issue number": re.compile(r"\bissues? #?\d+", re.I),
+    "a seed document's name": re.compile(r"\bseed 00\d", re.I),
+}
+README_LINES = 150
+PITCH_WORDS = 50
+RESULT_ROWS = 10
+CELL_CHARACTERS = 90  # a cell's text (a link's target not counted): one line
 REGENERATE = ".venv/bin/python -m pollen.reference --write docs/configuration.md"
 LINK = re.compile(r"!?\[[^\]]*\]\(\s*<?([^)\s>]+)>?(?:\s+\"[^\"]*\")?\s*\)")
 
@@ -59,6 +75,13 @@ def test_configuration_reference_is_generated_from_the_settings() -> None:
     )
 
 
+def test_the_generated_pages_are_what_their_sources_render() -> None:
+    """docs/cli.md (the parsers), docs/results.md and the README's results
+    table (benchmarks/measured/*.json)."""
+    stale = [p.name for p, text in pages().items() if p.read_text() != text]
+    assert not stale, f"{stale} differ: run .venv/bin/python -m pollen.pages --write"
+
+
 def test_the_reference_has_a_row_for_every_key() -> None:
     rows = render().splitlines()[2:]
     assert [row.split("`")[1] for row in rows] == [k for k, *_ in Settings.describe()]
@@ -79,9 +102,57 @@ def test_every_relative_link_resolves(page: Path) -> None:
     assert not broken, f"{page.name}: broken links {broken}"
 
 
-def test_readme_fits_on_a_few_screens() -> None:
-    lines = (PROJECT / "README.md").read_text().count("\n")
-    assert lines < 200, f"README.md has {lines} lines; move detail to docs/"
+def user_pages() -> list[Path]:
+    """README.md, every page of docs/ but the lab notes, and the tutorials."""
+    tutorials = sorted((DOCS / "tutorials").glob("*.py"))
+    return [p for p in PAGES if LAB_NOTES not in p.parents] + tutorials
+
+
+@pytest.mark.parametrize(
+    "page", user_pages(), ids=lambda p: p.relative_to(PROJECT).as_posix()
+)
+def test_a_user_page_states_current_facts_without_the_lab_notebooks_marks(
+    page: Path,
+) -> None:
+    """Dated headings, commit hashes, issue numbers and the seed documents'
+    names belong to docs/lab-notes/; a user names a setting by what it is."""
+    text = page.read_text()
+    found = [f"{what}: {m.group(0)!r} (line {text.count(chr(10), 0, m.start()) + 1})"
+             for what, pattern in NOT_ON_A_USER_PAGE.items()
+             for m in pattern.finditer(text)]  # fmt: skip
+    assert not found, f"{page.name} holds {found}; move history to docs/lab-notes/"
+
+
+@pytest.mark.parametrize(
+    ("text", "found"),
+    [
+        ("## Start-up (2026-11-22)\n", {"a dated heading"}),
+        ("Measured on 2026-11-22: `benchmarks/x.py`\n", set()),
+        ("before d54d1a4 it diverged", {"a commit hash"}),
+        ("a 1024000 example cache, the word facade", set()),
+        ("as issue 46 asked; issues #12", {"an issue number"}),
+        ("Seed 003's setting; seed 845", {"a seed document's name"}),
+    ],
+)
+def test_the_lab_notebooks_marks_are_recognised(text: str, found: set[str]) -> None:
+    assert {w for w, p in NOT_ON_A_USER_PAGE.items() if p.search(text)} == found
+
+
+def test_the_readme_is_short_its_pitch_short_its_results_one_line_each() -> None:
+    text = (PROJECT / "README.md").read_text()
+    lines = text.count("\n")
+    assert lines <= README_LINES, f"README.md has {lines} lines; move detail to docs/"
+    pitch = text.split("\n\n")[1]  # the paragraph under the title
+    assert len(pitch.split()) <= PITCH_WORDS, pitch
+    table = text.split(README_START)[1].split(README_END)[0]
+    results = [line for line in table.splitlines() if line.startswith("|")][2:]
+    assert 0 < len(results) <= RESULT_ROWS, results
+    for row in results:
+        for cell in row.strip("|").split("|"):
+            shown = re.sub(r"\]\([^)]*\)", "]", cell).strip()
+            assert len(shown) <= CELL_CHARACTERS, (
+                f"a README cell over one line: {shown}"
+            )
 
 
 def test_the_documentation_site_builds_without_a_warning(tmp_path: Path) -> None:
@@ -90,7 +161,8 @@ def test_the_documentation_site_builds_without_a_warning(tmp_path: Path) -> None
     nav = set(
         re.findall(r":\s*(\S+\.md)\s*$", (PROJECT / "mkdocs.yml").read_text(), re.M)
     )
-    missing = [p.name for p in (PROJECT / "docs").glob("*.md") if p.name not in nav]
+    missing = [p.relative_to(DOCS).as_posix() for p in DOCS.rglob("*.md")
+               if p.relative_to(DOCS).as_posix() not in nav]  # fmt: skip
     assert not missing, f"pages missing from mkdocs.yml's nav: {missing}"
     build = subprocess.run(
         [sys.executable, "-m", "mkdocs", "build", "--strict", "-q",

@@ -48,39 +48,23 @@ class Example:
 # how each is checked.
 EXAMPLES = {
     "": Example(covered_by="tests/test_simulation.py::test_default_run_trains_digits_and_writes_results"),
-    "-v": Example(covered_by="tests/test_console.py::test_verbose_shows_the_whole_stream"),
-    '--deployment .pollen-deploy -c "num-clients=2"': Example(
-        covered_by="tests/test_deployment.py::test_fedavg_and_feddyn_train_on_real_processes"
-    ),
     '''-c "strategy='fedprox' partition='niid' alpha=0.3"''': Example(accuracy=0.8, rounds=5),
-    "-c configs/mnist-fedavg.toml": Example(accuracy=0.95, real_data=True),
-    '''-c "data-set='mnist' data-root='../shared/data'"''': Example(
-        accuracy=0.9, real_data=True
-    ),
-    # the same run at 10,000 clients: Synthetic(1, 1) gives every client a task
-    # of its own, so a global model stays near chance on the first 1,000
-    # clients' test splits whatever the rounds; the example shows scale, and
-    # that test holds it to a falling loss
-    '''-c "data-set='synthetic' model='logreg' num-clients=100000 client-frac=0.001"''': Example(
-        covered_by="tests/test_simulation.py::test_ten_thousand_clients_share_a_hundred_nodes",
-    ),
-    # the same with cohorts (run whole by benchmarks/cohort.py --end-to-end); the
-    # cohort test holds a cohort run's history to the sequential one
-    '''-c "data-set='synthetic' model='logreg' num-clients=100000 client-frac=0.001 client-execution='cohort'"''': Example(
-        covered_by="tests/test_simulation.py::test_cohorts_train_the_rounds_sequential_training_does",
-    ),
-    # SecAgg+ on the default digits run: the secure-aggregation test runs
-    # these settings and holds them to the plain run's history
-    '''-c "secure-aggregation='secagg+' num-clients=6 client-frac=1.0"''': Example(
-        covered_by="tests/test_simulation.py::test_secure_aggregation_trains_the_rounds_plain_aggregation_does",
-    ),
-    '''-c "tracker='mlflow'"''': Example(accuracy=0.8),
     '''-c "model='mlp-bn' strategy='fedyogi' bn-policy='fedbn'"''': Example(
         accuracy=0.8, personal=True
     ),
-    '''-c "strategy='fedavg' local-objective='sam' client-optimizer='adamw'"''': Example(
-        accuracy=0.9
-    ),
+}  # fmt: skip
+
+# Every other command of the README's shell blocks, and the test that runs it
+# as written (`make test` is what CI runs).
+OTHER_COMMANDS = {
+    "make run": "tests/test_simulation.py::test_default_run_trains_digits_and_writes_results",
+    "make test": ".ci/run",
+    ".venv/bin/pollen list": "tests/test_readme_examples.py::test_the_readmes_listing_commands_print",
+    ".venv/bin/pollen config local-objective": "tests/test_readme_examples.py::test_the_readmes_listing_commands_print",
+    ".venv/bin/pollen compare configs/grids/first-comparison.toml --out results/first-comparison":
+        "tests/test_tutorials.py::test_the_first_comparison_from_the_command_line_runs_as_the_page_shows",
+    ".venv/bin/pollen report results/first-comparison":
+        "tests/test_tutorials.py::test_the_first_comparison_from_the_command_line_runs_as_the_page_shows",
 }  # fmt: skip
 
 
@@ -93,6 +77,35 @@ def readme_examples() -> list[tuple[str, ...]]:
     """The arguments of every `.venv/bin/pollen run .` line in the README."""
     text = (PROJECT / "README.md").read_text()
     return [words(m["args"]) for m in COMMAND.finditer(text)]
+
+
+def readme_commands() -> list[str]:
+    """Every command line of the README's shell blocks, without its comment."""
+    text = (PROJECT / "README.md").read_text()
+    blocks = re.findall(r"^```bash\n(.*?)^```", text, re.S | re.M)
+    lines = [line.split("  #")[0].strip() for b in blocks for line in b.splitlines()]
+    return [line for line in lines if line]
+
+
+def test_every_readme_command_is_run_by_a_test() -> None:
+    runs = [c for c in readme_commands() if COMMAND.match(c)]
+    others = [c for c in readme_commands() if not COMMAND.match(c)]
+    assert len(runs) == len(readme_examples())
+    unchecked = [c for c in others if c not in OTHER_COMMANDS]
+    assert not unchecked, f"README commands no test runs: {unchecked}"
+    assert set(OTHER_COMMANDS) <= set(others), "OTHER_COMMANDS rows not in the README"
+    for test in set(OTHER_COMMANDS.values()) - {".ci/run"}:
+        path, _, name = test.partition("::")
+        assert f"def {name}(" in (PROJECT / path).read_text(), test
+
+
+def test_the_readmes_listing_commands_print(capsys: pytest.CaptureFixture[str]) -> None:
+    from pollen import cli
+
+    for command in OTHER_COMMANDS:
+        if command.startswith((".venv/bin/pollen list", ".venv/bin/pollen config")):
+            assert cli.main(shlex.split(command)[1:]) == 0, command
+            assert capsys.readouterr().out.strip(), command
 
 
 def test_every_readme_example_has_a_check() -> None:

@@ -1,17 +1,24 @@
-"""The tutorial notebooks run from top to bottom, as a reader runs them.
+"""The tutorials run from top to bottom, as a reader runs them.
 
 Each `docs/tutorials/*.py` (a jupytext percent file: a notebook whose diffs
 read as code) is executed in a real Jupyter kernel by nbclient, in a
 folder of the test's own, and must finish without an error and show what
 its text promises: the comparison's table with every strategy, and the
-figures as pictures.
+figures as pictures. The command-line tutorial's commands run as written
+(their `results/` in the test's folder), and what the page shows of their
+output is what they give.
 """
 
 from __future__ import annotations
 
+import re
+import shlex
 import shutil
+import subprocess
+import sys
 import tempfile
 import time
+import tomllib
 from pathlib import Path
 
 import pytest
@@ -20,6 +27,8 @@ from tests.conftest import PROJECT
 
 pytestmark = pytest.mark.integration
 TUTORIALS = sorted((PROJECT / "docs" / "tutorials").glob("*.py"))
+FIRST_COMPARISON = PROJECT / "docs" / "tutorials" / "first-comparison-cli.md"
+BIN = Path(sys.executable).parent
 CELL_SECONDS = 600  # one cell's limit; the whole notebook takes about 70 s
 
 
@@ -51,6 +60,7 @@ def execute(path: Path, folder: Path) -> tuple[dict, float]:
 
 def test_there_is_a_tutorial() -> None:
     assert [p.name for p in TUTORIALS] == ["first-comparison.py"]
+    assert FIRST_COMPARISON.is_file()
 
 
 def test_the_first_comparison_runs_and_shows_its_results(
@@ -78,3 +88,43 @@ def test_the_first_comparison_runs_and_shows_its_results(
     assert "my_nets:wide_mlp" in shown["text/plain"]
     assert "pollen: round 8/8" in shown["text/plain"]  # the status, in place
     print(f"the tutorial ran in {seconds:.0f} s")
+
+
+def blocks(page: str, language: str) -> list[str]:
+    return re.findall(rf"^```{language}\n(.*?)^```", page, re.S | re.M)
+
+
+def test_the_first_comparison_from_the_command_line_runs_as_the_page_shows(
+    tmp_path: Path,
+) -> None:
+    """Every command of the page, run as written from the checkout, with
+    `results/` in the test's folder: the grid is the one it shows, every
+    run completes, and the report's accuracies are the page's (the same
+    seed trains to the same model; a point of slack for another CPU)."""
+    page = FIRST_COMPARISON.read_text()
+    (grid,) = blocks(page, "toml")
+    commands = [line for block in blocks(page, "bash") for line in block.splitlines()]
+    assert commands[0] == "cat configs/grids/first-comparison.toml"
+    assert tomllib.loads(grid) == tomllib.loads(
+        (PROJECT / "configs/grids/first-comparison.toml").read_text()
+    )
+    started = time.monotonic()
+    for command in commands[1:]:
+        argv = [a.replace("results/", f"{tmp_path}/") for a in shlex.split(command)]
+        assert argv[0] == ".venv/bin/pollen", command
+        done = subprocess.run([str(BIN / "pollen"), *argv[1:]], cwd=PROJECT,
+                              capture_output=True, text=True, timeout=600)  # fmt: skip
+        assert done.returncode == 0, command + done.stdout[-2000:] + done.stderr[-3000:]
+    print(f"the tutorial's commands ran in {time.monotonic() - started:.0f} s")
+    shown = {row[1]: float(row[3]) for row in _table(page)}
+    report = {row[1]: float(row[3]) for row in _table(
+        (tmp_path / "first-comparison" / "comparison.md").read_text())}  # fmt: skip
+    assert report.keys() == shown.keys() == {"fedavg", "fedprox", "scaffold"}
+    for strategy, accuracy in shown.items():
+        assert abs(report[strategy] - accuracy) <= 1.0, (strategy, report, shown)
+
+
+def _table(text: str) -> list[list[str]]:
+    """The rows of the first Markdown table in `text`, below its rule."""
+    rows = [line for line in text.splitlines() if line.startswith("|")]
+    return [[cell.strip() for cell in row.strip("|").split("|")] for row in rows[2:]]
