@@ -12,8 +12,8 @@ submitted with `pollen run . --deployment DIR` (or `flwr run . pollen` with
 The same files serve a deployment across machines: `pollen deploy certs`
 makes the CA and the SuperLink's certificate (subject alternative names for
 every host name or address the SuperNodes use), `pollen deploy key` makes a
-SuperNode's key pair; docs/deployment.md shows the `flower-superlink`,
-`flwr supernode register` and `flower-supernode` commands that use them.
+SuperNode's key pair, `pollen deploy register` registers the public keys;
+docs/tutorials/three-machines.md uses them step by step.
 """
 
 from __future__ import annotations
@@ -46,7 +46,7 @@ CONNECTION = "pollen"
 STATE_FILE = "deployment.json"
 EXECUTORS = ("warm", "cold")
 # Where the SuperLink keeps its state: memory (Flower's default; rounds of 4 and 8
-# nodes 1.3 to 1.6x faster than with the file, docs/deployment.md, but a
+# nodes 1.3 to 1.6x faster than with the file, docs/lab-notes/deployment.md, but a
 # restart forgets everything) or a SQLite file (`superlink.db`: a restarted SuperLink keeps the
 # registered SuperNodes and the runs).
 SUPERLINK_STATES = ("memory", "file")

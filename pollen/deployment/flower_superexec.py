@@ -7,7 +7,7 @@ ServerApps and simulations) for a task at a fixed interval. Flower's 1 s is
 added to every message a node receives; the fixed 0.1 s pollen used before
 cost an idle SuperLink 10 % of a core and each SuperNode 5 %, all through a
 run (each poll is an HTTP request that the asked process spends milliseconds
-of CPU on; docs/deployment.md). On the clock a SuperExec polls 0.1 s just
+of CPU on; docs/lab-notes/deployment.md). On the clock a SuperExec polls 0.1 s just
 after it launched a task, then every 5 % of the time since, never slower
 than Flower's interval (or FLWR_SUPEREXEC_TASK_POLL_INTERVAL, when set).
 

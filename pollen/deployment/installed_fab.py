@@ -7,7 +7,7 @@ reads its `pyproject.toml`, and only then finds the app already installed
 in `<FLWR_HOME>/apps/<publisher>.<name>.<version>.<hash[:8]>` and returns
 that folder. For pollen's FAB (about 200 files) that took 0.1 to 0.35 s of
 a warm task's 0.7 to 1.1 s on a two-node deployment here, every round
-(docs/deployment.md).
+(docs/lab-notes/deployment.md).
 
 `reuse_installed_fabs` changes, in this process and the children it forks
 (the warm executor's), only the `install_from_fab` that Flower's ClientApp

@@ -147,7 +147,7 @@ def sample_clients(
 
 
 # A deployed grid's pull is an HTTP request that costs the SuperLink about
-# 9 ms of CPU (2 cores, docs/deployment.md): asked every 0.01 s, the two
+# 9 ms of CPU (2 cores, docs/lab-notes/deployment.md): asked every 0.01 s, the two
 # processes took most of a core from the nodes' training. A deployed server
 # asks `poll_seconds` after a message went out or a reply came in, then every
 # 5 % of the time since, at most every 0.5 s. A simulation's grid is a dict.
