@@ -163,6 +163,10 @@ def measured(directory: Path = MEASURED) -> list[Measured]:
     """Every measured table, accuracy first, each kind by `order`, then by
     file name."""
     tables = [Measured.read(path) for path in sorted(directory.glob("*.json"))]
+    titles = [t.anchor for t in tables]
+    if twice := sorted({t.name for t in tables if titles.count(t.anchor) > 1}):
+        raise PageError(f"{directory}: {twice} have one title (one anchor); "
+                        "give each table a title of its own")  # fmt: skip
     kinds = list(KINDS)
     return sorted(tables, key=lambda t: (kinds.index(t.kind), t.order, t.name))
 

@@ -91,13 +91,23 @@ def test_a_bad_table_file_is_refused_naming_what_is_wrong(
 def test_tables_come_by_kind_then_their_order_then_their_file_name(
     tmp_path: Path,
 ) -> None:
-    write(tmp_path, "speed-a", {**TABLE, "kind": "speed", "order": 1})
-    write(tmp_path, "accuracy-z", TABLE)  # no order: after those with one
-    write(tmp_path, "accuracy-y", TABLE)
-    write(tmp_path, "accuracy-b", {**TABLE, "order": 5})
+    for name, keys in [
+        ("speed-a", {"kind": "speed", "order": 1}),
+        ("accuracy-z", {}),  # no order: after those with one
+        ("accuracy-y", {}),
+        ("accuracy-b", {"order": 5}),
+    ]:
+        write(tmp_path, name, {**TABLE, **keys, "title": name})  # fmt: skip
     assert [t.name for t in pages.measured(tmp_path)] == [
         "accuracy-b", "accuracy-y", "accuracy-z", "speed-a"
     ]  # fmt: skip
+
+
+def test_two_tables_with_one_title_are_refused(tmp_path: Path) -> None:
+    write(tmp_path, "accuracy-a", TABLE)
+    write(tmp_path, "accuracy-b", {**TABLE, "title": TABLE["title"].upper()})
+    with pytest.raises(pages.PageError, match=r"\['accuracy-a', 'accuracy-b'\]"):
+        pages.measured(tmp_path)
 
 
 def test_a_missing_key_and_broken_json_are_named(tmp_path: Path) -> None:
