@@ -33,6 +33,7 @@ from .catalog import (
     assumed_training,
 )
 from .extensions import DATA_SET_GROUP, MODEL_GROUP, USER_TRAINING, registered
+from .reference import app_defaults
 from .settings import Settings, SettingsError
 
 
@@ -127,9 +128,18 @@ def partitions() -> str:
 
 
 def keys() -> str:
-    return _rows(
-        [(key, f"{default!r}: {text}") for key, default, text, _ in Settings.describe()]
-    )
+    run = app_defaults()
+    return _rows([(key, f"{run.get(key, default)!r}: {text}")
+                  for key, default, text, _ in Settings.describe()])  # fmt: skip
+
+
+def _default_line(name: str, declared: object) -> str:
+    """A key's default as a run of pollen's app gets it (its pyproject.toml's
+    `[tool.flwr.app.config]`), and the declaration's where that differs."""
+    run = app_defaults().get(name, declared)
+    if run == declared:
+        return f"  default: {declared!r}"
+    return f"  default: {run!r} (an app whose pyproject.toml does not set it: {declared!r})"
 
 
 SECTIONS: dict[str, Callable[[], str]] = {
@@ -167,7 +177,7 @@ def describe_key(name: str) -> str:
     lines = [
         f"{name}: {text}",
         f"  type: {field.metadata['kind'].__name__}",
-        f"  default: {default!r}",
+        _default_line(name, default),
         f"  allowed: {allowed or 'any'}",
     ]
     if name in TRAINING_KEYS:  # "auto": a part's assumption, else the data set's

@@ -47,3 +47,18 @@ def test_a_preset_shows_the_client_settings_its_parts_assume() -> None:
         "auto, by part (before the data set's): scaffold 0, scaffold-sam 0"
         in listing.describe_key("momentum")
     )
+
+
+def test_a_default_is_the_one_a_run_gets_and_the_declared_one_where_it_differs() -> (
+    None
+):
+    """pollen's pyproject.toml gives client-frac 0.5 (the quick run), the
+    declaration 0.25 (what an app that does not set it gets)."""
+    from pollen.reference import app_defaults
+
+    assert app_defaults()["client-frac"] == 0.5
+    assert "  default: 0.5 (an app whose pyproject.toml does not set it: 0.25)" in (
+        listing.describe_key("client-frac").splitlines()
+    )
+    assert "  default: 10" in listing.describe_key("rounds").splitlines()
+    assert "  client-frac               0.5: " in listing.listing("keys")
