@@ -128,18 +128,17 @@ def partitions() -> str:
 
 
 def keys() -> str:
-    run = app_defaults()
-    return _rows([(key, f"{run.get(key, default)!r}: {text}")
+    return _rows([(key, f"{_default(key, default)}: {text}")
                   for key, default, text, _ in Settings.describe()])  # fmt: skip
 
 
-def _default_line(name: str, declared: object) -> str:
+def _default(name: str, declared: object) -> str:
     """A key's default as a run of pollen's app gets it (its pyproject.toml's
     `[tool.flwr.app.config]`), and the declaration's where that differs."""
     run = app_defaults().get(name, declared)
     if run == declared:
-        return f"  default: {declared!r}"
-    return f"  default: {run!r} (an app whose pyproject.toml does not set it: {declared!r})"
+        return repr(declared)
+    return f"{run!r} (an app whose pyproject.toml does not set it: {declared!r})"
 
 
 SECTIONS: dict[str, Callable[[], str]] = {
@@ -177,7 +176,7 @@ def describe_key(name: str) -> str:
     lines = [
         f"{name}: {text}",
         f"  type: {field.metadata['kind'].__name__}",
-        _default_line(name, default),
+        f"  default: {_default(name, default)}",
         f"  allowed: {allowed or 'any'}",
     ]
     if name in TRAINING_KEYS:  # "auto": a part's assumption, else the data set's

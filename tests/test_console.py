@@ -7,11 +7,15 @@ from __future__ import annotations
 import io
 import re
 import sys
+import tempfile
+from dataclasses import replace
+from pathlib import Path
 
 import pytest
 
 from pollen.deployment.console import Console
-from pollen.runs.results import RoundRecord, round_lines
+from pollen.runs.results import RoundRecord, round_lines, write_history
+from pollen.settings import Settings
 
 STREAM = [
     "Using SuperLink: pollen (127.0.0.1:40771)",
@@ -288,6 +292,66 @@ def test_an_interrupted_run_shows_the_rounds_its_history_holds_and_the_stream_lo
     ] == list(range(shown_after + 1, 6))
     assert "round 5/5: " in caught_up[-1]
     assert log.getvalue().splitlines() == stream
+
+
+def test_the_status_after_a_catch_up_is_the_last_caught_up_round() -> None:
+    out = io.StringIO()
+    console = Console(io.StringIO(), out, io.StringIO())
+    console.catch_up(records(3), 5)
+    assert console.status().startswith("pollen: round 3/5 | acc 53.00% | loss 1.0000")
+    assert "round 3/5: 2.00 s, " in out.getvalue()
+    assert out.getvalue().rstrip().endswith("~4 s left")  # 2 rounds of 2 s to go
+    console.close()
+
+
+@pytest.mark.parametrize(
+    ("resume", "history_after", "shown"),
+    [
+        (False, 3, [1, 2, 3]),  # a new run: every round the stream lost
+        (True, 7, [6, 7]),  # a resume after round 5 that ran rounds 6 and 7
+        (True, None, []),  # a resume stopped before its first round
+    ],
+)
+def test_an_interrupted_run_catches_up_on_its_own_rounds_only(
+    resume: bool,
+    history_after: int | None,
+    shown: list[int],
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """`launch.run` with Flower's part replaced: the ServerApp (re)writes
+    history.json, or does not, and the stream carries none of its lines
+    before the interrupt. A resumed run's directory already holds the
+    earlier run's rounds 1..7 (checkpoint at round 5): they are not this
+    run's, so only what it recorded after round 5 is shown."""
+    from pollen.deployment import launch
+
+    run_dir = tmp_path / "run"
+    if resume:
+        run_dir.mkdir()
+        write_history(run_dir, records(7))
+    settings = replace(Settings(), rounds=10, output_dir=str(tmp_path), run_name="run",
+                       resume=str(run_dir) if resume else "")  # fmt: skip
+
+    def interrupted(app, run_config, run_dir, federation, target, console, watchdog):
+        if history_after is not None:  # the ServerApp recorded rounds, then stopped
+            (run_dir / "history.json").unlink(missing_ok=True)
+            ran = [replace(r, seconds=3.0) if r.round > 5 else r  # this run's own
+                   for r in records(history_after)]  # fmt: skip
+            write_history(run_dir, ran)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(launch, "prepare_run", lambda app, o: (settings, ""))
+    monkeypatch.setattr(launch, "checked_federation", lambda s, f, t: [])
+    monkeypatch.setattr(launch, "check_resumable", lambda run_dir, config: 5)
+    monkeypatch.setattr(launch, "_submit", interrupted)
+    monkeypatch.setattr(launch, "_report_stopped", lambda *args: None)
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # Flower's log, kept here
+    with pytest.raises(launch.Interrupted):
+        launch.run(tmp_path / "app", [])
+    out = capsys.readouterr().out
+    assert [int(n) for n in re.findall(r"^\[(\d+)\] acc=", out, re.M)] == shown, out
 
 
 def test_in_a_notebook_the_status_is_one_output_updated_in_place(

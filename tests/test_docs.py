@@ -23,10 +23,20 @@ DOCS = PROJECT / "docs"
 PAGES = [PROJECT / "README.md", *sorted(DOCS.rglob("*.md"))]
 LAB_NOTES = DOCS / "lab-notes"
 # what a user page must not hold: the lab notebook's marks
+MONTH = r"(?:Jan|Feb|Mar|Apr|May|Jun|Jul|Aug|Sep|Oct|Nov|Dec)[a-z]*"
 NOT_ON_A_USER_PAGE = {
-    "a dated heading": re.compile(r"^#+ .*\b20\d\d-\d\d-\d\d", re.M),
-    "a commit hash": re.compile(r"\b(?=[0-9a-f]*[a-f])(?=[0-9a-f]*\d)[0-9a-f]{7,12}\b"),
-    "an issue number": re.compile(r"\bissues? #?\d+", re.I),
+    "a dated heading": re.compile(
+        rf"^#+ .*(?:\b20\d\d-\d\d-\d\d|\b\d{{1,2}} {MONTH} 20\d\d|{MONTH} \d{{1,2}},? 20\d\d)",
+        re.M,
+    ),
+    # hex with a letter and a digit, short or full (ed25519, a key type, is a word)
+    "a commit hash": re.compile(
+        r"\b(?!ed25519\b)(?=[0-9a-f]*[a-f])(?=[0-9a-f]*\d)[0-9a-f]{7,40}\b"
+    ),
+    # "issue 46", "issues 46 and 47" (not "issues 2 requests")
+    "an issue number": re.compile(
+        r"\bissue #?\d+\b|\bissues #?\d+(?:,| and| or)", re.I
+    ),
     "a seed document's name": re.compile(r"\bseed 00\d", re.I),
 }
 README_LINES = 150
@@ -129,8 +139,12 @@ def test_a_user_page_states_current_facts_without_the_lab_notebooks_marks(
         ("## Start-up (2026-11-22)\n", {"a dated heading"}),
         ("Measured on 2026-11-22: `benchmarks/x.py`\n", set()),
         ("before d54d1a4 it diverged", {"a commit hash"}),
-        ("a 1024000 example cache, the word facade", set()),
-        ("as issue 46 asked; issues #12", {"an issue number"}),
+        ("## Start-up (22 November 2026)", {"a dated heading"}),
+        ("a 1024000 example cache, the word facade, an ed25519 key", set()),
+        ("at 3f2a9c1e0b7d4a6c8e5f1a2b3c4d5e6f7a8b9c0d", {"a commit hash"}),
+        ("as issue 46 asked", {"an issue number"}),
+        ("issues 12 and 13", {"an issue number"}),
+        ("each SuperNode issues 2 requests a round", set()),
         ("Seed 003's setting; seed 845", {"a seed document's name"}),
     ],
 )

@@ -61,4 +61,7 @@ def test_a_default_is_the_one_a_run_gets_and_the_declared_one_where_it_differs()
         listing.describe_key("client-frac").splitlines()
     )
     assert "  default: 10" in listing.describe_key("rounds").splitlines()
-    assert "  client-frac               0.5: " in listing.listing("keys")
+    assert (
+        "  client-frac               0.5 (an app whose pyproject.toml does not set it: "
+        "0.25): fraction of clients sampled per round"
+    ) in listing.listing("keys")

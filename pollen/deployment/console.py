@@ -120,20 +120,30 @@ class Console:
             self._draw_status()
             self.out.flush()
 
-    def catch_up(self, history: Sequence[RoundRecord], total_rounds: int) -> None:
-        """Show the round blocks of `history` that the stream did not, after
-        an interrupted run has stopped: Flower's log stream ends when the run
-        is finished, and the ServerApp's last lines can still be on their way
-        to the SuperLink (its uploader sends every 0.2 s; on a loaded machine
-        several rounds were lost). What the console shows last is then what
-        the history holds. Not written to Flower's log: they are not its."""
-        shown = self._progress.get("round", 0)
+    def catch_up(
+        self, history: Sequence[RoundRecord], total_rounds: int, after: int = 0
+    ) -> None:
+        """Show the round blocks of `history` after round `after` that the
+        stream did not, once an interrupted run has stopped: Flower's log
+        stream ends when the run is finished, and the ServerApp's last lines
+        can still be on their way to the SuperLink (its uploader sends every
+        0.2 s; on a loaded machine several rounds were lost). What the console
+        shows last is then what the history holds, and the status says that
+        round. Not written to Flower's log: they are not its lines."""
         with self._lock:
+            shown = max(self._progress.get("round", 0), after)
             self._clear_status()
-            for record in history:
-                if record.round > shown:
-                    self.out.write(round_lines(record, total_rounds, 0) + "\n")
-                    self._progress["round"] = record.round
+            for count, record in enumerate(history, 1):
+                if record.round <= shown:
+                    continue
+                mean_seconds = sum(r.seconds for r in history[:count]) / count
+                left = mean_seconds * (
+                    total_rounds - record.round
+                )  # as the recorder says
+                block = round_lines(record, total_rounds, left)
+                self.out.write(block + "\n")
+                for text in block.splitlines():
+                    self._note_progress(text)
             self.out.flush()
 
     def close(self) -> None:

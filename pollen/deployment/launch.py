@@ -239,6 +239,9 @@ def run(
     run_dir = Path(settings.resume or Path(settings.output_dir) / settings.run_name)
     token = None
     earlier = _read_bytes(run_dir / "summary.json")  # a resumed run's, say
+    # a resumed run's directory holds the earlier run's rounds: not this run's
+    history_before = _read_bytes(run_dir / "history.json")
+    resumed_after = _resumed_after(run_dir, settings)
     with contextlib.ExitStack() as held:
         # the watchdog cleans up if this command is killed outright
         watchdog = held.enter_context(Watchdog())
@@ -258,7 +261,8 @@ def run(
                                              target, console, watchdog)  # fmt: skip
                 except KeyboardInterrupt:  # every process of the run has stopped
                     if target.simulated:
-                        console.catch_up(read_history(run_dir), settings.rounds)
+                        _show_lost_rounds(console, run_dir, settings.rounds,
+                                          history_before, resumed_after)  # fmt: skip
                     raise
         except KeyboardInterrupt:  # Ctrl-C, SIGTERM or SIGHUP
             resume = resume_command(app, overrides, federation, run_dir)
@@ -278,6 +282,33 @@ def run(
             run_dir, wall_seconds, resumed=bool(settings.resume), token=token,
             error=console.failure(), log=kept or log_path, earlier=earlier,
         )  # fmt: skip
+
+
+def _resumed_after(run_dir: Path, settings: Settings) -> int:
+    """The round a resumed run continues after: 0 for a new run, and for a
+    resume whose checkpoint the ServerApp will refuse (it then runs none)."""
+    if not settings.resume:
+        return 0
+    try:
+        return check_resumable(run_dir, settings.to_run_config())
+    except (CheckpointError, OSError, ValueError):
+        return 0
+
+
+def _show_lost_rounds(
+    console: Console,
+    run_dir: Path,
+    total_rounds: int,
+    history_before: bytes | None,
+    resumed_after: int,
+) -> None:
+    """After an interrupt, the round blocks this run recorded that Flower's
+    stream lost (`Console.catch_up`): none when it recorded no round (its
+    history is still the file it found, an interrupted resume's start-up),
+    none up to the round a resume continues after."""
+    if _read_bytes(run_dir / "history.json") == history_before:
+        return
+    console.catch_up(read_history(run_dir), total_rounds, after=resumed_after)
 
 
 def _read_bytes(path: Path) -> bytes | None:
