@@ -342,9 +342,11 @@ def test_an_interrupted_run_catches_up_on_its_own_rounds_only(
             write_history(run_dir, ran)
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(launch, "prepare_run", lambda app, o: (settings, ""))
+    resumed_after = 5 if resume else 0  # the checkpoint's round, as prepare_run says
+    monkeypatch.setattr(
+        launch, "prepare_run", lambda app, o: (settings, "", resumed_after)
+    )
     monkeypatch.setattr(launch, "checked_federation", lambda s, f, t: [])
-    monkeypatch.setattr(launch, "check_resumable", lambda run_dir, config: 5)
     monkeypatch.setattr(launch, "_submit", interrupted)
     monkeypatch.setattr(launch, "_report_stopped", lambda *args: None)
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # Flower's log, kept here

@@ -163,7 +163,7 @@ def test_a_failed_resume_on_a_connection_never_reports_the_earlier_summary(
         "total-seconds": 1.0,
     }))  # fmt: skip
     settings = replace(Settings(), resume=str(run_dir), rounds=10)
-    monkeypatch.setattr(launch, "prepare_run", lambda app, o: (settings, ""))
+    monkeypatch.setattr(launch, "prepare_run", lambda app, o: (settings, "", 0))
     monkeypatch.setattr(launch, "checked_federation", lambda s, f, t: [])
 
     def unreachable(app, run_config, run_dir, federation, target, console, watchdog):

@@ -326,7 +326,7 @@ def test_pollen_run_notes_once_what_departs_from_a_part(tmp_path, capsys) -> Non
     overrides = [
         f"strategy='scaffold' momentum=0.9 output-dir='{tmp_path}' run-name='r'"
     ]
-    settings, _ = prepare_run(PROJECT, overrides)
+    settings, _, _ = prepare_run(PROJECT, overrides)
     assert settings.momentum == 0.9
     out = capsys.readouterr().out
     assert out.count("pollen: note: momentum=0.9 as asked") == 1
@@ -341,7 +341,7 @@ def test_paths_the_serverapp_reads_are_pinned_to_the_shells_folder(
     network-profile or backbone-weights file would be looked for there. They
     are made absolute as data-root is; imagenet and random stay names."""
     monkeypatch.chdir(PROJECT)
-    settings, config = prepare_run(
+    settings, config, _ = prepare_run(
         PROJECT,
         [f"network-profile='configs/networks/mixed.toml' output-dir='{tmp_path}' "
          "backbone-weights='weights/vgg.pt'"],
@@ -349,7 +349,7 @@ def test_paths_the_serverapp_reads_are_pinned_to_the_shells_folder(
     assert settings.network_profile == str(PROJECT / "configs/networks/mixed.toml")
     assert settings.backbone_weights == str(PROJECT / "weights/vgg.pt")
     assert f'network-profile="{PROJECT}/configs/networks/mixed.toml"' in config
-    default, _ = prepare_run(PROJECT, [f"output-dir='{tmp_path}'"])
+    default, _, _ = prepare_run(PROJECT, [f"output-dir='{tmp_path}'"])
     assert (default.backbone_weights, default.network_profile) == ("imagenet", "")
 
 

@@ -233,7 +233,7 @@ def run(
     `summary.json` says, reported on the console). A simulation runs on a
     SuperLink of its own, or on the warm federation in `warm_dir`."""
     started = time.monotonic()
-    settings, run_config = prepare_run(app, overrides)
+    settings, run_config, resumed_after = prepare_run(app, overrides)
     target = find_target(connection, deployment_dir, warm_dir)
     submitted = checked_federation(settings, federation, target)
     run_dir = Path(settings.resume or Path(settings.output_dir) / settings.run_name)
@@ -241,7 +241,6 @@ def run(
     earlier = _read_bytes(run_dir / "summary.json")  # a resumed run's, say
     # a resumed run's directory holds the earlier run's rounds: not this run's
     history_before = _read_bytes(run_dir / "history.json")
-    resumed_after = _resumed_after(run_dir, settings)
     with contextlib.ExitStack() as held:
         # the watchdog cleans up if this command is killed outright
         watchdog = held.enter_context(Watchdog())
@@ -282,17 +281,6 @@ def run(
             run_dir, wall_seconds, resumed=bool(settings.resume), token=token,
             error=console.failure(), log=kept or log_path, earlier=earlier,
         )  # fmt: skip
-
-
-def _resumed_after(run_dir: Path, settings: Settings) -> int:
-    """The round a resumed run continues after: 0 for a new run, and for a
-    resume whose checkpoint the ServerApp will refuse (it then runs none)."""
-    if not settings.resume:
-        return 0
-    try:
-        return check_resumable(run_dir, settings.to_run_config())
-    except (CheckpointError, OSError, ValueError):
-        return 0
 
 
 def _show_lost_rounds(

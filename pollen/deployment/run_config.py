@@ -216,14 +216,16 @@ def _pin_read_files(config: dict[str, Any]) -> None:
         config["backbone-weights"] = _absolute(weights)
 
 
-def prepare_run(app: Path, overrides: Sequence[str]) -> tuple[Settings, str]:
+def prepare_run(app: Path, overrides: Sequence[str]) -> tuple[Settings, str, int]:
     """Validate the run config and pin what the ServerApp must not guess.
 
     Relative `data-root`/`output-dir` are resolved against this shell's
     directory, and an empty `run-name` gets a generated one (with `resume`:
-    the directory being resumed). Returns the settings and the complete run
-    config as one "key=value" string. A client hyper-parameter set against
-    what a part of the run assumes is run as asked, with a note.
+    the directory being resumed). Returns the settings, the complete run
+    config as one "key=value" string and the round a resume continues after
+    (its checkpoint's, checked here; 0 for a new run). A client
+    hyper-parameter set against what a part of the run assumes is run as
+    asked, with a note.
     """
     run_config = resolve_run_config(app, overrides)
     settings = Settings.from_run_config(run_config)
@@ -235,11 +237,12 @@ def prepare_run(app: Path, overrides: Sequence[str]) -> tuple[Settings, str]:
             check_url(os.environ[URL_ENV], from_env=True)
         except ValueError as err:
             raise SettingsError(str(err)) from None
+    resumed_after = 0
     if settings.resume:
-        check_resumable(Path(settings.resume), settings.to_run_config())
+        resumed_after = check_resumable(Path(settings.resume), settings.to_run_config())
     else:
         check_run_dir_is_new(settings.output_dir, settings.run_name)
-    return settings, config_string(settings)
+    return settings, config_string(settings), resumed_after
 
 
 def config_string(settings: Settings) -> str:
