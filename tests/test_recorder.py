@@ -18,6 +18,7 @@ from pollen.runs.results import (
     HEATMAP_MAX_INCHES,
     RoundRecord,
     plot_label_heatmap,
+    seconds_left,
     summarize,
 )
 from pollen.settings import Settings
@@ -157,3 +158,10 @@ def test_a_nan_loss_is_null_in_history_and_summary_json(tmp_path: Path) -> None:
     write_json(tmp_path / "summary.json", summarize(history, "completed", 3.0))
     summary = json.loads((tmp_path / "summary.json").read_text(), parse_constant=refuse)
     assert summary["final-loss"] is None
+
+
+def test_seconds_left_is_the_mean_round_so_far_times_the_rounds_to_go() -> None:
+    history = [dataclasses.replace(r, seconds=float(r.round))  # 1, 2 and 3 s
+               for r in rows([(0.5, 1.0)] * 3)]  # fmt: skip
+    assert seconds_left(history, 10) == pytest.approx(2.0 * 7)  # mean 2 s, 7 to go
+    assert seconds_left(history[:1], 1) == 0.0

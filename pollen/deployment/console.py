@@ -27,7 +27,13 @@ import time
 from collections.abc import Callable, Sequence
 from typing import TextIO
 
-from ..runs.results import ACCURACY_LINE, ROUND_LINE, RoundRecord, round_lines
+from ..runs.results import (
+    ACCURACY_LINE,
+    ROUND_LINE,
+    RoundRecord,
+    round_lines,
+    seconds_left,
+)
 
 # A line of Flower's logger: colour, level, colour reset, colon, padding
 FLOWER_LOG = re.compile(
@@ -136,10 +142,7 @@ class Console:
             for count, record in enumerate(history, 1):
                 if record.round <= shown:
                     continue
-                mean_seconds = sum(r.seconds for r in history[:count]) / count
-                left = mean_seconds * (
-                    total_rounds - record.round
-                )  # as the recorder says
+                left = seconds_left(history[:count], total_rounds)
                 block = round_lines(record, total_rounds, left)
                 self.out.write(block + "\n")
                 for text in block.splitlines():

@@ -25,7 +25,7 @@ from ..settings import Settings
 from ..strategies.round import RoundOutcome
 from .evaluation import divergence_hint
 from .notify import Notifier
-from .results import RoundRecord, round_lines, write_history
+from .results import RoundRecord, round_lines, seconds_left, write_history
 from .tracking import NoTracker, Tracker
 
 # Rounds of a rising test loss at chance accuracy before a run is warned
@@ -110,8 +110,7 @@ class RoundRecorder:
         self._last = now
         self.history.append(record)
         write_history(self.run_dir, self.history)
-        mean_seconds = sum(r.seconds for r in self.history) / len(self.history)
-        left = mean_seconds * (self.settings.rounds - server_round)
+        left = seconds_left(self.history, self.settings.rounds)
         print(round_lines(record, self.settings.rounds, left), flush=True)
         self.tracker.round(record)
         self._warn_if_stalled()

@@ -251,6 +251,13 @@ ROUND_LINE = re.compile(
 )
 
 
+def seconds_left(history: Sequence[RoundRecord], total_rounds: int) -> float:
+    """The time the rounds after `history`'s last are expected to take: the
+    mean round so far times the rounds to go (what the round block says)."""
+    mean_seconds = sum(r.seconds for r in history) / len(history)
+    return mean_seconds * (total_rounds - history[-1].round)
+
+
 def round_lines(record: RoundRecord, total_rounds: int, seconds_left: float) -> str:
     """The console block printed after every round (seed 000's format first)."""
     return (
