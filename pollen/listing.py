@@ -128,14 +128,15 @@ def partitions() -> str:
 
 
 def keys() -> str:
-    return _rows([(key, f"{_default(key, default)}: {text}")
+    run = app_defaults()  # pollen's pyproject.toml, read once
+    return _rows([(key, f"{_default(run.get(key, default), default)}: {text}")
                   for key, default, text, _ in Settings.describe()])  # fmt: skip
 
 
-def _default(name: str, declared: object) -> str:
-    """A key's default as a run of pollen's app gets it (its pyproject.toml's
-    `[tool.flwr.app.config]`), and the declaration's where that differs."""
-    run = app_defaults().get(name, declared)
+def _default(run: object, declared: object) -> str:
+    """A key's default as a run of pollen's app gets it (`run`, from its
+    pyproject.toml's `[tool.flwr.app.config]`), and the declaration's where
+    that differs."""
     if run == declared:
         return repr(declared)
     return f"{run!r} (an app whose pyproject.toml does not set it: {declared!r})"
@@ -176,7 +177,7 @@ def describe_key(name: str) -> str:
     lines = [
         f"{name}: {text}",
         f"  type: {field.metadata['kind'].__name__}",
-        f"  default: {_default(name, default)}",
+        f"  default: {_default(app_defaults().get(name, default), default)}",
         f"  allowed: {allowed or 'any'}",
     ]
     if name in TRAINING_KEYS:  # "auto": a part's assumption, else the data set's
