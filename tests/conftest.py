@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import signal
 import sys
 from collections.abc import Iterator
@@ -90,6 +91,12 @@ def pytest_sessionfinish(session: pytest.Session) -> None:
     (an interrupted session)."""
     if build := sys.modules.get("tests.docker_image"):
         build.BUILD.close()
+
+
+def fenced_blocks(page: str, language: str) -> list[str]:
+    """The bodies of a Markdown page's ```language blocks, in the page's order
+    (the commands and outputs the docs' tests run and compare)."""
+    return re.findall(rf"^```{language}\n(.*?)^```", page, re.S | re.M)
 
 
 def write_mnist_slices(data_dir: Path, own_file: Path) -> None:

@@ -22,7 +22,7 @@ from pollen import api
 from pollen.deployment.processes import alive, descendants
 from pollen.experiments.compare import Grid
 from pollen.runs.checkpoints import check_resumable
-from tests.conftest import PROJECT
+from tests.conftest import PROJECT, fenced_blocks
 
 DIGITS = {"num-clients": 4, "client-frac": 1.0, "local-epochs": 1}
 
@@ -289,11 +289,10 @@ def test_an_interrupt_stops_every_process_and_leaves_the_run_resumable(
 def test_the_readmes_python_example_runs(warm_federation: Path, tmp_path: Path) -> None:
     """The README's Python block, as written, with its run shortened to two
     rounds on the session's warm federation."""
-    import re
     import types
 
     readme = (PROJECT / "README.md").read_text()
-    (code,) = re.findall(r"```python\n(.*?)```", readme, re.S)
+    (code,) = fenced_blocks(readme, "python")
     shortened = types.SimpleNamespace(
         run=lambda *a, **k: pollen.run(
             *a, **k, rounds=2, output_dir=tmp_path, warm=warm_federation

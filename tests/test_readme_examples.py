@@ -25,7 +25,7 @@ import numpy as np
 import pytest
 
 from pollen.experiments.report import Run
-from tests.conftest import PROJECT
+from tests.conftest import PROJECT, fenced_blocks
 from tests.test_simulation import pollen_run
 
 COMMAND = re.compile(r"^\.venv/bin/pollen run \.(?P<args>[^#\n]*)", re.MULTILINE)
@@ -82,8 +82,8 @@ def readme_examples() -> list[tuple[str, ...]]:
 def readme_commands() -> list[str]:
     """Every command line of the README's shell blocks, without its comment."""
     text = (PROJECT / "README.md").read_text()
-    blocks = re.findall(r"^```bash\n(.*?)^```", text, re.S | re.M)
-    lines = [line.split("  #")[0].strip() for b in blocks for line in b.splitlines()]
+    lines = [line.split("  #")[0].strip() for block in fenced_blocks(text, "bash")
+             for line in block.splitlines()]  # fmt: skip
     return [line for line in lines if line]
 
 

@@ -25,7 +25,7 @@ import pytest
 
 from pollen.deployment import processes
 from pollen.deployment.fab import fab_files
-from tests.conftest import PROJECT
+from tests.conftest import PROJECT, fenced_blocks
 
 pytestmark = pytest.mark.integration
 PAGE = PROJECT / "docs" / "tutorials" / "three-machines.md"
@@ -39,10 +39,6 @@ START_SECONDS = 60  # the SuperLink up, both SuperNodes online
 # silo's. None: step 1's set-up, not run.
 MACHINES = [None, "server", "superlink", "server", "silo", "server", "silo",
             "server", "server"]  # fmt: skip
-
-
-def blocks(page: str, language: str) -> list[str]:
-    return re.findall(rf"^```{language}\n(.*?)^```", page, re.S | re.M)
 
 
 class Shell:
@@ -164,7 +160,7 @@ def test_the_three_machine_tutorial_runs_as_its_page_says(tmp_path: Path) -> Non
     this test starts and always stops by PID. Flower posts no telemetry
     and checks for no update (nothing leaves this machine)."""
     page = PAGE.read_text()
-    commands, shown = blocks(page, "bash"), blocks(page, "text")
+    commands, shown = fenced_blocks(page, "bash"), fenced_blocks(page, "text")
     assert len(commands) == len(MACHINES), "the page's bash blocks changed"
     assert len(shown) == 7, "the page's output blocks changed"
     assert "make run" in commands[0] and "source .venv/bin/activate" in commands[0]

@@ -11,7 +11,6 @@ output is what they give.
 
 from __future__ import annotations
 
-import re
 import shlex
 import shutil
 import subprocess
@@ -23,7 +22,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import PROJECT
+from tests.conftest import PROJECT, fenced_blocks
 
 pytestmark = pytest.mark.integration
 TUTORIALS = sorted((PROJECT / "docs" / "tutorials").glob("*.py"))
@@ -90,10 +89,6 @@ def test_the_first_comparison_runs_and_shows_its_results(
     print(f"the tutorial ran in {seconds:.0f} s")
 
 
-def blocks(page: str, language: str) -> list[str]:
-    return re.findall(rf"^```{language}\n(.*?)^```", page, re.S | re.M)
-
-
 def test_the_first_comparison_from_the_command_line_runs_as_the_page_shows(
     tmp_path: Path,
 ) -> None:
@@ -102,8 +97,10 @@ def test_the_first_comparison_from_the_command_line_runs_as_the_page_shows(
     run completes, and the report's accuracies are the page's (the same
     seed trains to the same model; a point of slack for another CPU)."""
     page = FIRST_COMPARISON.read_text()
-    (grid,) = blocks(page, "toml")
-    commands = [line for block in blocks(page, "bash") for line in block.splitlines()]
+    (grid,) = fenced_blocks(page, "toml")
+    commands = [
+        line for block in fenced_blocks(page, "bash") for line in block.splitlines()
+    ]
     assert commands[0] == "cat configs/grids/first-comparison.toml"
     assert tomllib.loads(grid) == tomllib.loads(
         (PROJECT / "configs/grids/first-comparison.toml").read_text()
