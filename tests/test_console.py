@@ -266,19 +266,21 @@ def records(count: int) -> list[RoundRecord]:
 
 
 @pytest.mark.parametrize(
-    ("stream", "shown_after"),
+    ("stream", "shown_after", "round_lines_from"),
     [
-        ([], 0),  # the stream lost every round
-        (round_lines(records(2)[1], 5, 3).splitlines(), 2),
-        (["pollen: resuming after round 3"], 3),  # the rounds before were not shown
+        ([], 0, 1),  # the stream lost every round
+        (round_lines(records(2)[1], 5, 3).splitlines(), 2, 2),
+        # the stream stopped inside round 3's block, after its accuracy line
+        (round_lines(records(3)[2], 5, 2).splitlines()[:2], 3, 3),
+        (["pollen: resuming after round 3"], 3, 4),  # the rounds before: not shown
     ],
 )
 def test_an_interrupted_run_shows_the_rounds_its_history_holds_and_the_stream_lost(
-    stream: list[str], shown_after: int
+    stream: list[str], shown_after: int, round_lines_from: int
 ) -> None:
     """Flower's log stream can end before the ServerApp's last lines reach
-    it; the console then shows the rest from the history, once each, and
-    not in Flower's log."""
+    it; the console then shows the rest from the history, each line of a
+    round's block once, and not in Flower's log."""
     out, log = io.StringIO(), io.StringIO()
     console = Console(log, out, io.StringIO())
     for line in stream:
@@ -290,6 +292,9 @@ def test_an_interrupted_run_shows_the_rounds_its_history_holds_and_the_stream_lo
     assert [
         int(m) for m in re.findall(r"^\[(\d+)\]", "\n".join(caught_up), re.M)
     ] == list(range(shown_after + 1, 6))
+    assert [
+        int(m) for m in re.findall(r"^ {5}round (\d+)/5: ", out.getvalue(), re.M)
+    ] == list(range(round_lines_from, 6))
     assert "round 5/5: " in caught_up[-1]
     assert log.getvalue().splitlines() == stream
 

@@ -42,6 +42,10 @@ FLOWER_LOG = re.compile(
 # What a resumed run's ServerApp says first (`runs.progress`)
 RESUMING_LINE = re.compile(r"^pollen: resuming after round (?P<round>\d+)$")
 ERROR_LEVELS = ("ERROR", "CRITICAL")
+# the first line of a round's block (`results.round_lines`) and the lines after
+# it that belong to the block (its accuracy line, its indented lines)
+BLOCK_START = re.compile(r"^=== Evaluate global model (?P<round>\d+) Round ===$")
+BLOCK_LINE = re.compile(r"^(?:\[\d{2,}\] acc=| {5}\S)")
 # What the ServerApp prints itself: pollen's messages, the round block
 # (`results.round_lines`: its header, the accuracy line, indented details)
 # and `print-labels`' table (`partition.format_label_counts`)
@@ -102,6 +106,10 @@ class Console:
         self._box: list[str] | None = None  # the text of a `flwr` error box
         self._status = ""
         self._progress: dict[str, float] = {}
+        # the last round whose block the stream showed whole (or that a resume
+        # continues after), and how many lines of the next block it showed:
+        # the stream can stop inside a block
+        self._shown_through, self._block_lines = 0, 0
         self._lock = threading.Lock()
         self._stopped = threading.Event()
         if self.live or self._show is not None:
@@ -116,6 +124,7 @@ class Console:
         self._note_progress(raw)
         if shown is None:
             return
+        self._note_block(shown)
         stream = self.err if error else self.out
         if not stream.isatty():  # a file or pipe gets plain text
             shown = COLOUR.sub("", shown)
@@ -133,20 +142,23 @@ class Console:
         stream did not, once an interrupted run has stopped: Flower's log
         stream ends when the run is finished, and the ServerApp's last lines
         can still be on their way to the SuperLink (its uploader sends every
-        0.2 s; on a loaded machine several rounds were lost). What the console
+        0.2 s; on a loaded machine several rounds were lost, and a stream
+        stopped inside a block, after its accuracy line). What the console
         shows last is then what the history holds, and the status says that
         round. Not written to Flower's log: they are not its lines."""
         with self._lock:
-            shown = max(self._progress.get("round", 0), after)
             self._clear_status()
             for count, record in enumerate(history, 1):
-                if record.round <= shown:
+                if record.round <= max(after, self._shown_through):
                     continue
                 left = seconds_left(history[:count], total_rounds)
-                block = round_lines(record, total_rounds, left)
-                self.out.write(block + "\n")
-                for text in block.splitlines():
+                lines = round_lines(record, total_rounds, left).splitlines()
+                if record.round == self._shown_through + 1:  # the rest of its block
+                    lines = lines[self._block_lines :]
+                for text in lines:
+                    self.out.write(text + "\n")
                     self._note_progress(text)
+                    self._note_block(text)
             self.out.flush()
 
     def close(self) -> None:
@@ -227,6 +239,15 @@ class Console:
         if self.exception and self.last_error and self.exception != self.last_error:
             return f"{self.exception} (then {self.last_error})"
         return self.last_error or self.exception
+
+    def _note_block(self, shown: str) -> None:
+        """Count `shown` into the round block it starts or continues."""
+        if match := RESUMING_LINE.match(shown):
+            self._shown_through, self._block_lines = int(match["round"]), 0
+        elif match := BLOCK_START.match(shown):
+            self._shown_through, self._block_lines = int(match["round"]) - 1, 1
+        elif self._block_lines and BLOCK_LINE.match(shown):
+            self._block_lines += 1
 
     def _note_progress(self, raw: str) -> None:
         if match := RESUMING_LINE.match(raw):  # the rounds before are not this run's
