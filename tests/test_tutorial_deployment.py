@@ -96,6 +96,7 @@ class Shell:
 
 
 ANSI = re.compile(r"\x1b\[[0-9;]*m")
+RULE = re.compile(r"([━─═])\1*")  # a run of one of a table's rule characters
 
 
 def missing(shown: str, output: str) -> str | None:
@@ -119,9 +120,11 @@ def missing(shown: str, output: str) -> str | None:
 
 
 def word_pattern(word: str) -> str:
-    """A pattern for one word of a page's output: `...` any text, a number any."""
+    """A pattern for one word of a page's output: `...` any text, a number any,
+    a run of a table's rule (`━━━`) a run of any length (columns are as wide
+    as their cells: a node ID may have 19 digits or 20)."""
     parts = [re.sub(r"\d+", r"\\d+", re.escape(part)) for part in word.split("...")]
-    return ".*".join(parts)
+    return ".*".join(RULE.sub(r"\1+", part) for part in parts)
 
 
 def wait_for(pid: int, log: Path, shown: str, name: str) -> None:
