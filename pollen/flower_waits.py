@@ -34,23 +34,30 @@ pull of them often fails and Flower waits a second before the next.
 
 The change stands for a small one upstream (docs/deployment.md): a poll
 interval in place of the constants 3 and 0.5 in `start_client_internal`,
-and `PULL_INITIAL_BACKOFF`/`PULL_BACKOFF_CAP` as settings. It is
-guarded by version: only the Flower releases it was tested with are changed
-(their functions' sources are checked against recorded digests, and
-tests/test_supernode.py fails when they differ); any other Flower runs
-unchanged, with one warning line.
+and `PULL_INITIAL_BACKOFF`/`PULL_BACKOFF_CAP` as settings. Each is a
+patch of `pollen.flower_patches`, guarded by version: only the Flower
+releases it was verified on are changed; any other Flower runs unchanged,
+with one warning line.
 """
 
 from __future__ import annotations
 
 import argparse
-import hashlib
-import inspect
-import sys
 import time
 import types
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any
+
+from .flower_patches import (
+    CLIENTAPP_PULLS,
+    PULL_AND_INFLATE,
+    PULL_OBJECTS,
+    SERVERAPP_PULLS,
+    SUPEREXEC_POLLS,
+    SUPERNODE_WAITS,
+    guard,
+    resolve,
+)
 
 POLL_SECONDS = 0.1
 IDLE_SHARE = 0.05  # after a wait of T s, a message is picked up within ~0.05 T
@@ -58,74 +65,6 @@ IDLE_SHARE = 0.05  # after a wait of T s, a message is picked up within ~0.05 T
 # as long as Flower's own (PULL_MAX_TIME, 2 h; not its 500 tries, which at
 # 0.1 s would give up on a slow node's push after 50 s).
 PULL_RETRY_CAP_SECONDS = 1.0
-
-# The Flower functions pollen changes (their waits here, the ClientApp's FAB
-# installation in `deployment.installed_fab`), by Flower release: a digest
-# of each one's source as that release ships it. tests/test_supernode.py checks
-# them against the installed Flower, so an upgrade that changes one fails
-# there first.
-TESTED_SOURCES: dict[str, dict[str, str]] = {
-    "1.42.0": {
-        "flwr.supernode.start_client_internal:start_client_internal": "9e89a6eb68fbec68",
-        "flwr.supernode.start_client_internal:_push_messages": "00bb86faffdec114",
-        "flwr.supernode.start_client_internal:_pull_and_store_message": "eaf5d0e36dc34e4c",
-        "flwr.supercore.inflatable.inflatable_utils:pull_objects": "31bb2de46b450e6a",
-        "flwr.supercore.inflatable.inflatable_utils:pull_and_inflate_object_from_tree": "139811483a15e4a6",
-        "flwr.supercore.superexec.run_superexec:run_superexec": "91e7a33c5b898f33",
-        "flwr.supercore.superexec.run_superexec:_handle_launch_result": "19302e77dfb33968",
-        "flwr.cli.install:install_from_fab": "481bd04cde582322",
-        "flwr.cli.install:validate_and_install": "628b69fb852ae858",
-        "flwr.supernode.runtime.run_clientapp:run_clientapp": "6ce09559f3a2f5dc",
-    },
-}
-PULL_OBJECTS = "flwr.supercore.inflatable.inflatable_utils:pull_objects"
-PULL_AND_INFLATE = (
-    "flwr.supercore.inflatable.inflatable_utils:pull_and_inflate_object_from_tree"
-)
-SUPERNODE_FUNCTIONS = (
-    "flwr.supernode.start_client_internal:start_client_internal",
-    "flwr.supernode.start_client_internal:_push_messages",
-    "flwr.supernode.start_client_internal:_pull_and_store_message",
-    PULL_OBJECTS,
-)
-CLIENTAPP_FUNCTIONS = (PULL_AND_INFLATE,)
-SUPEREXEC_FUNCTIONS = (
-    "flwr.supercore.superexec.run_superexec:run_superexec",
-    "flwr.supercore.superexec.run_superexec:_handle_launch_result",
-)
-SERVERAPP_FUNCTIONS = (PULL_OBJECTS,)
-
-
-def resolve(name: str) -> Callable[..., Any]:
-    """The function `module:qualname` names."""
-    module_name, _, function = name.partition(":")
-    module = __import__(module_name, fromlist=[function])
-    return getattr(module, function)
-
-
-def source_digest(function: Callable[..., Any]) -> str:
-    """The first 16 hex digits of the SHA-256 of `function`'s source."""
-    return hashlib.sha256(inspect.getsource(function).encode()).hexdigest()[:16]
-
-
-def unchanged_reason(names: Sequence[str]) -> str:
-    """Why Flower's waits must stay as they are in this process (empty when
-    the installed Flower is one these patches were tested with)."""
-    import flwr
-
-    recorded = TESTED_SOURCES.get(flwr.__version__)
-    if recorded is None:
-        tested = ", ".join(TESTED_SOURCES)
-        return (
-            f"Flower {flwr.__version__} is not a release it was tested with ({tested})"
-        )
-    try:
-        changed = [n for n in names if source_digest(resolve(n)) != recorded[n]]
-    except (OSError, TypeError) as err:  # an installation without its sources
-        return f"cannot read Flower {flwr.__version__}'s source: {err}"
-    if changed:
-        return f"Flower {flwr.__version__} differs from the release tested: {', '.join(changed)}"
-    return ""
 
 
 class PollClock(types.ModuleType):
@@ -151,15 +90,6 @@ class PollClock(types.ModuleType):
     def sleep(self, seconds: float) -> None:
         since = time.monotonic() - self.last_message
         time.sleep(min(seconds, max(self.poll_seconds, self.share * since)))
-
-
-def guard(names: Sequence[str], unchanged: str) -> bool:
-    """Whether `names` may be changed in this process; if not, one warning
-    line that says what stays as Flower ships it (`unchanged`) and why."""
-    reason = unchanged_reason(names)
-    if reason:
-        print(f"pollen: warning: {unchanged}: {reason}", file=sys.stderr, flush=True)
-    return not reason
 
 
 def _quicker_pulls(name: str, poll_seconds: float) -> None:
@@ -207,7 +137,7 @@ def shorten_supernode_waits(poll_seconds: float = POLL_SECONDS) -> bool:
     """In this process, the SuperNode's idle sleeps and reply checks follow a
     `PollClock` and its object pulls retry from `poll_seconds`; False (and
     one warning line) when this Flower is not one the change was tested with."""
-    if not guard(SUPERNODE_FUNCTIONS, "pollen supernode keeps Flower's idle waits"):
+    if not guard(SUPERNODE_WAITS):
         return False
     from flwr.supernode import start_client_internal as node
 
@@ -227,7 +157,7 @@ def shorten_superexec_polls(poll_seconds: float = POLL_SECONDS) -> bool:
     0.1 s cost an idle SuperLink 10 % of a core and a SuperNode 5 % here.
     False (and one warning line) when this Flower is not one the change was
     tested with."""
-    if not guard(SUPEREXEC_FUNCTIONS, "flower-superexec keeps Flower's idle waits"):
+    if not guard(SUPEREXEC_POLLS):
         return False
     from flwr.supercore.superexec import run_superexec as loop
 
@@ -238,7 +168,7 @@ def shorten_superexec_polls(poll_seconds: float = POLL_SECONDS) -> bool:
 def shorten_clientapp_pulls(poll_seconds: float = POLL_SECONDS) -> bool:
     """In this process (and the children it forks), a ClientApp retries a
     message object its SuperNode has not pulled yet every `poll_seconds`."""
-    if not guard(CLIENTAPP_FUNCTIONS, "pollen superexec keeps Flower's idle waits"):
+    if not guard(CLIENTAPP_PULLS):
         return False
     _quicker_pulls(PULL_AND_INFLATE, poll_seconds)
     return True
@@ -247,7 +177,7 @@ def shorten_clientapp_pulls(poll_seconds: float = POLL_SECONDS) -> bool:
 def shorten_serverapp_pulls(poll_seconds: float = POLL_SECONDS) -> bool:
     """In this process (a ServerApp's), the grid retries a reply's objects
     that its node has not pushed yet every `poll_seconds`."""
-    if not guard(SERVERAPP_FUNCTIONS, "pollen's ServerApp keeps Flower's idle waits"):
+    if not guard(SERVERAPP_PULLS):
         return False
     _quicker_pulls(PULL_OBJECTS, poll_seconds)
     return True

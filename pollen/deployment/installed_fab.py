@@ -20,9 +20,9 @@ installation, which checks and installs as before. Flower trusts an
 installed folder the same way: it never checks one again.
 
 The upstream change it stands for: in `validate_and_install`'s caller,
-return an existing install folder before extracting. Guarded by version as
-`pollen.flower_waits` is: any other Flower installs as it ships, with one
-warning line.
+return an existing install folder before extracting. A patch of
+`pollen.flower_patches`, guarded by version: any other Flower installs as it
+ships, with one warning line.
 """
 
 from __future__ import annotations
@@ -34,15 +34,8 @@ import zipfile
 from collections.abc import Callable
 from pathlib import Path
 
-from ..flower_waits import guard
+from ..flower_patches import INSTALLED_FABS, guard
 
-# Flower's installation, and the ClientApp runtime that calls it with
-# `skip_prompt=True` and no `install_dir` (tests/test_supernode.py).
-FUNCTIONS = (
-    "flwr.cli.install:install_from_fab",
-    "flwr.cli.install:validate_and_install",
-    "flwr.supernode.runtime.run_clientapp:run_clientapp",
-)
 MANIFEST_DIR = ".info/"  # the FAB's manifest, removed before installing
 
 
@@ -104,7 +97,7 @@ def reuse_installed_fabs() -> bool:
     """In this process (and the children it forks), a ClientApp task uses
     its FAB's installed folder; False (and one warning line) when this
     Flower is not one the change was tested with."""
-    if not guard(FUNCTIONS, "pollen superexec installs each task's FAB as Flower does"):
+    if not guard(INSTALLED_FABS):
         return False
     from flwr.supernode.runtime import run_clientapp as runtime
 
