@@ -85,9 +85,13 @@ class InterruptibleGrid:
         self._stop.check()
         return self._grid.push_messages(messages)
 
-    def pull_messages(self, message_ids: Iterable[str]) -> Iterable[Any]:
+    def pull_messages(self, *args: Any, **kwargs: Any) -> Iterable[Any]:
+        """Flower's `pull_messages` in either release's form: 1.42's
+        `(message_ids)`, 1.43's `(reply_to_message_ids=None, *,
+        message_ids=None)` (its `message_ids` keyword deprecated, and its own
+        code calling it with no argument), passed on as given."""
         self._stop.check()
-        return self._grid.pull_messages(message_ids)
+        return self._grid.pull_messages(*args, **kwargs)
 
     def get_node_ids(self) -> Iterable[int]:
         self._stop.check()
