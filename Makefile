@@ -9,7 +9,7 @@ UV := .tools/bin/uv
 export UV_SYSTEM_CERTS := 1
 export FLWR_DISABLE_UPDATE_CHECK := 1
 
-.PHONY: run test lint format docs clean
+.PHONY: run test test-flower-next lint format docs clean
 
 run: .venv/.synced
 	.venv/bin/pollen run .
@@ -23,6 +23,28 @@ test: .venv/.synced
 	.venv/bin/ruff check pollen tests benchmarks
 	.venv/bin/ruff format --check pollen tests benchmarks
 	.venv/bin/pytest -q $(PYTEST_PARALLEL) --durations=15
+
+# The unit tests on Flower's next release (flower-next.txt: its nightly until
+# it ships), in a second environment: every other package as uv.lock pins it,
+# flwr-nightly in place of flwr (both install the package `flwr`, so the
+# environment must hold exactly one of them). CI runs it after `make test`.
+FLOWER_NEXT := .venv-flower-next
+
+test-flower-next: $(FLOWER_NEXT)/.synced
+	$(FLOWER_NEXT)/bin/pytest -q $(PYTEST_PARALLEL) -m "not integration" -p no:cacheprovider
+
+$(FLOWER_NEXT)/.synced: uv.lock pyproject.toml flower-next.txt | $(UV)
+	rm -rf $(FLOWER_NEXT)
+	$(UV) venv --quiet $(FLOWER_NEXT)
+	$(UV) export --quiet --locked --no-hashes --no-emit-project --all-groups --all-extras \
+		| grep -v '^flwr==' > $(FLOWER_NEXT)/locked-but-flower.txt
+	$(UV) pip install --quiet --compile-bytecode --python $(FLOWER_NEXT) \
+		-r $(FLOWER_NEXT)/locked-but-flower.txt -r flower-next.txt
+	$(UV) pip install --quiet --python $(FLOWER_NEXT) --no-deps --editable .
+	$(FLOWER_NEXT)/bin/python -c "from importlib.metadata import distributions; \
+		flowers = sorted({d.metadata['Name'] for d in distributions()} & {'flwr', 'flwr-nightly'}); \
+		assert flowers == ['flwr-nightly'], f'expected flwr-nightly alone, found {flowers}'"
+	touch $@
 
 docs: .venv/.synced  # the documentation site, into site/ (warnings are errors; the tutorials run, about 2 min)
 	NO_MKDOCS_2_WARNING=1 POLLEN_DOCS_EXECUTE=true .venv/bin/mkdocs build --strict
@@ -44,4 +66,4 @@ $(UV):
 	touch $@
 
 clean:
-	rm -rf .venv .tools
+	rm -rf .venv $(FLOWER_NEXT) .tools

@@ -221,3 +221,18 @@ def resumable_extra(run_config: dict) -> dict:
 
     schedule = PlateauSchedule(0.01, 0.5, 1, 0.0, 0, 0.0)
     return {"settings": run_config, SCHEDULE_KEY: schedule.state_dict()}
+
+
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
+    """The Flower release the suite ran on, last (`make test` and `make
+    test-flower-next` run it on two)."""
+    from importlib.metadata import distributions
+
+    import flwr
+
+    names = sorted(
+        {d.metadata["Name"] for d in distributions()} & {"flwr", "flwr-nightly"}
+    )
+    terminalreporter.write_line(
+        f"ran on Flower {flwr.__version__} ({', '.join(names)})"
+    )
