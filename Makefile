@@ -9,7 +9,7 @@ UV := .tools/bin/uv
 export UV_SYSTEM_CERTS := 1
 export FLWR_DISABLE_UPDATE_CHECK := 1
 
-.PHONY: run test test-flower-next lint format docs clean
+.PHONY: run test test-flower-next test-torch-ends lint format docs clean
 
 run: .venv/.synced
 	.venv/bin/pollen run .
@@ -24,14 +24,16 @@ test: .venv/.synced
 	.venv/bin/ruff format --check pollen tests benchmarks
 	.venv/bin/pytest -q $(PYTEST_PARALLEL) --durations=15
 
-# The unit tests on Flower's next release (flower-next.txt: its nightly until
-# it ships), in a second environment: every other package as uv.lock pins it,
-# flwr-nightly in place of flwr (both install the package `flwr`, so the
-# environment must hold exactly one of them). CI runs it after `make test`.
+# The unit tests and one deployment (`flower_next`) on Flower's next release
+# (flower-next.txt: its nightly until it ships), in a second environment:
+# every other package as uv.lock pins it, flwr-nightly in place of flwr (both
+# install the package `flwr`, so the environment must hold exactly one of
+# them). CI runs it after `make test`.
 FLOWER_NEXT := .venv-flower-next
 
 test-flower-next: $(FLOWER_NEXT)/.synced
-	$(FLOWER_NEXT)/bin/pytest -q $(PYTEST_PARALLEL) -m "not integration" -p no:cacheprovider
+	$(FLOWER_NEXT)/bin/pytest -q $(PYTEST_PARALLEL) -p no:cacheprovider \
+		-m "not integration or flower_next"
 
 $(FLOWER_NEXT)/.synced: uv.lock pyproject.toml flower-next.txt | $(UV)
 	rm -rf $(FLOWER_NEXT)
@@ -45,6 +47,24 @@ $(FLOWER_NEXT)/.synced: uv.lock pyproject.toml flower-next.txt | $(UV)
 		flowers = sorted({d.metadata['Name'] for d in distributions()} & {'flwr', 'flwr-nightly'}); \
 		assert flowers == ['flwr-nightly'], f'expected flwr-nightly alone, found {flowers}'"
 	touch $@
+
+# The unit tests at both ends of the torch range pyproject.toml declares, each
+# in an environment of its own (.venv-torch-VERSION: every other package as
+# uv.lock pins it). Not in CI: each end is several GB of CUDA wheels.
+TORCH_ENDS := 2.7.0,0.22.0 2.15.0,0.29.2
+
+test-torch-ends: | $(UV)
+	set -e; for pair in $(TORCH_ENDS); do \
+		torch=$${pair%,*}; vision=$${pair#*,}; env=.venv-torch-$$torch; \
+		$(UV) venv --quiet --allow-existing $$env; \
+		$(UV) export --quiet --locked --no-hashes --no-emit-project --all-groups \
+			--all-extras --prune torch --prune torchvision > $$env/locked-but-torch.txt; \
+		$(UV) pip install --quiet --python $$env -r $$env/locked-but-torch.txt \
+			torch==$$torch torchvision==$$vision; \
+		$(UV) pip install --quiet --python $$env --no-deps --editable .; \
+		$$env/bin/python -c "import torch, torchvision; print('torch', torch.__version__, 'torchvision', torchvision.__version__)"; \
+		$$env/bin/pytest -q $(PYTEST_PARALLEL) -p no:cacheprovider -m "not integration"; \
+	done
 
 docs: .venv/.synced  # the documentation site, into site/ (warnings are errors; the tutorials run, about 2 min)
 	NO_MKDOCS_2_WARNING=1 POLLEN_DOCS_EXECUTE=true .venv/bin/mkdocs build --strict
@@ -66,4 +86,4 @@ $(UV):
 	touch $@
 
 clean:
-	rm -rf .venv $(FLOWER_NEXT) .tools
+	rm -rf .venv $(FLOWER_NEXT) .venv-torch-* .tools
