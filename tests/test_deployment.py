@@ -64,6 +64,7 @@ def submit(deployment: cluster.Deployment, out: Path, config: str) -> subprocess
     return submit_to(deployment, out, config, NODES)
 
 
+@pytest.mark.flower_next
 @pytest.mark.xdist_group("deployment")
 def test_fedavg_and_feddyn_train_on_real_processes(
     deployment: cluster.Deployment, tmp_path: Path
@@ -87,6 +88,12 @@ def test_fedavg_and_feddyn_train_on_real_processes(
         assert h_keys
         assert all(np.abs(first[n]).sum() > 0 for n in h_keys)
         assert any(not np.array_equal(first[n], second[n]) for n in h_keys)
+    # every patch of Flower's code applied in every process (on either
+    # release: `make test-flower-next` runs this test too), none left out
+    logs = [*(deployment.root / "logs").glob("*.log"), *tmp_path.glob("*/flower.log")]
+    assert len(logs) > 2 * NODES
+    warned = [log.name for log in logs if "pollen: warning" in log.read_text()]
+    assert not warned, warned
 
 
 @pytest.mark.xdist_group("deployment")
