@@ -12,6 +12,8 @@ import pytest
 from flwr.server import Grid
 
 from pollen.runs.interruption import InterruptibleGrid, RunInterrupted, StopSignal
+from pollen.strategies.cohort_grid import CohortGrid
+from pollen.strategies.sampling import OneMessagePerNode
 
 # pull_messages as each Flower release calls it: by position, by either
 # keyword, and (1.43's own code) with no argument
@@ -63,3 +65,41 @@ def test_a_stopped_run_exchanges_nothing_more():
     with pytest.raises(RunInterrupted):
         grid.pull_messages()
     assert inner.calls == []
+
+
+def takes_every_call_of(wrapper: Any, flowers: Any) -> bool:
+    """Whether `wrapper` takes every call `flowers` takes: each of Flower's
+    parameters under its own name (a kind at least as open), or through
+    *args where it may come by position and **kwargs where by keyword."""
+    ours = inspect.signature(wrapper).parameters
+    kinds = {p.kind for p in ours.values()}
+    for p in inspect.signature(flowers).parameters.values():
+        by_position = p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
+        by_keyword = p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)
+        if p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD):
+            taken = p.kind in kinds
+        elif p.name in ours:
+            own = ours[p.name].kind
+            taken = own == p.kind or own == p.POSITIONAL_OR_KEYWORD
+        else:
+            taken = (not by_position or p.VAR_POSITIONAL in kinds) and (
+                not by_keyword or p.VAR_KEYWORD in kinds
+            )
+        if not taken:
+            return False
+    return True
+
+
+@pytest.mark.parametrize(
+    "wrapper",
+    [InterruptibleGrid, OneMessagePerNode, CohortGrid],
+    ids=lambda w: w.__name__,
+)
+def test_every_grid_wrapper_takes_the_installed_flowers_signatures(wrapper):
+    """A method a wrapper defines over Flower's Grid takes every call the
+    installed Flower's takes (the suite runs on both releases); the rest
+    pass through `__getattr__` untouched."""
+    overridden = [n for n in vars(wrapper) if not n.startswith("_") and hasattr(Grid, n)]
+    assert overridden
+    for name in overridden:
+        assert takes_every_call_of(getattr(wrapper, name), getattr(Grid, name)), name
