@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from pollen.deployment.console import Console
-from pollen.runs.results import RoundRecord, round_lines, write_history
+from pollen.runs.results import RoundRecord, round_lines, seconds_left, write_history
 from pollen.settings import Settings
 
 STREAM = [
@@ -265,13 +265,21 @@ def records(count: int) -> list[RoundRecord]:
             for n in range(1, count + 1)]  # fmt: skip
 
 
+def block(round_: int) -> list[str]:
+    """Round `round_`'s block as the ServerApp prints it, of 5 rounds."""
+    history = records(round_)
+    return round_lines(history[-1], 5, seconds_left(history, 5)).splitlines()
+
+
 @pytest.mark.parametrize(
     ("stream", "shown_after", "round_lines_from"),
     [
         ([], 0, 1),  # the stream lost every round
-        (round_lines(records(2)[1], 5, 3).splitlines(), 2, 2),
-        # the stream stopped inside round 3's block, after its accuracy line
-        (round_lines(records(3)[2], 5, 2).splitlines()[:2], 3, 3),
+        (block(2), 2, 2),
+        # the stream stopped inside round 3's block: after its accuracy line,
+        (block(3)[:2], 3, 3),
+        (block(3)[:1], 2, 3),  # after its header,
+        ([*block(3)[:1], "     a note"], 2, 3),  # after another indented line
         (["pollen: resuming after round 3"], 3, 4),  # the rounds before: not shown
     ],
 )

@@ -107,9 +107,10 @@ class Console:
         self._status = ""
         self._progress: dict[str, float] = {}
         # the last round whose block the stream showed whole (or that a resume
-        # continues after), and how many lines of the next block it showed:
+        # continues after), and the lines it showed of the next one's block:
         # the stream can stop inside a block
-        self._shown_through, self._block_lines = 0, 0
+        self._shown_through = 0
+        self._block_shown: list[str] = []
         self._lock = threading.Lock()
         self._stopped = threading.Event()
         if self.live or self._show is not None:
@@ -154,7 +155,7 @@ class Console:
                 left = seconds_left(history[:count], total_rounds)
                 lines = round_lines(record, total_rounds, left).splitlines()
                 if record.round == self._shown_through + 1:  # the rest of its block
-                    lines = lines[self._block_lines :]
+                    lines = [text for text in lines if text not in self._block_shown]
                 for text in lines:
                     self.out.write(text + "\n")
                     self._note_progress(text)
@@ -241,13 +242,14 @@ class Console:
         return self.last_error or self.exception
 
     def _note_block(self, shown: str) -> None:
-        """Count `shown` into the round block it starts or continues."""
+        """Keep `shown` if it starts or continues a round's block (by its
+        text: another line between a block's lines is not one of them)."""
         if match := RESUMING_LINE.match(shown):
-            self._shown_through, self._block_lines = int(match["round"]), 0
+            self._shown_through, self._block_shown = int(match["round"]), []
         elif match := BLOCK_START.match(shown):
-            self._shown_through, self._block_lines = int(match["round"]) - 1, 1
-        elif self._block_lines and BLOCK_LINE.match(shown):
-            self._block_lines += 1
+            self._shown_through, self._block_shown = int(match["round"]) - 1, [shown]
+        elif self._block_shown and BLOCK_LINE.match(shown):
+            self._block_shown.append(shown)
 
     def _note_progress(self, raw: str) -> None:
         if match := RESUMING_LINE.match(raw):  # the rounds before are not this run's
