@@ -56,7 +56,7 @@ TORCH_ENDS := 2.7.0,0.22.0 2.15.0,0.29.2
 test-torch-ends: | $(UV)
 	set -e; for pair in $(TORCH_ENDS); do \
 		torch=$${pair%,*}; vision=$${pair#*,}; env=.venv-torch-$$torch; \
-		$(UV) venv --quiet --allow-existing $$env; \
+		rm -rf $$env; $(UV) venv --quiet $$env; \
 		$(UV) export --quiet --locked --no-hashes --no-emit-project --all-groups \
 			--all-extras --prune torch --prune torchvision > $$env/locked-but-torch.txt; \
 		$(UV) pip install --quiet --python $$env -r $$env/locked-but-torch.txt \

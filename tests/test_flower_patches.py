@@ -66,10 +66,21 @@ def test_the_installed_flower_is_a_verified_release():
     (`python -m pollen.flower_patches` prints them)."""
     import flwr
 
-    assert flwr.__version__ in TESTED_SOURCES, (
-        f"no patch was verified on Flower {flwr.__version__}"
+    installed = flower_patches.installed_sources()
+    # a release not recorded yet: against the newest recorded one
+    against = (
+        flwr.__version__
+        if flwr.__version__ in TESTED_SOURCES
+        else [*TESTED_SOURCES][-1]
     )
-    assert flower_patches.installed_sources() == TESTED_SOURCES[flwr.__version__]
+    changed = [
+        n for n, digest in installed.items() if TESTED_SOURCES[against][n] != digest
+    ]
+    assert flwr.__version__ in TESTED_SOURCES, (
+        f"no patch was verified on Flower {flwr.__version__}; changed since "
+        f"{against}: {', '.join(changed) or 'none'}"
+    )
+    assert not changed, f"changed since {against} was verified: {', '.join(changed)}"
 
 
 def test_every_patch_is_verified_on_every_recorded_release_and_tested_here():

@@ -69,25 +69,35 @@ def test_a_stopped_run_exchanges_nothing_more():
 
 def takes_every_call_of(wrapper: Any, flowers: Any) -> bool:
     """Whether `wrapper` takes every call `flowers` takes: each of Flower's
-    parameters under its own name (a kind at least as open), or through
-    *args where it may come by position and **kwargs where by keyword."""
+    parameters under its own name (a kind at least as open, a default
+    where Flower has one), or through *args where it may come by position
+    and **kwargs where by keyword; and no parameter of its own that a call
+    of Flower's would leave without a value."""
     ours = inspect.signature(wrapper).parameters
+    theirs = inspect.signature(flowers).parameters
     kinds = {p.kind for p in ours.values()}
-    for p in inspect.signature(flowers).parameters.values():
+    for p in theirs.values():
         by_position = p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
         by_keyword = p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)
         if p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD):
             taken = p.kind in kinds
         elif p.name in ours:
-            own = ours[p.name].kind
-            taken = own == p.kind or own == p.POSITIONAL_OR_KEYWORD
+            own = ours[p.name]
+            taken = own.kind in (p.kind, p.POSITIONAL_OR_KEYWORD) and (
+                p.default is p.empty or own.default is not p.empty
+            )
         else:
             taken = (not by_position or p.VAR_POSITIONAL in kinds) and (
                 not by_keyword or p.VAR_KEYWORD in kinds
             )
         if not taken:
             return False
-    return True
+    return all(
+        p.name in theirs
+        or p.default is not p.empty
+        or p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD)
+        for p in ours.values()
+    )
 
 
 @pytest.mark.parametrize(
@@ -99,7 +109,9 @@ def test_every_grid_wrapper_takes_the_installed_flowers_signatures(wrapper):
     """A method a wrapper defines over Flower's Grid takes every call the
     installed Flower's takes (the suite runs on both releases); the rest
     pass through `__getattr__` untouched."""
-    overridden = [n for n in vars(wrapper) if not n.startswith("_") and hasattr(Grid, n)]
+    overridden = [
+        n for n in vars(wrapper) if not n.startswith("_") and hasattr(Grid, n)
+    ]
     assert overridden
     for name in overridden:
         assert takes_every_call_of(getattr(wrapper, name), getattr(Grid, name)), name

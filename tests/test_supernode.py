@@ -1,6 +1,7 @@
-"""`pollen supernode`: Flower's SuperNode waits shortened only where the
-installed Flower is the code they were tested with, and otherwise left alone
-with one warning line."""
+"""`pollen supernode`, the SuperExec's poll and the object pulls: Flower's
+waits shortened in the one module each belongs to, as the patches of
+`pollen.flower_patches` say (whether each applies, or is left out with one
+warning line, is tests/test_flower_patches.py's)."""
 
 from __future__ import annotations
 
