@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from pollen.files import NpzError, read_npz
+from pollen.files import NpzError, read_npz, write_json
 from pollen.runs import checkpoints
 from pollen.runs.checkpoints import (
     Checkpoint,
@@ -164,6 +164,24 @@ def test_no_checkpoints(tmp_path: Path) -> None:
     (tmp_path / "checkpoints").mkdir()
     with pytest.raises(CheckpointError, match="no checkpoint in"):
         load_checkpoint(tmp_path)
+
+
+@pytest.mark.parametrize(
+    ("every", "why"),
+    [
+        (1, "the run stopped before it wrote one (checkpoint-every=1)"),
+        (0, "the run has checkpoint-every=0, which writes none"),
+    ],
+)
+def test_no_checkpoint_says_why_from_the_runs_settings(
+    tmp_path: Path, every: int, why: str
+) -> None:
+    """A run that checkpoints every round but stopped in its first is not
+    told to set checkpoint-every > 0."""
+    write_json(tmp_path / "settings.json", {"checkpoint-every": every, "rounds": 5})
+    with pytest.raises(CheckpointError) as error:
+        load_checkpoint(tmp_path)
+    assert str(error.value).endswith(f"; {why}")
 
 
 def test_missing_meta_json(tmp_path: Path) -> None:

@@ -244,7 +244,7 @@ def test_cohort_settings_refuse_what_a_cohort_cannot_reproduce() -> None:
             **{"client-execution": "cohort", "model": "mobilenet",
                "data-set": "cifar10", "augment": False}
         )  # fmt: skip
-    with pytest.raises(SettingsError, match="dp=true"):
+    with pytest.raises(SettingsError, match="dp=true: that training works on one "):
         run_config(**{"client-execution": "cohort", "model": "cnn-gn", "dp": True})
     with pytest.raises(SettingsError, match="mode='async'"):
         run_config(**{"client-execution": "cohort", "strategy": "fedbuff"})

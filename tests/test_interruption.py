@@ -115,3 +115,10 @@ def test_every_grid_wrapper_takes_the_installed_flowers_signatures(wrapper):
     assert overridden
     for name in overridden:
         assert takes_every_call_of(getattr(wrapper, name), getattr(Grid, name)), name
+
+
+def test_an_interrupted_run_names_every_signal_that_stops_it():
+    """summary.json's reason after SIGHUP (a closed terminal) must not say
+    Ctrl-C or SIGTERM only: the ServerApp gets SIGINT for each."""
+    reason = str(RunInterrupted())
+    assert all(name in reason for name in ("Ctrl-C", "SIGTERM", "SIGHUP")), reason

@@ -178,7 +178,7 @@ def _locate(run_dir: Path, round: int | None) -> tuple[int, Path]:
     if not found:
         incomplete = sorted(root.glob("round-*/")) if root.is_dir() else []
         raise CheckpointError(
-            f"no checkpoint in {root}; a run writes them when checkpoint-every > 0"
+            f"no checkpoint in {root}; {_why_none(Path(run_dir))}"
             + "".join(f"; {p.name} has no {META_FILE} (incomplete)" for p in incomplete)
         )
     if round is None:
@@ -189,6 +189,22 @@ def _locate(run_dir: Path, round: int | None) -> tuple[int, Path]:
             f"no checkpoint of round {round} in {root} (rounds with one: {rounds})"
         )
     return round, found[round]
+
+
+def _why_none(run_dir: Path) -> str:
+    """Why `run_dir` holds no checkpoint, as far as its settings say: a run
+    that checkpoints may have stopped before it wrote one."""
+    try:
+        every = json.loads((run_dir / "settings.json").read_text()).get(
+            "checkpoint-every"
+        )
+    except (OSError, ValueError, AttributeError):
+        every = None
+    if isinstance(every, int) and every > 0:
+        return f"the run stopped before it wrote one (checkpoint-every={every})"
+    if every == 0:
+        return "the run has checkpoint-every=0, which writes none"
+    return "a run writes them when checkpoint-every > 0"
 
 
 # Run-config keys that may differ between a checkpointed run and the run

@@ -29,10 +29,14 @@ SETTLE_SECONDS = 60.0
 
 
 class RunInterrupted(Exception):
-    """The run was asked to stop (Ctrl-C or SIGTERM of its command)."""
+    """The run was asked to stop: its command got Ctrl-C, SIGTERM or SIGHUP
+    (`pollen run` passes each on as SIGINT, so the ServerApp cannot tell
+    which)."""
 
     def __init__(self) -> None:
-        super().__init__("interrupted by Ctrl-C or SIGTERM")
+        super().__init__(
+            "interrupted: its command was stopped (Ctrl-C, SIGTERM or SIGHUP)"
+        )
 
 
 class StopSignal:

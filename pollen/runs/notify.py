@@ -180,7 +180,7 @@ class Notifier:
     def run_interrupted(self, run_name: str, rounds_done: int) -> None:
         self._enqueue(
             f"pollen: run {run_name} interrupted after {rounds_done} rounds "
-            "(Ctrl-C or SIGTERM)"
+            "(Ctrl-C, SIGTERM or SIGHUP)"
         )
 
     def run_failed(self, run_name: str, reason: str) -> None:

@@ -55,10 +55,10 @@ def cohort_problem(s: Settings) -> str | None:
     for given, on in trainings:
         if on:
             return (
-                f"client-execution='cohort' with {given}: that training runs "
-                "passes built around one client's model (DP-SGD's per-sample "
-                "clipping, FedRep's phases, Ditto's personal model); the cohort "
-                f"trainer runs plain local epochs; use {ALLOWED}"
+                f"client-execution='cohort' with {given}: that training works on "
+                "one client's model at a time (DP-SGD's per-sample clipping, "
+                "FedRep's phases, Ditto's personal model), and a cohort trains "
+                f"its clients' models together in plain local epochs; use {ALLOWED}"
             )
     if s.mode == "async":
         return (
