@@ -18,7 +18,7 @@ cleanly left out otherwise; it runs on the locked Flower (`make test`) and
 on the next one (`make test-flower-next`, `flower-next.txt`).
 
 Verifying a new release: read the changed functions' sources against the
-patches (a patch depends on what the Table's "what" says: a sleep through
+patches (a patch depends on what the table's "what" says: a sleep through
 the module's `time`, a keyword default, a call from the runtime), then
 record the release's digests with `python -m pollen.flower_patches`.
 """
