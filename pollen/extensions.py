@@ -8,8 +8,9 @@ pollen's own parts are (a `Rule`, a `ServerUpdate`, an objective part) and
 loaded like them (`part`). An installed package may register any of them
 under a short name in the entry-point groups `pollen.models`,
 `pollen.data_sets`, `pollen.aggregators`, `pollen.server_updates` and
-`pollen.local_objectives` of its pyproject.toml. This module decodes such a
-name: the function it points at, and what the catalogue says of it (a
+`pollen.local_objectives` of its pyproject.toml (a name two packages
+register with different import paths is refused, naming both). This module
+decodes such a name: the function it points at, and what the catalogue says of it (a
 `DataSetInfo`, a `ModelInfo`). Only the user's code can tell that, so
 `pollen.task` runs it (loads the data set, builds the model on the data
 set's input shape) and is reached here at run time through its import path,
@@ -19,11 +20,11 @@ as `pollen.settings` reaches every part above it. Importable without torch.
 from __future__ import annotations
 
 import re
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from functools import cache
 from importlib.metadata import entry_points
 from types import MappingProxyType
-from typing import Any
+from typing import Any, NamedTuple
 
 from .catalog import (
     AGGREGATORS,
@@ -53,6 +54,12 @@ PART_BASES = {
     "server-update": "pollen.strategies.server_update:ServerUpdate",
     "local-objective": "pollen.task.objective_parts:Plain",
 }
+# entry-point group -> the run-config key whose value it names
+GROUP_KEYS = {
+    MODEL_GROUP: "model",
+    DATA_SET_GROUP: "data-set",
+    **{group: key for key, (_, group) in PART_KEYS.items()},
+}
 # "package.module:function"
 IMPORT_PATH = re.compile(r"[A-Za-z_][\w.]*:[A-Za-z_]\w*(?:\.[A-Za-z_]\w*)*")
 # what "auto" takes for a user's data set: mnist's and fashion-mnist's measured
@@ -67,35 +74,73 @@ class ExtensionError(ValueError):
     """A user's model or data set pollen cannot use; one line naming the key."""
 
 
+class Registration(NamedTuple):
+    """One installed package's entry point: the distribution that registers
+    a name (as pip lists it) and the import path the name stands for."""
+
+    distribution: str
+    path: str
+
+
 @cache
-def registered(group: str) -> Mapping[str, str]:
+def registered(group: str) -> Mapping[str, tuple[Registration, ...]]:
     """The names installed packages register under entry-point `group`
-    (`pollen.models`, `pollen.data_sets`), each with the import path it names.
+    (`pollen.models`, `pollen.data_sets`, ...), each with who registers it
+    and the import path it names: one `Registration`, or several, sorted,
+    where packages give the name different import paths (`import_path`
+    refuses such a name rather than pick one by path order). A name given
+    the same import path again (a package visible twice on the path, the
+    metadata a renamed package left behind) counts once.
 
     Read once per process and group: every check of a name that is not
     built in asks it, and a scan of the installed distributions' metadata
     takes milliseconds each time. A package installed while a process runs
     is seen by the next process (or after `registered.cache_clear()`)."""
-    return MappingProxyType(  # "module:attr.attr", without the point's extras
-        {
-            point.name: f"{point.module}:{point.attr}"
-            for point in entry_points(group=group)
-        }
+    found: dict[str, dict[str, Registration]] = {}
+    for point in entry_points(group=group):
+        path = f"{point.module}:{point.attr}"  # "module:attr.attr", without extras
+        # `entry_points` gives each point the distribution that registers it
+        found.setdefault(point.name, {}).setdefault(
+            path,
+            Registration(point.dist.name, path),  # type: ignore[union-attr]
+        )
+    return MappingProxyType(
+        {name: tuple(sorted(paths.values())) for name, paths in found.items()}
+    )
+
+
+def _clash(name: str, group: str, found: Sequence[Registration]) -> str:
+    """One line for `name`, which installed packages register under `group`
+    with different import paths: each package and its path, and the two
+    ways out (keep one package, or name the part by its import path)."""
+    key = GROUP_KEYS[group]
+    each = [f"{r.distribution} as {r.path!r}" for r in found]
+    return (
+        f"{key}={name!r} is ambiguous: {len(found)} installed packages register "
+        f"it under entry-point group {group}, {', '.join(each[:-1])} and "
+        f"{each[-1]}; uninstall all but one, or name the one you mean by its "
+        f"import path ({key}={found[0].path!r})"
     )
 
 
 def import_path(name: str, group: str) -> str | None:
     """The import path that a user's part `name` stands for: `name` itself
     ("module:function"), or what an installed package registers under
-    `group`; None for any other name."""
+    `group`; None for any other name. `ExtensionError` (`_clash`) for a name
+    installed packages register with different import paths."""
     if IMPORT_PATH.fullmatch(name):
         return name
-    return registered(group).get(name)
+    found = registered(group).get(name, ())
+    if len(found) > 1:
+        raise ExtensionError(_clash(name, group, found))
+    return found[0].path if found else None
 
 
 def names_user_part(name: str, group: str) -> bool:
-    """Whether `name` is an import path or a name registered under `group`."""
-    return import_path(name, group) is not None
+    """Whether `name` is an import path or a name registered under `group`.
+    A name several packages register counts: a key's check accepts it, and
+    loading the part (`import_path`) refuses it naming the packages."""
+    return bool(IMPORT_PATH.fullmatch(name)) or name in registered(group)
 
 
 def user_function(key: str, name: str, group: str) -> Callable[..., Any]:

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
-from collections.abc import Callable, Collection, Mapping
+from collections.abc import Callable, Collection, Mapping, Sequence
 
 from .catalog import (
     AGGREGATORS,
@@ -32,7 +32,13 @@ from .catalog import (
     Scalar,
     assumed_training,
 )
-from .extensions import DATA_SET_GROUP, MODEL_GROUP, USER_TRAINING, registered
+from .extensions import (
+    DATA_SET_GROUP,
+    MODEL_GROUP,
+    USER_TRAINING,
+    Registration,
+    registered,
+)
 from .reference import app_defaults
 from .settings import Settings, SettingsError
 
@@ -91,16 +97,29 @@ def _model_notes(info: ModelInfo) -> str:
 def _user_rows(
     group: str, what: str, built_in: Collection[str]
 ) -> list[tuple[str, str]]:
-    """The names installed packages register under `group` (one a built-in
-    name shadows said so: the built-in wins), then the import path form:
-    read from the packages' metadata, nothing imported."""
+    """The names installed packages register under `group`, then the import
+    path form: read from the packages' metadata, nothing imported."""
     return [
-        *((name, f"{path} (an installed package's"
-                 + ("; not used: the built-in of this name wins)" if name in built_in
-                    else ")"))
-          for name, path in sorted(registered(group).items())),
+        *((name, _registered_text(found, name in built_in))
+          for name, found in sorted(registered(group).items())),
         ("module:function", f"{what} of your own (docs/extending.md)"),
     ]  # fmt: skip
+
+
+def _registered_text(found: Sequence[Registration], shadowed: bool) -> str:
+    """What `pollen list` says of a registered name: the import path it
+    names, or, where packages give it different ones, each with its package
+    and the name refused (listed, not raised: a clash the user does not use
+    must not stop the listing); a built-in of the name wins over either."""
+    note = ""
+    if shadowed:
+        note = "; not used: the built-in of this name wins"
+    elif len(found) > 1:
+        note = "; refused by name: give an import path"
+    if len(found) == 1:
+        return f"{found[0].path} (an installed package's{note})"
+    each = ", ".join(f"{r.path} by {r.distribution}" for r in found)
+    return f"ambiguous: {each} (installed packages'{note})"
 
 
 def models() -> str:

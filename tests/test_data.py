@@ -1,4 +1,5 @@
-"""Data sources, the decoded cache and every kind of bad data file."""
+"""Data sources, the decoded cache, every kind of bad data file, and the lines
+a slow user loader gets."""
 
 from __future__ import annotations
 
@@ -6,9 +7,12 @@ import hashlib
 import importlib.util
 import io
 import os
+import re
 import subprocess
 import sys
 import tarfile
+import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -16,8 +20,10 @@ import pytest
 import torch
 from PIL import Image
 
+from pollen.extensions import ExtensionError
 from pollen.task import data as data_module
-from pollen.task.data import CACHE_DIR, DataError, _digits, load_dataset
+from pollen.task.data import CACHE_DIR, DataError, _digits, load_dataset, user_dataset
+from tests.user_package import on_path
 
 
 def fake_mnist(
@@ -309,3 +315,91 @@ def test_an_image_folders_fingerprint_is_every_file_in_walk_order(
         "files": 6,
         "digest": hashlib.sha256("".join(lines).encode()).hexdigest(),
     }
+
+
+SLOW_LOADERS = '''
+"""Data-set loaders that take their time: 0.6 s (past the tests' 0.2 s) or none."""
+
+import time
+
+import numpy as np
+
+
+def quick():
+    x = np.arange(4 * 36, dtype=np.uint8).reshape(4, 6, 6)
+    y = np.array([0, 1, 0, 1])
+    return {"x_train": x, "y_train": y, "x_test": x, "y_test": y, "classes": 2}
+
+
+def slow():
+    time.sleep(0.6)
+    return quick()
+
+
+def raises():
+    raise OSError("the share is gone")
+
+
+def slow_raises():
+    time.sleep(0.6)
+    raises()
+'''
+
+ANNOUNCE_AFTER_S = 0.2  # the tests' threshold: the loaders above straddle it
+
+
+@pytest.fixture
+def slow_loaders(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
+    """The module `slowloaders` on the path, its loaders announced after
+    `ANNOUNCE_AFTER_S`; each test's loader called afresh."""
+    (tmp_path / "slowloaders.py").write_text(SLOW_LOADERS)
+    monkeypatch.setattr("pollen.common.announce.ANNOUNCE_AFTER_S", ANNOUNCE_AFTER_S)
+    with on_path(tmp_path):
+        yield "slowloaders"
+    user_dataset.cache_clear()
+    sys.modules.pop("slowloaders", None)
+
+
+def still_running(name: str) -> str:
+    """The line a loader past the threshold gets while it runs."""
+    return (
+        f"pollen: loading data set {name!r} (a user's loader) ... still running "
+        f"after {ANNOUNCE_AFTER_S:g} s"
+    )
+
+
+def test_a_slow_user_loader_is_announced_then_timed(
+    slow_loaders: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A loader past the threshold gets a line while it runs (a minute of
+    silence looks like a hang) and one with its time when it returns."""
+    name = f"{slow_loaders}:slow"
+    user_dataset(name)
+    first, second = capsys.readouterr().err.splitlines()
+    assert first == still_running(name)
+    assert re.fullmatch(rf"pollen: data set {name!r} loaded in \d+\.\d s", second)
+
+
+def test_a_quick_user_loader_is_silent(
+    slow_loaders: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A loader under the threshold prints nothing, then or later: the
+    common case stays silent."""
+    user_dataset(f"{slow_loaders}:quick")
+    time.sleep(2 * ANNOUNCE_AFTER_S)  # past when a running timer would speak
+    assert capsys.readouterr().err == ""
+
+
+@pytest.mark.parametrize("loader", ["raises", "slow_raises"])
+def test_a_failing_user_loader_leaves_no_line_after_its_error(
+    loader: str, slow_loaders: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A loader that raises, early or past the threshold, has its timer
+    cancelled and no time given: nothing follows the error."""
+    name = f"{slow_loaders}:{loader}"
+    with pytest.raises(ExtensionError, match="its loader raised OSError"):
+        user_dataset(name)
+    before = capsys.readouterr().err.splitlines()
+    time.sleep(2 * ANNOUNCE_AFTER_S)  # past when a running timer would speak
+    assert capsys.readouterr().err == ""
+    assert before == ([still_running(name)] if loader == "slow_raises" else [])

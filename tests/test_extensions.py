@@ -14,12 +14,27 @@ import pytest
 import torch
 
 from pollen.catalog import DATA_SETS, MODELS
-from pollen.extensions import data_set_info, model_info, registered
+from pollen.extensions import (
+    DATA_SET_GROUP,
+    MODEL_GROUP,
+    ExtensionError,
+    Registration,
+    data_set_info,
+    import_path,
+    model_info,
+    registered,
+)
 from pollen.listing import datasets, models
 from pollen.settings import Settings, SettingsError
 from pollen.task.data import DataError, load_dataset, read_node_file, user_dataset
 from pollen.task.models import build_model
-from tests.user_package import PACKAGE, on_path, write_user_package
+from tests.user_package import (
+    ENTRY_POINTS,
+    PACKAGE,
+    on_path,
+    write_distribution,
+    write_user_package,
+)
 
 NET, DATA, RULES = f"{PACKAGE}.nets", f"{PACKAGE}.data", f"{PACKAGE}.rules"
 
@@ -77,6 +92,80 @@ def test_an_installed_packages_entry_points_name_parts_and_are_listed() -> None:
     assert model_info(s.model, s.data_set).name == "tiny"
     assert f"tiny             {NET}:tiny_net (an installed package's)" in models()
     assert f"{DATA}:blobs (an installed package's)" in datasets()
+
+
+# two installed packages that register the name `twin` in three groups with
+# different import paths (alphaparts' into userparts, so naming one by its
+# import path works), and the built-in name `mlp`
+TWINS = {
+    "alphaparts": (f"{NET}:tiny_net", f"{DATA}:blobs", f"{RULES}:UniformMean"),
+    "betaparts": (f"{NET}:bn_net", f"{DATA}:features", "betaparts.rules:Mean"),
+}
+
+
+@pytest.fixture
+def twins(tmp_path: Path) -> Iterator[Path]:
+    """`alphaparts` and `betaparts` installed (their metadata only: pollen
+    imports neither for a name they clash on)."""
+    for package, (net, data, rule) in TWINS.items():
+        write_distribution(
+            tmp_path,
+            package,
+            f"[pollen.models]\ntwin = {net}\nmlp = {package}.nets:mlp\n"
+            f"[pollen.data_sets]\ntwin = {data}\n"
+            f"[pollen.aggregators]\ntwin = {rule}\n",
+        )
+    with on_path(tmp_path):
+        yield tmp_path
+
+
+@pytest.mark.parametrize(
+    ("key", "group", "alpha", "beta"),
+    [
+        ("model", MODEL_GROUP, *(paths[0] for paths in TWINS.values())),
+        ("data-set", DATA_SET_GROUP, *(paths[1] for paths in TWINS.values())),
+        ("aggregator", "pollen.aggregators", *(paths[2] for paths in TWINS.values())),
+    ],
+)
+def test_a_name_two_installed_packages_register_is_refused_naming_both(
+    twins: Path, key: str, group: str, alpha: str, beta: str
+) -> None:
+    """The package last on the path won, silently; now the run is refused
+    before anything is imported, naming both packages and the ways out."""
+    line = (
+        f"{key}='twin' is ambiguous: 2 installed packages register it under "
+        f"entry-point group {group}, alphaparts as {alpha!r} and betaparts as "
+        f"{beta!r}; uninstall all but one, or name the one you mean by its "
+        f"import path ({key}={alpha!r})"
+    )
+    config = {"num-clients": 4, "client-frac": 0.5}
+    with pytest.raises(SettingsError, match=f"^{re.escape(line)}$"):
+        Settings.from_run_config({**config, key: "twin"})
+    with pytest.raises(ExtensionError, match=f"^{re.escape(line)}$"):
+        import_path("twin", group)
+    Settings.from_run_config({**config, key: alpha})  # the import path still works
+
+
+def test_a_built_in_name_two_packages_register_is_still_the_built_in(
+    twins: Path,
+) -> None:
+    assert len(registered(MODEL_GROUP)["mlp"]) == 2
+    assert settings(model="mlp").model == "mlp"
+    assert model_info("mlp", "digits") is MODELS["mlp"]
+
+
+def test_one_import_path_registered_twice_is_one_registration(tmp_path: Path) -> None:
+    """userparts visible twice on the path, and another package registering
+    `tiny` with userparts' own import path: the same function, no clash."""
+    write_distribution(tmp_path, PACKAGE, ENTRY_POINTS)
+    write_distribution(
+        tmp_path, "copyparts", f"[pollen.models]\ntiny = {NET}:tiny_net\n"
+    )
+    with on_path(tmp_path):
+        (found,) = registered(MODEL_GROUP)["tiny"]
+        assert found.path == f"{NET}:tiny_net"
+        settings(model="tiny", data_set="blobs", num_clients=4)
+        assert f"tiny             {NET}:tiny_net (an installed package's)" in models()
 
 
 def test_built_in_names_are_the_catalogues_entries() -> None:
@@ -249,7 +338,9 @@ def test_a_nodes_own_file_unlike_the_users_data_set_is_refused(
 def test_entry_points_are_read_once_per_process(user_package: Path) -> None:
     """A second check of a registered name reads no metadata again."""
     registered.cache_clear()
-    assert registered("pollen.models")["tiny"] == f"{PACKAGE}.nets:tiny_net"
+    assert registered("pollen.models")["tiny"] == (
+        Registration(PACKAGE, f"{PACKAGE}.nets:tiny_net"),
+    )
     settings(model="tiny", data_set=f"{DATA}:blobs", num_clients=4)
     assert registered.cache_info().misses == 1  # pollen.models, read once
     assert registered("pollen.models") is registered("pollen.models")

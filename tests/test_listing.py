@@ -3,11 +3,14 @@ settings declaration, so every name declared there is listed."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from pollen import cli, listing
 from pollen.catalog import AGGREGATORS, DATA_SETS, LOCAL_OBJECTIVES, MODELS, PRESETS
 from pollen.settings import Settings
+from tests.user_package import on_path, write_distribution
 
 
 def test_every_declared_name_is_listed() -> None:
@@ -65,3 +68,30 @@ def test_a_default_is_the_one_a_run_gets_and_the_declared_one_where_it_differs()
         "  client-frac               0.5 (an app whose pyproject.toml does not set it: "
         "0.25): fraction of clients sampled per round"
     ) in listing.listing("keys")
+
+
+def test_a_name_two_packages_register_is_listed_as_ambiguous_naming_both(
+    tmp_path: Path, capsys
+) -> None:
+    """`pollen list` showed the one last on the path; it names both now, and
+    lists on: a clash the user does not use must not stop the listing."""
+    for package in ("alphaparts", "betaparts"):
+        write_distribution(
+            tmp_path,
+            package,
+            f"[pollen.models]\ntwin = {package}.nets:twin\nmlp = {package}.nets:mlp\n",
+        )
+    with on_path(tmp_path):
+        assert cli.main(["list", "models"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert [line.split()[0] for line in lines].count("mlp") == 2  # and the built-in
+    assert lines[-3].split(None, 1) == [
+        "mlp",
+        "ambiguous: alphaparts.nets:mlp by alphaparts, betaparts.nets:mlp by "
+        "betaparts (installed packages'; not used: the built-in of this name wins)",
+    ]
+    assert lines[-2].split(None, 1) == [
+        "twin",
+        "ambiguous: alphaparts.nets:twin by alphaparts, betaparts.nets:twin by "
+        "betaparts (installed packages'; refused by name: give an import path)",
+    ]

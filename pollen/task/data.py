@@ -51,6 +51,7 @@ import torch
 from PIL import Image
 
 from ..catalog import DATA_SETS, DataSetInfo
+from ..common.announce import announced
 from ..extensions import (
     DATA_SET_GROUP,
     USER_TRAINING,
@@ -270,11 +271,17 @@ def user_dataset(name: str) -> Dataset:
     sets are; features are floats `[N, F]` (seen as F channels of one
     pixel, as `synthetic`'s) or `[N, C, H, W]`, used as given. Labels are
     integers 0..classes-1. Every process that needs the data calls it, so
-    it must return the same examples each time (seeded).
+    it must return the same examples each time (seeded); one that runs
+    past `ANNOUNCE_AFTER_S` is announced on stderr (`announced`), so a slow
+    loader is not taken for a hang.
     """
     loader = user_function("data-set", name, DATA_SET_GROUP)
     try:
-        returned = loader()
+        with announced(
+            f"loading data set {name!r} ({_user_source(name)})",
+            f"data set {name!r} loaded",
+        ):
+            returned = loader()
     except Exception as err:
         raise ExtensionError(
             f"data-set={name!r}: its loader raised {type(err).__name__}: {err}"
