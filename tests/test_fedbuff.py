@@ -115,6 +115,9 @@ def test_statistics_are_a_staleness_weighted_mean_not_rebased() -> None:
     np.testing.assert_allclose(result.arrays["var"], [(2.0 + 0.5) / 1.5])
 
 
+SENT_AT_MOST = 100  # more training messages than any test here needs
+
+
 class ScriptedGrid:
     """Each client answers its training message with its received entries
     + 1 (+ `steps[(client, n)]` for its n-th message, where given) after
@@ -129,7 +132,9 @@ class ScriptedGrid:
         refused: frozenset[int] = frozenset(),  # the grid cannot store theirs
         unavailable: frozenset[int] = frozenset(),  # their node stopped
         steps: dict[tuple[int, int], float] | None = None,
+        raising: frozenset[int] = frozenset(),  # their ClientApp raises
     ) -> None:
+        self.raising = raising
         self.order = list(order)
         self.steps = steps or {}
         self.refused = refused
@@ -140,6 +145,8 @@ class ScriptedGrid:
         self.sent: list[tuple[int, float]] = []  # (client, w it was sent)
 
     def push_messages(self, messages):
+        if len(self.sent) > SENT_AT_MOST:
+            raise AssertionError("the loop keeps sending: it would never stop")
         ids = []
         for message in messages:
             client = int(message.content[CONFIG][CLIENT])
@@ -161,6 +168,10 @@ class ScriptedGrid:
             if client in self.unavailable:  # what the SuperLink answers for it
                 gone = Error(ErrorCode.NODE_UNAVAILABLE, "Error: Node Unavailable")
                 reply = Message(gone, reply_to=message)
+            if client in self.raising:  # Flower's error reply, the traceback in it
+                raised = Error(ErrorCode.CLIENT_APP_RAISED_EXCEPTION,
+                               "Traceback ...\nTypeError: a tensor pull")  # fmt: skip
+                reply = Message(raised, reply_to=message)
             reply.metadata.__dict__["_reply_to_message_id"] = message_id
             if client not in self.refused:  # left out of the IDs, as Flower does
                 self.replies[message_id] = (client, reply)
@@ -247,6 +258,28 @@ def test_replies_all_non_finite_end_the_versions_as_diverged(
         assert len(versions[0].failures) == 2  # both replies, each named
     else:
         assert len(versions) == 4 and all(v.updates for v in versions)
+
+
+@pytest.mark.usefixtures("task_identity")
+@pytest.mark.parametrize("raising", [{0, 1, 2}, {1}])
+def test_a_version_every_client_fails_is_skipped_not_waited_for(
+    raising: set[int],
+) -> None:
+    """Every client that can take part raising since the last valid reply
+    skips the version (the model unchanged, each failure named) instead of
+    sending them the same work forever; one raising client among honest
+    ones is a failure, and the versions go on."""
+    grid = ScriptedGrid([], dict.fromkeys(range(3), 0.0), raising=frozenset(raising))
+    loop = engine(grid, concurrency=2, buffer_size=1)
+    start = ArrayRecord({"w": Array(np.zeros(1, np.float32))})
+    versions = play_versions(loop, start, 3)
+    assert len(versions) == 3 and not any(v.diverged for v in versions)
+    if raising == {0, 1, 2}:
+        assert all(v.skipped and v.arrays is start for v in versions)
+        assert all("TypeError: a tensor pull" in v.failures[0] for v in versions)
+        assert {c for c, _ in grid.sent} == {0, 1, 2}  # each tried before giving up
+    else:
+        assert all(v.updates and not v.skipped for v in versions)
 
 
 @pytest.mark.usefixtures("task_identity")

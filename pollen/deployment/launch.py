@@ -741,8 +741,11 @@ def report_outcome(
         print(f"pollen: run failed: {summary.get('error')}", file=sys.stderr)
         print(f"pollen: results (partial) in {run_dir}", file=sys.stderr)
         return Outcome(run_dir, False, str(summary.get("error")))
+    skipped = summary.get("skipped-rounds") or 0  # absent from older summaries
     print(
-        f"pollen: completed {summary['rounds']} rounds, final accuracy "
+        f"pollen: completed {summary['rounds']} rounds"
+        + (f" ({skipped} skipped, the model unchanged in them)" if skipped else "")
+        + ", final accuracy "
         f"{100 * summary['final-accuracy']:.2f}% (best {100 * summary['best-accuracy']:.2f}%"
         f" at round {summary['best-round']}), {wall_seconds:.1f} s in all "
         + (f"(the ServerApp's time over every part of the run: "

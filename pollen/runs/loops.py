@@ -14,7 +14,7 @@ checkpoints its last finished round first, where it can resume.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -24,6 +24,7 @@ from ..settings import Settings
 from ..strategies.asynchronous import POLL_SECONDS, AsyncOptions, BufferedAsync
 from ..strategies.clock import SimulatedClock
 from ..strategies.membership import Membership
+from ..strategies.replies import error_line
 from ..strategies.round import RoundOutcome, RoundTiming, play_round
 from ..strategies.sampling import reply_clock
 from ..task import client_state
@@ -31,6 +32,7 @@ from .evaluation import GlobalEvaluation, check_clients_finite
 from .interruption import RunInterrupted
 from .progress import Progress, ServerParts, save_progress
 from .recorder import RoundRecorder
+from .results import RoundRecord
 
 
 @dataclass(frozen=True)
@@ -169,7 +171,27 @@ def _drive(loop: Loop, progress: Progress, play: Play) -> Progress:
                 loop.settings, loop.records.run_dir, progress, loop.records.elapsed()
             )
         raise
+    check_trained(loop.records.recorder.history)
     return progress
+
+
+class NothingTrained(RuntimeError):
+    """Every round of a run was skipped: the model is as it started."""
+
+
+def check_trained(history: Sequence[RoundRecord]) -> None:
+    """Refuse to call a run complete in which no round (or version) used a
+    reply: every one failed or was rejected. `NothingTrained` names the
+    first failure, the cause to fix (a run whose every client fails would
+    otherwise end "completed" at its initial accuracy)."""
+    if not history or not all(record.skipped for record in history):
+        return
+    first = next((f for record in history for f in record.failures), None)
+    raise NothingTrained(
+        f"no round used a reply: all {len(history)} rounds were skipped and the "
+        "model is as it started; the first failure: "
+        + (error_line(first) if first else "none recorded (too few replies)")
+    )
 
 
 def finish_round(

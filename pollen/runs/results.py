@@ -225,6 +225,7 @@ def summarize(
         "error": error,
         "run-token": run_token,
         "rounds": len(history),
+        "skipped-rounds": sum(record.skipped for record in history),
         "final-accuracy": history[-1].accuracy if history else None,
         "final-loss": _finite_or_none(history[-1].loss) if history else None,
         "best-accuracy": best.accuracy if best else None,

@@ -123,6 +123,7 @@ class _Pending:
     bytes_up: int = 0
     failures: list[str] = field(default_factory=list)
     non_finite: int = 0  # replies in a row with NaN or infinity, none valid
+    failed: set[int] = field(default_factory=set)  # clients failed since a valid one
 
 
 class BufferedAsync:
@@ -173,7 +174,9 @@ class BufferedAsync:
         to `participants`; `server_seconds` is the server's own work since
         the last version, on the clock before anything is sent. An outcome
         marked diverged (no new model) when the replies show the clients'
-        training diverged: the run stops there."""
+        training diverged: the run stops there; one marked skipped (the model
+        unchanged) when every client that can take part failed since the
+        last valid reply."""
         self.pending, started = _Pending(), self.now
         if self.clock is not None:
             self.now += server_seconds
@@ -186,6 +189,11 @@ class BufferedAsync:
             self._take(*self._next_reply())
             if self.pending.non_finite >= max(2, self.concurrency):
                 return self._diverged(arrays)
+            owner = participants.roster.owner
+            if self.pending.failed >= {
+                client for client, node in owner.items() if node not in self.lost_nodes
+            }:
+                return self._unmade(arrays, version)
         outcome = self._flush(arrays, version - 1)
         log_version(version, outcome)
         return replace(outcome, sim_seconds=self.now - started if self.clock else None)
@@ -342,18 +350,34 @@ class BufferedAsync:
         self.buffer += [Buffered(u, dispatch) for u in checked.updates]
         if checked.updates:
             self.pending.non_finite = 0
+            self.pending.failed.clear()
         else:
             self.pending.non_finite += checked.non_finite
+            self.pending.failed.add(dispatch.client)
+
+    def _unmade(self, arrays: ArrayRecord, version: int) -> RoundOutcome:
+        """Version `version` skipped, the model unchanged: every client that
+        can take part failed (or was rejected) since the last valid reply, so
+        waiting on would only send them the same work again (the next
+        version tries once more; a run of none but skipped versions fails)."""
+        log(WARNING, "pollen: version %d skipped, the model is unchanged: every "
+            "client's reply failed or was rejected", version)  # fmt: skip
+        return self._unchanged(arrays, diverged=False)
 
     def _diverged(self, arrays: ArrayRecord) -> RoundOutcome:
         """No new version: as many replies in a row as train at once (two at
         least) carried NaN or infinity and none was valid, so the clients'
         training diverged, which the server loop stops the run for."""
+        return self._unchanged(arrays, diverged=True)
+
+    def _unchanged(self, arrays: ArrayRecord, diverged: bool) -> RoundOutcome:
+        """A skipped version's outcome: `arrays` as they were, and what the
+        replies since the last version cost and why they failed."""
         pending = self.pending
         return RoundOutcome(
             arrays=arrays, clients=[], updates=[], bytes_down=pending.bytes_down,
             bytes_up=pending.bytes_up, skipped=True, failures=pending.failures,
-            clipped=[], evaluating=[], eval_bytes=0, personal={}, diverged=True,
+            clipped=[], evaluating=[], eval_bytes=0, personal={}, diverged=diverged,
         )  # fmt: skip
 
     def _flush(self, arrays: ArrayRecord, version: int) -> RoundOutcome:

@@ -12,6 +12,7 @@ poisoned or broken client (cf. norm bounding, Sun et al. 2019).
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field
 from logging import WARNING
@@ -30,6 +31,36 @@ from ..protocol import (
     PERSONAL_METRICS,
 )
 from .aggregation import Arrays
+
+# A line of a traceback that names an exception: "TypeError: ..." or
+# "torch.OutOfMemoryError: ..."
+_EXCEPTION_LINE = re.compile(
+    r"^(?:[A-Za-z_][\w.]*\.)?(?P<name>[A-Za-z_]\w*(?:Error|Exception)): (?P<text>.+)$"
+)
+# what Flower's simulation and ClientApp wrap a client's own exception in
+_WRAPPERS = ("ClientAppException", "RayTaskError")
+ERROR_LINE_CHARS = 300
+
+
+def error_line(reason: str) -> str:
+    """The one line of a client's error that says what went wrong: the last
+    exception a traceback names, not Flower's or Ray's wrapper around it
+    (an error reply carries the whole traceback, which history.json keeps),
+    else its first line; at most `ERROR_LINE_CHARS` characters."""
+    lines = [line.strip() for line in reason.splitlines()]
+    named = [
+        found
+        for line in lines
+        if (found := _EXCEPTION_LINE.match(line)) and found["name"] not in _WRAPPERS
+    ]
+    line = (
+        f"{named[-1]['name']}: {named[-1]['text']}"
+        if named
+        else next((line for line in lines if line), "")
+    )
+    if len(line) <= ERROR_LINE_CHARS:
+        return line
+    return line[: ERROR_LINE_CHARS - 3] + "..."
 
 
 @dataclass(frozen=True)
@@ -129,8 +160,10 @@ def reply_failures(
     nodes = set(owner.values())
     lines = [f"node {m.metadata.src_node_id}: {m.error.reason}"
              for m in failed if m.metadata.src_node_id in nodes]  # fmt: skip
-    for line in lines:
-        log(WARNING, "pollen: error reply: %s", line)
+    for msg in failed:  # the console's line; history.json keeps the traceback
+        if msg.metadata.src_node_id in nodes:
+            log(WARNING, "pollen: error reply: node %d: %s",
+                msg.metadata.src_node_id, error_line(msg.error.reason))  # fmt: skip
     unattributed = sorted(
         {m.error.reason for m in failed if m.metadata.src_node_id not in nodes}
     )

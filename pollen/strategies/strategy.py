@@ -50,6 +50,7 @@ from flwr.serverapp import Grid
 from .. import protocol
 from ..task.sharing import Sharing
 from .aggregation import Aggregate, Aggregator, Arrays, ClientUpdate, Mean
+from .part_results import checked_aggregate, checked_update
 from .replies import (
     Expectation,
     NonFiniteReply,
@@ -314,9 +315,10 @@ class Strategy:
                 self.aggregator.min_updates)  # fmt: skip
             return outcome
         current = request.current
-        aggregate = self.aggregator(
-            outcome.updates, current, self.trained_keys(current)
-        )
+        aggregate = checked_aggregate(
+            self.aggregator(outcome.updates, current, self.trained_keys(current)),
+            current, current.keys(), outcome.updates, self.aggregator,
+        )  # fmt: skip
         used = {update.client for update in aggregate.updates}
         return dataclasses.replace(
             outcome,
@@ -331,10 +333,14 @@ class Strategy:
         """The next global model: the server update applied to the shared
         entries of `model`, the others unchanged."""
         current = {key: model[key] for key in shared}
-        new_shared = self.server_update.apply(
+        new_shared = checked_update(
+            self.server_update.apply(
+                current,
+                aggregate,
+                lambda exclude_bn: self.trained_keys(current, exclude_bn),
+            ),
             current,
-            aggregate,
-            lambda exclude_bn: self.trained_keys(current, exclude_bn),
+            self.server_update,
         )
         merged = {**model, **new_shared}
         return ArrayRecord({k: Array(v) for k, v in merged.items()})
