@@ -215,6 +215,11 @@ def test_model_features_come_from_the_built_module() -> None:
          r"'digits' \(1x8x8, 10 classes\): RuntimeError"),
         (f"{NET}:wrong_outputs", r"gives \[2, 11\] for a batch of 2 for data-set "
          r"'digits' \(1x8x8, 10 classes\); expected logits \[2, 10\], one per class"),
+        (f"{NET}:two_outputs", r"gives a tuple of 2 \(\[2, 10\], \[2, 16\]\) for a "
+         r"batch of 2 for data-set 'digits' \(1x8x8, 10 classes\); expected logits"),
+        (f"{NET}:frozen", r"^model='userparts.nets:frozen' has no trainable "
+         r"parameters \(650 parameters, none with requires_grad\): every client's "
+         r"optimiser would have nothing to train"),
         ("no-such-net", r"^invalid value for 'model': 'no-such-net'; allowed: one of "
          r"mlp, .*, or a user's: an import path 'module:function' or a name "
          r"registered under entry-point group pollen.models"),

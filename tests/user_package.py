@@ -54,6 +54,31 @@ def wrong_input(input_shape, num_classes):
     return nn.Linear(5, num_classes)  # no Flatten: images do not fit
 
 
+def two_outputs(input_shape, num_classes):
+    """Logits and features, as some research code returns them."""
+    c, h, w = input_shape
+
+    class Both(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.body = nn.Sequential(nn.Flatten(), nn.Linear(c * h * w, 16))
+            self.head = nn.Linear(16, num_classes)
+
+        def forward(self, x):
+            features = self.body(x)
+            return self.head(features), features
+
+    return Both()
+
+
+def frozen(input_shape, num_classes):
+    """A linear model with every parameter frozen."""
+    c, h, w = input_shape
+    model = nn.Sequential(nn.Flatten(), nn.Linear(c * h * w, num_classes))
+    model.requires_grad_(False)
+    return model
+
+
 def not_a_module(input_shape, num_classes):
     return "a model"
 

@@ -18,6 +18,7 @@ from torch.nn.parameter import is_lazy
 
 from ..catalog import DATA_SETS, ModelInfo
 from ..catalog import MODELS as CATALOG
+from ..common.announce import announced
 from ..extensions import (
     MODEL_GROUP,
     ExtensionError,
@@ -261,7 +262,10 @@ def build_model(
             )
         if name in MODELS:
             return MODELS[name](input_shape, num_classes)
-        model = user_function("model", name, MODEL_GROUP)(input_shape, num_classes)
+        factory = user_function("model", name, MODEL_GROUP)
+        with announced(f"building model {name!r} (a user's factory)",
+                       f"model {name!r} built"):  # fmt: skip
+            model = factory(input_shape, num_classes)
         if isinstance(model, nn.Module):
             _materialise(model, input_shape)
         return model
@@ -278,6 +282,17 @@ def _materialise(model: nn.Module, input_shape: tuple[int, ...]) -> None:
     with torch.no_grad():
         model.eval()(torch.zeros(2, *input_shape))
     model.train(training)
+
+
+def _described(output: object) -> str:
+    """A model's output by its shapes, not its values (a tuple of two
+    tensors printed whole would take lines)."""
+    if isinstance(output, torch.Tensor):
+        return str(list(output.shape))
+    if isinstance(output, tuple | list):
+        inside = ", ".join(_described(item) for item in output)
+        return f"a {type(output).__name__} of {len(output)} ({inside})"
+    return f"a {type(output).__name__}"
 
 
 def data_shape(data_set: str) -> tuple[Shape, int]:
@@ -326,10 +341,16 @@ def user_model_info(name: str, data_set: str) -> ModelInfo:
         ) from err
     expected = (2, classes)
     if not isinstance(output, torch.Tensor) or tuple(output.shape) != expected:
-        got = list(output.shape) if isinstance(output, torch.Tensor) else output
         raise ExtensionError(
-            f"model={name!r} gives {got} for a batch of 2 {given}; expected "
-            f"logits {list(expected)}, one per class"
+            f"model={name!r} gives {_described(output)} for a batch of 2 {given}; "
+            f"expected logits {list(expected)}, one per class"
+        )
+    if not any(parameter.requires_grad for parameter in model.parameters()):
+        count = sum(parameter.numel() for parameter in model.parameters())
+        raise ExtensionError(
+            f"model={name!r} has no trainable parameters ({count:,} parameters, "
+            "none with requires_grad): every client's optimiser would have nothing "
+            "to train; leave at least one layer trainable"
         )
     modules = list(model.modules())
     path = str(import_path(name, MODEL_GROUP))
