@@ -6,12 +6,16 @@ reply_to_message_ids=None, *, message_ids=None)` alike)."""
 from __future__ import annotations
 
 import inspect
+from pathlib import Path
 from typing import Any
 
 import pytest
 from flwr.server import Grid
 
+from pollen.deployment.launch import report_interrupted
 from pollen.runs.interruption import InterruptibleGrid, RunInterrupted, StopSignal
+from pollen.runs.results import RoundRecord, write_history
+from pollen.settings import Settings
 from pollen.strategies.cohort_grid import CohortGrid
 from pollen.strategies.sampling import OneMessagePerNode
 
@@ -122,3 +126,26 @@ def test_an_interrupted_run_names_every_signal_that_stops_it():
     Ctrl-C or SIGTERM only: the ServerApp gets SIGINT for each."""
     reason = str(RunInterrupted())
     assert all(name in reason for name in ("Ctrl-C", "SIGTERM", "SIGHUP")), reason
+
+
+@pytest.mark.parametrize(
+    ("done", "said"),
+    [
+        (3, "pollen: stopped during the wrap-up after the last round (3 of 3): "
+            "history.json holds every round; model.pt and curves.png may be missing"),
+        (2, "pollen: interrupted after round 2 of 3, with no checkpoint to resume "
+            "from"),
+        (0, "pollen: interrupted before a round was completed; nothing to resume"),
+    ],
+)  # fmt: skip
+def test_a_stop_without_a_checkpoint_says_how_far_the_run_got(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], done: int, said: str
+) -> None:
+    """A stop during the wrap-up after the last round (model and curves
+    being written, no checkpoint at checkpoint-every=0) was told as one
+    "before a round was completed"."""
+    write_history(tmp_path, [RoundRecord(n, 0.9, 0.3, 0.05, 1.0, 10, 20)
+                             for n in range(1, done + 1)])  # fmt: skip
+    settings = Settings.from_run_config({"rounds": 3, "checkpoint-every": 0})
+    assert report_interrupted(tmp_path, settings, "pollen run ...") is None
+    assert capsys.readouterr().err.startswith(said)

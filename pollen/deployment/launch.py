@@ -472,12 +472,7 @@ def report_interrupted(run_dir: Path, settings: Settings, command: str) -> int |
     try:
         round = check_resumable(run_dir, settings.to_run_config())
     except (CheckpointError, OSError, ValueError):
-        print(
-            f"pollen: interrupted before a round was completed; nothing to resume "
-            f"(what was written is in {run_dir})" if run_dir.exists() else
-            "pollen: interrupted before the run started",
-            file=sys.stderr,
-        )  # fmt: skip
+        print(_stopped_without_checkpoint(run_dir, settings.rounds), file=sys.stderr)
         return None
     print(
         f"pollen: interrupted after round {round} (checkpointed); resume with:\n"
@@ -491,6 +486,33 @@ def report_interrupted(run_dir: Path, settings: Settings, command: str) -> int |
             file=sys.stderr,
         )
     return round
+
+
+def _stopped_without_checkpoint(run_dir: Path, rounds: int) -> str:
+    """What a stopped run that left no checkpoint to resume from did: it
+    had not started, had finished no round, or stopped after some (or
+    during the wrap-up after its last: every round is recorded)."""
+    if not run_dir.exists():
+        return "pollen: interrupted before the run started"
+    try:
+        done = len(read_history(run_dir))
+    except (OSError, ValueError):
+        done = 0
+    if done >= rounds:
+        return (
+            f"pollen: stopped during the wrap-up after the last round ({done} of "
+            f"{rounds}): history.json holds every round; model.pt and curves.png "
+            f"may be missing (what was written is in {run_dir})"
+        )
+    if done:
+        return (
+            f"pollen: interrupted after round {done} of {rounds}, with no checkpoint "
+            f"to resume from (what was written is in {run_dir})"
+        )
+    return (
+        "pollen: interrupted before a round was completed; nothing to resume "
+        f"(what was written is in {run_dir})"
+    )
 
 
 def simulation_federation(
