@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
@@ -84,6 +85,35 @@ def pytest_collection_finish(session: pytest.Session) -> None:
         from tests.docker_image import BUILD
 
         BUILD.start()
+
+
+def runs_that_trained_nothing(root: Path) -> list[Path]:
+    """The run directories under `root` whose summary says "completed" while
+    every round was skipped (no reply ever used): a run pollen must not call
+    complete (`pollen.runs.loops.check_trained`)."""
+    found = []
+    for path in root.rglob("summary.json"):
+        try:
+            summary = json.loads(path.read_text())
+        except (OSError, ValueError):
+            continue
+        if not isinstance(summary, dict) or summary.get("status") != "completed":
+            continue
+        if summary.get("rounds") and summary.get("skipped-rounds") == summary["rounds"]:
+            found.append(path.parent)
+    return found
+
+
+@pytest.fixture(scope="session", autouse=True)
+def no_run_completes_untrained(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> Iterator[None]:
+    """Every run the suite starts writes under its base temporary folder:
+    none may end "completed" with every round skipped (issue 78's guard, on
+    every run the tests, examples and tutorials make)."""
+    yield
+    untrained = runs_that_trained_nothing(tmp_path_factory.getbasetemp())
+    assert not untrained, f"runs completed with every round skipped: {untrained}"
 
 
 def pytest_sessionfinish(session: pytest.Session) -> None:

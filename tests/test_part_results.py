@@ -5,11 +5,14 @@ path; a float64 server update is cast to the model's dtypes."""
 from __future__ import annotations
 
 import re
+import shutil
+from pathlib import Path
 
 import numpy as np
 import pytest
 from flwr.app import Array, ArrayRecord
 
+from pollen.files import write_json
 from pollen.runs.loops import NothingTrained, check_trained
 from pollen.runs.results import RoundRecord
 from pollen.strategies.aggregation import Aggregate, Mean, Rule
@@ -23,7 +26,7 @@ from pollen.strategies.part_results import (
 from pollen.strategies.replies import error_line
 from pollen.strategies.server_update import ServerUpdate
 from pollen.strategies.strategy import Strategy, TrainOutcome, TrainRequest
-from tests.conftest import client_update
+from tests.conftest import client_update, runs_that_trained_nothing
 
 CURRENT = {
     "w": np.array([[1.0, 2.0]], np.float32),
@@ -241,3 +244,15 @@ def test_an_error_reply_is_told_by_the_exception_it_names(
 ) -> None:
     assert error_line(reason) == line
     assert not re.search(r"\n", error_line(reason))
+
+
+def test_the_suites_guard_finds_a_run_completed_with_every_round_skipped(
+    tmp_path: Path,
+) -> None:
+    """What tests/conftest.py checks of every run the suite made."""
+    for name, skipped in (("untrained", 2), ("partly", 1)):
+        (tmp_path / "out" / name).mkdir(parents=True)
+        write_json(tmp_path / "out" / name / "summary.json",
+                   {"status": "completed", "rounds": 2, "skipped-rounds": skipped})  # fmt: skip
+    assert runs_that_trained_nothing(tmp_path) == [tmp_path / "out" / "untrained"]
+    shutil.rmtree(tmp_path / "out")  # else the guard, at the session's end, fails
