@@ -797,3 +797,29 @@ def test_a_users_model_data_set_and_parts_run_from_their_package_on_pythonpath(
     assert settings["server-lr"] == 0.5  # the user's update's own auto value
     summary = json.loads((tmp_path / "user" / "summary.json").read_text())
     assert summary["status"] == "completed" and summary["final-accuracy"] > 0.5
+
+
+def test_a_run_whose_every_client_fails_exits_1_naming_the_clients_error(
+    tmp_path: Path,
+) -> None:
+    """Every client of every round raising: each round is skipped, and the
+    run fails naming the clients' own error (it said "completed" at its
+    initial accuracy, exit 0, before)."""
+    root = write_user_package(tmp_path / "package")
+    path = os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH")]))
+    run = pollen_run(
+        f"model='{PACKAGE}.nets:trains_on_gpu_only' rounds=2 num-clients=2 "
+        f"output-dir='{tmp_path}' run-name='untrained'",
+        env={**os.environ, "PYTHONPATH": path},
+    )
+    assert run.returncode == 1, run.stdout[-3000:] + run.stderr[-3000:]
+    reason = (
+        "NothingTrained: no round used a reply: all 2 rounds were skipped and the "
+        "model is as it started; the first failure: RuntimeError: this model "
+        "trains on a GPU only"
+    )
+    assert f"pollen: run failed: {reason}" in run.stderr
+    assert "pollen: error reply: node " in run.stdout + run.stderr
+    summary = json.loads((tmp_path / "untrained" / "summary.json").read_text())
+    assert summary["status"] == "failed" and summary["error"] == reason
+    assert summary["skipped-rounds"] == summary["rounds"] == 2

@@ -71,6 +71,19 @@ def two_outputs(input_shape, num_classes):
     return Both()
 
 
+def trains_on_gpu_only(input_shape, num_classes):
+    """Evaluates anywhere, raises in training: the check at the door (a
+    batch in evaluation mode) passes, and every client then fails."""
+    model = tiny_net(input_shape, num_classes)
+
+    def refuse(module, inputs):
+        if module.training:
+            raise RuntimeError("this model trains on a GPU only")
+
+    model.register_forward_pre_hook(refuse)
+    return model
+
+
 def frozen(input_shape, num_classes):
     """A linear model with every parameter frozen."""
     c, h, w = input_shape
@@ -253,6 +266,50 @@ class L1Term:
         return {}
 '''
 
+BROKEN_OBJECTIVES = '''
+"""Local objectives whose terms are wrong in ways only a step shows."""
+
+import torch
+
+from pollen.task.objective_parts import Plain
+from userparts.objectives import L1Term
+
+
+class TensorPull(Plain):
+    term = "userparts.broken_objectives:TensorPullTerm"
+
+
+class TensorPullTerm(L1Term):
+    """Its pull is a tensor: Flower's metric record refuses it."""
+
+    @property
+    def pull(self):
+        return torch.tensor(0.5)
+
+
+class Dropping(Plain):
+    term = "userparts.broken_objectives:DroppingTerm"
+
+
+class DroppingTerm(L1Term):
+    """Sets every gradient to None: the optimiser then skips each entry."""
+
+    def add_gradients(self, named):
+        for name in self.names:
+            named[name].grad = None
+
+
+class NeedsMessage(Plain):
+    term = "userparts.broken_objectives:NeedsMessageTerm"
+
+
+class NeedsMessageTerm(DroppingTerm):
+    """Reads a record only its server sends: not tried before the run."""
+
+    def load(self, context, client, anchor, content):
+        self.offset = content["server-offset"]
+'''
+
 ENTRY_POINTS = f"""
 [pollen.models]
 tiny = {PACKAGE}.nets:tiny_net
@@ -267,7 +324,7 @@ blobs = {PACKAGE}.data:blobs
 
 def write_user_package(root: Path, entry_points: bool = False) -> Path:
     """Write the package `userparts` (modules `nets`, `data`, `rules`,
-    `updates`, `objectives`) into `root`,
+    `updates`, `objectives`, `broken_objectives`) into `root`,
     with, given `entry_points`, the metadata of an installed distribution
     that registers `tiny`, `blobs` and `uniform`; `root` is what goes on the path."""
     package = root / PACKAGE
@@ -278,6 +335,7 @@ def write_user_package(root: Path, entry_points: bool = False) -> Path:
     (package / "rules.py").write_text(RULES)
     (package / "updates.py").write_text(UPDATES)
     (package / "objectives.py").write_text(OBJECTIVES)
+    (package / "broken_objectives.py").write_text(BROKEN_OBJECTIVES)
     if entry_points:
         write_distribution(root, PACKAGE, ENTRY_POINTS)
     return root
