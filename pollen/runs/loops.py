@@ -8,7 +8,9 @@ asynchronous one asks FedBuff's loop for each model version
 (`runs.evaluation`), record the round with the learning rate it trained
 with (`runs.recorder`), step the learning-rate schedule on the test loss
 (the next round's rate) and checkpoint when due. A run stopped by Ctrl-C
-checkpoints its last finished round first, where it can resume.
+checkpoints its last finished round first, where it can resume. A run
+whose every round was skipped (no reply used) fails, naming the first
+client's error, rather than end "completed" at its initial accuracy.
 """
 
 from __future__ import annotations

@@ -10,7 +10,9 @@ against the entries the round sent, and a wrong one ends the run with one
 line naming the part by its import path and what was wrong. A float result
 of another precision is cast, not refused: a server update returns each
 entry in its current dtype (`aggregation.cast_like`), and pollen does it for
-a part that forgot.
+a part that forgot. NaN or infinity is refused from a user's part only:
+from pollen's own it means a setting made a correct part diverge, which
+the global model's test says naming that setting (server-lr).
 """
 
 from __future__ import annotations
