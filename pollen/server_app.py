@@ -235,7 +235,8 @@ def _train(grid: Grid, run: _OpenRun, tracker: Tracker, stop: StopSignal) -> Non
         settings, run.history, run_dir, run.notifier, run.name, tracker
     )
     if run.checkpoint is not None:
-        arrays = parts.restore(run.checkpoint, set(model.state_dict()), settings.model)
+        entries = {k: tuple(v.shape) for k, v in model.state_dict().items()}
+        arrays = parts.restore(run.checkpoint, entries, settings.model)
     done = run.resumed_round  # the rounds a resumed run's checkpoint holds
     progress = Progress(done, arrays, client_config, done, parts.state())
     polled = OneMessagePerNode(grid, reply_clock(REPLY_POLL_SECONDS, simulation))

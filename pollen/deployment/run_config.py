@@ -21,10 +21,16 @@ from ..common.webhook import URL_ENV, check_url
 from ..files import readable_folder_problem
 from ..keys import tracking_uri_rule, unknown_key_message
 from ..presets import departures
-from ..runs.checkpoints import check_resumable
+from ..runs.checkpoints import load_resumable
 from ..runs.results import check_run_dir_is_new, default_run_name
 from ..runs.tracking_mlflow import URI_ENV, check_server, pin_uri, tracking_uri
 from ..settings import Settings, SettingsError
+from .model_checks import (
+    built_model,
+    check_resumed_model,
+    user_term_problem,
+    warn_about_memory,
+)
 
 
 class RunConfigError(ValueError):
@@ -223,9 +229,11 @@ def prepare_run(app: Path, overrides: Sequence[str]) -> tuple[Settings, str, int
     directory, and an empty `run-name` gets a generated one (with `resume`:
     the directory being resumed). Returns the settings, the complete run
     config as one "key=value" string and the round a resume continues after
-    (its checkpoint's, checked here; 0 for a new run). A client
-    hyper-parameter set against what a part of the run assumes is run as
-    asked, with a note.
+    (its checkpoint's, checked here, its entries against the model built
+    now; 0 for a new run). A client hyper-parameter set against what a
+    part of the run assumes is run as asked, with a note; a model whose
+    copies a simulation here would hold exceed the available memory, with
+    a warning (`model_checks`).
     """
     run_config = resolve_run_config(app, overrides)
     settings = Settings.from_run_config(run_config)
@@ -237,11 +245,17 @@ def prepare_run(app: Path, overrides: Sequence[str]) -> tuple[Settings, str, int
             check_url(os.environ[URL_ENV], from_env=True)
         except ValueError as err:
             raise SettingsError(str(err)) from None
+    if problem := user_term_problem(settings):
+        raise SettingsError(problem)
     resumed_after = 0
+    size = built_model(settings)
     if settings.resume:
-        resumed_after = check_resumable(Path(settings.resume), settings.to_run_config())
+        checkpoint = load_resumable(Path(settings.resume), settings.to_run_config())
+        check_resumed_model(checkpoint, size, settings.model)
+        resumed_after = checkpoint.round
     else:
         check_run_dir_is_new(settings.output_dir, settings.run_name)
+    warn_about_memory(settings, size)
     return settings, config_string(settings), resumed_after
 
 

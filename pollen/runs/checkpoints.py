@@ -218,24 +218,39 @@ RESUMABLE_CHANGES = frozenset(
 ) | INVOCATION_KEYS  # fmt: skip
 
 
-def load_resumable(run_dir: Path, run_config: dict[str, Any]) -> Checkpoint:
-    """The latest checkpoint of `run_dir`, if `run_config` may continue it."""
-    return load_checkpoint(run_dir, check_resumable(run_dir, run_config))
-
-
 def check_resumable(run_dir: Path, run_config: dict[str, Any]) -> int:
-    """The round of `run_dir`'s latest checkpoint, if `run_config` may continue it.
+    """The round of `run_dir`'s latest checkpoint, if `run_config` may
+    continue it (`load_resumable`)."""
+    return load_resumable(run_dir, run_config).round
 
-    Reads the whole checkpoint: `meta.json`, and the model and strategy
-    state in full (a truncated or damaged file is named now, not after the
-    run's start-up). The checkpoint keeps the run config that wrote it
-    (`extra["settings"]`); a difference outside `RESUMABLE_CHANGES` is
-    refused, naming the key.
+
+def load_resumable(run_dir: Path, run_config: dict[str, Any]) -> Checkpoint:
+    """The latest checkpoint of `run_dir`, if `run_config` may continue it.
+
+    Reads the whole checkpoint, each file once: `meta.json`, and the model
+    and strategy state in full (a truncated or damaged file is named now,
+    not after the run's start-up). The checkpoint keeps the run config that
+    wrote it (`extra["settings"]`); a difference outside `RESUMABLE_CHANGES`
+    is refused, naming the key.
     """
     round, where = _locate(run_dir, None)
-    for name in (MODEL_FILE, STRATEGY_FILE):
-        read_npz(where / name)
+    model, state = (read_npz(where / name) for name in (MODEL_FILE, STRATEGY_FILE))
     extra = _read_meta(where / META_FILE, round)["extra"]
+    _check_continues(run_dir, where, round, extra, run_config)
+    return Checkpoint(round, model, state, extra)
+
+
+def _check_continues(
+    run_dir: Path,
+    where: Path,
+    round: int,
+    extra: dict[str, Any],
+    run_config: dict[str, Any],
+) -> None:
+    """Refuse `run_config` as a continuation of the checkpoint of `round`
+    (in `where`, whose `extra` is given): a record without its run's
+    settings or with a damaged schedule, a change outside
+    `RESUMABLE_CHANGES`, client state it would leave behind, no round left."""
     saved = extra.get("settings")
     if not isinstance(saved, dict):
         raise CheckpointError(
@@ -261,7 +276,58 @@ def check_resumable(run_dir: Path, run_config: dict[str, Any]) -> int:
             f"{round} and the run has rounds={run_config['rounds']}; "
             "raise rounds to train further"
         )
-    return round
+
+
+def model_problem(
+    checkpoint: Checkpoint, built: Collection[str], model: str
+) -> str | None:
+    """Why `checkpoint`'s global model is not model `model` as the run builds
+    it, or None: the entries the built model has and the checkpoint lacks
+    (added), those the checkpoint has and the model lacks (missing) and,
+    where `built` maps each entry to its shape (not only names it), the
+    entries of one name and two shapes (a layer resized). A user's factory
+    edited between the runs (a layer renamed) leaves every setting the
+    same, so only the entries tell; the command and the ServerApp refuse
+    it in these words."""
+    added = sorted(set(built) - set(checkpoint.model))
+    missing = sorted(set(checkpoint.model) - set(built))
+    shapes = built if isinstance(built, Mapping) else {}
+    resized = [
+        f"{name} {_shape(checkpoint.model[name].shape)} in the checkpoint, "
+        f"{_shape(shapes[name])} in the model"
+        for name in sorted(set(shapes) & set(checkpoint.model))
+        if tuple(shapes[name]) != checkpoint.model[name].shape
+    ]
+    found = [
+        f"{kind} {_few(names)}{meaning}"
+        for kind, names, meaning in (
+            ("added", added, " (the model has, the checkpoint lacks)"),
+            ("missing", missing, " (the checkpoint has, the model lacks)"),
+            ("resized", resized, ""),
+        )
+        if names
+    ]
+    if not found:
+        return None
+    return (
+        f"invalid value for 'resume': the entries of the checkpoint's model "
+        f"(round {checkpoint.round}) are not those of model {model!r} as it is "
+        f"built now: {'; '.join(found)}; resume with the model that wrote the "
+        "checkpoint, or start a new run"
+    )
+
+
+SHOWN = 3  # names of each kind a refusal lists before "and N more"
+
+
+def _few(names: list[str]) -> str:
+    """The first `SHOWN` of `names`, then how many more."""
+    more = len(names) - SHOWN
+    return ", ".join(names[:SHOWN]) + (f" and {more} more" if more > 0 else "")
+
+
+def _shape(shape: Collection[int]) -> str:
+    return "x".join(map(str, shape)) or "scalar"
 
 
 def _check_client_state_kept(

@@ -13,7 +13,7 @@ resumed run starts from its checkpoint (`ServerParts.restore`).
 from __future__ import annotations
 
 import copy
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 from logging import INFO
 from pathlib import Path
@@ -27,7 +27,7 @@ from ..protocol import LR
 from ..settings import Settings, SettingsError
 from ..strategies.personal import PersonalEvaluation
 from ..strategies.strategy import Strategy, to_numpy
-from .checkpoints import Checkpoint, save_checkpoint
+from .checkpoints import Checkpoint, model_problem, save_checkpoint
 from .lr_schedule import SCHEDULE_KEY, PlateauSchedule
 
 # A checkpoint's record of the run's seconds so far (ServerApp time, over
@@ -63,16 +63,15 @@ class ServerParts:
         )
 
     def restore(
-        self, checkpoint: Checkpoint, model_entries: set[str], model: str
+        self, checkpoint: Checkpoint, model_entries: Collection[str], model: str
     ) -> ArrayRecord:
         """Load their state from `checkpoint`; its global model, which must
-        hold the entries of the run's `model` (the history up to it is read
-        back by the ServerApp, the clients' state by the clients)."""
-        if set(checkpoint.model) != model_entries:
-            raise SettingsError(
-                f"resume: the entries of the checkpoint's model are not those of "
-                f"model {model!r}"
-            )
+        hold the entries of the run's `model` (their names, or a mapping of
+        each to its shape, which is then checked too; refused in the words
+        of `pollen run`'s check, `model_problem`). The history up to it is
+        read back by the ServerApp, the clients' state by the clients."""
+        if problem := model_problem(checkpoint, model_entries, model):
+            raise SettingsError(problem)
         self.strategy.load_state_arrays(checkpoint.strategy_state)
         self.personal.load_state_arrays(checkpoint.strategy_state)
         self.schedule.load_state_dict(checkpoint.extra[SCHEDULE_KEY])

@@ -25,15 +25,20 @@ def settings_model(settings: Settings, dataset: Dataset) -> nn.Module:
     )  # fmt: skip
 
 
-def trained_model(settings: Settings, weights: Mapping[str, torch.Tensor]) -> nn.Module:
-    """The run's model holding `weights` (a run's `model.pt`: every entry of
-    the model, by name), in evaluation mode. Its shape comes from the data
+def initial_model(settings: Settings) -> nn.Module:
+    """The run's model as its seed initialises it, its shape from the data
     set's catalogue entry, so a built-in data set is not read (a user's
     loader is asked for its shape)."""
     shape, classes = data_shape(settings.data_set)
-    model = build_model(
+    return build_model(
         settings.model, shape, classes, settings.seed, _options(settings)
     )
+
+
+def trained_model(settings: Settings, weights: Mapping[str, torch.Tensor]) -> nn.Module:
+    """The run's model holding `weights` (a run's `model.pt`: every entry of
+    the model, by name), in evaluation mode."""
+    model = initial_model(settings)
     model.load_state_dict(weights)
     return model.eval()
 
