@@ -92,7 +92,11 @@ def runs_that_trained_nothing(root: Path) -> list[Path]:
     every round was skipped (no reply ever used): a run pollen must not call
     complete (`pollen.runs.loops.check_trained`)."""
     found = []
-    for path in root.rglob("summary.json"):
+    # os.walk, not rglob: a folder a process removes meanwhile is skipped
+    for folder, _, files in os.walk(root):
+        if "summary.json" not in files:
+            continue
+        path = Path(folder) / "summary.json"
         try:
             summary = json.loads(path.read_text())
         except (OSError, ValueError):

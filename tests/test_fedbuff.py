@@ -278,6 +278,7 @@ def test_a_version_every_client_fails_is_skipped_not_waited_for(
         assert all(v.skipped and v.arrays is start for v in versions)
         assert all("TypeError: a tensor pull" in v.failures[0] for v in versions)
         assert {c for c, _ in grid.sent} == {0, 1, 2}  # each tried before giving up
+        assert set(loop.snapshots) <= {d.version for d in loop.in_flight.values()}
     else:
         assert all(v.updates and not v.skipped for v in versions)
 

@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 from flwr.app import Array, ArrayRecord
 
+from pollen.deployment.launch import report_outcome
 from pollen.files import write_json
 from pollen.runs.loops import NothingTrained, check_trained
 from pollen.runs.results import RoundRecord
@@ -126,7 +127,7 @@ def test_an_aggregate_that_is_not_one_or_uses_foreign_updates_is_refused() -> No
     ):
         checked_aggregate({"w": 1}, CURRENT, CURRENT.keys(), UPDATES, UsersRule())
     stranger = client_update(9, dict(CURRENT))
-    with pytest.raises(PartError, match="returned updates the round did not give it"):
+    with pytest.raises(PartError, match="returned updates of clients the round did"):
         aggregate_of(dict(CURRENT), updates=(stranger,))
 
 
@@ -236,8 +237,9 @@ def test_a_run_of_none_but_skipped_rounds_fails_naming_the_first_error() -> None
         ("Traceback\ntorch.OutOfMemoryError: CUDA out of memory",
          "OutOfMemoryError: CUDA out of memory"),
         ("x" * 400, "x" * 297 + "..."),
+        ("Traceback\n  File x\nAssertionError", "AssertionError"),
     ],
-    ids=["traceback", "one-line", "dotted", "long"],
+    ids=["traceback", "one-line", "dotted", "long", "no-message"],
 )  # fmt: skip
 def test_an_error_reply_is_told_by_the_exception_it_names(
     reason: str, line: str
@@ -256,3 +258,17 @@ def test_the_suites_guard_finds_a_run_completed_with_every_round_skipped(
                    {"status": "completed", "rounds": 2, "skipped-rounds": skipped})  # fmt: skip
     assert runs_that_trained_nothing(tmp_path) == [tmp_path / "out" / "untrained"]
     shutil.rmtree(tmp_path / "out")  # else the guard, at the session's end, fails
+
+
+def test_the_last_line_counts_the_skipped_rounds(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    summary = {"status": "completed", "rounds": 10, "skipped-rounds": 3,
+               "final-accuracy": 0.9, "best-accuracy": 0.91, "best-round": 9,
+               "total-seconds": 12.0}  # fmt: skip
+    write_json(tmp_path / "summary.json", summary)
+    assert report_outcome(tmp_path, 15.0).completed
+    assert capsys.readouterr().out.startswith(
+        "pollen: completed 10 rounds (3 skipped, the model unchanged in them), "
+        "final accuracy 90.00%"
+    )

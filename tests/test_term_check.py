@@ -45,6 +45,20 @@ def test_a_term_that_sets_gradients_to_none_is_refused_naming_them() -> None:
     ), said
 
 
+def test_a_tensor_pull_is_harmless_where_the_optimiser_is_not_sgd() -> None:
+    """Only SGD's replies compute FedNova's effective steps from the pull."""
+    assert problem(f"{BROKEN}:TensorPull", **{"client-optimizer": "adam"}) is None
+
+
+def test_a_term_sees_the_trainable_parameters_as_the_training_loop_gives_them() -> None:
+    """A frozen layer's parameters are not handed to the term (they have no
+    gradient to add to), as in the clients' loop."""
+    assert (
+        problem(f"{PACKAGE}.objectives:L1Decay", model=f"{PACKAGE}.nets:half_frozen")
+        is None
+    )
+
+
 @pytest.mark.parametrize(
     "objective",
     [f"{PACKAGE}.objectives:L1Decay", "prox", "feddyn", "scaffold", "plain",

@@ -84,6 +84,13 @@ def trains_on_gpu_only(input_shape, num_classes):
     return model
 
 
+def half_frozen(input_shape, num_classes):
+    """`tiny_net` with its first layer frozen (a fine-tuned head)."""
+    model = tiny_net(input_shape, num_classes)
+    model[1].requires_grad_(False)
+    return model
+
+
 def frozen(input_shape, num_classes):
     """A linear model with every parameter frozen."""
     c, h, w = input_shape

@@ -190,9 +190,8 @@ class BufferedAsync:
             if self.pending.non_finite >= max(2, self.concurrency):
                 return self._diverged(arrays)
             owner = participants.roster.owner
-            if self.pending.failed >= {
-                client for client, node in owner.items() if node not in self.lost_nodes
-            }:
+            able = {c for c, node in owner.items() if node not in self.lost_nodes}
+            if able and self.pending.failed >= able:
                 return self._unmade(arrays, version)
         outcome = self._flush(arrays, version - 1)
         log_version(version, outcome)
@@ -353,7 +352,8 @@ class BufferedAsync:
             self.pending.failed.clear()
         else:
             self.pending.non_finite += checked.non_finite
-            self.pending.failed.add(dispatch.client)
+            if not checked.non_finite:  # NaN is divergence's to judge (`_diverged`)
+                self.pending.failed.add(dispatch.client)
 
     def _unmade(self, arrays: ArrayRecord, version: int) -> RoundOutcome:
         """Version `version` skipped, the model unchanged: every client that
@@ -374,11 +374,17 @@ class BufferedAsync:
         """A skipped version's outcome: `arrays` as they were, and what the
         replies since the last version cost and why they failed."""
         pending = self.pending
+        self._forget_snapshots()
         return RoundOutcome(
             arrays=arrays, clients=[], updates=[], bytes_down=pending.bytes_down,
             bytes_up=pending.bytes_up, skipped=True, failures=pending.failures,
             clipped=[], evaluating=[], eval_bytes=0, personal={}, diverged=diverged,
         )  # fmt: skip
+
+    def _forget_snapshots(self) -> None:
+        """Keep only the model versions a client in flight was sent."""
+        in_use = {d.version for d in self.in_flight.values()}
+        self.snapshots = {v: s for v, s in self.snapshots.items() if v in in_use}
 
     def _flush(self, arrays: ArrayRecord, version: int) -> RoundOutcome:
         """Rebase, bound, aggregate and step the buffer: the next version
@@ -408,8 +414,7 @@ class BufferedAsync:
             arrays = self.strategy.step(
                 model, shared, buffered_mean(kept.updates, staleness, current, trained)
             )
-        in_use = {d.version for d in self.in_flight.values()}
-        self.snapshots = {v: s for v, s in self.snapshots.items() if v in in_use}
+        self._forget_snapshots()
         return RoundOutcome(
             arrays=arrays,
             clients=[u.client for u in kept.updates],

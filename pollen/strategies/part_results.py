@@ -78,13 +78,14 @@ def checked_aggregate(
         arrays[key] = value
         if _users(aggregator):
             _check_finite(who, key, value, "from finite updates")
-    known = {id(update) for update in updates}
-    if not all(id(update) in known for update in result.updates):
+    used = tuple(result.updates)
+    if not {update.client for update in used} <= {u.client for u in updates}:
         raise PartError(
-            f"{who} returned updates the round did not give it; Aggregate.updates "
-            "lists the ClientUpdates it used, from those it was called with"
+            f"{who} returned updates of clients the round did not give it; "
+            "Aggregate.updates lists the ClientUpdates it used, from those it was "
+            "called with"
         )
-    return Aggregate(arrays, tuple(result.updates), result.report)
+    return Aggregate(arrays, used, result.report)
 
 
 def checked_update(

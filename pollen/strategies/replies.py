@@ -35,7 +35,8 @@ from .aggregation import Arrays
 # A line of a traceback that names an exception: "TypeError: ..." or
 # "torch.OutOfMemoryError: ..."
 _EXCEPTION_LINE = re.compile(
-    r"^(?:[A-Za-z_][\w.]*\.)?(?P<name>[A-Za-z_]\w*(?:Error|Exception)): (?P<text>.+)$"
+    r"^(?:[A-Za-z_][\w.]*\.)?(?P<name>[A-Za-z_]\w*(?:Error|Exception))"
+    r"(?:: (?P<text>.+))?$"
 )
 # what Flower's simulation and ClientApp wrap a client's own exception in
 _WRAPPERS = ("ClientAppException", "RayTaskError")
@@ -53,11 +54,11 @@ def error_line(reason: str) -> str:
         for line in lines
         if (found := _EXCEPTION_LINE.match(line)) and found["name"] not in _WRAPPERS
     ]
-    line = (
-        f"{named[-1]['name']}: {named[-1]['text']}"
-        if named
-        else next((line for line in lines if line), "")
-    )
+    if named:
+        found = named[-1]
+        line = f"{found['name']}: {found['text']}" if found["text"] else found["name"]
+    else:
+        line = next((line for line in lines if line), "")
     if len(line) <= ERROR_LINE_CHARS:
         return line
     return line[: ERROR_LINE_CHARS - 3] + "..."

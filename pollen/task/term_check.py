@@ -28,6 +28,7 @@ from .inputs import initial_model
 from .models import LORA_MODELS, data_shape
 from .objectives import LocalObjective
 from .sharing import Sharing
+from .train import trainable
 
 # a model larger than this is not built again for the check: not cheap
 TRIED_UP_TO_PARAMETERS = 20_000_000
@@ -45,7 +46,7 @@ def term_problem(settings: Settings) -> str | None:
     model = initial_model(settings)  # as every node builds it
     if sum(p.numel() for p in model.parameters()) > TRIED_UP_TO_PARAMETERS:
         return None
-    named = dict(model.named_parameters())
+    named = trainable(model)  # what the training loop hands the term
     try:
         objective.load(
             Context(0, 0, {}, RecordDict(), {}), 0, model,
@@ -53,14 +54,18 @@ def term_problem(settings: Settings) -> str | None:
         )  # fmt: skip
     except Exception:  # it needs what a training message carries: not tried
         return None
-    with_gradient = _one_backward(model, shape, classes)
+    try:
+        with_gradient = _one_backward(model, shape, classes)
+    except Exception:  # the model cannot train here (a GPU-only layer): not tried
+        return None
     who = f"local-objective={settings.local_objective!r}: its term"
     try:
         objective.add_regularizer_gradient(named)
         pull = objective.pull
     except Exception as err:
         return f"{who} raised {type(err).__name__}: {err} on one step of a batch"
-    if isinstance(pull, bool) or not isinstance(pull, Real) or not math.isfinite(pull):
+    if settings.client_optimizer == "sgd" and not _finite_number(pull):
+        # SGD's replies carry FedNova's effective steps, computed from the pull
         return (
             f"{who}'s pull is {_described(pull)}; expected a finite float (a number "
             "each reply's metrics carry)"
@@ -74,6 +79,14 @@ def term_problem(settings: Settings) -> str | None:
             "not set it to None (the optimiser would skip those entries)"
         )
     return None
+
+
+def _finite_number(value: object) -> bool:
+    """Whether `value` is a finite Python int or float (what Flower's
+    metric records take; a numpy float32 or a tensor they refuse)."""
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return False
+    return math.isfinite(value)
 
 
 def _one_backward(model: nn.Module, shape: tuple[int, ...], classes: int) -> list[str]:
