@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 from pollen.cli import EXIT_BAD_INPUT, main
-from pollen.deployment import launch, model_checks, run_config
+from pollen.deployment import launch, model_checks
 from pollen.deployment.model_checks import (
     ModelSize,
     available_memory,
@@ -180,14 +180,17 @@ def test_a_model_beyond_the_available_memory_is_warned_about(
     cores: 3.216 GB a client (model, gradient, two moments), the server
     4.02 GB (the model, 2 replies, the float64 aggregate), 10.452 GB in all."""
     size = ModelSize({}, parameters=201_000_000, trainable=201_000_000)
-    monkeypatch.setattr(run_config, "built_model", lambda settings: size)
+    monkeypatch.setattr(launch, "built_model", lambda settings: size)
     monkeypatch.setattr(model_checks, "available_memory", lambda: available)
-    monkeypatch.setattr(model_checks.os, "cpu_count", lambda: 2)
+    monkeypatch.setattr(launch.os, "cpu_count", lambda: 2)
     config = (
         f"output-dir='{tmp_path}' client-optimizer='adam' lr=0.001 num-clients=10 "
         "client-frac=0.2"
     )
-    prepare_run(PROJECT, [config])  # a warning: the run goes on
+    settings, _, _ = prepare_run(PROJECT, [config])
+    launch.checked_federation(settings, [], launch.Target(connection="remote"))
+    assert not capsys.readouterr().err  # a deployment's nodes: not estimated here
+    launch.checked_federation(settings, [], launch.Target())  # warns, goes on
     error = capsys.readouterr().err
     if available != 8 * 10**9:
         assert "warning" not in error

@@ -74,6 +74,16 @@ def test_the_label_heatmap_of_ten_thousand_clients_stays_small(tmp_path: Path) -
         assert image.height <= HEATMAP_MAX_INCHES * 110
 
 
+def test_the_label_heatmap_of_a_million_classes_stays_drawable(tmp_path: Path) -> None:
+    """A data set declaring 10,000,000 classes asked for a 550,000,220-pixel
+    wide image, which matplotlib refuses (the run failed drawing it)."""
+    counts = np.zeros((2, 1_000_000), np.int64)
+    counts[:, :3] = 5
+    plot_label_heatmap(counts, tmp_path / "labels.png", "many classes")
+    with Image.open(tmp_path / "labels.png") as image:
+        assert image.width <= 2 * HEATMAP_MAX_INCHES * 110
+
+
 def test_the_summary_holds_the_last_personal_evaluation() -> None:
     """personal-eval-every=3 over 4 rounds: the clients were evaluated in
     round 3, so that is the summary's final-personal, with its round (it

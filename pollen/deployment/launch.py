@@ -35,6 +35,7 @@ from . import cluster, processes
 from .console import Console
 from .fab import staged_app
 from .flower import flower_env, simulation_env, start_simulation_superlink
+from .model_checks import built_model, warn_about_memory
 from .run_config import (
     check_local_data,
     check_local_device,
@@ -338,7 +339,11 @@ def checked_federation(
             cores=target.warm.cores if target.warm is not None else None,
         )  # fmt: skip
         check_local_gpus(federation)
-        nodes = int(_parse_federation(federation)["num-supernodes"])
+        given = _parse_federation(federation)
+        nodes = int(given["num-supernodes"])
+        cores = target.warm.cores if target.warm is not None else os.cpu_count()
+        actors = int((cores or 1) // float(given["client-resources-num-cpus"]))
+        warn_about_memory(settings, built_model(settings), max(1, actors))
         if settings.min_available_nodes > nodes:
             raise LaunchError(
                 f"invalid value for 'min-available-nodes': {settings.min_available_nodes}"

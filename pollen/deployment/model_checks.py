@@ -18,9 +18,9 @@ under a GB per client.
 
 from __future__ import annotations
 
-import os
 import sys
 from dataclasses import dataclass
+from functools import cache
 from pathlib import Path
 
 from ..catalog import ADAPTIVE_OPTIMIZERS, DATA_SETS, LOCAL_OBJECTIVES, MODELS
@@ -48,14 +48,23 @@ def built_model(settings: Settings) -> ModelSize | None:
     gets random weights: the same shapes, nothing downloaded."""
     if settings.model in MODELS and settings.data_set in DATA_SETS:
         return None
+    return _built(
+        settings.model, settings.data_set, settings.seed,
+        (settings.lora_rank, settings.lora_alpha, settings.lora_dropout),
+    )  # fmt: skip
+
+
+@cache
+def _built(
+    model_name: str, data_set: str, seed: int, lora: tuple[int, float, float]
+) -> ModelSize:
+    """`built_model`'s size, built once per process (the resume check and
+    the memory estimate both ask for it)."""
     from ..task.models import ModelOptions, build_model, data_shape
     from ..task.sharing import count_parameters
 
-    shape, classes = data_shape(settings.data_set)
-    options = ModelOptions(
-        settings.lora_rank, settings.lora_alpha, settings.lora_dropout
-    )
-    model = build_model(settings.model, shape, classes, settings.seed, options)
+    shape, classes = data_shape(data_set)
+    model = build_model(model_name, shape, classes, seed, ModelOptions(*lora))
     counts = count_parameters(model)
     return ModelSize(
         {name: tuple(value.shape) for name, value in model.state_dict().items()},
@@ -136,11 +145,10 @@ def clients_sent(settings: Settings) -> int:
     return settings.sample_size
 
 
-def clients_at_once(settings: Settings, cores: int) -> int:
-    """Clients a simulation on `cores` CPUs trains at once with pollen's
-    defaults: those sent the model, at most one per core (one ClientApp
-    actor per CPU, as `pollen run` starts a simulation)."""
-    return max(1, min(clients_sent(settings), cores))
+def clients_at_once(settings: Settings, actors: int) -> int:
+    """Clients a simulation of `actors` ClientApp actors trains at once:
+    those sent the model, at most one per actor."""
+    return max(1, min(clients_sent(settings), actors))
 
 
 def available_memory(meminfo: Path = MEMINFO) -> int | None:
@@ -178,15 +186,16 @@ def _gb(size: int) -> str:
     return f"{size / 1e9:.1f}"
 
 
-def warn_about_memory(settings: Settings, size: ModelSize | None) -> None:
+def warn_about_memory(settings: Settings, size: ModelSize | None, actors: int) -> None:
     """Print `memory_warning` on stderr where the estimate of a simulation
-    on this machine is above its available memory; nothing where the model
-    was not built or the memory cannot be read."""
+    on this machine with `actors` ClientApp actors is above its available
+    memory; nothing where the model was not built or the memory cannot be
+    read (a deployment's nodes have memory of their own: not estimated)."""
     available = available_memory()
     if size is None or available is None:
         return
     copies = optimizer_copies(settings.client_optimizer, settings.momentum)
-    at_once = clients_at_once(settings, os.cpu_count() or 1)
+    at_once = clients_at_once(settings, actors)
     estimate = memory_estimate(size, copies, at_once, clients_sent(settings))
     if estimate.total > available:
         print(

@@ -29,7 +29,6 @@ from .model_checks import (
     built_model,
     check_resumed_model,
     user_term_problem,
-    warn_about_memory,
 )
 
 
@@ -231,9 +230,7 @@ def prepare_run(app: Path, overrides: Sequence[str]) -> tuple[Settings, str, int
     config as one "key=value" string and the round a resume continues after
     (its checkpoint's, checked here, its entries against the model built
     now; 0 for a new run). A client hyper-parameter set against what a
-    part of the run assumes is run as asked, with a note; a model whose
-    copies a simulation here would hold exceed the available memory, with
-    a warning (`model_checks`).
+    part of the run assumes is run as asked, with a note.
     """
     run_config = resolve_run_config(app, overrides)
     settings = Settings.from_run_config(run_config)
@@ -255,7 +252,6 @@ def prepare_run(app: Path, overrides: Sequence[str]) -> tuple[Settings, str, int
         resumed_after = checkpoint.round
     else:
         check_run_dir_is_new(settings.output_dir, settings.run_name)
-    warn_about_memory(settings, size)
     return settings, config_string(settings), resumed_after
 
 

@@ -447,10 +447,13 @@ def plot_label_heatmap(counts: np.ndarray, path: Path, title: str) -> None:
     """Samples per (client, class), annotated when the grid is small. A row
     per client up to 30 clients; beyond, the rows share a figure of at most
     `HEATMAP_MAX_INCHES` (10,000 clients at 0.35 inch a row made a 385,000-
-    pixel-tall image and 9 GiB of memory)."""
+    pixel-tall image and 9 GiB of memory), and the columns one of at most
+    twice that (a data set declaring 10,000,000 classes asked matplotlib for
+    an image 550,000,220 pixels wide, which it refuses)."""
     clients, classes = counts.shape
     height = min(HEATMAP_MAX_INCHES, max(3, 0.35 * clients + 1.5))
-    with _figure(max(5, 0.5 * classes + 2), height) as fig:
+    width = min(2 * HEATMAP_MAX_INCHES, max(5, 0.5 * classes + 2))
+    with _figure(width, height) as fig:
         ax = fig.subplots()
         image = ax.imshow(counts, aspect="auto", cmap="viridis")
         ax.grid(False)
