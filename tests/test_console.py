@@ -217,6 +217,68 @@ def test_a_failing_client_apps_message_reaches_stderr() -> None:
     assert "client broke" in (console.last_error or "")
 
 
+# What Flower 1.42's simulation logs of a ClientApp that raised
+# (vce_api.py: the first line, `log(ERROR, ex)`, `log(ERROR, format_exc())`),
+# frames abridged; about 160 lines a client in a real run, every round
+RAY_CLIENT_FAILURE = [
+    ERROR + "An exception was raised when processing a message by RayBackend",
+    ERROR + "\x1b[36mray::ClientAppActor.run()\x1b[39m (pid=7097, ip=192.0.2.2)",
+    "                  ^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^",
+    '  File "/flwr/clientapp/client_app.py", line 161, in __call__',
+    "    return self._registered_funcs[full_name](message, context)",
+    '  File "/torch/optim/optimizer.py", line 400, in __init__',
+    '    raise ValueError("optimizer got an empty parameter list")',
+    "ValueError: optimizer got an empty parameter list",
+    "",
+    "The above exception was the direct cause of the following exception:",
+    "",
+    "\x1b[36mray::ClientAppActor.run()\x1b[39m (pid=7097, ip=192.0.2.2)",
+    "flwr.clientapp.client_app.ClientAppException: ",
+    "Exception ClientAppException occurred. Message: optimizer got an empty "
+    "parameter list",
+    ERROR + "Traceback (most recent call last):",
+    '  File "/flwr/server/superlink/fleet/vce/vce_api.py", line 132, in worker',
+    "    raise value.as_instanceof_cause()",
+    "ray.exceptions.RayTaskError(ClientAppException): ray::ClientAppActor.run()",
+    "Exception ClientAppException occurred. Message: optimizer got an empty "
+    "parameter list",
+]
+ERROR_REPLY = (
+    WARNING + "pollen: error reply: node 7: ValueError: optimizer got an empty "
+    "parameter list"
+)
+
+
+def test_flowers_block_of_a_failed_client_is_one_line_on_the_console() -> None:
+    """Two clients raising: one line each on stderr, and pollen's own line
+    naming the exception (it was about 160 lines a client, each round);
+    every line stays in the log, and an error after the block is shown."""
+    log, out, err = io.StringIO(), io.StringIO(), io.StringIO()
+    console = Console(log, out, err)
+    stream = [*RAY_CLIENT_FAILURE, *RAY_CLIENT_FAILURE, ERROR_REPLY,
+              ERROR + "Exit Code: 700"]  # fmt: skip
+    for line in stream:
+        console.line(line)
+    console.close()
+    plain = "ERROR :     "  # a file or pipe gets no colours
+    assert err.getvalue().splitlines() == [
+        plain + "An exception was raised when processing a message by RayBackend",
+        plain + "An exception was raised when processing a message by RayBackend",
+        plain + "Exit Code: 700",
+    ]
+    assert out.getvalue().splitlines() == [
+        "pollen: error reply: node 7: ValueError: optimizer got an empty parameter list"
+    ]
+    assert log.getvalue().splitlines() == stream
+    assert console.failure() == "Exit Code: 700"
+    shown, verbose_err = io.StringIO(), io.StringIO()
+    verbose = Console(io.StringIO(), shown, verbose_err, verbose=True)
+    for line in RAY_CLIENT_FAILURE:
+        verbose.line(line)
+    shown_lines = shown.getvalue().splitlines() + verbose_err.getvalue().splitlines()
+    assert len(shown_lines) == len(RAY_CLIENT_FAILURE)  # --verbose: every line
+
+
 def test_a_warning_after_a_one_line_error_is_no_part_of_it() -> None:
     """Ray's and Python's unprefixed warnings stay hidden after an ERROR line
     that says all it has to say, and are not glued onto the error named."""

@@ -7,8 +7,10 @@ pollen run) and Python warnings from Ray. Every line goes to the run's
 messages (also those it logs through Flower's logger, shown without the
 level prefix), the per-round block in the seeds' format
 (`results.round_lines`, unchanged) and the label table on stdout, and every
-error in full on stderr (Flower's `ERROR` lines and any traceback).
-`--verbose` shows the rest of the stream too, on stdout.
+error in full on stderr (Flower's `ERROR` lines and any traceback), but
+for the block Flower's simulation logs of a ClientApp that raised: its
+first line only (the ServerApp names the client's exception in a line of
+its own). `--verbose` shows the rest of the stream too, on stdout.
 
 On a terminal a status line under the output says the round, accuracy,
 loss, time since the command started and the time left, redrawn every
@@ -72,6 +74,11 @@ def _continued(text: str) -> str | None:
     return MESSAGE if not text or text.endswith(":") else None
 
 
+# What Flower's simulation logs first of a ClientApp that raised
+# (flwr/server/superlink/fleet/vce/vce_api.py), before the exception and its
+# traceback as two more ERROR records
+CLIENT_FAILURE = "An exception was raised when processing a message by"
+
 # `flwr` (the CLI) reports a refused command in a box: "╭─ Error ─...╮", its
 # text in "│ ... │" lines, "╰─...─╯"
 ERROR_BOX_START, ERROR_BOX_END = "╭─ Error ", "╰"
@@ -97,6 +104,7 @@ class Console:
         self._show = None if self.live else notebook_status()
         self.started = time.monotonic()
         self._error_tail: str | None = None  # what unprefixed lines continue
+        self._client_failure = False  # inside Flower's block of a client's failure
         # the stream's last error: a traceback's exception line, or the text
         # of Flower's last ERROR line (`pollen run` names it if the run fails)
         self.last_error: str | None = None
@@ -120,6 +128,8 @@ class Console:
         """One line of the stream (without its newline)."""
         self.log.write(raw + "\n")
         self.log.flush()
+        if not self.verbose and self._in_client_failure(raw):
+            return
         error = self._is_error(raw)
         shown = raw if error or self.verbose else self._pollen_text(raw)
         self._note_progress(raw)
@@ -181,6 +191,32 @@ class Console:
             message = logged.group(2)
             return message if message.startswith("pollen: ") else None
         return raw if POLLEN_LINE.match(raw) else None
+
+    def _in_client_failure(self, raw: str) -> bool:
+        """Whether `raw` is the rest of the block Flower's simulation logs for
+        a ClientApp that raised (`CLIENT_FAILURE`, then the exception and
+        its traceback twice over: about 160 lines a client, every round).
+        The block's first line is shown; the rest stays in the log, and the
+        ServerApp names the client's exception in one line of its own
+        ("pollen: error reply: node N: ValueError: ..."). Anything else
+        ends the block: a pollen line, another record, another error."""
+        logged = FLOWER_LOG.match(raw)
+        text = COLOUR.sub("", logged.group(2) if logged else raw).strip()
+        if logged and text.startswith(CLIENT_FAILURE):
+            self._client_failure = True
+            return False  # shown, as the error it is
+        if not self._client_failure:
+            return False
+        if logged is None and not POLLEN_LINE.match(raw):
+            return True
+        if (
+            logged
+            and logged.group(1) in ERROR_LEVELS
+            and text.startswith(("ray::", TRACEBACK_START))
+        ):
+            return True
+        self._client_failure = False
+        return False
 
     def _is_error(self, raw: str) -> bool:
         """Whether `raw` reports an error: Flower's ERROR lines, and every line
