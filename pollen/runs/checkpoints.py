@@ -34,6 +34,7 @@ from typing import Any
 import numpy as np
 
 from pollen import files
+from pollen.common.few import few
 from pollen.files import write_json, write_npz
 from pollen.presets import resolve_auto
 from pollen.settings import INVOCATION_KEYS, Settings
@@ -299,7 +300,7 @@ def model_problem(
         if tuple(shapes[name]) != checkpoint.model[name].shape
     ]
     found = [
-        f"{kind} {_few(names)}{meaning}"
+        f"{kind} {few(names)}{meaning}"
         for kind, names, meaning in (
             ("added", added, " (the model has, the checkpoint lacks)"),
             ("missing", missing, " (the checkpoint has, the model lacks)"),
@@ -315,15 +316,6 @@ def model_problem(
         f"built now: {'; '.join(found)}; resume with the model that wrote the "
         "checkpoint, or start a new run"
     )
-
-
-SHOWN = 3  # names of each kind a refusal lists before "and N more"
-
-
-def _few(names: list[str]) -> str:
-    """The first `SHOWN` of `names`, then how many more."""
-    more = len(names) - SHOWN
-    return ", ".join(names[:SHOWN]) + (f" and {more} more" if more > 0 else "")
 
 
 def _shape(shape: Collection[int]) -> str:

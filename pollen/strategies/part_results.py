@@ -22,6 +22,7 @@ from typing import Any
 
 import numpy as np
 
+from ..common.few import few
 from .aggregation import Aggregate, Arrays, ClientUpdate, cast_like
 
 
@@ -115,8 +116,12 @@ def _check_keys(who: str, result: Mapping[str, Any], keys: Collection[str]) -> N
     missing = [key for key in keys if key not in result]
     extra = [key for key in result if key not in keys]
     if missing or extra:
-        said = [f"no entry {_names(missing)}"] if missing else []
-        said += [f"entries the round did not send, {_names(extra)}"] if extra else []
+        said = [f"no entry {few([repr(key) for key in missing])}"] if missing else []
+        said += (
+            [f"entries the round did not send, {few([repr(key) for key in extra])}"]
+            if extra
+            else []
+        )
         raise PartError(f"{who} returned {' and '.join(said)}; expected every one of "
                         f"the {len(keys)} shared entries")  # fmt: skip
 
@@ -149,9 +154,3 @@ def _check_finite(who: str, key: str, value: np.ndarray, inputs: str) -> None:
     """Refuse `value` where it holds NaN or infinity."""
     if np.issubdtype(value.dtype, np.floating) and not np.isfinite(value).all():
         raise PartError(f"{who} returned NaN or infinity in entry {key!r} {inputs}")
-
-
-def _names(keys: list[str], shown: int = 3) -> str:
-    """A few entry names, and how many more."""
-    listed = ", ".join(repr(key) for key in keys[:shown])
-    return listed + (f" and {len(keys) - shown} more" if len(keys) > shown else "")

@@ -23,6 +23,7 @@ from flwr.app import Context, RecordDict
 from torch import nn
 from torch.nn import functional
 
+from ..common.few import few
 from ..settings import Settings
 from .inputs import initial_model
 from .models import LORA_MODELS, data_shape
@@ -73,9 +74,8 @@ def term_problem(settings: Settings) -> str | None:
     lost = [name for name in with_gradient if named[name].grad is None]
     if lost:
         return (
-            f"{who} left no gradient on {', '.join(map(repr, lost[:3]))}"
-            + (f" and {len(lost) - 3} more" if len(lost) > 3 else "")
-            + " after one step of a batch: add_gradients must add to param.grad, "
+            f"{who} left no gradient on {few([repr(name) for name in lost])}"
+            " after one step of a batch: add_gradients must add to param.grad, "
             "not set it to None (the optimiser would skip those entries)"
         )
     return None
