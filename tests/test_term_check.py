@@ -4,11 +4,13 @@ process starts (they made every client fail, or trained nothing, unsaid)."""
 
 from __future__ import annotations
 
+import importlib
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
+from pollen.deployment import launch
 from pollen.deployment.run_config import prepare_run
 from pollen.settings import Settings, SettingsError
 from pollen.task.term_check import term_problem
@@ -84,3 +86,15 @@ def test_the_command_refuses_a_broken_term_before_anything_starts(
     )  # fmt: skip
     assert settings.local_objective == f"{PACKAGE}.objectives:L1Decay"
     assert not any(tmp_path.iterdir())  # nothing written
+
+
+def test_the_command_builds_a_users_model_once(tmp_path: Path) -> None:
+    """Validation, the term's step, the entries and the memory estimate all
+    read one build (a factory of a minute cost three before start-up)."""
+    nets = importlib.import_module(f"{PACKAGE}.nets")
+    settings, _, _ = prepare_run(
+        PROJECT, [f"model='{PACKAGE}.nets:counted' output-dir='{tmp_path}' "
+                  f"local-objective='{PACKAGE}.objectives:L1Decay' prox-mu=0.01"]
+    )  # fmt: skip
+    launch.checked_federation(settings, [], launch.Target())
+    assert len(nets.BUILT) == 1

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import sys
 from dataclasses import dataclass
-from functools import cache
 from pathlib import Path
 
 from ..catalog import ADAPTIVE_OPTIMIZERS, DATA_SETS, LOCAL_OBJECTIVES, MODELS
@@ -48,23 +47,10 @@ def built_model(settings: Settings) -> ModelSize | None:
     gets random weights: the same shapes, nothing downloaded."""
     if settings.model in MODELS and settings.data_set in DATA_SETS:
         return None
-    return _built(
-        settings.model, settings.data_set, settings.seed,
-        (settings.lora_rank, settings.lora_alpha, settings.lora_dropout),
-    )  # fmt: skip
-
-
-@cache
-def _built(
-    model_name: str, data_set: str, seed: int, lora: tuple[int, float, float]
-) -> ModelSize:
-    """`built_model`'s size, built once per process (the resume check and
-    the memory estimate both ask for it)."""
-    from ..task.models import ModelOptions, build_model, data_shape
+    from ..task.inputs import shape_model
     from ..task.sharing import count_parameters
 
-    shape, classes = data_shape(data_set)
-    model = build_model(model_name, shape, classes, seed, ModelOptions(*lora))
+    model = shape_model(settings)  # a user's: built once, by the validation
     counts = count_parameters(model)
     return ModelSize(
         {name: tuple(value.shape) for name, value in model.state_dict().items()},

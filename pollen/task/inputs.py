@@ -12,7 +12,14 @@ from torch import nn
 from ..settings import Settings
 from .data import Dataset
 from .lora import FrozenBackboneClassifier
-from .models import ModelOptions, build_model, data_shape
+from .models import (
+    LORA_MODELS,
+    MODELS,
+    ModelOptions,
+    build_model,
+    data_shape,
+    user_model,
+)
 from .shards import DataKey
 from .train import Preprocess, Transform, backbone_features, no_preprocess
 
@@ -33,6 +40,22 @@ def initial_model(settings: Settings) -> nn.Module:
     return build_model(
         settings.model, shape, classes, settings.seed, _options(settings)
     )
+
+
+def shape_model(settings: Settings) -> nn.Module:
+    """The run's model for the command's checks of its entries, size and one
+    step: a user's model as validating the settings built it (once per
+    process: a slow factory is not run again), else built from the
+    settings, a frozen backbone with random weights (the same shapes,
+    nothing downloaded). Its weights are not the run's: not to be trained
+    in place (copy it)."""
+    if settings.model not in MODELS and settings.model not in LORA_MODELS:
+        return user_model(settings.model, settings.data_set)
+    shape, classes = data_shape(settings.data_set)
+    options = ModelOptions(
+        settings.lora_rank, settings.lora_alpha, settings.lora_dropout
+    )
+    return build_model(settings.model, shape, classes, settings.seed, options)
 
 
 def trained_model(settings: Settings, weights: Mapping[str, torch.Tensor]) -> nn.Module:

@@ -306,6 +306,36 @@ def data_shape(data_set: str) -> tuple[Shape, int]:
 
 
 @cache
+def user_model(name: str, data_set: str) -> nn.Module:
+    """A user's model built on `data_set` once per process (seed 0: what is
+    read of it is its layers and shapes, not its weights), or
+    `ExtensionError` when the factory fails or returns no `nn.Module`.
+    Shared by every check in the command: a caller that trains it copies it."""
+    shape, classes = data_shape(data_set)
+    try:
+        model = build_model(name, shape, classes, seed=0)
+    except ExtensionError:
+        raise
+    except Exception as err:
+        raise ExtensionError(
+            f"model={name!r}: its factory raised {type(err).__name__}: {err} "
+            f"{_given(data_set)}"
+        ) from err
+    if not isinstance(model, nn.Module):
+        raise ExtensionError(
+            f"model={name!r}: its factory returned a {type(model).__name__}, not "
+            "a torch.nn.Module"
+        )
+    return model
+
+
+def _given(data_set: str) -> str:
+    """How a check's line names the data set a model was built for."""
+    shape, classes = data_shape(data_set)
+    return f"for data-set {data_set!r} ({'x'.join(map(str, shape))}, {classes} classes)"
+
+
+@cache
 def user_model_info(name: str, data_set: str) -> ModelInfo:
     """What the catalogue says of a user's model, found by building it on
     `data_set`'s input shape and passing a batch of two through it: its
@@ -315,22 +345,8 @@ def user_model_info(name: str, data_set: str) -> ModelInfo:
     other than one output per class (`pollen.extensions.model_info` asks
     this at run time)."""
     shape, classes = data_shape(data_set)
-    given = (
-        f"for data-set {data_set!r} ({'x'.join(map(str, shape))}, {classes} classes)"
-    )
-    try:
-        model = build_model(name, shape, classes, seed=0)
-    except ExtensionError:
-        raise
-    except Exception as err:
-        raise ExtensionError(
-            f"model={name!r}: its factory raised {type(err).__name__}: {err} {given}"
-        ) from err
-    if not isinstance(model, nn.Module):
-        raise ExtensionError(
-            f"model={name!r}: its factory returned a {type(model).__name__}, not "
-            "a torch.nn.Module"
-        )
+    given = _given(data_set)
+    model = user_model(name, data_set)
     try:
         with torch.no_grad():
             output = model.eval()(torch.zeros(2, *shape))

@@ -15,6 +15,7 @@ message than that is not tried (the clients will say what it lacks).
 
 from __future__ import annotations
 
+import copy
 import math
 from numbers import Real
 
@@ -25,7 +26,7 @@ from torch.nn import functional
 
 from ..common.few import few
 from ..settings import Settings
-from .inputs import initial_model
+from .inputs import shape_model
 from .models import LORA_MODELS, data_shape
 from .objectives import LocalObjective
 from .sharing import Sharing
@@ -44,7 +45,7 @@ def term_problem(settings: Settings) -> str | None:
     if objective.regularizer is None or settings.model in LORA_MODELS:
         return None
     shape, classes = data_shape(settings.data_set)
-    model = initial_model(settings)  # as every node builds it
+    model = copy.deepcopy(shape_model(settings))  # trained here: a copy
     if sum(p.numel() for p in model.parameters()) > TRIED_UP_TO_PARAMETERS:
         return None
     named = trainable(model)  # what the training loop hands the term
