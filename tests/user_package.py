@@ -282,6 +282,43 @@ class L1Term:
         return {}
 '''
 
+BROKEN_PARTS = '''
+"""Aggregators and server updates that are wrong in ways a round shows."""
+
+import numpy as np
+
+from pollen.strategies.aggregation import Aggregate, Rule, cast_like
+from userparts.updates import DampedAverage
+
+
+class DictMean(Rule):
+    """Returns its dict of means, not an Aggregate."""
+
+    def __call__(self, updates, keys, trained=()):
+        return {key: np.mean([u.arrays[key] for u in updates], axis=0) for key in keys}
+
+
+class Raises(Rule):
+    def __call__(self, updates, keys, trained=()):
+        raise KeyError("num-examples")
+
+
+class Float64Update(DampedAverage):
+    """Forgets `cast_like`: pollen casts its float64 result."""
+
+    def apply(self, current, aggregate, trained):
+        return dict(aggregate.arrays)
+
+
+class Dropping(DampedAverage):
+    """Leaves the first entry out of the next model."""
+
+    def apply(self, current, aggregate, trained):
+        kept = {k: cast_like(v, current[k]) for k, v in aggregate.arrays.items()}
+        kept.pop(next(iter(kept)))
+        return kept
+'''
+
 BROKEN_OBJECTIVES = '''
 """Local objectives whose terms are wrong in ways only a step shows."""
 
@@ -340,7 +377,8 @@ blobs = {PACKAGE}.data:blobs
 
 def write_user_package(root: Path, entry_points: bool = False) -> Path:
     """Write the package `userparts` (modules `nets`, `data`, `rules`,
-    `updates`, `objectives`, `broken_objectives`) into `root`,
+    `updates`, `objectives`, `broken_objectives`, `broken_parts`) into
+    `root`,
     with, given `entry_points`, the metadata of an installed distribution
     that registers `tiny`, `blobs` and `uniform`; `root` is what goes on the path."""
     package = root / PACKAGE
@@ -352,6 +390,7 @@ def write_user_package(root: Path, entry_points: bool = False) -> Path:
     (package / "updates.py").write_text(UPDATES)
     (package / "objectives.py").write_text(OBJECTIVES)
     (package / "broken_objectives.py").write_text(BROKEN_OBJECTIVES)
+    (package / "broken_parts.py").write_text(BROKEN_PARTS)
     if entry_points:
         write_distribution(root, PACKAGE, ENTRY_POINTS)
     return root

@@ -6,7 +6,8 @@ resized since would otherwise fail the ServerApp after start-up), and the
 copies of it a simulation keeps are estimated against this machine's
 available memory (a warning, not a refusal: the estimate is coarse). A
 user's local-objective term is tried for one step on it
-(`pollen.task.term_check`).
+(`pollen.task.term_check`), and a user's aggregator and server update on a
+made-up round of its entries (`pollen.strategies.part_trial`).
 
 Only a user's model or data set is built: the settings' validation has
 imported torch for it already. A built-in model on a built-in data set
@@ -22,7 +23,14 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..catalog import ADAPTIVE_OPTIMIZERS, DATA_SETS, LOCAL_OBJECTIVES, MODELS
+from ..catalog import (
+    ADAPTIVE_OPTIMIZERS,
+    AGGREGATORS,
+    DATA_SETS,
+    LOCAL_OBJECTIVES,
+    MODELS,
+    SERVER_UPDATES,
+)
 from ..runs.checkpoints import Checkpoint, CheckpointError, model_problem
 from ..settings import Settings
 
@@ -68,6 +76,24 @@ def user_term_problem(settings: Settings) -> str | None:
     from ..task.term_check import term_problem
 
     return term_problem(settings)
+
+
+def user_round_problem(settings: Settings) -> str | None:
+    """Why a user's aggregator or server update cannot finish a round of
+    made-up replies to the run's model (`pollen.strategies.part_trial`), or
+    None; where both parts are pollen's own, nothing is tried."""
+    if settings.aggregator in AGGREGATORS and settings.server_update in SERVER_UPDATES:
+        return None
+    from ..strategies.compose import build_strategy
+    from ..strategies.part_trial import round_trial_problem
+    from ..task.inputs import shape_model
+
+    model = shape_model(settings)
+    strategy, _ = build_strategy(settings, model)
+    arrays = {
+        key: value.detach().cpu().numpy() for key, value in model.state_dict().items()
+    }
+    return round_trial_problem(strategy, arrays)
 
 
 def check_resumed_model(

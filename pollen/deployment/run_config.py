@@ -28,6 +28,7 @@ from ..settings import Settings, SettingsError
 from .model_checks import (
     built_model,
     check_resumed_model,
+    user_round_problem,
     user_term_problem,
 )
 
@@ -242,8 +243,9 @@ def prepare_run(app: Path, overrides: Sequence[str]) -> tuple[Settings, str, int
             check_url(os.environ[URL_ENV], from_env=True)
         except ValueError as err:
             raise SettingsError(str(err)) from None
-    if problem := user_term_problem(settings):
-        raise SettingsError(problem)
+    for check in (user_term_problem, user_round_problem):
+        if problem := check(settings):
+            raise SettingsError(problem)
     resumed_after = 0
     size = built_model(settings)
     if settings.resume:
