@@ -191,8 +191,9 @@ class BufferedAsync:
                 return self._diverged(arrays)
             owner = participants.roster.owner
             able = {c for c, node in owner.items() if node not in self.lost_nodes}
-            if able and self.pending.failed >= able:
-                return self._unmade(arrays, version)
+            if able and self.pending.failed >= able:  # its time on the clock kept
+                return replace(self._unmade(arrays, version),
+                               sim_seconds=self.now - started if self.clock else None)  # fmt: skip
         outcome = self._flush(arrays, version - 1)
         log_version(version, outcome)
         return replace(outcome, sim_seconds=self.now - started if self.clock else None)
