@@ -55,7 +55,7 @@ class UsersRule(Rule):
 
 def aggregate_of(arrays: object, updates=UPDATES) -> Aggregate:
     return checked_aggregate(
-        Aggregate(arrays, tuple(updates)), CURRENT, CURRENT.keys(), UPDATES, UsersRule()
+        Aggregate(arrays, tuple(updates)), CURRENT, UPDATES, UsersRule()
     )
 
 
@@ -125,7 +125,7 @@ def test_an_aggregate_that_is_not_one_or_uses_foreign_updates_is_refused() -> No
     with pytest.raises(
         PartError, match=r"returned a dict; expected pollen\.strategies"
     ):
-        checked_aggregate({"w": 1}, CURRENT, CURRENT.keys(), UPDATES, UsersRule())
+        checked_aggregate({"w": 1}, CURRENT, UPDATES, UsersRule())
     stranger = client_update(9, dict(CURRENT))
     with pytest.raises(PartError, match="returned updates of clients the round did"):
         aggregate_of(dict(CURRENT), updates=(stranger,))

@@ -332,17 +332,18 @@ def checked_federation(
     for; a ServerApp here (no connection) needs the data and the tracker."""
     federation = list(federation)
     if target.simulated:
+        # the CPUs the simulation's Ray offers: a warm head's, else this machine's
+        cores = target.warm.cores if target.warm is not None else os.cpu_count() or 1
         check_local_device(settings.device)
         federation = simulation_federation(
             federation, settings.num_clients, settings.device,
             cohorts=settings.client_execution == "cohort",
-            cores=target.warm.cores if target.warm is not None else None,
+            cores=cores,
         )  # fmt: skip
         check_local_gpus(federation)
         given = _parse_federation(federation)
         nodes = int(given["num-supernodes"])
-        cores = target.warm.cores if target.warm is not None else os.cpu_count()
-        actors = int((cores or 1) // float(given["client-resources-num-cpus"]))
+        actors = int(cores // float(given["client-resources-num-cpus"]))
         warn_about_memory(settings, built_model(settings), max(1, actors))
         if settings.min_available_nodes > nodes:
             raise LaunchError(

@@ -46,12 +46,11 @@ def _users(part: object) -> bool:
 def checked_aggregate(
     result: object,
     current: Arrays,
-    keys: Collection[str],
     updates: Collection[ClientUpdate],
     aggregator: object,
 ) -> Aggregate:
-    """The aggregation step's `result`, with every entry of `keys` in
-    float64 (integer entries, such as BatchNorm's counters, may stay integer)
+    """The aggregation step's `result`, with every entry of `current` (the
+    shared entries the clients were sent) in float64 (integer entries, such as BatchNorm's counters, may stay integer)
     and made only of the round's `updates`; `PartError` otherwise."""
     who = f"aggregator {part_path(aggregator)!r}"
     if not isinstance(result, Aggregate):
@@ -65,9 +64,9 @@ def checked_aggregate(
             f"{who} returned arrays of type {type(result.arrays).__name__}; "
             "expected a dict of one numpy array per entry"
         )
-    _check_keys(who, result.arrays, keys)
+    _check_keys(who, result.arrays, current)
     arrays = {}
-    for key in keys:
+    for key in current:
         value = _checked_array(who, key, result.arrays[key], current[key])
         if np.issubdtype(current[key].dtype, np.floating):
             if not np.issubdtype(value.dtype, np.floating):

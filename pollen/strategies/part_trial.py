@@ -46,9 +46,7 @@ def round_trial_problem(
     except Exception as err:  # the user's code: anything ends here
         return f"aggregator {part_path(aggregator)!r} raised {_raised(err)} {said}"
     try:
-        aggregate = checked_aggregate(
-            result, current, current.keys(), updates, aggregator
-        )
+        aggregate = checked_aggregate(result, current, updates, aggregator)
         strategy.step(model, shared, aggregate)
     except PartError as err:
         return f"{err} ({said})"

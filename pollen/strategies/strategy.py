@@ -317,7 +317,7 @@ class Strategy:
         current = request.current
         aggregate = checked_aggregate(
             self.aggregator(outcome.updates, current, self.trained_keys(current)),
-            current, current.keys(), outcome.updates, self.aggregator,
+            current, outcome.updates, self.aggregator,
         )  # fmt: skip
         used = {update.client for update in aggregate.updates}
         return dataclasses.replace(

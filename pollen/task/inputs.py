@@ -5,6 +5,7 @@ for a frozen backbone with `cache-features`, its features computed once.
 from __future__ import annotations
 
 from collections.abc import Hashable, Mapping
+from functools import lru_cache
 
 import torch
 from torch import nn
@@ -32,21 +33,12 @@ def settings_model(settings: Settings, dataset: Dataset) -> nn.Module:
     )  # fmt: skip
 
 
-def initial_model(settings: Settings) -> nn.Module:
-    """The run's model as its seed initialises it, its shape from the data
-    set's catalogue entry, so a built-in data set is not read (a user's
-    loader is asked for its shape)."""
-    shape, classes = data_shape(settings.data_set)
-    return build_model(
-        settings.model, shape, classes, settings.seed, _options(settings)
-    )
-
-
+@lru_cache(maxsize=1)  # one run's checks ask in turn; a grid's cells keep none
 def shape_model(settings: Settings) -> nn.Module:
     """The run's model for the command's checks of its entries, size and one
-    step: a user's model as validating the settings built it (once per
-    process: a slow factory is not run again), else built from the
-    settings, a frozen backbone with random weights (the same shapes,
+    step, built once for the run's checks: a user's model as validating
+    the settings built it (a slow factory is not run again), else built from
+    the settings, a frozen backbone with random weights (the same shapes,
     nothing downloaded). Its weights are not the run's: not to be trained
     in place (copy it)."""
     if settings.model not in MODELS and settings.model not in LORA_MODELS:
@@ -60,8 +52,13 @@ def shape_model(settings: Settings) -> nn.Module:
 
 def trained_model(settings: Settings, weights: Mapping[str, torch.Tensor]) -> nn.Module:
     """The run's model holding `weights` (a run's `model.pt`: every entry of
-    the model, by name), in evaluation mode."""
-    model = initial_model(settings)
+    the model, by name), in evaluation mode. Its shape comes from the data
+    set's catalogue entry, so a built-in data set is not read (a user's
+    loader is asked for its shape)."""
+    shape, classes = data_shape(settings.data_set)
+    model = build_model(
+        settings.model, shape, classes, settings.seed, _options(settings)
+    )
     model.load_state_dict(weights)
     return model.eval()
 
