@@ -17,7 +17,7 @@ from flwr.app import (
 from flwr.common.constant import SUPERLINK_NODE_ID, ErrorCode
 
 from pollen.protocol import CLIENT as CLIENT_KEY
-from pollen.strategies.membership import Membership
+from pollen.strategies.membership import LEAST_ANSWER_WAIT, Membership
 from pollen.strategies.sampling import Roster, RosterError, sample_clients
 from tests.conftest import reply_from
 from tests.rounds import fedavg
@@ -62,23 +62,34 @@ def test_sampling_draws_from_connected_clients_and_honours_the_minimum() -> None
 
 
 class NodeGrid:
-    """A Grid whose nodes answer queries from their node config."""
+    """A Grid whose nodes answer queries from their node config; a node in
+    `silent` is connected but answers nothing until it leaves `silent`."""
 
-    def __init__(self, nodes: dict[int, dict]) -> None:
+    def __init__(self, nodes: dict[int, dict], silent: set[int] | None = None) -> None:
         self.nodes = nodes
+        self.silent = silent or set()
         self.asked: list[int] = []
+        self.waiting: dict[str, Message] = {}  # message ID -> query
 
     def get_node_ids(self) -> list[int]:
         return list(self.nodes)
 
-    def send_and_receive(self, messages, *, timeout=None):
-        replies = []
+    def push_messages(self, messages):
         for m in messages:
-            node = m.metadata.dst_node_id
-            self.asked.append(node)
+            m.metadata.__dict__["_message_id"] = f"q{len(self.asked)}"
+            self.asked.append(m.metadata.dst_node_id)
+            self.waiting[m.metadata.message_id] = m
+            yield m.metadata.message_id
+
+    def pull_messages(self, message_ids):
+        for message_id in message_ids:
+            query = self.waiting.get(message_id)
+            node = query and query.metadata.dst_node_id
+            if query is None or node in self.silent or node not in self.nodes:
+                continue
+            del self.waiting[message_id]
             info = ConfigRecord(self.nodes[node])
-            replies.append(reply_from(node, RecordDict({"node": info}), "query"))
-        return replies
+            yield reply_from(node, RecordDict({"node": info}), "query", query)
 
 
 def report(pid: int, parts: int, examples: int = 100, own: bool = False) -> dict:
@@ -157,6 +168,52 @@ def test_membership_waits_a_bounded_time_then_says_why() -> None:
     members = Membership(grid, 3, ConfigRecord(), min_available=2, wait=0.0)
     with pytest.raises(RosterError, match=r"1 SuperNode.*min-available-nodes is 2"):
         members.refresh()
+
+
+def test_a_connected_node_that_never_answers_is_waited_for_once_then_recorded(
+    monkeypatch,
+) -> None:
+    """A SuperNode the SuperLink lists but that answers nothing (one stuck on
+    a message of a run its restarted SuperLink ended) holds the start-up for
+    node-wait, then each round records it without waiting again; its late
+    answer is taken and it joins."""
+    now = [0.0]
+    monkeypatch.setattr("pollen.strategies.membership.time.monotonic", lambda: now[0])
+    monkeypatch.setattr(
+        "pollen.strategies.membership.time.sleep",
+        lambda s: now.__setitem__(0, now[0] + s),
+    )
+    grid = NodeGrid({11: report(0, 2), 22: report(1, 2)}, silent={11})
+    members = Membership(grid, 2, ConfigRecord(), wait=45.0)
+    first = members.participants()
+    assert first.roster.owner == {1: 22}
+    assert 45.0 <= now[0] < 46.0  # node-wait, not Flower's or a fixed 300 s
+    assert first.unreachable == (
+        "node 11: connected, but no answer to pollen's query for 45 s (node-wait); "
+        "its clients are not sampled until it answers",
+    )
+    waited = now[0]
+    again = members.participants()
+    assert now[0] == waited and grid.asked == [11, 22]  # not asked nor waited again
+    assert again.unreachable and again.roster.owner == {1: 22}
+    grid.silent.clear()  # its answer comes
+    joined = members.participants()
+    assert joined.roster.owner == {0: 11, 1: 22} and not joined.unreachable
+    assert grid.asked == [11, 22]
+
+
+def test_a_short_node_wait_still_gives_a_node_time_to_answer(monkeypatch) -> None:
+    now = [0.0]
+    monkeypatch.setattr("pollen.strategies.membership.time.monotonic", lambda: now[0])
+    monkeypatch.setattr(
+        "pollen.strategies.membership.time.sleep",
+        lambda s: now.__setitem__(0, now[0] + s),
+    )
+    grid = NodeGrid({11: report(0, 1)}, silent={11})
+    members = Membership(grid, 1, ConfigRecord(), wait=0.0)
+    with pytest.raises(RosterError, match="no SuperNode answered"):
+        members.refresh()
+    assert now[0] >= LEAST_ANSWER_WAIT
 
 
 def test_membership_ignores_a_node_with_an_unusable_answer() -> None:

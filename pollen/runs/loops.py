@@ -115,13 +115,17 @@ def asynchronous(loop: Loop, progress: Progress) -> Progress:
     def play(version: int, progress: Progress) -> RoundOutcome:
         nonlocal made_at
         server_seconds = time.monotonic() - made_at if made_at else 0.0
+        participants = federation.membership.participants()
         outcome = engine.next_version(
             progress.arrays,
             version,
             progress.train_config(loop.parts.schedule.lr),
-            federation.membership.participants(),
+            participants,
             server_seconds,  # its evaluation, records and checkpoint since
         )
+        if participants.unreachable:  # nodes that do not answer, as a round has
+            failures = [*participants.unreachable, *outcome.failures]
+            outcome = replace(outcome, failures=failures)
         made_at = time.monotonic()
         personal.record_trained(update.client for update in outcome.updates)
         if version < loop.settings.rounds:

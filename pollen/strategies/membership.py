@@ -9,6 +9,15 @@ met (or that left and came back) which partition it holds, and updates the
 `Roster`: clients of nodes that left are not sampled, a node that joins
 serves its partition from then on.
 
+A node's answer is waited for `node-wait` s (at least `LEAST_ANSWER_WAIT`:
+a first answer may decode a data set) from when it was asked, and no
+longer: a node the SuperLink lists as connected but that does not answer
+(a SuperNode stuck on a message of a run that ended with a restarted
+SuperLink, say) would otherwise hold every round. Its question stays
+asked: its answer is taken whenever it comes, and until then each round
+records it as a failure (`Participants.unreachable`) and its clients are not
+sampled.
+
 A node's answer also says how many training examples it holds for its
 client and whether they are its own data file rather than a shard of the
 shared data set: for such a node that count bounds the examples its
@@ -25,7 +34,7 @@ clients (the query took 12-20 s for 1,000 nodes, docs/lab-notes/performance.md).
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from logging import INFO, WARNING
 
 from flwr.app import ConfigRecord, Message, MessageType, RecordDict
@@ -43,8 +52,19 @@ from ..protocol import (
 )
 from .sampling import Participants, Roster, RosterError
 
-QUERY_TIMEOUT_SECONDS = 300.0  # a first query may decode a data set
-POLL_SECONDS = 1.0
+
+@dataclass(frozen=True)
+class Question:
+    """The query a node was sent: its message ID and when its answer is
+    past due (`time.monotonic()`)."""
+
+    message_id: str
+    due: float = field(compare=False)
+
+
+LEAST_ANSWER_WAIT = 30.0  # s for a node's answer, however short node-wait is
+POLL_SECONDS = 1.0  # while waiting for min-available-nodes
+ANSWER_POLL_SECONDS = 0.2  # while waiting for the nodes' answers
 SETTLE_SECONDS = 0.05  # a simulation's nodes are registered in one burst
 
 
@@ -105,6 +125,7 @@ class Membership:
         self.own_examples: dict[int, int] = {}  # client -> examples of its own data
         self.simulated = simulated
         self._met: set[int] = set()
+        self._asked: dict[int, Question] = {}  # node -> its unanswered query
 
     def connected(self) -> set[int]:
         """The connected node IDs once there are `min_available`, waiting at
@@ -127,7 +148,23 @@ class Membership:
         own-data node reported)."""
         roster = self.refresh()
         sizes = {client: size for client, (size, _) in self.shards.items()}
-        return Participants(roster, {**sizes, **self.own_examples})
+        return Participants(roster, {**sizes, **self.own_examples}, self.unreachable())
+
+    def unreachable(self) -> tuple[str, ...]:
+        """A failure line for each connected node whose answer is past due."""
+        now = time.monotonic()
+        return tuple(
+            f"node {node}: connected, but no answer to pollen's query for "
+            f"{now - question.due + self.answer_wait:.0f} s (node-wait); its "
+            "clients are not sampled until it answers"
+            for node, question in sorted(self._asked.items())
+            if question.due <= now
+        )
+
+    @property
+    def answer_wait(self) -> float:
+        """How long a node's answer is waited for (see module docstring)."""
+        return max(self.wait, LEAST_ANSWER_WAIT)
 
     def refresh(self) -> Roster:
         """The roster for the next round (see module docstring)."""
@@ -136,7 +173,10 @@ class Membership:
         nodes = self.connected()
         left = self._met - nodes
         self._met &= nodes
-        reports = self._query(sorted(nodes - self._met))
+        # a node that left is asked again when it is back
+        self._asked = {n: q for n, q in self._asked.items() if n in nodes}
+        self._ask(sorted(nodes - self._met - set(self._asked)))
+        reports = self._answers()
         self._met |= set(reports)
         pairs = {n: (r.partition_id, r.num_partitions) for n, r in reports.items()}
         if self.roster is None:
@@ -175,9 +215,11 @@ class Membership:
                 return nodes
             nodes = again
 
-    def _query(self, node_ids: list[int]) -> dict[int, NodeReport]:
+    def _ask(self, node_ids: list[int]) -> None:
+        """Send each of `node_ids` the query; a query the grid did not take
+        is sent again at the next refresh."""
         if not node_ids:
-            return {}
+            return
         queries = [
             Message(
                 RecordDict({CONFIG: self.config}),
@@ -186,16 +228,36 @@ class Membership:
             )
             for n in node_ids
         ]
-        reports = {}
-        for reply in self.grid.send_and_receive(queries, timeout=QUERY_TIMEOUT_SECONDS):
-            node = reply.metadata.src_node_id
-            try:
-                if reply.has_error():
-                    raise ValueError(reply.error.reason)
-                reports[node] = NodeReport.parse(reply)
-            except ValueError as problem:
-                log(WARNING, "pollen: node %d is not used: its answer to the query "
-                    "is unusable: %s", node, problem)  # fmt: skip
+        taken = {i for i in self.grid.push_messages(queries) if i}
+        due = time.monotonic() + self.answer_wait
+        for query in queries:
+            if query.metadata.message_id in taken:
+                self._asked[query.metadata.dst_node_id] = Question(
+                    query.metadata.message_id, due
+                )
+
+    def _answers(self) -> dict[int, NodeReport]:
+        """The usable answers to the queries asked, waiting until each has
+        one or is past due; an unusable answer is logged and its node not
+        used (it is asked again at the next refresh)."""
+        reports: dict[int, NodeReport] = {}
+        while self._asked:
+            nodes = {q.message_id: n for n, q in self._asked.items()}
+            for reply in self.grid.pull_messages(list(nodes)):
+                node = nodes.get(reply.metadata.reply_to_message_id)
+                if node is None or self._asked.pop(node, None) is None:
+                    continue
+                try:
+                    if reply.has_error():
+                        raise ValueError(reply.error.reason)
+                    reports[node] = NodeReport.parse(reply)
+                except ValueError as problem:
+                    log(WARNING, "pollen: node %d is not used: its answer to the "
+                        "query is unusable: %s", node, problem)  # fmt: skip
+            now = time.monotonic()
+            if all(q.due <= now for q in self._asked.values()):
+                break
+            time.sleep(ANSWER_POLL_SECONDS)
         if self.roster is not None and reports:
             log(INFO, "pollen: node(s) %s joined", sorted(reports))
         return reports

@@ -117,11 +117,14 @@ class Roster:
 @dataclass(frozen=True)
 class Participants:
     """Who can take part in a round, as the server loop knows it before the
-    round starts: the roster, and the most examples each client may claim
-    (its shard's size, or what an own-data node reported)."""
+    round starts: the roster, the most examples each client may claim
+    (its shard's size, or what an own-data node reported), and a failure
+    line for each connected node that does not answer (its clients are not
+    in the roster; the round records the lines)."""
 
     roster: Roster
     max_examples: Mapping[int, int] = field(default_factory=dict)
+    unreachable: tuple[str, ...] = ()
 
 
 def sample_clients(
