@@ -15,8 +15,8 @@ is printed as one line and ends the command with the exit status
 `EXIT_CODES` gives its kind: `EXIT_BAD_INPUT` for input to fix before
 anything runs, `EXIT_FAILED` for a deployment or a process that failed (and
 for a run that did not complete); an interrupted `pollen compare` (Ctrl-C,
-or SIGTERM while a cell is deployed) says so in one line and ends with
-`EXIT_INTERRUPTED`.
+or SIGTERM while a cell is deployed) or `pollen deploy up` says so in one
+line and ends with `EXIT_INTERRUPTED`.
 """
 
 from __future__ import annotations
@@ -42,7 +42,7 @@ RUN_CONFIG_HELP = (
     "(repeatable)"
 )
 EXIT_CODES = (
-    (api.BAD_INPUT, EXIT_BAD_INPUT),
+    ((*api.BAD_INPUT, cluster.DeployRefused), EXIT_BAD_INPUT),
     ((cluster.DeployError, ProcessError, NetworkError,
       warm_simulation.WarmSimulationError), EXIT_FAILED),
 )  # fmt: skip
@@ -119,14 +119,19 @@ def report_command(args: argparse.Namespace) -> None:
     print(api.report(args.directory, args.target).table(), end="")
 
 
-def deploy_command(args: argparse.Namespace) -> None:
+def deploy_command(args: argparse.Namespace) -> int | None:
     if args.action == "up":
-        deploy_actions.up(
-            args.dir, args.nodes, host=args.host, port=args.port, san=args.san,
-            insecure=args.insecure, data_root=args.data_root,
-            node_config=args.node_config, executor=args.executor,
-            node_poll=args.poll_interval, superlink_state=args.superlink_state,
-        )  # fmt: skip
+        try:
+            deploy_actions.up(
+                args.dir, args.nodes, host=args.host, port=args.port, san=args.san,
+                insecure=args.insecure, data_root=args.data_root,
+                node_config=args.node_config, executor=args.executor,
+                node_poll=args.poll_interval, superlink_state=args.superlink_state,
+            )  # fmt: skip
+        except KeyboardInterrupt:  # Ctrl-C, SIGTERM, SIGHUP
+            print("pollen: deploy up interrupted; what it had started is stopped",
+                  file=sys.stderr)  # fmt: skip
+            return EXIT_INTERRUPTED
     elif args.action == "down":
         deploy_actions.down(args.dir)
     elif args.action == "status":

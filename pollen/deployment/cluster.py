@@ -14,15 +14,23 @@ makes the CA and the SuperLink's certificate (subject alternative names for
 every host name or address the SuperNodes use), `pollen deploy key` makes a
 SuperNode's key pair, `pollen deploy register` registers the public keys;
 docs/tutorials/three-machines.md uses them step by step.
+
+One command at a time changes a deployment: `up`, `down` and `restart`
+hold an exclusive `flock` on `DIR/deploy.lock` while they start and stop
+processes and rewrite `deployment.json`, so a second one refuses at once,
+naming the holder's PID, and writes nothing. `status` and runs submitted to
+the deployment only read the record (written atomically) and take no lock.
 """
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import json
 import os
 import subprocess
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -32,18 +40,23 @@ from .certificates import make_certificates, make_node_key
 from .flower import flower_env, start_superlink
 from .processes import (
     alive,
+    another_listens,
+    descendants,
     entry_point,
     free_port,
     group_is_ours,
     log_tail,
+    port_problem,
     recorded_runs,
     start,
     start_times,
     stop,
+    stop_signals_deferred,
 )
 
 CONNECTION = "pollen"
 STATE_FILE = "deployment.json"
+LOCK_FILE = "deploy.lock"  # held by the one command changing the deployment
 EXECUTORS = ("warm", "cold")
 # Where the SuperLink keeps its state: memory (Flower's default; rounds of 4 and 8
 # nodes 1.3 to 1.6x faster than with the file, docs/lab-notes/deployment.md, but a
@@ -60,6 +73,12 @@ ANY_ADDRESSES = ("0.0.0.0", "::")  # a SuperLink listening on every interface
 
 class DeployError(RuntimeError):
     """A deployment cannot be brought up, inspected or stopped as asked."""
+
+
+class DeployRefused(DeployError):
+    """Refused before anything started, for a reason to fix first (another
+    command changes the deployment, one runs there already, the port is
+    taken): the command exits as for input to fix."""
 
 
 def register_key(public: Path, connection: str, env: dict[str, str]) -> bool:
@@ -195,6 +214,10 @@ class Deployment:
     def certs(self) -> Path:
         return self.root / "certs"
 
+    @property
+    def superlink_log(self) -> Path:
+        return self.root / "logs" / "superlink.log"
+
     def node(self, partition_id: int) -> Node:
         for node in self.nodes:
             if node.partition_id == partition_id:
@@ -203,6 +226,12 @@ class Deployment:
         raise DeployError(f"no node with partition-id {partition_id}; nodes: {known}")
 
     def start_superlink(self, host: str, port: int) -> None:
+        """Start the SuperLink on `host:port` and return once it answers,
+        its PID recorded as soon as it starts (a failure or Ctrl-C during
+        the wait stops it and leaves the PID of a stopped process). Refused
+        when what answered is not this SuperLink but another program that
+        took the port while it started (it exits on `address already in
+        use`)."""
         database = (
             IN_MEMORY_DATABASE
             if self.superlink_state == "memory"
@@ -220,12 +249,22 @@ class Deployment:
             ]  # fmt: skip
         home = self.root / "superlink-home"
         home.mkdir(parents=True, exist_ok=True)
+
+        def record(pid: int) -> None:
+            self.superlink_pid = pid
+
         superlink = start_superlink(
             options, host=host, port=port, address=self.address,
-            env=flower_env(home), log=self.root / "logs" / "superlink.log",
-            ca=None if self.insecure else self.ca,
+            env=flower_env(home), log=self.superlink_log,
+            ca=None if self.insecure else self.ca, started=record,
         )  # fmt: skip
-        self.superlink_pid = superlink.pid
+        if another_listens(superlink.pid, port):
+            stop(superlink.pid)
+            raise DeployError(
+                f"another program took port {port} while the SuperLink (pid "
+                f"{superlink.pid}) started, and answered its health check; stop "
+                "that program, or choose another --port"
+            )
 
     def start_node(
         self,
@@ -275,6 +314,9 @@ class Deployment:
             partition_id, _start([*prefix, *command], home, log, env), node_config,
             str(log), "" if self.insecure else str(key), list(prefix),
         )  # fmt: skip
+        # recorded before its executor starts: a failure there stops it too
+        self.nodes = [n for n in self.nodes if n.partition_id != partition_id] + [node]
+        self.nodes.sort(key=lambda n: n.partition_id)
         if self.executor == "warm":
             superexec = [
                 entry_point("pollen"), "superexec", "--parent-pid", str(node.pid),
@@ -284,8 +326,6 @@ class Deployment:
             node.executor_pid = _start(
                 [*prefix, *superexec], home, Path(node.executor_log), env
             )
-        self.nodes = [n for n in self.nodes if n.partition_id != partition_id] + [node]
-        self.nodes.sort(key=lambda n: n.partition_id)
         return node
 
     def online_nodes(self) -> int:
@@ -294,20 +334,40 @@ class Deployment:
         return sum(1 for n in listing.get("nodes", []) if n.get("status") == "online")
 
     def wait_online(self, count: int, timeout: float = ONLINE_SECONDS) -> None:
+        """Return once the SuperLink lists `count` SuperNodes online and it
+        still runs; raise at once, with the end of its log, when one of
+        this deployment's processes exits meanwhile, and after `timeout` s."""
         deadline = time.monotonic() + timeout
-        while True:
-            self._check_alive()
-            if self.online_nodes() >= count:
-                return
+        while (online := self._online_while_alive()) < count:
             if time.monotonic() > deadline:
                 raise DeployError(
-                    f"only {self.online_nodes()} of {count} SuperNodes came online "
+                    f"only {online} of {count} SuperNodes came online "
                     f"in {timeout:.0f} s; see the logs in {self.root / 'logs'}"
                 )
             time.sleep(0.5)
 
+    def _online_while_alive(self) -> int:
+        """`online_nodes`, checked on both sides by `_check_alive`: the
+        SuperLink that lists the nodes must be this deployment's and still
+        run when it has listed them (a SuperLink that exited, e.g. on
+        `address already in use`, is named as such, not as a failed `flwr`)."""
+        self._check_alive()
+        try:
+            online = self.online_nodes()
+        except DeployError:
+            self._check_alive()
+            raise
+        self._check_alive()
+        return online
+
     def _check_alive(self) -> None:
-        """Raise, with the end of its log, for a node process that exited."""
+        """Raise, with the end of its log, for a process of this deployment
+        (the SuperLink, a node's) that exited."""
+        if not self.ours(self.superlink_pid):
+            raise DeployError(
+                f"the SuperLink (pid {self.superlink_pid}) exited; the end of "
+                f"{self.superlink_log}:\n{log_tail(self.superlink_log)}"
+            )
         for node in self.nodes:
             for what, pid, log in (
                 ("SuperNode", node.pid, node.log),
@@ -368,21 +428,32 @@ def up(
     `directory/state/node-k` (its client state survives a restart),
     `data-root` when given, and whatever `node_extra[k]` adds or overrides;
     its command runs behind `node_prefix[k]` when given.
+
+    It holds the directory (`exclusive`) from before its first file until it
+    returns, and returns only once the SuperLink answers and every node is
+    online; whatever fails, what it started is stopped.
     """
     _check_options(num_nodes, executor, superlink_state)
-    directory = _free_directory(directory)
-    reach = "127.0.0.1" if host in ANY_ADDRESSES else host
-    address = f"[{reach}]:{port}" if ":" in reach else f"{reach}:{port}"  # IPv6
-    deployment = Deployment(
-        str(directory), address, insecure, executor=executor, host=host,
-        node_poll=node_poll, superlink_state=superlink_state,
-        threads=_client_threads(num_nodes),
-    )  # fmt: skip
-    if not insecure:
-        make_certificates(deployment.certs, _certificate_hosts(host, san))
-    deployment.write_flower_config()
-    nodes = _NodeOptions(data_root, node_extra or {}, node_prefix or {})
-    _start_processes(deployment, host, port, num_nodes, nodes)
+    directory = _made(directory)
+    with exclusive(directory, "up"):
+        _free_directory(directory)
+        if problem := port_problem(host, port):
+            raise DeployRefused(
+                f"the SuperLink cannot listen on {problem}: another program (or "
+                f"deployment) holds port {port}; stop it, or choose another --port"
+            )
+        reach = "127.0.0.1" if host in ANY_ADDRESSES else host
+        address = f"[{reach}]:{port}" if ":" in reach else f"{reach}:{port}"  # IPv6
+        deployment = Deployment(
+            str(directory), address, insecure, executor=executor, host=host,
+            node_poll=node_poll, superlink_state=superlink_state,
+            threads=_client_threads(num_nodes),
+        )  # fmt: skip
+        if not insecure:
+            make_certificates(deployment.certs, _certificate_hosts(host, san))
+        deployment.write_flower_config()
+        nodes = _NodeOptions(data_root, node_extra or {}, node_prefix or {})
+        _start_processes(deployment, host, port, num_nodes, nodes)
     return deployment
 
 
@@ -401,19 +472,76 @@ def _check_options(num_nodes: int, executor: str, superlink_state: str) -> None:
         )
 
 
-def _free_directory(directory: Path) -> Path:
-    """`directory`, resolved and made, unless a deployment recorded there
-    still runs: `up` would lose track of its processes."""
+def _made(directory: Path) -> Path:
+    """`directory`, resolved and made (where `up` holds its lock)."""
     directory = directory.expanduser().resolve()
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        raise DeployRefused(
+            f"--dir {directory}: cannot make it ({err.strerror or err}); it must "
+            "be a folder this user can write"
+        ) from None
+    return directory
+
+
+def _free_directory(directory: Path) -> None:
+    """Refuse a `directory` whose recorded deployment still runs: `up`
+    would lose track of its processes."""
     if (directory / STATE_FILE).exists():
         running = Deployment.load(directory).running()
         if running:
-            raise DeployError(
+            raise DeployRefused(
                 f"a deployment is already up in {directory} (PIDs "
                 f"{', '.join(map(str, running))}); `pollen deploy down` it first"
             )
-    directory.mkdir(parents=True, exist_ok=True)
-    return directory
+
+
+@contextlib.contextmanager
+def exclusive(directory: Path, action: str) -> Iterator[None]:
+    """Hold `directory/deploy.lock` while `action` (up, down, restart)
+    starts or stops the deployment's processes and rewrites its record: two
+    at once would lose track of processes (a `down` during an `up` stops
+    what was recorded so far while `up` starts more; two `up`s start two
+    SuperLinks on one port and write one record). A second command is
+    refused at once, naming the holder, before it writes anything (opening
+    the existing lock file writes nothing). The kernel frees the lock when
+    the holder ends, however it ends."""
+    try:
+        lock_file = (directory / LOCK_FILE).open("a+")
+    except OSError as err:
+        raise DeployRefused(
+            f"--dir {directory}: cannot hold a deployment there "
+            f"({err.strerror or err}); it must be a folder this user can write"
+        ) from None
+    with lock_file as lock:
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            lock.seek(0)
+            pid, _, holder = lock.read().strip().partition(" ")
+            raise DeployRefused(
+                f"another `pollen deploy {holder or '...'}` (pid {pid or '?'}) "
+                f"is changing the deployment in {directory}; wait for it to "
+                "end (a stopped `up` stops what it started), then try again"
+            ) from None
+        lock.truncate(0)
+        lock.write(f"{os.getpid()} {action}")
+        lock.flush()
+        yield
+
+
+@contextlib.contextmanager
+def _held_record(directory: Path, action: str) -> Iterator[Deployment]:
+    """The deployment recorded in `directory`, read while `action` holds it
+    (`exclusive`), so no other command changes it meanwhile. A directory
+    without a lock file is first checked to hold a record: a mistyped
+    `--dir` gets no lock file."""
+    directory = directory.expanduser().resolve()
+    if not (directory / LOCK_FILE).exists():
+        Deployment.load(directory)  # no record: says so
+    with exclusive(directory, action):
+        yield Deployment.load(directory)
 
 
 def _client_threads(num_nodes: int) -> int:
@@ -458,8 +586,10 @@ def _start_processes(
 ) -> None:
     """Start the SuperLink, then the nodes, recording each process as it
     starts, and wait for every node to come online. When anything fails
-    (Ctrl-C too) what started is recorded and stopped, and the first failure
-    raised, not one of the clean-up."""
+    (Ctrl-C too) what started is recorded, with each process's start time,
+    and stopped (a second Ctrl-C waits for that), so the record says that
+    nothing runs, and so is a process started without a recorded PID
+    (`_unrecorded`); the first failure is raised, not one of the clean-up."""
     try:
         deployment.start_superlink(host, port)
         deployment.save()
@@ -472,9 +602,34 @@ def _start_processes(
         deployment.wait_online(num_nodes)
     except BaseException:
         if deployment.superlink_pid:  # something started: record it, stop it
-            deployment.save()
-            down(deployment.root)
+            with stop_signals_deferred():
+                with contextlib.suppress(OSError):  # a full disk: stop them still
+                    deployment.save()
+                _stop_all(deployment)
+                for pid in _unrecorded(deployment):
+                    stop(pid)
         raise
+
+
+def _unrecorded(deployment: Deployment) -> list[int]:
+    """Processes this one started for `deployment` that its record lacks:
+    those below it leading a session of their own (as `processes.start`
+    starts them) whose Flower home is in the deployment's directory. A
+    signal that interrupts `Popen` right after its fork leaves such a
+    process running, its PID never returned."""
+    recorded = set(deployment._pids())
+    home = f"FLWR_HOME={deployment.root}{os.sep}".encode()
+    found = []
+    for pid in descendants(os.getpid()):
+        try:
+            if pid in recorded or os.getsid(pid) != pid:
+                continue
+            environment = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+        except OSError:  # it ended meanwhile
+            continue
+        if any(entry.startswith(home) for entry in environment):
+            found.append(pid)
+    return found
 
 
 def down(directory: Path) -> list[int]:
@@ -482,7 +637,12 @@ def down(directory: Path) -> list[int]:
 
     Files stay: logs, the state database, certificates, keys and node state,
     so a later `up` in the same directory keeps the clients' state."""
-    deployment = Deployment.load(directory.expanduser().resolve())
+    with _held_record(directory, "down") as deployment:
+        return _stop_all(deployment)
+
+
+def _stop_all(deployment: Deployment) -> list[int]:
+    """Stop the SuperNodes, then the SuperLink; the PIDs that ran."""
     stopped = deployment.running()
     for node in deployment.nodes:
         stop_node(deployment, node)
@@ -502,30 +662,31 @@ def restart_superlink(directory: Path) -> int:
     reconnect by themselves (they retry), with the node IDs the database
     keeps for their registered keys; a run it was serving ended with it and
     continues with `resume`."""
-    deployment = Deployment.load(directory.expanduser().resolve())
-    if deployment.superlink_state == "memory":
-        raise DeployError(
-            "this deployment's SuperLink keeps its state in memory "
-            "(--superlink-state memory): restarted, it would have forgotten the "
-            "registered SuperNodes and the runs; `pollen deploy down` and `up` "
-            "instead, or `up --superlink-state file` for a SuperLink that restarts"
-        )
-    deployment.stop(deployment.superlink_pid)
-    address_host, _, port = deployment.address.rpartition(":")
-    deployment.start_superlink(deployment.host or address_host.strip("[]"), int(port))
-    deployment.save()
-    return deployment.superlink_pid
+    with _held_record(directory, "restart") as deployment:
+        if deployment.superlink_state == "memory":
+            raise DeployError(
+                "this deployment's SuperLink keeps its state in memory "
+                "(--superlink-state memory): restarted, it would have forgotten the "
+                "registered SuperNodes and the runs; `pollen deploy down` and `up` "
+                "instead, or `up --superlink-state file` for a SuperLink that restarts"
+            )
+        deployment.stop(deployment.superlink_pid)
+        address_host, _, port = deployment.address.rpartition(":")
+        host = deployment.host or address_host.strip("[]")
+        deployment.start_superlink(host, int(port))
+        deployment.save()
+        return deployment.superlink_pid
 
 
 def restart_node(directory: Path, partition_id: int) -> Node:
     """Stop the SuperNode of `partition_id` if it runs, start it again with
     its recorded node config and key."""
-    deployment = Deployment.load(directory.expanduser().resolve())
-    old = deployment.node(partition_id)
-    stop_node(deployment, old)
-    node = deployment.start_node(partition_id, old.node_config, old.prefix)
-    deployment.save()
-    return node
+    with _held_record(directory, "restart") as deployment:
+        old = deployment.node(partition_id)
+        stop_node(deployment, old)
+        node = deployment.start_node(partition_id, old.node_config, old.prefix)
+        deployment.save()
+        return node
 
 
 def status(directory: Path) -> str:

@@ -14,7 +14,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from ..protocol import CLIENT, DATA_FILE, NODE_CONFIG_KEYS, NUM_PARTITIONS
-from . import certificates, cluster, run_config
+from . import certificates, cluster, processes, run_config
 
 
 def up(
@@ -31,17 +31,19 @@ def up(
     node_poll: float,
     superlink_state: str,
 ) -> None:
-    """Start a SuperLink and `num_nodes` SuperNodes; print their status."""
+    """Start a SuperLink and `num_nodes` SuperNodes; print their status.
+    SIGTERM and SIGHUP stop it as Ctrl-C does: what it started is stopped."""
     extra = node_extra(node_config, num_nodes)
     certificates.check_hosts(san)  # before the directory is made
     if insecure:
         print("pollen: warning: insecure deployment: no TLS, any SuperNode "
               "may join; use it on a trusted network only", file=sys.stderr)  # fmt: skip
-    cluster.up(
-        directory, num_nodes, host=host, port=port, san=san, insecure=insecure,
-        data_root=data_root, node_extra=extra, executor=executor,
-        node_poll=node_poll, superlink_state=superlink_state,
-    )  # fmt: skip
+    with processes.stop_signals_interrupt():
+        cluster.up(
+            directory, num_nodes, host=host, port=port, san=san, insecure=insecure,
+            data_root=data_root, node_extra=extra, executor=executor,
+            node_poll=node_poll, superlink_state=superlink_state,
+        )  # fmt: skip
     print(cluster.status(directory))
 
 

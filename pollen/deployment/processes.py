@@ -135,6 +135,33 @@ def port_problem(host: str, port: int) -> str | None:
     return None
 
 
+def another_listens(pid: int, port: int) -> bool:
+    """Whether what listens on TCP `port` (any address) is another process
+    than `pid` and those it started, from /proc: a health check that
+    answered on the port then heard that program, and the server `pid`
+    exits on `address already in use`. False where /proc does not tell."""
+    suffix = f":{port:04X}"
+    listening = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        with contextlib.suppress(OSError):
+            for line in Path(table).read_text().splitlines()[1:]:
+                fields = line.split()
+                if fields[1].endswith(suffix) and fields[3] == "0A":  # LISTEN
+                    listening.add(f"socket:[{fields[9]}]")
+    held = set()
+    for process in (pid, *descendants(pid)):
+        try:
+            descriptors = os.listdir(f"/proc/{process}/fd")
+        except PermissionError:
+            return False
+        except OSError:  # it exited
+            continue
+        for descriptor in descriptors:
+            with contextlib.suppress(OSError):
+                held.add(os.readlink(f"/proc/{process}/fd/{descriptor}"))
+    return bool(listening) and not listening & held
+
+
 def _stat(pid: int) -> list[str] | None:
     """The fields of /proc/<pid>/stat after the command's name (the state
     first, the start time 20th), None when it cannot be read."""
@@ -283,18 +310,41 @@ def named_descendants(pid: int, names: Sequence[str]) -> list[int]:
     return [p for p in descendants(pid) if any(n in command_line(p) for n in names)]
 
 
-# Signals that stop a command as Ctrl-C does: SIGTERM (a supervisor, `kill`)
-# and SIGHUP (the terminal or SSH session closed)
+# Signals that stop a command as Ctrl-C does, and what each means: SIGTERM (a
+# supervisor, `kill`) and SIGHUP (the terminal or SSH session closed)
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGHUP)
+STOP_CAUSES = {
+    signal.SIGINT: "Ctrl-C (SIGINT)",
+    signal.SIGTERM: "SIGTERM",
+    signal.SIGHUP: "SIGHUP (its terminal or SSH session closed)",
+}
 TERMINALS = ("/dev/pts/", "/dev/tty", "/dev/console")  # device paths of terminals
+
+
+class StopSignalInterrupt(KeyboardInterrupt):
+    """SIGTERM or SIGHUP, raised where Ctrl-C raises KeyboardInterrupt; it
+    keeps the signal, so that the run it stopped can say which."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(f"signal {signum}")
+        self.signal = signal.Signals(signum)
+
+
+def stop_cause(interrupt: KeyboardInterrupt) -> str:
+    """What stopped a command, in words (`STOP_CAUSES`): the signal a
+    `StopSignalInterrupt` keeps, else Ctrl-C (Python's own KeyboardInterrupt,
+    as a terminal's Ctrl-C and Jupyter's stop button send SIGINT)."""
+    if isinstance(interrupt, StopSignalInterrupt):
+        return STOP_CAUSES[interrupt.signal]
+    return STOP_CAUSES[signal.SIGINT]
 
 
 @contextlib.contextmanager
 def stop_signals_interrupt() -> Iterator[None]:
-    """While inside, SIGTERM and SIGHUP raise KeyboardInterrupt (as Ctrl-C
-    does), so a stopped command runs its `finally` blocks and stops what it
-    started. Only the main thread can install a handler; elsewhere this does
-    nothing."""
+    """While inside, SIGTERM and SIGHUP raise `StopSignalInterrupt`, a
+    KeyboardInterrupt (as Ctrl-C does), so a stopped command runs its
+    `finally` blocks and stops what it started. Only the main thread can
+    install a handler; elsewhere this does nothing."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
@@ -302,7 +352,7 @@ def stop_signals_interrupt() -> Iterator[None]:
     def interrupt(signum: int, frame: object) -> None:
         if signum == signal.SIGHUP:
             silence_closed_terminal()
-        raise KeyboardInterrupt(f"signal {signum}")
+        raise StopSignalInterrupt(signum)
 
     previous = {sig: signal.signal(sig, interrupt) for sig in STOP_SIGNALS}
     try:
