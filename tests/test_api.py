@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -215,7 +216,10 @@ def test_a_run_returns_its_history_model_and_plot(
 
 @pytest.mark.integration
 def test_a_failed_run_raises_naming_its_error(
-    warm_federation: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    warm_federation: Path,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
 ) -> None:
     """A model this process imports but the run's processes cannot (its
     folder is on this `sys.path` only): the run fails in the ServerApp, and
@@ -235,6 +239,10 @@ def test_a_failed_run_raises_naming_its_error(
         pollen.run(DIGITS, rounds=1, model="nets_here:net", output_dir=tmp_path / "out",
                    run_name="fails", warm=warm_federation)  # fmt: skip
     assert raised.value.dir == tmp_path / "out" / "fails"
+    # it failed before a run started in its directory: Flower's lines stay
+    # in the temporary folder, said, for the user (here the test) to remove
+    said = re.search(r"Flower's and Ray's lines are in (\S+)", capsys.readouterr().err)
+    Path(said[1]).unlink()
 
 
 SCRIPT = """

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -46,6 +45,7 @@ def test_ray_prestarts_no_idle_workers_unless_the_user_says(
 ) -> None:
     """The simulation's environment (the SuperLink's, inherited by Ray) turns
     off Ray's idle workers for a first driver; a value the user set wins."""
+    monkeypatch.delenv("RAY_TMPDIR", raising=False)
     if user_value is None:
         monkeypatch.delenv("RAY_prestart_worker_first_driver", raising=False)
     else:
@@ -54,9 +54,11 @@ def test_ray_prestarts_no_idle_workers_unless_the_user_says(
     try:
         env = link.env
     finally:
-        shutil.rmtree(link.home)
+        link.remove_folders()
     assert env["RAY_prestart_worker_first_driver"] == (user_value or "0")
     assert env["FLWR_HOME"] == str(link.home)
+    # Ray's files in a folder of the run's own, not kept in $TMPDIR/ray for good
+    assert env["RAY_TMPDIR"] == str(link.ray_dir) and not link.ray_dir.exists()
 
 
 def test_the_cli_loads_without_torch() -> None:

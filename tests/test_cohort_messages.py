@@ -261,6 +261,29 @@ def test_cohort_settings_refuse_what_a_cohort_cannot_reproduce() -> None:
     assert run_config(**{"client-execution": "cohort", "model": "mlp-bn"})
 
 
+@pytest.mark.parametrize(
+    ("overrides", "allowed"),
+    [
+        ({"dp": True, "model": "cnn-gn"}, "dp=false"),
+        ({"strategy": "fedrep", "head-epochs": 2}, "head-epochs=0"),
+        ({"strategy": "ditto", "ditto-lambda": 0.1}, "ditto-lambda=0"),
+        ({"strategy": "fedbuff"}, "mode='sync'"),
+    ],
+    ids=["dp", "fedrep", "ditto", "fedbuff"],
+)
+def test_each_cohort_refusal_says_what_is_allowed(
+    overrides: dict, allowed: str
+) -> None:
+    """The refusals of one-model trainings and of FedBuff said "use ..."
+    where their siblings (dropout) say "allowed: ...": each names the value
+    that lifts it, beside sequential execution."""
+    with pytest.raises(SettingsError) as refused:
+        run_config(**{"client-execution": "cohort", **overrides})
+    assert str(refused.value).endswith(
+        f"; allowed: {allowed}, or client-execution='sequential'"
+    ), str(refused.value)
+
+
 def members_alone_and_together(settings: dict, sent: list[Message]):
     """Each message through `train` (a client whose training raises: its
     exception, as Flower would answer it) and all through `train_cohort`,

@@ -206,12 +206,42 @@ def test_a_grid_resumes_and_keeps_an_interrupted_cell_aside(tmp_path: Path) -> N
     lines = run_fake_grid(grid, tmp_path, ran)
     assert ran == ["strategy-fedsam_seed-1"]
     assert sum("done before, kept" in line for line in lines) == 3
-    assert "cannot resume (no checkpoint in" in lines[2]
+    assert (
+        "interrupted with no checkpoint (checkpoint-every=0), starts again" in lines[2]
+    )
     (aside,) = (tmp_path / "incomplete").iterdir()
     assert (
         aside.name.startswith("strategy-fedsam_seed-1-")
         and (aside / "history.json").exists()
     )
+
+
+@pytest.mark.parametrize("recorded", [True, False], ids=["settings", "no-settings"])
+def test_a_cell_stopped_before_its_first_checkpoint_starts_over(
+    tmp_path: Path, recorded: bool
+) -> None:
+    """A cell of checkpoint-every=1 interrupted before round 1 ended was
+    said to be one that "cannot resume (... a run writes them when
+    checkpoint-every > 0)": it wrote none yet, and simply runs from round 1.
+    Its checkpoint-every is the one its run recorded, else (stopped before
+    the ServerApp wrote settings.json) the cell's."""
+    grid = compare.Grid({"rounds": 1}, {"strategy": ["fedavg"]})
+    stopped = tmp_path / "runs" / "strategy-fedavg"
+    stopped.mkdir(parents=True)
+    if recorded:
+        (stopped / "settings.json").write_text(json.dumps({"checkpoint-every": 1}))
+    cells = compare.with_states(
+        compare.validate_cells(grid, lambda c: {"rounds": 1, "checkpoint-every": 1}),
+        tmp_path,
+    )
+    lines: list[str] = []
+    compare.run_grid(cells, tmp_path, fake_cell(tmp_path, []), lines.append)
+    assert lines[0] == (
+        "[1/1] strategy-fedavg: interrupted before its first checkpoint "
+        "(checkpoint-every=1), starts again from round 1; the interrupted run is "
+        f"kept in {next((tmp_path / 'incomplete').iterdir())}"
+    )
+    assert lines[1].startswith("[1/1] strategy-fedavg: final 50.00%")
 
 
 def test_a_grid_may_grow_but_not_change_under_its_results(tmp_path: Path) -> None:

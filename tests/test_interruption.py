@@ -6,14 +6,32 @@ reply_to_message_ids=None, *, message_ids=None)` alike)."""
 from __future__ import annotations
 
 import inspect
+import json
+import os
+import signal
+import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import pytest
 from flwr.server import Grid
 
+from pollen.deployment import launch
 from pollen.deployment.launch import report_interrupted
-from pollen.runs.interruption import InterruptibleGrid, RunInterrupted, StopSignal
+from pollen.deployment.processes import (
+    StopSignalInterrupt,
+    stop_cause,
+    stop_signals_interrupt,
+)
+from pollen.files import write_json
+from pollen.runs.claim import claimed_token
+from pollen.runs.interruption import (
+    InterruptibleGrid,
+    RunInterrupted,
+    StopSignal,
+    record_stop_cause,
+)
 from pollen.runs.results import RoundRecord, write_history
 from pollen.settings import Settings
 from pollen.strategies.cohort_grid import CohortGrid
@@ -122,10 +140,66 @@ def test_every_grid_wrapper_takes_the_installed_flowers_signatures(wrapper):
 
 
 def test_an_interrupted_run_names_every_signal_that_stops_it():
-    """summary.json's reason after SIGHUP (a closed terminal) must not say
-    Ctrl-C or SIGTERM only: the ServerApp gets SIGINT for each."""
+    """The ServerApp's own reason (the ServerApp gets SIGINT for each, and
+    the watchdog of a killed command sends it too) names every way."""
     reason = str(RunInterrupted())
-    assert all(name in reason for name in ("Ctrl-C", "SIGTERM", "SIGHUP")), reason
+    assert all(name in reason for name in ("Ctrl-C", "SIGTERM", "SIGHUP", "killed"))
+
+
+@pytest.mark.parametrize(
+    ("stop", "said"),
+    [
+        (KeyboardInterrupt(), "Ctrl-C (SIGINT)"),
+        (StopSignalInterrupt(signal.SIGTERM), "SIGTERM"),
+        (StopSignalInterrupt(signal.SIGHUP), "SIGHUP (its terminal or SSH session closed)"),
+    ],
+    ids=["SIGINT", "SIGTERM", "SIGHUP"],
+)  # fmt: skip
+def test_the_summary_of_a_stopped_run_names_the_signal_that_stopped_it(
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    stop: KeyboardInterrupt,
+    said: str,
+) -> None:
+    """After SIGHUP (the terminal closed) summary.json said "its command was
+    stopped (Ctrl-C, SIGTERM or SIGHUP)": `pollen run` knows which, and says
+    it once the ServerApp has recorded the interruption (here as it does,
+    with the run's token, and the signal raised as its handler raises it)."""
+    settings = replace(Settings(), output_dir=str(tmp_path), run_name="stopped")
+    monkeypatch.setattr(launch, "prepare_run", lambda app, o: (settings, "", 0))
+    monkeypatch.setattr(launch, "find_target", lambda c, d, w: launch.Target())
+    monkeypatch.setattr(launch, "checked_federation", lambda s, f, t: [])
+
+    def stopped(app, run_config, run_dir, federation, target, console, watchdog):
+        (run_dir / "settings.json").write_text("{}")  # the run started
+        write_json(run_dir / "summary.json", {
+            "status": "interrupted", "error": f"RunInterrupted: {RunInterrupted()}",
+            "run-token": claimed_token(run_dir),
+        })  # fmt: skip
+        raise stop
+
+    monkeypatch.setattr(launch, "_submit", stopped)
+    with pytest.raises(launch.Interrupted):
+        launch.run(tmp_path / "app", [])
+    summary = json.loads((tmp_path / "stopped" / "summary.json").read_text())
+    assert summary["error"] == f"RunInterrupted: interrupted: its command got {said}"
+
+
+def test_sigterm_and_sighup_are_raised_naming_the_signal() -> None:
+    """What `stop_signals_interrupt` raises keeps the signal (SIGTERM here:
+    SIGHUP's handler would also silence a terminal on standard output)."""
+    with pytest.raises(StopSignalInterrupt) as stopped, stop_signals_interrupt():
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(5)  # the handler raises at once
+    assert stop_cause(stopped.value) == "SIGTERM"
+
+
+def test_a_summary_another_run_wrote_is_left_as_it_is(tmp_path: Path) -> None:
+    """Only the run's own interrupted summary gets the signal's name."""
+    theirs = {"status": "interrupted", "error": "x", "run-token": "theirs"}
+    write_json(tmp_path / "summary.json", theirs)
+    record_stop_cause(tmp_path, "mine", "SIGTERM")
+    assert json.loads((tmp_path / "summary.json").read_text()) == theirs
 
 
 @pytest.mark.parametrize(

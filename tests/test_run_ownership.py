@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import threading
@@ -174,6 +175,11 @@ def test_a_failed_resume_on_a_connection_never_reports_the_earlier_summary(
     assert not launch.run(tmp_path / "app", [], connection="remote")
     err = capsys.readouterr().err
     assert "run failed before writing its results" in err and "refused" in err
+    # no run started in the directory: Flower's lines stay where they were
+    # written, said, for the user to read (and for this test to remove)
+    kept = Path(re.search(r"Flower's and Ray's lines are in (\S+)", err)[1])
+    assert kept.read_text() == "ERROR :   Connection to the SuperLink refused\n"
+    kept.unlink()
 
 
 def test_a_killed_commands_watchdog_leaves_a_resumed_runs_lock_alone(

@@ -180,4 +180,5 @@ def test_a_stop_signal_while_a_finished_runs_superlink_stops_waits_for_the_clean
     finally:
         link.process.kill()
     assert (run_dir / "superlink.log").read_text() == "the SuperLink's log\n"
-    assert not link.home.exists() and link.process.wait(5) is not None
+    assert not link.home.exists() and not link.ray_dir.exists()
+    assert link.process.wait(5) is not None

@@ -9,6 +9,7 @@ that need no federation of their own use the session's warm one
 from __future__ import annotations
 
 import contextlib
+import getpass
 import http.server
 import json
 import os
@@ -41,6 +42,7 @@ BIN = Path(sys.executable).parent
 TEMPORARY = re.compile(
     rf"{re.escape(tempfile.gettempdir())}/pollen-(app-[^/]+|flower-[^/]+\.log)$"
 )
+TORCH_CACHE = f"torchinductor_{getpass.getuser()}"  # torch's, in the temporary folder
 ROUND_LINES = re.compile(
     r"=== Evaluate global model (\d+) Round ===\n\[(\d{2})\] acc=\d+\.\d{2}%, loss=\d+\.\d{6}\n"
 )
@@ -159,7 +161,9 @@ def default_runs(
     of its own, b on the warm one), from a shell directory that holds another
     `pollen` package: Ray puts its driver's directory on the ClientApp
     actors' module path, so a simulation started there would import that
-    package instead of the app's own."""
+    package instead of the app's own. Each in a temporary folder (TMPDIR) of
+    its own, short as Ray's socket paths need: what they leave in it is
+    returned too."""
     out = tmp_path_factory.mktemp("default")
     shell = tmp_path_factory.mktemp("shell")
     (shell / "pollen").mkdir()
@@ -168,20 +172,30 @@ def default_runs(
     )
     markers = (b"flower-superlink", b"flwr-simulation", b"raylet", b"gcs_server")
     before = {marker: running(marker) for marker in markers}
-    runs = [
-        pollen_run(f"output-dir='{out}' run-name='{name}'", cwd=shell, warm=warm)
-        for name, warm in (("a", None), ("b", warm_federation))
-    ]
+    scratch = Path(tempfile.mkdtemp(prefix="pollen-tmpdir-"))
+    env = {**os.environ, "TMPDIR": str(scratch)}
+    try:
+        runs = [
+            pollen_run(
+                f"output-dir='{out}' run-name='{name}'", cwd=shell, warm=warm, env=env
+            )
+            for name, warm in (("a", None), ("b", warm_federation))
+        ]
+        # torch's own cache of compiled kernels (made by importing
+        # torch._dynamo, as building an optimiser does) is torch's, per user
+        left = [p.name for p in scratch.iterdir() if p.name != TORCH_CACHE]
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
     # pollen run stops waiting once the ServerApp has written its results, and
     # stops the simulation (Ray included) itself
     for marker in markers:
         assert not orphaned(before[marker], marker), f"pollen run left {marker} running"
-    return out, runs
+    return out, runs, left
 
 
 @pytest.mark.xdist_group("default-runs")
 def test_default_run_trains_digits_and_writes_results(default_runs) -> None:
-    out, (run, _) = default_runs
+    out, (run, _), _ = default_runs
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     rounds = ROUND_LINES.findall(run.stdout)
     assert [int(r) for r, _ in rounds] == list(range(1, 11))
@@ -212,8 +226,17 @@ def test_default_run_trains_digits_and_writes_results(default_runs) -> None:
 
 
 @pytest.mark.xdist_group("default-runs")
+def test_a_run_leaves_nothing_in_the_temporary_folder(default_runs) -> None:
+    """A run on a federation of its own left Ray's session in $TMPDIR/ray
+    for good (its logs and sockets; 166 of them after a day's tests), and
+    neither run may leave its Flower home, staged app or log."""
+    *_, left = default_runs
+    assert left == []
+
+
+@pytest.mark.xdist_group("default-runs")
 def test_same_seed_gives_the_same_history(default_runs) -> None:
-    out, runs = default_runs
+    out, runs, _ = default_runs
     assert all(r.returncode == 0 for r in runs)
     a, b = history(out / "a"), history(out / "b")
     keys = ("accuracy", "loss", "lr", "clients", "bytes-up", "bytes-down")
@@ -600,7 +623,7 @@ def kill_after_checkpoint(config: str, checkpoint: Path) -> None:
     """Start `pollen run`, and SIGKILL it with all its processes as soon as
     `checkpoint` is complete: a crash, no clean-up of any kind (the test
     removes what the run leaves behind: its Flower home, its staged app and
-    its Flower log, the temporary files its processes hold)."""
+    its Flower log, Ray's folder, the temporary files its processes hold)."""
     args = [str(BIN / "pollen"), "run", str(PROJECT), "-c", config]
     proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.monotonic() + 300
@@ -613,6 +636,8 @@ def kill_after_checkpoint(config: str, checkpoint: Path) -> None:
         with contextlib.suppress(OSError):
             environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
             left |= {v[10:].decode() for v in environ if v.startswith(b"FLWR_HOME=")}
+            ray = {v[11:].decode() for v in environ if v.startswith(b"RAY_TMPDIR=")}
+            left |= {p for p in ray if Path(p).name.startswith("pollen-ray-")}
             argv = Path(f"/proc/{pid}/cmdline").read_bytes().decode().split("\0")
             opened = [os.readlink(fd) for fd in Path(f"/proc/{pid}/fd").iterdir()]
             left |= {p for p in argv + opened if TEMPORARY.match(p)}

@@ -8,6 +8,7 @@ import os
 import ssl
 import subprocess
 import sys
+import tempfile
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
@@ -18,6 +19,14 @@ SUPERLINK_START_SECONDS = 60.0
 # Flower's ClientApp actors never run in them, so they only cost start-up CPU
 # (1.2 s of 28 on 2 cores, docs/lab-notes/performance.md). A value the user sets wins.
 RAY_SIMULATION_ENV = {"RAY_prestart_worker_first_driver": "0"}
+# Ray's longest socket path below its temporary folder (RAY_TMPDIR): its
+# session's plasma store, for a pid of up to 7 digits; an AF_UNIX path holds
+# at most 107 characters on Linux (Ray refuses longer ones), 103 on macOS
+RAY_SOCKET_TAIL = len(
+    "/ray/session_2026-01-01_00-00-00_000000_4194304/sockets/plasma_store"
+)
+SOCKET_PATH_MAX = 107 if sys.platform.startswith("linux") else 103
+RAY_DIR_PREFIX = "pollen-ray-"
 # Each Flower process posts a usage event to telemetry.flower.ai as it starts
 # and ends, and waits up to 4 s at its exit for the post: every ClientApp
 # task, ServerApp, SuperLink, SuperNode and `flwr run` of a run. The
@@ -101,10 +110,24 @@ def start_superlink(
     return process
 
 
-def simulation_env(home: Path) -> dict[str, str]:
+def make_ray_dir() -> Path:
+    """A new folder for one simulation's Ray files (its RAY_TMPDIR: the
+    session's logs and sockets), which whoever made it removes when the
+    simulation ends; left to itself, Ray keeps every session in
+    `$TMPDIR/ray` for good. In the temporary folder, or in /tmp where Ray's
+    socket paths below that one would be too long (a deep $TMPDIR, macOS's)."""
+    root = tempfile.gettempdir()
+    made = os.path.join(root, RAY_DIR_PREFIX + "x" * 8)  # mkdtemp adds 8
+    if len(made) + RAY_SOCKET_TAIL > SOCKET_PATH_MAX:
+        root = "/tmp"
+    return Path(tempfile.mkdtemp(prefix=RAY_DIR_PREFIX, dir=root))
+
+
+def simulation_env(home: Path, ray_dir: Path) -> dict[str, str]:
     """The environment of a local simulation SuperLink with its own `home`
-    (and so of its ServerApp and Ray): `flower_env` and Ray's settings."""
-    return {**RAY_SIMULATION_ENV, **flower_env(home)}
+    (and so of its ServerApp and Ray): `flower_env` and Ray's settings, its
+    files in `ray_dir` (`make_ray_dir`; a RAY_TMPDIR the user set wins)."""
+    return {**RAY_SIMULATION_ENV, "RAY_TMPDIR": str(ray_dir), **flower_env(home)}
 
 
 def start_simulation_superlink(

@@ -24,14 +24,13 @@ import json
 import os
 import shutil
 import subprocess
-import tempfile
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from ..files import made_folder_problem, write_json
 from . import processes
-from .flower import simulation_env, start_simulation_superlink
+from .flower import make_ray_dir, simulation_env, start_simulation_superlink
 
 STATE_FILE = "simulation.json"
 # where `pollen warm up` keeps its federation by default, and where `pollen
@@ -146,9 +145,9 @@ def federation_env(home: Path, ray_address: str, ray_temp_dir: str) -> dict[str,
     """A simulation SuperLink's environment (`simulation_env`) with Ray
     joining the head at `ray_address` (its files in `ray_temp_dir`)."""
     return {
-        **simulation_env(home),
+        **simulation_env(home, Path(ray_temp_dir)),
         "RAY_ADDRESS": ray_address,
-        "RAY_TMPDIR": ray_temp_dir,
+        "RAY_TMPDIR": ray_temp_dir,  # the head's, over one the user set
         "RAY_USAGE_STATS_ENABLED": "0",
     }
 
@@ -182,8 +181,7 @@ def start_warm_simulation(directory: Path, cpus: int | None = None) -> WarmSimul
     home = directory / FLWR_HOME
     if problem := made_folder_problem(home):
         raise WarmSimulationError(f"cannot keep a federation in {directory}: {problem}")
-    # Ray's socket paths must stay under ~107 characters: a short temp dir
-    ray_temp_dir = tempfile.mkdtemp(prefix="pollen-ray-", dir="/tmp")
+    ray_temp_dir = str(make_ray_dir())
     head = link = None
     try:
         gcs, client, agent = processes.distinct_free_ports(3)

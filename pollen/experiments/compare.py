@@ -41,7 +41,12 @@ from ..deployment.launch import RUN_STOP_SECONDS
 from ..deployment.run_config import RunConfigError, resolve_settings
 from ..deployment.warm_simulation import warm_simulation
 from ..files import write_atomic
-from ..runs.checkpoints import CheckpointError, check_resumable, first_difference
+from ..runs.checkpoints import (
+    CheckpointError,
+    check_resumable,
+    first_difference,
+    list_checkpoints,
+)
 from ..runs.claim import is_held
 from ..settings import SettingsError
 from .report import (
@@ -266,6 +271,8 @@ def config_text(values: Mapping[str, Any]) -> str:
 
 
 DONE, TO_RUN, RESUMES, RESTARTS = "done", "to run", "resumes", "restarts"
+# an interrupted cell that left no checkpoint: nothing to resume, it runs anew
+STARTS_OVER = "starts over"
 HELD = "held by a run that is still going"
 # what compare sets for every cell itself: where its run directory goes
 CELL_KEYS = frozenset({"output-dir", "run-name"})
@@ -276,7 +283,8 @@ class Cell:
     """One cell of a grid: its directory name, its run config (`config`, as
     given; `run_config`, complete and validated) and what the comparison's
     directory already holds of it (`state`: `DONE`, `TO_RUN`, `RESUMES`
-    after round `resume_after`, or `RESTARTS`, for the reason in `note`)."""
+    after round `resume_after`, `STARTS_OVER` or `RESTARTS`, for the reason
+    in `note`)."""
 
     name: str
     config: str
@@ -318,11 +326,29 @@ def _with_state(cell: Cell, run_dir: Path) -> Cell:
     if _finished(run_dir):
         _check_computed(run_dir, cell)
         return dataclasses.replace(cell, state=DONE)
+    if not list_checkpoints(run_dir):
+        note = _why_no_checkpoint(run_dir, cell)
+        return dataclasses.replace(cell, state=STARTS_OVER, note=note)
     try:
         round = check_resumable(run_dir, cell.run_config)
     except (CheckpointError, OSError, ValueError) as err:
         return dataclasses.replace(cell, state=RESTARTS, note=str(err))
     return dataclasses.replace(cell, state=RESUMES, resume_after=round)
+
+
+def _why_no_checkpoint(run_dir: Path, cell: Cell) -> str:
+    """How an interrupted cell's run came to leave no checkpoint, from the
+    `checkpoint-every` it ran with (its `settings.json`; the cell's own
+    where the run stopped before writing one): it stopped before its first,
+    or it writes none. Not a fault: the cell simply runs from round 1."""
+    try:
+        recorded = read_json(run_dir / "settings.json", dict)
+    except CompareError:
+        recorded = {}
+    every = recorded.get("checkpoint-every", cell.run_config.get("checkpoint-every"))
+    if every:
+        return f"before its first checkpoint (checkpoint-every={every})"
+    return "with no checkpoint (checkpoint-every=0)"
 
 
 def refuse_held(cells: Sequence[Cell], out: Path) -> None:
@@ -369,6 +395,8 @@ def describe(cell: Cell, running: Holder | None = None) -> str:
         return f"{HELD} (its run directory's lock is held)"
     if cell.state == RESUMES:
         return f"interrupted, resumes after round {cell.resume_after}"
+    if cell.state == STARTS_OVER:
+        return f"interrupted {cell.note}, starts again from round 1"
     if cell.state == RESTARTS:
         return f"interrupted, cannot resume ({cell.note}), runs again"
     return cell.state
@@ -462,7 +490,7 @@ def run_grid(
             echo(f"{prefix} {describe(cell)}")
             resume = config_text({"resume": str((runs / cell.name).resolve())})
             config = f"{config} {resume}"
-        elif cell.state == RESTARTS:
+        elif cell.state in (STARTS_OVER, RESTARTS):
             aside = out / "incomplete" / f"{cell.name}-{int(time.time())}"
             aside.parent.mkdir(exist_ok=True)
             (runs / cell.name).rename(aside)

@@ -1,6 +1,7 @@
-"""Ctrl-C and SIGTERM: a stopped run ends `interrupted`, and can be resumed.
+"""Ctrl-C, SIGTERM and SIGHUP: a stopped run ends `interrupted`, and can be
+resumed.
 
-`pollen run` answers Ctrl-C or SIGTERM by sending SIGINT to the process
+`pollen run` answers Ctrl-C, SIGTERM or SIGHUP by sending SIGINT to the process
 that runs the ServerApp (`flwr-simulation`; `deployment.launch`: Ray's
 driver there answers SIGTERM by exiting at once). Flower's SIGINT handler
 runs its exit handlers before the process exits;
@@ -10,7 +11,9 @@ the clients (`InterruptibleGrid`); the last completed round is checkpointed
 (unless a checkpoint of it exists) from a copy of the server's state taken
 when that round ended (the interrupted round may have changed it already:
 FedOpt's moments before its personal evaluation, say), `summary.json` says
-`interrupted`, and `resume=<run dir>` continues the run.
+`interrupted`, and `resume=<run dir>` continues the run. The ServerApp gets
+SIGINT whatever stopped the command, so the command, once the ServerApp has
+ended, names the signal in the summary's reason (`record_stop_cause`).
 
 Where the ServerApp runs in the process's main thread (a deployment's
 `flwr-serverapp`), the signal arrives inside the server loop itself: the
@@ -20,23 +23,49 @@ that may be half-updated.
 
 from __future__ import annotations
 
+import json
 import threading
 from collections.abc import Iterable
+from pathlib import Path
 from typing import Any
+
+from ..files import write_json
 
 # How long Flower's exit waits for the ServerApp to record the interruption
 SETTLE_SECONDS = 60.0
 
 
 class RunInterrupted(Exception):
-    """The run was asked to stop: its command got Ctrl-C, SIGTERM or SIGHUP
-    (`pollen run` passes each on as SIGINT, so the ServerApp cannot tell
-    which)."""
+    """The run was asked to stop: its command got Ctrl-C, SIGTERM or SIGHUP,
+    or was killed (its watchdog then stops the run). `pollen run` passes
+    each on as SIGINT, so the ServerApp cannot tell which; the command
+    that knows gives it as `cause` (`record_stop_cause`)."""
 
-    def __init__(self) -> None:
+    def __init__(self, cause: str | None = None) -> None:
         super().__init__(
-            "interrupted: its command was stopped (Ctrl-C, SIGTERM or SIGHUP)"
+            f"interrupted: its command got {cause}"
+            if cause
+            else "interrupted: its command was stopped (Ctrl-C, SIGTERM or "
+            "SIGHUP) or killed"
         )
+
+
+def record_stop_cause(run_dir: Path, token: str, cause: str) -> None:
+    """Name `cause`, what stopped the command, in the reason of the summary
+    its ServerApp wrote on ending `interrupted` (it said only that one of
+    Ctrl-C, SIGTERM or SIGHUP did). Only the summary of the run `token`
+    claims, once that run has ended; any other summary is left as it is."""
+    path = run_dir / "summary.json"
+    try:
+        summary = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return
+    if not isinstance(summary, dict) or summary.get("run-token") != token:
+        return
+    if summary.get("status") != "interrupted":
+        return
+    summary["error"] = f"{RunInterrupted.__name__}: {RunInterrupted(cause)}"
+    write_json(path, summary)
 
 
 class StopSignal:

@@ -47,23 +47,24 @@ def cohort_problem(s: Settings) -> str | None:
             "vectorised cohort cannot draw each client's own dropout masks; "
             f"allowed: lora-dropout=0, or {ALLOWED}"
         )
-    trainings = [
-        ("dp=true", s.dp),
-        (f"head-epochs={s.head_epochs}", s.head_epochs),
-        (f"ditto-lambda={s.ditto_lambda:g}", s.ditto_lambda),
+    trainings = [  # what is set, and the value that turns it off
+        ("dp=true", s.dp, "dp=false"),
+        (f"head-epochs={s.head_epochs}", s.head_epochs, "head-epochs=0"),
+        (f"ditto-lambda={s.ditto_lambda:g}", s.ditto_lambda, "ditto-lambda=0"),
     ]
-    for given, on in trainings:
+    for given, on, off in trainings:
         if on:
             return (
                 f"client-execution='cohort' with {given}: that training works on "
                 "one client's model at a time (DP-SGD's per-sample clipping, "
                 "FedRep's phases, Ditto's personal model), and a cohort trains "
-                f"its clients' models together in plain local epochs; use {ALLOWED}"
+                "its clients' models together in plain local epochs; allowed: "
+                f"{off}, or {ALLOWED}"
             )
     if s.mode == "async":
         return (
             "client-execution='cohort' with mode='async': FedBuff starts clients "
             "one at a time as its buffer asks, so no round has a cohort to train "
-            f"together; use mode='sync' or {ALLOWED}"
+            f"together; allowed: mode='sync', or {ALLOWED}"
         )
     return None
