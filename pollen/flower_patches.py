@@ -84,15 +84,28 @@ class Patch:
     why: str
     upstream: str  # the change in Flower it stands for
     left_out: str  # what the warning says stays as Flower ships it
+    # the first release whose Flower makes the change itself (on it and later
+    # the patch is not applied, and nothing is said); "" for none yet
+    upstream_since: str = ""
 
     @property
     def releases(self) -> list[str]:
-        """The Flower releases whose sources of `functions` are recorded."""
+        """The Flower releases whose sources of `functions` are recorded and
+        that need the change (before `upstream_since`)."""
         return [
             release
             for release, sources in TESTED_SOURCES.items()
             if all(name in sources for name in self.functions)
+            and not self.made_upstream(release)
         ]
+
+    def made_upstream(self, release: str) -> bool:
+        """Whether Flower `release` makes this change itself."""
+        from packaging.version import Version
+
+        return bool(self.upstream_since) and Version(release) >= Version(
+            self.upstream_since
+        )
 
 
 SUPERNODE_WAITS = Patch(
@@ -155,6 +168,23 @@ SERVERAPP_PULLS = Patch(
     upstream="`PULL_INITIAL_BACKOFF` as a setting.",
     left_out="pollen's ServerApp keeps Flower's idle waits",
 )
+SUPERNODE_REPLY_WAIT = Patch(
+    key="supernode-reply-wait",
+    where="`pollen supernode`",
+    applied_by="pollen.flower_waits:end_reply_waits_without_task",
+    functions=(f"{START_CLIENT}:_push_messages",),
+    what="`_push_messages` stops waiting for a ClientApp's reply once no task is "
+    "left to write one (unfinished: pending, starting or running), and pushes "
+    "nothing.",
+    why="Flower 1.42's SuperNode waits for a reply, without end, after every "
+    "message it took: a task that ended without writing one leaves the node "
+    "listed online (its heartbeats go on) but never taking a message again, "
+    "the next run's included.",
+    upstream="Flower's own from 1.43 (the nightly's `_push_messages` waits only "
+    "while unfinished tasks remain).",
+    left_out="pollen supernode waits for a ClientApp's reply as Flower 1.42 does",
+    upstream_since="1.43.0.dev0",
+)
 INSTALLED_FABS = Patch(
     key="installed-fabs",
     where="the warm executor's ClientApps",
@@ -174,6 +204,7 @@ INSTALLED_FABS = Patch(
 )
 PATCHES = (
     SUPERNODE_WAITS,
+    SUPERNODE_REPLY_WAIT,
     SUPEREXEC_POLLS,
     CLIENTAPP_PULLS,
     SERVERAPP_PULLS,
@@ -215,7 +246,12 @@ def unchanged_reason(names: Sequence[str]) -> str:
 
 def guard(patch: Patch) -> bool:
     """Whether `patch` may be applied in this process; if not, one warning
-    line that says what stays as Flower ships it, and why."""
+    line that says what stays as Flower ships it, and why (none where this
+    Flower makes the change itself)."""
+    import flwr
+
+    if patch.made_upstream(flwr.__version__):
+        return False
     reason = unchanged_reason(patch.functions)
     if reason:
         print(

@@ -1,5 +1,6 @@
 """Flower's idle waits, shortened in the processes pollen runs Flower's code in:
-`pollen supernode`, the warm executor's ClientApps and pollen's ServerApp.
+`pollen supernode`, the warm executor's ClientApps and pollen's ServerApp;
+and the SuperNode's endless wait for a reply no task will write, ended.
 
 Flower's SuperNode (`flwr/supernode/start_client_internal.py`) waits in
 three places that no setting reaches, and a deployed round pays each one:
@@ -32,6 +33,13 @@ ServerApp its pulls of the replies' objects: a reply is listed on the
 SuperLink before the node has pushed its objects, so the server's first
 pull of them often fails and Flower waits a second before the next.
 
+One more wait of the SuperNode's has no end in Flower 1.42: after taking a
+message, `_push_messages` waits for the ClientApp's reply however long it
+takes, and a task that ended without writing one leaves the node listed
+online (its heartbeats go on) but never taking a message again. `pollen
+supernode` ends that wait once no task is left unfinished, as Flower's own
+`_push_messages` does from 1.43 (`end_reply_waits_without_task`).
+
 The change stands for a small one upstream (docs/deployment.md): a poll
 interval in place of the constants 3 and 0.5 in `start_client_internal`,
 and `PULL_INITIAL_BACKOFF`/`PULL_BACKOFF_CAP` as settings. Each is a
@@ -54,6 +62,7 @@ from .flower_patches import (
     PULL_OBJECTS,
     SERVERAPP_PULLS,
     SUPEREXEC_POLLS,
+    SUPERNODE_REPLY_WAIT,
     SUPERNODE_WAITS,
     guard,
     resolve,
@@ -145,6 +154,59 @@ def shorten_supernode_waits(poll_seconds: float = POLL_SECONDS) -> bool:
         node, poll_seconds, {"_pull_and_store_message": True, "_push_messages": False}
     )
     _quicker_pulls(PULL_OBJECTS, poll_seconds)
+    return True
+
+
+class NothingToPush(Exception):
+    """No reply is in, and no task is left to write one."""
+
+
+class TaskAwareState:
+    """A SuperNode's state as Flower 1.42's `_push_messages` sees it: a look
+    for replies that finds none while no task is unfinished ends the wait
+    (`NothingToPush`) instead of waiting for a reply that cannot come."""
+
+    def __init__(self, state: Any) -> None:
+        self._state = state
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._state, name)
+
+    def get_messages_legacy(self, **filters: Any) -> Any:
+        from flwr.common.constant import Status
+
+        found = self._state.get_messages_legacy(**filters)
+        unfinished = [Status.PENDING, Status.STARTING, Status.RUNNING]
+        waiting = filters.get("is_reply") and not found
+        if waiting and not self._state.get_tasks(statuses=unfinished, limit=1):
+            raise NothingToPush
+        return found
+
+
+class PushWhileTasksRun:
+    """`_push_messages` that returns, pushing nothing, once no reply is in
+    and no task is left to write one (`TaskAwareState`)."""
+
+    def __init__(self, push: Callable[..., Any]) -> None:
+        self.push = push
+
+    def __call__(self, *, state: Any, **others: Any) -> None:
+        try:
+            self.push(state=TaskAwareState(state), **others)
+        except NothingToPush:
+            return
+
+
+def end_reply_waits_without_task() -> bool:
+    """In this process (a SuperNode's), the wait for a ClientApp's reply ends
+    when no task is left to write one (`PushWhileTasksRun`), as it does in
+    Flower from 1.43; False where this Flower does so itself, or is not a
+    release the change was tested with (then with one warning line)."""
+    if not guard(SUPERNODE_REPLY_WAIT):
+        return False
+    from flwr.supernode import start_client_internal as node
+
+    node._push_messages = PushWhileTasksRun(node._push_messages)  # type: ignore[attr-defined]
     return True
 
 

@@ -23,9 +23,11 @@ OBSERVED = {
         "utils.pull_and_inflate_object_from_tree.__kwdefaults__['initial_backoff'] < 1"
     ),
     "FAB install": "runtime.install_from_fab is not install_from_fab",
+    "reply wait": "type(node._push_messages).__name__ == 'PushWhileTasksRun'",
 }
 CHANGES = {  # a patch -> what it changes (the SuperNode's pulls are objects')
     "supernode-waits": ["supernode clock", "object pulls"],
+    "supernode-reply-wait": ["reply wait"],
     "superexec-polls": ["superexec clock"],
     "clientapp-pulls": ["tree pulls"],
     "serverapp-pulls": ["object pulls"],
@@ -88,13 +90,29 @@ def test_every_patch_is_verified_on_every_recorded_release_and_tested_here():
     touched = {name for patch in PATCHES for name in patch.functions}
     for release, sources in TESTED_SOURCES.items():
         assert set(sources) == touched, release
-    assert all(patch.releases == list(TESTED_SOURCES) for patch in PATCHES)
+    for patch in PATCHES:
+        needed = [r for r in TESTED_SOURCES if not patch.made_upstream(r)]
+        assert patch.releases == needed and needed, patch.key
+
+
+def test_a_change_flower_makes_itself_is_not_applied_there():
+    reply_wait = next(p for p in PATCHES if p.key == "supernode-reply-wait")
+    assert reply_wait.releases == ["1.42.0"]
+    assert reply_wait.made_upstream("1.43.0.dev20261026")
+    assert reply_wait.made_upstream("1.43.0") and not reply_wait.made_upstream("1.42.1")
 
 
 @pytest.mark.parametrize("patch", PATCHES, ids=lambda patch: patch.key)
 def test_a_patch_applies_on_a_verified_release(patch):
+    """...and, where this Flower makes the change itself, is left out
+    without a word."""
+    import flwr
+
     shown, err = apply_in_a_fresh_process(patch, "")
-    assert shown == f"True {sorted(CHANGES[patch.key])}"
+    if patch.made_upstream(flwr.__version__):
+        assert shown == "False []"
+    else:
+        assert shown == f"True {sorted(CHANGES[patch.key])}"
     assert err == ""
 
 
@@ -102,8 +120,8 @@ def test_a_patch_applies_on_a_verified_release(patch):
     ("tamper", "reason"),
     [
         (
-            "flwr.__version__ = '9.9.9'",
-            "Flower 9.9.9 is not a release it was tested with",
+            "flwr.__version__ = '1.41.9'",
+            "Flower 1.41.9 is not a release it was tested with",
         ),
         (
             "flower_patches.TESTED_SOURCES[flwr.__version__] = {}",
@@ -117,9 +135,14 @@ def test_a_patch_is_left_out_on_any_other_flower_with_one_warning(
     patch, tamper, reason
 ):
     """Flower's functions stay as it ships them, and one line says which change
-    is left out and why."""
+    is left out and why (nothing, where this Flower makes the change itself)."""
+    import flwr
+
     shown, err = apply_in_a_fresh_process(patch, tamper)
     assert shown == "False []"
+    if patch.made_upstream(flwr.__version__) and "__version__ =" not in tamper:
+        assert err == ""
+        return
     assert len(err.splitlines()) == 1
     assert err.startswith(f"pollen: warning: {patch.left_out}: ")
     assert reason.format(functions=", ".join(patch.functions)) in err
@@ -130,4 +153,4 @@ def test_the_table_names_every_patch_and_its_releases():
     assert len(table) == 2 + len(PATCHES)
     for patch, row in zip(PATCHES, table[2:], strict=True):
         assert row.startswith(f"| `{patch.key}` ")
-        assert row.endswith(f"| {', '.join(TESTED_SOURCES)} |")
+        assert row.endswith(f"| {', '.join(patch.releases)} |")

@@ -213,3 +213,50 @@ def test_object_pulls_never_retry_later_than_flowers():
     assert result.returncode == 0, result.stderr
     first, flowers = map(float, result.stdout.split())
     assert first == flowers == 1.0
+
+
+REPLY_WAIT = """
+import sys, threading
+from flwr.common.constant import SubStatus
+from flwr.supercore.constant import TaskType
+from flwr.supercore.object_store import ObjectStoreFactory
+from flwr.supernode import start_client_internal as node
+from flwr.supernode.nodestate import NodeStateFactory
+from pollen import flower_waits
+
+if sys.argv[1] == "patched":
+    flower_waits.end_reply_waits_without_task()
+factory = NodeStateFactory(ObjectStoreFactory())
+state, store = factory.state(), factory.objectstore_factory.store()
+state.set_node_id(1)
+task = state.create_task(task_type=TaskType.CLIENT_APP, run_id=7, fab_hash="f")
+assert state.finish_task(task, sub_status=SubStatus.FAILED, details="no message")
+returned = threading.Event()
+
+def push():
+    node._push_messages(state=state, object_store=store, send=None, push_object=None)
+    returned.set()
+
+threading.Thread(target=push, daemon=True).start()
+ended = returned.wait(2)
+state.create_task(task_type=TaskType.CLIENT_APP, run_id=7, fab_hash="f")
+returned.clear()
+threading.Thread(target=push, daemon=True).start()
+print(ended, returned.wait(1))
+"""
+
+
+def test_a_supernode_stops_waiting_for_a_reply_no_task_will_write():
+    """Flower 1.42's `_push_messages` waits for a reply without end: a task
+    that ended without one (here: failed) left the SuperNode taking no
+    message again. `pollen supernode` ends that wait, as Flower does from
+    1.43; while a task is unfinished it still waits for its reply."""
+    import flwr
+
+    patched = run_python(REPLY_WAIT.replace("sys.argv[1]", "'patched'"))
+    assert patched.returncode == 0, patched.stderr
+    assert patched.stdout.split() == ["True", "False"]
+    if flwr.__version__ == "1.42.0":  # Flower as it ships: the wait never ends
+        plain = run_python(REPLY_WAIT.replace("sys.argv[1]", "'plain'"))
+        assert plain.returncode == 0, plain.stderr
+        assert plain.stdout.split() == ["False", "False"]

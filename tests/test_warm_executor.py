@@ -339,35 +339,51 @@ def test_warm_and_cold_executors_train_to_the_same_history(
     assert "pollen superexec: warmed" in log and "exited 0" in log
 
 
+KILLS = 5
+
+
 @pytest.mark.xdist_group("warm-executor")
 @pytest.mark.integration
-def test_a_killed_superlink_restarts_and_the_run_resumes_to_the_same_history(
+def test_a_superlink_killed_five_times_never_hangs_and_the_run_converges(
     warm: cluster.Deployment, tmp_path: Path
 ) -> None:
-    """The SuperLink SIGKILLed after round 2's checkpoint, restarted with
-    `pollen deploy restart superlink`: the SuperNodes reconnect by themselves
-    and `resume` finishes the run with the rounds an uninterrupted run has
-    (FedDyn's clients read h_k back from their nodes' state-dir)."""
-    common = "strategy='feddyn' rounds=4 checkpoint-every=1"
+    """The SuperLink SIGKILLed after each of rounds 1-5's checkpoints, with
+    a node SIGSTOPped from the kill until after `pollen deploy restart
+    superlink` (a SuperLink restarted while its nodes hold a finished run's
+    message or reply, or are paused, hung the resume in issue 73): each run
+    says how to go on, the nodes reconnect by themselves, every `resume`
+    finishes within its bounds (node-wait, round-timeout: a node that never
+    answers would be a recorded failure, not a wait) and the run ends with
+    the rounds an uninterrupted run has (FedDyn's clients read h_k back
+    from their nodes' state-dir)."""
+    common = (
+        "strategy='feddyn' rounds=6 checkpoint-every=1 node-wait=20 round-timeout=60"
+    )
     finish(submit(warm, tmp_path, f"{common} run-name='whole'", NODES))
     crashed = tmp_path / "crashed"
     run = submit(warm, tmp_path, f"{common} run-name='crashed'", NODES)
-    checkpoint = crashed / "checkpoints" / "round-00002"
-    deadline = time.monotonic() + 300
-    while not checkpoint.exists() and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert checkpoint.exists(), run.communicate()[0][-3000:]
-    superlink = cluster.Deployment.load(warm.root).superlink_pid
-    os.kill(superlink, signal.SIGKILL)
-    os.waitpid(superlink, 0)  # this test started it: reap it, as init would
-    run.communicate(timeout=120)
-    assert (
-        not (crashed / "summary.json").exists()
-        or json.loads((crashed / "summary.json").read_text())["status"] != "completed"
-    )
-    cluster.restart_superlink(warm.root)
-    cluster.Deployment.load(warm.root).wait_online(NODES, timeout=120)
-    finish(submit(warm, tmp_path, f"{common} resume='{crashed}'", NODES))
+    for kill in range(1, KILLS + 1):
+        checkpoint = crashed / "checkpoints" / f"round-{kill:05d}"
+        deadline = time.monotonic() + 300
+        while not checkpoint.exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert checkpoint.exists(), run.communicate()[0][-3000:]
+        paused = cluster.Deployment.load(warm.root).node(kill % NODES).pid
+        superlink = cluster.Deployment.load(warm.root).superlink_pid
+        os.killpg(paused, signal.SIGSTOP)  # the node, its executor and its task
+        try:
+            os.kill(superlink, signal.SIGKILL)
+            os.waitpid(superlink, 0)  # this test started it: reap it, as init would
+            output = run.communicate(timeout=120)[0]
+            assert run.returncode != 0
+            assert "`pollen deploy restart superlink --dir" in output, output[-3000:]
+            assert f"resume='{crashed}'" in output
+            cluster.restart_superlink(warm.root)
+        finally:
+            os.killpg(paused, signal.SIGCONT)
+        cluster.Deployment.load(warm.root).wait_online(NODES, timeout=120)
+        run = submit(warm, tmp_path, f"{common} resume='{crashed}'", NODES)
+    finish(run, timeout=240)
     keys = ("round", "accuracy", "loss", "clients", "bytes-up", "bytes-down")
     assert [[r[k] for k in keys] for r in history(crashed)] == [
         [r[k] for k in keys] for r in history(tmp_path / "whole")

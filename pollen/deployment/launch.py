@@ -29,12 +29,18 @@ from pathlib import Path
 
 from ..runs.checkpoints import CheckpointError, check_resumable
 from ..runs.claim import claim as claim_run_dir
+from ..runs.interruption import record_stop_cause
 from ..runs.results import RUN_COMPLETED, read_history
 from ..settings import Settings
 from . import cluster, processes
 from .console import Console
 from .fab import staged_app
-from .flower import flower_env, simulation_env, start_simulation_superlink
+from .flower import (
+    flower_env,
+    make_ray_dir,
+    simulation_env,
+    start_simulation_superlink,
+)
 from .model_checks import built_model, warn_about_memory
 from .run_config import (
     check_local_data,
@@ -64,6 +70,11 @@ SIMULATED_NODES = 100
 FLWR_STOP_SECONDS = 5.0
 POLL_SECONDS = 0.1  # how often the command looks up from waiting on its run
 FLOWER_LOG = "flower.log"  # in the run directory: the whole stream of `flwr run`
+# what Flower's `flwr run` says when the SuperLink stops answering
+LOST_CONNECTION = "Connection to the SuperLink is unavailable"
+DP_NOT_RESUMABLE = (
+    "a dp=true run cannot be resumed (its privacy accounting covers the run as planned)"
+)
 # How long a run on a warm federation waits for its simulation process to
 # shut down after its results are written (about 4 s: Flower stops Ray's job)
 WARM_EXIT_SECONDS = 30.0
@@ -105,22 +116,30 @@ class LaunchError(ValueError):
 
 class LocalSuperLink:
     """A simulation SuperLink owned by this command, in its own Flower home
-    (`flower.start_simulation_superlink`); paths in the run config are made
-    absolute before the run starts."""
+    (`flower.start_simulation_superlink`), its Ray's files in a folder of its
+    own (`flower.make_ray_dir`), both removed when it stops; paths in the run
+    config are made absolute before the run starts."""
 
     def __init__(self, run_dir: Path, watchdog: Watchdog | None = None) -> None:
         self.run_dir = run_dir  # where its log is kept when it stops
         self.home = Path(tempfile.mkdtemp(prefix="pollen-flwr-home-"))
+        self.ray_dir = make_ray_dir()
         self.log_path = self.home / "superlink.log"
         self.process: subprocess.Popen[bytes] | None = None
         self.watchdog = watchdog
         if watchdog is not None:
             watchdog.log(self.log_path, run_dir, "superlink.log")
             watchdog.temporary(self.home)
+            watchdog.temporary(self.ray_dir)
 
     @property
     def env(self) -> dict[str, str]:
-        return simulation_env(self.home)
+        return simulation_env(self.home, self.ray_dir)
+
+    def remove_folders(self) -> None:
+        """Remove the Flower home and Ray's folder, once nothing runs in them."""
+        for folder in (self.home, self.ray_dir):
+            shutil.rmtree(folder, ignore_errors=True)
 
     def __enter__(self) -> LocalSuperLink:
         watched = None if self.watchdog is None else self.watchdog.superlink
@@ -129,7 +148,7 @@ class LocalSuperLink:
                 self.home, self.env, self.log_path, started=watched
             )
         except BaseException:
-            shutil.rmtree(self.home, ignore_errors=True)
+            self.remove_folders()
             raise
         return self
 
@@ -154,7 +173,7 @@ class LocalSuperLink:
             with processes.stop_signals_deferred():
                 processes.stop(self.process.pid)
                 keep_log(self.log_path, self.run_dir, "superlink.log")
-                shutil.rmtree(self.home, ignore_errors=True)
+                self.remove_folders()
 
 
 def run_on_warm(
@@ -264,7 +283,9 @@ def run(
                         _show_lost_rounds(console, run_dir, settings.rounds,
                                           history_before, resumed_after)  # fmt: skip
                     raise
-        except KeyboardInterrupt:  # Ctrl-C, SIGTERM or SIGHUP
+        except KeyboardInterrupt as stop:  # Ctrl-C, SIGTERM or SIGHUP
+            if token is not None:  # the ServerApp cannot tell which: say it
+                record_stop_cause(run_dir, token, processes.stop_cause(stop))
             resume = resume_command(app, overrides, federation, run_dir)
             after = _report_stopped(target, run_dir, settings, resume)
             raise Interrupted(run_dir, after) from None
@@ -278,10 +299,17 @@ def run(
                 f"pollen: run completed; results in {run_dir} on the ServerApp's machine"
             )
             return Outcome(run_dir, True, here=False)
-        return report_outcome(
+        outcome = report_outcome(
             run_dir, wall_seconds, resumed=bool(settings.resume), token=token,
             error=console.failure(), log=kept or log_path, earlier=earlier,
         )  # fmt: skip
+        if not outcome and target.deployment is not None:
+            resume = resume_command(app, overrides, federation, run_dir)
+            for line in lost_deployment(
+                target.deployment.root, run_dir, settings, resume, outcome.error
+            ):
+                print(f"pollen: {line}", file=sys.stderr)
+        return outcome
 
 
 def _show_lost_rounds(
@@ -388,6 +416,68 @@ def _keep_flower_log(log_path: Path, run_dir: Path) -> Path | None:
     return kept
 
 
+def lost_deployment(
+    root: Path, run_dir: Path, settings: Settings, resume: str, error: str | None
+) -> list[str]:
+    """What became of the deployment in `root` that a run failed on with
+    `error`, and how to go on: stopped (`pollen deploy down`: nothing of it
+    runs), its SuperLink gone (killed or crashed) while its SuperNodes run
+    on, then the command that resumes the run from its last checkpoint; or,
+    where the SuperLink still runs and Flower lost the connection to it, a
+    network fault. Nothing for a run that failed on its own."""
+    deployment = cluster.Deployment.load(root)
+    superlink = deployment.superlink_pid
+    if deployment.ours(superlink):
+        if LOST_CONNECTION not in (error or ""):
+            return []
+        return [
+            f"the deployment's SuperLink (pid {superlink}) still runs: the "
+            f"connection to it at {deployment.address} failed (a network fault?); "
+            f"its log: {deployment.superlink_log}"
+        ]
+    if not deployment.running():
+        lines = [
+            f"the deployment in {root} was stopped during the run (`pollen deploy "
+            f"down`?): its ServerApp ended with its SuperLink; start it again "
+            f"with `pollen deploy up --dir {shlex.quote(str(root))}`"
+        ]
+    else:
+        restart = (
+            f"`pollen deploy restart superlink --dir {shlex.quote(str(root))}`"
+            if deployment.superlink_state == "file"
+            else "`pollen deploy down` and `up` (its state was in memory)"
+        )
+        lines = [
+            f"the deployment's SuperLink (pid {superlink}) stopped during the run "
+            f"(killed or crashed; its log: {deployment.superlink_log}) while its "
+            f"SuperNodes run on; the run's ServerApp ended with it; restart it with "
+            f"{restart}"
+        ]
+    return [*lines, resume_hint(run_dir, settings, resume)]
+
+
+def resume_hint(run_dir: Path, settings: Settings, resume: str) -> str:
+    """How a stopped run continues: the `resume` command after its last
+    checkpoint, or why it cannot."""
+    if settings.dp:
+        return DP_NOT_RESUMABLE
+    round = checkpointed_round(run_dir, settings)
+    if round is None:
+        return _stopped_without_checkpoint(run_dir, settings.rounds).removeprefix(
+            "pollen: "
+        )
+    return f"then resume after round {round} (checkpointed) with:\n  {resume}"
+
+
+def checkpointed_round(run_dir: Path, settings: Settings) -> int | None:
+    """The round a resume of `run_dir` with `settings` continues after; None
+    when it has no usable checkpoint."""
+    try:
+        return check_resumable(run_dir, settings.to_run_config())
+    except (CheckpointError, OSError, ValueError):
+        return None
+
+
 def _report_stopped(
     target: Target, run_dir: Path, settings: Settings, resume: str
 ) -> int | None:
@@ -470,14 +560,12 @@ def report_interrupted(run_dir: Path, settings: Settings, command: str) -> int |
     a resume continues after (None: it cannot be resumed)."""
     if settings.dp:
         print(
-            "pollen: interrupted; a dp=true run cannot be resumed (its privacy "
-            f"accounting covers the run as planned); what it wrote is in {run_dir}",
+            f"pollen: interrupted; {DP_NOT_RESUMABLE}; what it wrote is in {run_dir}",
             file=sys.stderr,
         )
         return None
-    try:
-        round = check_resumable(run_dir, settings.to_run_config())
-    except (CheckpointError, OSError, ValueError):
+    round = checkpointed_round(run_dir, settings)
+    if round is None:
         print(_stopped_without_checkpoint(run_dir, settings.rounds), file=sys.stderr)
         return None
     print(
@@ -663,6 +751,12 @@ def running_deployment(directory: Path, connection: str | None) -> cluster.Deplo
     except cluster.DeployError as err:
         raise LaunchError(str(err)) from None
     if not deployment.ours(deployment.superlink_pid):
+        if deployment.running() and deployment.superlink_state == "file":
+            raise LaunchError(
+                f"the SuperLink of the deployment in {deployment.root} is not running "
+                f"(its SuperNodes are); restart it with `pollen deploy restart "
+                f"superlink --dir {directory}`"
+            )
         raise LaunchError(
             f"the deployment in {deployment.root} is not running; start it with "
             f"`pollen deploy up --dir {directory}`"

@@ -1,5 +1,6 @@
-"""`pollen supernode`: Flower's SuperNode with its idle waits shortened
-(`pollen.flower_waits`); every flag `flower-supernode` takes is passed on."""
+"""`pollen supernode`: Flower's SuperNode with its idle waits shortened and
+its wait for a reply that no task will write ended (`pollen.flower_waits`);
+every flag `flower-supernode` takes is passed on."""
 
 from __future__ import annotations
 
@@ -7,7 +8,11 @@ import argparse
 import sys
 from collections.abc import Sequence
 
-from ..flower_waits import add_poll_interval, shorten_supernode_waits
+from ..flower_waits import (
+    add_poll_interval,
+    end_reply_waits_without_task,
+    shorten_supernode_waits,
+)
 
 
 def main(argv: Sequence[str]) -> int:
@@ -19,6 +24,7 @@ def main(argv: Sequence[str]) -> int:
     )
     add_poll_interval(parser)
     args, flower_args = parser.parse_known_args(argv)
+    end_reply_waits_without_task()
     if args.poll_interval:
         shorten_supernode_waits(args.poll_interval)
     from flwr.supernode.cli.flower_supernode import flower_supernode
