@@ -524,6 +524,12 @@ class Settings:
     min_size: int = key(
         10, "minimum samples per client for partition=niid and niid-client", at_least(0)
     )
+    partition_draws: int = key(
+        30,
+        "draws of partition=niid before a min-size none meets is refused: the "
+        "first from seed, each later one from a seed derived from it",
+        at_least(1),
+    )
     classes_per_client: int = key(
         2, "classes per client for partition=pathological", at_least(1)
     )

@@ -18,10 +18,13 @@ import pytest
 
 from pollen.cli import EXIT_BAD_INPUT, main
 from pollen.deployment import launch, processes
-from pollen.deployment.run_config import resolve_settings
+from pollen.deployment.run_config import prepare_run, resolve_settings
+from pollen.files import read_npz
 from pollen.runs.checkpoints import Checkpoint, save_checkpoint
 from pollen.runs.claim import claim
 from pollen.runs.results import check_run_dir_is_new
+from pollen.task import partition
+from pollen.task.shards import federated_data
 from tests.conftest import PROJECT, resumable_extra
 
 
@@ -292,3 +295,55 @@ def test_a_resume_of_a_directory_another_run_holds_is_refused(
     finally:
         other.release()
     claim(run_dir, new=False).release()  # released: free again
+
+
+def test_a_partition_that_leaves_clients_empty_stops_before_flower(
+    no_flower: None, tmp_path: Path, capsys, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Dirichlet(0.001) gives some of 20 clients nothing: the command draws
+    the partition itself, exit 2, one line (found by the ServerApp 11-17 s
+    after start-up before). Where this machine holds no copy of the data
+    (mnist, nothing under data-root, download=true) the ServerApp draws as
+    before: nothing is downloaded, nothing refused."""
+    monkeypatch.delenv("POLLEN_CACHE_DIR", raising=False)
+    data = tmp_path / "data"
+    data.mkdir()
+    request = "partition='niid' alpha=0.001 num-clients=20 min-size=0"
+    config = f"output-dir='{tmp_path / 'out'}' data-root='{data}' {request}"
+    assert main(["run", str(PROJECT), "-c", config]) == EXIT_BAD_INPUT
+    error = capsys.readouterr().err.strip()
+    assert len(error.splitlines()) == 1, error
+    assert re.search(
+        r"partition 'niid' with num-clients=20 leaves client \d+ without training "
+        r"samples \(\d+ of 20 clients empty\); raise min-size \(now 0\) to at "
+        r"least 1 or use fewer clients \(data-set='digits'\)$",
+        error,
+    ), error
+    assert not (tmp_path / "out").exists()
+    before = sorted(data.rglob("*"))  # the digits partition, kept
+    elsewhere = f"{config} data-set='mnist' model='mlp' download=true"
+    prepare_run(PROJECT, [elsewhere])
+    assert sorted(data.rglob("*")) == before
+
+
+def test_the_server_app_reads_the_partition_the_command_drew(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """One draw per partition: a second command and the ServerApp read the
+    file the first command left, flwr-datasets not called again."""
+    monkeypatch.delenv("POLLEN_CACHE_DIR", raising=False)
+    data = tmp_path / "data"
+    config = (f"output-dir='{tmp_path}' data-root='{data}' partition='niid' "
+              "alpha=0.3 num-clients=5")  # fmt: skip
+    settings, _, _ = prepare_run(PROJECT, [config])
+    (saved,) = (data / ".pollen-cache" / "partitions").glob("*.npz")
+    drawn = read_npz(saved)
+
+    def no_draw(*_):
+        raise AssertionError("drew the partition again instead of reading it")
+
+    monkeypatch.setattr(partition, "_flwr_partition", no_draw)
+    prepare_run(PROJECT, [config])
+    _, shards = federated_data(settings)
+    kept = [np.sort(drawn[f"shard-{c}"]) for c in range(5)]
+    assert all(np.array_equal(a, b) for a, b in zip(shards, kept, strict=True))

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import warnings
+
 import numpy as np
 import pytest
 
 from pollen.task.partition import (
     PartitionError,
+    draw_seed,
     format_label_counts,
     label_counts,
     partition_indices,
@@ -159,3 +162,92 @@ def test_shards_are_kept_on_disk_and_read_back_unchanged(tmp_path, monkeypatch) 
     blocked = tmp_path / "file"
     blocked.write_text("")  # a cache dir that cannot be made: only slower
     partition_indices(*args, alpha=0.3, seed=5, cache_dir=blocked / "sub")
+
+
+def flwr_dirichlet(seed: int, alpha: float, min_size: int) -> list[np.ndarray]:
+    """flwr-datasets' DirichletPartitioner on LABELS with `seed`, called
+    directly: 10 clients' sorted indices."""
+    import datasets
+    from flwr_datasets.partitioner import DirichletPartitioner
+
+    partitioner = DirichletPartitioner(
+        num_partitions=10,
+        partition_by="label",
+        alpha=alpha,
+        min_partition_size=min_size,
+        seed=seed,
+    )
+    partitioner.dataset = datasets.Dataset.from_dict(
+        {"index": np.arange(len(LABELS)), "label": LABELS}
+    )
+    with warnings.catch_warnings():  # its own tries, said in a warning each
+        warnings.simplefilter("ignore")
+        return [np.sort(partitioner.load_partition(i)["index"]) for i in range(10)]
+
+
+def same(a: list[np.ndarray], b: list[np.ndarray]) -> bool:
+    return all(np.array_equal(x, y) for x, y in zip(a, b, strict=True))
+
+
+def test_niid_draws_again_where_the_seeds_own_draw_misses_min_size(capsys) -> None:
+    """Seed 7's draw (flwr-datasets' 11 tries) leaves a client below 40
+    samples; the second draw, from a seed derived from 7, meets it. A seed
+    whose own draw meets min-size gives flwr-datasets' shards for that seed,
+    as before redraws."""
+    request = {"alpha": 0.05, "min_size": 40}
+    with pytest.raises(PartitionError, match="in each of 1 draws"):
+        shards("niid", seed=7, draws=1, **request)
+    parts = shards("niid", seed=7, **request)
+    assert min(len(p) for p in parts) >= 40
+    assert same(parts, flwr_dirichlet(draw_seed(7, 1), **request))
+    note = capsys.readouterr().out.strip()
+    assert note.startswith("pollen: note: partition 'niid' (alpha=0.05, num-clients=")
+    assert "the draw of seed 7 left a client below min-size; draw 2 (seed" in note
+    assert draw_seed(3, 0) == 3
+    first = {"alpha": 0.1, "min_size": 20}
+    assert same(shards("niid", seed=3, **first), flwr_dirichlet(3, **first))
+    assert capsys.readouterr().out == ""  # the first draw: nothing to say
+
+
+def test_niid_draws_no_more_than_partition_draws() -> None:
+    """Seed 0 needs 5 draws of this request: 2 allowed is an error that
+    names the request, the draws tried and what to change."""
+    with pytest.raises(PartitionError) as caught:
+        shards("niid", alpha=0.05, min_size=40, seed=0, draws=2)
+    assert str(caught.value) == (
+        "invalid value for 'min-size': 40; Dirichlet(alpha=0.05) left one of the 10 "
+        "clients below 40 samples in each of 2 draws (partition-draws=2, seeds "
+        "derived from seed=0); lower min-size, raise alpha, use fewer clients or "
+        "partition='niid-client', or raise partition-draws"
+    )
+
+
+def test_an_impossible_min_size_is_refused_without_drawing(monkeypatch) -> None:
+    from pollen.task import partition as module
+
+    def no_draw(*_):
+        raise AssertionError("drew a partition that arithmetic rules out")
+
+    monkeypatch.setattr(module, "_deal", no_draw)
+    with pytest.raises(PartitionError, match="10 clients x 200 exceeds"):
+        shards("niid", min_size=200, draws=50)
+
+
+def test_the_cache_keeps_the_draw_that_met_min_size(tmp_path, monkeypatch) -> None:
+    """Every process reads the later draw's shards back; one allowed fewer
+    draws refuses, as one without the file would."""
+    from pollen.task import partition as module
+
+    request = {"alpha": 0.05, "min_size": 40, "seed": 7, "cache_dir": tmp_path}
+    drawn = shards("niid", **request)
+    (saved,) = tmp_path.glob("*.npz")
+    assert int(np.load(saved)["draw"]) == 1
+
+    def no_recompute(*_):
+        raise AssertionError("recomputed although cached")
+
+    with monkeypatch.context() as patch:
+        patch.setattr(module, "_flwr_partition", no_recompute)
+        assert same(shards("niid", **request), drawn)
+    with pytest.raises(PartitionError, match="in each of 1 draws"):
+        shards("niid", draws=1, **request)

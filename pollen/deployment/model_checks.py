@@ -1,4 +1,5 @@
-"""What `pollen run` checks of the run's model before any process starts.
+"""What `pollen run` checks of the run's model and partition before any
+process starts.
 
 The model is built once on its data set's input shape: a resumed
 checkpoint must hold its entries (a layer of a user's factory renamed or
@@ -15,6 +16,21 @@ keeps the command torch-free (importing torch takes seconds): its entries
 follow from settings a resume already compares, and the largest of them
 (vgg16-lora, about 15 million parameters, most of them frozen) takes well
 under a GB per client.
+
+The run's partition is drawn here too (`partition_problem`), as the
+ServerApp draws it, so one that no draw can give (a client left empty, a
+`min-size` no draw meets) stops the command before Flower starts, and the
+shards wait in the partition cache for the ServerApp to read. `iid` and
+`niid-client` are not drawn: their equal shards cannot fail once the
+settings' arithmetic has passed. The draw needs a copy of the data on this
+machine: digits, a user's data set (its loader ran when the settings were
+validated) or a built-in data set under `data-root`, decoded there but
+never downloaded. Where there is none (the `data-root` of a remote
+SuperLink, `download=true` with nothing here yet) or it cannot be read,
+the ServerApp draws as before (and `check_local_data` names what is wrong
+with a copy a local ServerApp would read). Labels and shards are read
+without torch: a cached partition costs the command a read of the labels,
+a hash of them and one file.
 """
 
 from __future__ import annotations
@@ -94,6 +110,28 @@ def user_round_problem(settings: Settings) -> str | None:
         key: value.detach().cpu().numpy() for key, value in model.state_dict().items()
     }
     return round_trial_problem(strategy, arrays)
+
+
+def partition_problem(settings: Settings) -> str | None:
+    """Why the run's partition cannot be drawn (a `PartitionError`'s words),
+    or None: drawn from this machine's copy of the data where there is one
+    (see the module's docstring), and kept in the partition cache of
+    `data-root` for the ServerApp, which reads the same file."""
+    from ..extensions import data_set_info
+    from ..task.data import local_training_labels, partition_cache
+    from ..task.partition import EQUAL_SHARDS, PartitionError, run_partition
+
+    if settings.partition in EQUAL_SHARDS:
+        return None
+    labels = local_training_labels(settings.data_set, settings.data_root)
+    if labels is None:
+        return None
+    classes = data_set_info(settings.data_set).classes
+    try:
+        run_partition(labels, classes, settings, partition_cache(settings.data_root))
+    except PartitionError as err:
+        return f"{err} (data-set={settings.data_set!r})"
+    return None
 
 
 def check_resumed_model(

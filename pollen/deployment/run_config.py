@@ -28,6 +28,7 @@ from ..settings import Settings, SettingsError
 from .model_checks import (
     built_model,
     check_resumed_model,
+    partition_problem,
     user_round_problem,
     user_term_problem,
 )
@@ -243,7 +244,7 @@ def prepare_run(app: Path, overrides: Sequence[str]) -> tuple[Settings, str, int
             check_url(os.environ[URL_ENV], from_env=True)
         except ValueError as err:
             raise SettingsError(str(err)) from None
-    for check in (user_term_problem, user_round_problem):
+    for check in (user_term_problem, user_round_problem, partition_problem):
         if problem := check(settings):
             raise SettingsError(problem)
     resumed_after = 0

@@ -44,10 +44,9 @@ from dataclasses import dataclass
 from functools import cache
 from numbers import Integral
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
-import torch
 from PIL import Image
 
 from ..catalog import DATA_SETS, DataSetInfo
@@ -61,6 +60,10 @@ from ..extensions import (
     user_function,
 )
 from ..files import NpzError, read_npz, readable_folder_problem
+
+if TYPE_CHECKING:  # torch loads where tensors are made (seconds): `pollen run`
+    # reads a data set's labels for its partition check without it
+    import torch
 
 SPLITS = ("x_train", "y_train", "x_test", "y_test")
 CACHE_DIR = ".pollen-cache"
@@ -187,6 +190,28 @@ def check_readable(name: str, data_root: str | Path, download: bool) -> None:
         _load_cached.cache_clear()
 
 
+def local_training_labels(name: str, data_root: str | Path) -> np.ndarray | None:
+    """The training split's labels of data set `name` as a run loading it on
+    this machine gets them, without tensors and without a download: from
+    the decoded cache, or decoded into it from a source file under
+    `data_root`; a user's data set from its loader (called once per process). None where this machine has no readable copy (the data may
+    live only where the ServerApp runs) or the data set is generated."""
+    if name not in DATA_SETS:
+        return user_dataset(name).y_train.numpy()
+    if DATA_SETS[name].generated:
+        return None
+    if name == "digits":
+        return _digits()["y_train"]
+    spec, root = _spec(name), Path(data_root).expanduser().resolve()
+    try:
+        source = _find_local_source(spec, root)
+        fingerprint = _fingerprint(source) if source else None
+        arrays, _ = _arrays_from_sources(spec, root, False, source, fingerprint)
+    except (DataError, OSError):
+        return None
+    return np.asarray(arrays["y_train"], np.int64)
+
+
 def read_node_file(name: str, path: Path) -> Dataset:
     """A node's own examples of data set `name` (node config `data-file`).
 
@@ -223,6 +248,8 @@ def _user_node_file(name: str, arrays: dict[str, np.ndarray], where: str) -> Dat
     loader's are, of the loader's example shape and kind, normalised with
     the statistics of the loader's training split, as the server's inputs
     and the other nodes' are."""
+    import torch
+
     reference = user_dataset(name)
     like = reference.x_train.numpy()
     splits: dict[str, tuple[np.ndarray, np.ndarray]] = {}
@@ -275,6 +302,8 @@ def user_dataset(name: str) -> Dataset:
     past `ANNOUNCE_AFTER_S` is announced on stderr (`announced`), so a slow
     loader is not taken for a hang.
     """
+    import torch
+
     loader = user_function("data-set", name, DATA_SET_GROUP)
     try:
         with announced(
@@ -443,6 +472,11 @@ def cache_root(data_root: str | Path) -> Path:
     if os.environ.get(CACHE_ENV):
         return Path(os.environ[CACHE_ENV]).expanduser().resolve()
     return Path(data_root).expanduser().resolve() / CACHE_DIR
+
+
+def partition_cache(data_root: str | Path) -> Path:
+    """Where shards computed from the data sets under `data_root` are kept."""
+    return cache_root(data_root) / "partitions"
 
 
 def _arrays_from_sources(
@@ -881,6 +915,7 @@ def _to_dataset(
 ) -> Dataset:
     """Validated arrays as a `Dataset`, normalised with its training split's
     statistics (or, with `spec_stats`, with those in `spec`)."""
+    import torch
 
     def images(x: np.ndarray) -> torch.Tensor:
         x = np.array(x)  # a private, writable copy (the cache is memory-mapped)
@@ -910,6 +945,8 @@ def _to_dataset(
 
 def _channel_stats(x: torch.Tensor) -> tuple[tuple[float, ...], tuple[float, ...]]:
     """Per-channel mean and std of uint8 images, in chunks to bound memory."""
+    import torch
+
     total = torch.zeros(x.shape[1], dtype=torch.float64)
     squares = torch.zeros_like(total)
     for chunk in x.split(4096):

@@ -15,19 +15,18 @@ import hashlib
 from collections.abc import Iterable
 from dataclasses import dataclass
 from functools import cache
-from pathlib import Path
 
 import numpy as np
 import torch
 
 from ..extensions import data_set_info
 from ..settings import Settings
-from .data import Dataset, cache_root, load_dataset
+from .data import Dataset, load_dataset, partition_cache
 from .partition import (
     PartitionError,
     client_test_indices,
     label_counts,
-    partition_indices,
+    run_partition,
 )
 from .synthetic import (
     SyntheticKey,
@@ -48,6 +47,7 @@ class DataKey:
     partition: str
     alpha: float
     min_size: int
+    partition_draws: int
     classes_per_client: int
     class_assignment: str
     synthetic_alpha: float
@@ -153,25 +153,14 @@ def check_client(settings: Settings, client: int) -> None:
         )
 
 
-def partition_cache(data_root: str) -> Path:
-    """Where shards computed from the data sets under `data_root` are kept."""
-    return cache_root(data_root) / "partitions"
-
-
 @cache
 def _federated_data(key: DataKey) -> tuple[Dataset, list[np.ndarray]]:
     dataset = load_dataset(key.data_set, key.data_root, key.download)
-    shards = partition_indices(
+    shards = run_partition(
         dataset.y_train.numpy(),
         dataset.num_classes,
-        key.num_clients,
-        key.partition,
-        alpha=key.alpha,
-        min_size=key.min_size,
-        classes_per_client=key.classes_per_client,
-        class_assignment=key.class_assignment,
-        seed=key.seed,
-        cache_dir=partition_cache(key.data_root),
+        key,
+        partition_cache(key.data_root),
     )
     return dataset, shards
 
