@@ -195,6 +195,14 @@ def _open_run_dir(settings: Settings) -> tuple[Path, str, Checkpoint | None]:
 
 
 def _reason(err: BaseException) -> str:
+    """Why the run ended, in one line: the exception, or for Flower's own
+    exit (`SystemExit`: it lost its SuperLink, or the run was stopped with
+    `flwr stop`) what that means; it read "SystemExit: 0"."""
+    if isinstance(err, SystemExit):
+        return (
+            f"Flower ended the ServerApp's process (exit code {err.code}), as it "
+            "does when its SuperLink stops answering or the run is stopped"
+        )
     return f"{type(err).__name__}: {err}"
 
 
