@@ -121,16 +121,12 @@ def report_command(args: argparse.Namespace) -> None:
 
 def deploy_command(args: argparse.Namespace) -> int | None:
     if args.action == "up":
-        try:
-            deploy_actions.up(
-                args.dir, args.nodes, host=args.host, port=args.port, san=args.san,
-                insecure=args.insecure, data_root=args.data_root,
-                node_config=args.node_config, executor=args.executor,
-                node_poll=args.poll_interval, superlink_state=args.superlink_state,
-            )  # fmt: skip
-        except KeyboardInterrupt:  # Ctrl-C, SIGTERM, SIGHUP
-            print("pollen: deploy up interrupted; what it had started is stopped",
-                  file=sys.stderr)  # fmt: skip
+        if not deploy_actions.up(
+            args.dir, args.nodes, host=args.host, port=args.port, san=args.san,
+            insecure=args.insecure, data_root=args.data_root,
+            node_config=args.node_config, executor=args.executor,
+            node_poll=args.poll_interval, superlink_state=args.superlink_state,
+        ):  # fmt: skip
             return EXIT_INTERRUPTED
     elif args.action == "down":
         deploy_actions.down(args.dir)

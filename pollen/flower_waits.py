@@ -51,6 +51,7 @@ with one warning line.
 from __future__ import annotations
 
 import argparse
+import functools
 import time
 import types
 from collections.abc import Callable
@@ -122,6 +123,7 @@ class NotingMessages:
 
     def __init__(self, step: Callable[..., Any], clock: PollClock, pull: bool) -> None:
         self.step, self.clock, self.pull = step, clock, pull
+        functools.update_wrapper(self, step)  # its source stays Flower's (`guard`)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         result = self.step(*args, **kwargs)
@@ -176,11 +178,16 @@ class TaskAwareState:
         from flwr.common.constant import Status
 
         found = self._state.get_messages_legacy(**filters)
+        if not filters.get("is_reply") or found:
+            return found
         unfinished = [Status.PENDING, Status.STARTING, Status.RUNNING]
-        waiting = filters.get("is_reply") and not found
-        if waiting and not self._state.get_tasks(statuses=unfinished, limit=1):
-            raise NothingToPush
-        return found
+        if self._state.get_tasks(statuses=unfinished, limit=1):
+            return found
+        # a ClientApp stores its reply before it finishes its task: one may
+        # have come in since the first look
+        if found := self._state.get_messages_legacy(**filters):
+            return found
+        raise NothingToPush
 
 
 class PushWhileTasksRun:
@@ -189,6 +196,7 @@ class PushWhileTasksRun:
 
     def __init__(self, push: Callable[..., Any]) -> None:
         self.push = push
+        functools.update_wrapper(self, push)  # its source stays Flower's (`guard`)
 
     def __call__(self, *, state: Any, **others: Any) -> None:
         try:

@@ -420,7 +420,8 @@ class Settings:
     )
     node_wait: float = key(
         120.0,
-        "seconds to wait for min-available-nodes (and for a first node at start)",
+        "seconds to wait for min-available-nodes (and for a first node at start), "
+        "and for each node's answer to pollen's query (at least 30)",
         at_least(0),
     )
     round_deadline: float = key(

@@ -18,6 +18,7 @@ from pollen.deployment.launch import (
     LOST_CONNECTION,
     LaunchError,
     lost_deployment,
+    resume_command,
     running_deployment,
 )
 from pollen.runs.checkpoints import Checkpoint, save_checkpoint
@@ -69,7 +70,7 @@ def test_a_killed_superlink_is_named_with_the_restart_and_resume_commands(
     settings = Settings.from_run_config({"rounds": 4, "checkpoint-every": 1})
     run_dir = tmp_path / "runs" / "r"
     _checkpointed_run(run_dir, settings, 2)
-    lost, resume = lost_deployment(record.root, run_dir, settings, RESUME, LOST)
+    lost, resume = lost_deployment(record, run_dir, settings, RESUME, LOST)
     assert lost.startswith(f"the deployment's SuperLink (pid {started[0].pid}) stopped")
     assert "while its SuperNodes run on" in lost
     assert f"`pollen deploy restart superlink --dir {record.root}`" in lost
@@ -85,17 +86,47 @@ def test_a_stopped_deployment_is_told_from_a_network_fault(
     record, started = deployment
     settings = Settings.from_run_config({"rounds": 4, "checkpoint-every": 0})
     run_dir = tmp_path / "runs" / "r"
-    (still_up,) = lost_deployment(record.root, run_dir, settings, RESUME, LOST)
+    (still_up,) = lost_deployment(record, run_dir, settings, RESUME, LOST)
     assert still_up.startswith(f"the deployment's SuperLink (pid {started[0].pid}) "
                                "still runs")  # fmt: skip
     assert "a network fault?" in still_up
     # a run that failed on its own (its SuperLink answers): nothing to add
-    assert lost_deployment(record.root, run_dir, settings, RESUME, "ValueError") == []
+    assert lost_deployment(record, run_dir, settings, RESUME, "ValueError") == []
     for process in started:
         _stop(process)
-    down, resume = lost_deployment(record.root, run_dir, settings, RESUME, LOST)
+    down, resume = lost_deployment(record, run_dir, settings, RESUME, LOST)
     assert down.startswith(f"the deployment in {record.root} was stopped")
     assert f"`pollen deploy up --dir {record.root}`" in down
     assert resume == "interrupted before the run started"
     with pytest.raises(LaunchError, match="is not running; start it with"):
         running_deployment(record.root, None)
+
+
+def test_a_superlink_restarted_during_the_run_is_told_and_resumed_there(
+    deployment, tmp_path: Path
+) -> None:
+    record, started = deployment
+    submitted = cluster.Deployment.load(record.root)  # as the run found it
+    _stop(started[0])
+    replacement = subprocess.Popen(["sleep", "120"])
+    try:
+        record.superlink_pid = replacement.pid  # `pollen deploy restart superlink`
+        record.save()
+        settings = Settings.from_run_config({"rounds": 4, "checkpoint-every": 1})
+        run_dir = tmp_path / "runs" / "r"
+        _checkpointed_run(run_dir, settings, 3)
+        resume = resume_command(Path("."), ["rounds=4"], [], run_dir, record.root)
+        assert resume == (
+            f"pollen run . --deployment {record.root} -c rounds=4 "
+            f"-c \"resume='{run_dir}'\""
+        )
+        restarted, hint = lost_deployment(submitted, run_dir, settings, resume, LOST)
+        assert restarted.startswith(
+            f"the deployment's SuperLink was restarted during the run (pid "
+            f"{started[0].pid}, now {replacement.pid})"
+        )
+        assert hint.endswith(resume)
+    finally:
+        _stop(replacement)
+    (record.root / cluster.STATE_FILE).unlink()  # the record gone: nothing to say
+    assert lost_deployment(submitted, run_dir, settings, resume, LOST) == []

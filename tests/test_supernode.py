@@ -260,3 +260,38 @@ def test_a_supernode_stops_waiting_for_a_reply_no_task_will_write():
         plain = run_python(REPLY_WAIT.replace("sys.argv[1]", "'plain'"))
         assert plain.returncode == 0, plain.stderr
         assert plain.stdout.split() == ["False", "False"]
+
+
+def test_both_supernode_patches_apply_in_the_order_pollen_supernode_applies_them():
+    """Each wraps `_push_messages`: the second's guard reads the source
+    through the first's wrapper (it once read a wrapper, and every node
+    silently kept Flower's 3 s waits)."""
+    result = run_python(
+        "from pollen import flower_waits\n"
+        "print(flower_waits.end_reply_waits_without_task(),"
+        " flower_waits.shorten_supernode_waits(0.1))\n"
+    )
+    assert result.returncode == 0, result.stderr
+    assert (result.stdout.split(), result.stderr) == (["True", "True"], "")
+
+
+def test_a_reply_stored_as_its_task_finishes_is_pushed():
+    """A ClientApp stores its reply, then finishes its task: a first look
+    that found no reply and then no unfinished task looks once more."""
+
+    class Finished:
+        """No task left; the replies each look finds, in turn."""
+
+        def __init__(self, *looks: list[str]) -> None:
+            self.looks = list(looks)
+
+        def get_messages_legacy(self, **filters):
+            return self.looks.pop(0)
+
+        def get_tasks(self, **filters):
+            return []
+
+    racing = flower_waits.TaskAwareState(Finished([], ["reply"]))
+    assert racing.get_messages_legacy(is_reply=True) == ["reply"]
+    with pytest.raises(flower_waits.NothingToPush):  # none in either look
+        flower_waits.TaskAwareState(Finished([], [])).get_messages_legacy(is_reply=True)

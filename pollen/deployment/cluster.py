@@ -25,7 +25,6 @@ the deployment only read the record (written atomically) and take no lock.
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import json
 import os
 import subprocess
@@ -34,6 +33,7 @@ from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from .. import locks
 from ..files import write_json
 from ..flower_waits import POLL_SECONDS
 from .certificates import make_certificates, make_node_key
@@ -499,35 +499,29 @@ def _free_directory(directory: Path) -> None:
 
 @contextlib.contextmanager
 def exclusive(directory: Path, action: str) -> Iterator[None]:
-    """Hold `directory/deploy.lock` while `action` (up, down, restart)
-    starts or stops the deployment's processes and rewrites its record: two
-    at once would lose track of processes (a `down` during an `up` stops
-    what was recorded so far while `up` starts more; two `up`s start two
-    SuperLinks on one port and write one record). A second command is
-    refused at once, naming the holder, before it writes anything (opening
-    the existing lock file writes nothing). The kernel frees the lock when
-    the holder ends, however it ends."""
+    """Hold `directory/deploy.lock` (`locks.held`) while `action` (up, down,
+    restart) starts or stops the deployment's processes and rewrites its
+    record: two at once would lose track of processes (a `down` during an
+    `up` stops what was recorded so far while `up` starts more; two `up`s
+    start two SuperLinks on one port and write one record). A second
+    command is refused at once, naming the holder, before it writes
+    anything."""
+    stack = contextlib.ExitStack()
     try:
-        lock_file = (directory / LOCK_FILE).open("a+")
+        say = stack.enter_context(locks.held(directory / LOCK_FILE))
+    except locks.LockHeld as held:
+        raise DeployRefused(
+            f"another `pollen deploy {held.holder.doing or '...'}` (pid "
+            f"{held.holder.pid}) is changing the deployment in {directory}; wait "
+            "for it to end (a stopped `up` stops what it started), then try again"
+        ) from None
     except OSError as err:
         raise DeployRefused(
             f"--dir {directory}: cannot hold a deployment there "
             f"({err.strerror or err}); it must be a folder this user can write"
         ) from None
-    with lock_file as lock:
-        try:
-            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            lock.seek(0)
-            pid, _, holder = lock.read().strip().partition(" ")
-            raise DeployRefused(
-                f"another `pollen deploy {holder or '...'}` (pid {pid or '?'}) "
-                f"is changing the deployment in {directory}; wait for it to "
-                "end (a stopped `up` stops what it started), then try again"
-            ) from None
-        lock.truncate(0)
-        lock.write(f"{os.getpid()} {action}")
-        lock.flush()
+    with stack:
+        say(action)
         yield
 
 

@@ -30,21 +30,29 @@ def up(
     executor: str,
     node_poll: float,
     superlink_state: str,
-) -> None:
+) -> bool:
     """Start a SuperLink and `num_nodes` SuperNodes; print their status.
-    SIGTERM and SIGHUP stop it as Ctrl-C does: what it started is stopped."""
+    Ctrl-C, SIGTERM and SIGHUP stop it: what it started is stopped, said in
+    one line, and False returned."""
     extra = node_extra(node_config, num_nodes)
     certificates.check_hosts(san)  # before the directory is made
     if insecure:
         print("pollen: warning: insecure deployment: no TLS, any SuperNode "
               "may join; use it on a trusted network only", file=sys.stderr)  # fmt: skip
-    with processes.stop_signals_interrupt():
-        cluster.up(
-            directory, num_nodes, host=host, port=port, san=san, insecure=insecure,
-            data_root=data_root, node_extra=extra, executor=executor,
-            node_poll=node_poll, superlink_state=superlink_state,
-        )  # fmt: skip
+    try:
+        with processes.stop_signals_interrupt():
+            cluster.up(
+                directory, num_nodes, host=host, port=port, san=san,
+                insecure=insecure, data_root=data_root, node_extra=extra,
+                executor=executor, node_poll=node_poll,
+                superlink_state=superlink_state,
+            )  # fmt: skip
+    except KeyboardInterrupt:
+        print("pollen: deploy up interrupted; what it had started is stopped",
+              file=sys.stderr)  # fmt: skip
+        return False
     print(cluster.status(directory))
+    return True
 
 
 def down(directory: Path) -> None:

@@ -304,9 +304,11 @@ def run(
             error=console.failure(), log=kept or log_path, earlier=earlier,
         )  # fmt: skip
         if not outcome and target.deployment is not None:
-            resume = resume_command(app, overrides, federation, run_dir)
+            resume = resume_command(
+                app, overrides, federation, run_dir, target.deployment.root
+            )
             for line in lost_deployment(
-                target.deployment.root, run_dir, settings, resume, outcome.error
+                target.deployment, run_dir, settings, resume, outcome.error
             ):
                 print(f"pollen: {line}", file=sys.stderr)
         return outcome
@@ -417,17 +419,25 @@ def _keep_flower_log(log_path: Path, run_dir: Path) -> Path | None:
 
 
 def lost_deployment(
-    root: Path, run_dir: Path, settings: Settings, resume: str, error: str | None
+    submitted: cluster.Deployment,
+    run_dir: Path,
+    settings: Settings,
+    resume: str,
+    error: str | None,
 ) -> list[str]:
-    """What became of the deployment in `root` that a run failed on with
-    `error`, and how to go on: stopped (`pollen deploy down`: nothing of it
-    runs), its SuperLink gone (killed or crashed) while its SuperNodes run
-    on, then the command that resumes the run from its last checkpoint; or,
-    where the SuperLink still runs and Flower lost the connection to it, a
-    network fault. Nothing for a run that failed on its own."""
-    deployment = cluster.Deployment.load(root)
-    superlink = deployment.superlink_pid
-    if deployment.ours(superlink):
+    """What became of the deployment a run was `submitted` to and failed on
+    with `error`, and how to go on: stopped (`pollen deploy down`: nothing
+    of it runs), its SuperLink gone (killed or crashed) while its SuperNodes
+    run on, or restarted since; then the command that resumes the run from
+    its last checkpoint. Where the run's own SuperLink still runs and Flower
+    lost the connection to it: a network fault. Nothing for a run that
+    failed on its own, or a deployment whose record is gone."""
+    try:
+        deployment = cluster.Deployment.load(submitted.root)
+    except cluster.DeployError:
+        return []
+    superlink, dir_flag = deployment.superlink_pid, shlex.quote(str(deployment.root))
+    if deployment.ours(superlink) and superlink == submitted.superlink_pid:
         if LOST_CONNECTION not in (error or ""):
             return []
         return [
@@ -435,15 +445,24 @@ def lost_deployment(
             f"connection to it at {deployment.address} failed (a network fault?); "
             f"its log: {deployment.superlink_log}"
         ]
-    if not deployment.running():
+    if deployment.ours(superlink):
         lines = [
-            f"the deployment in {root} was stopped during the run (`pollen deploy "
-            f"down`?): its ServerApp ended with its SuperLink; start it again "
-            f"with `pollen deploy up --dir {shlex.quote(str(root))}`"
+            f"the deployment's SuperLink was restarted during the run (pid "
+            f"{submitted.superlink_pid}, now {superlink}): the run's ServerApp "
+            "ended with the first"
+        ]
+    elif not deployment.running():
+        lines = [
+            f"the deployment in {deployment.root} was stopped during the run "
+            "(`pollen deploy down`?): its ServerApp ended with its SuperLink; start "
+            f"it again with `pollen deploy up --dir {dir_flag}` and the options it "
+            f"had ({len(deployment.nodes)} nodes on {deployment.address}, "
+            f"--superlink-state {deployment.superlink_state}, its --data-root and "
+            "--node-config)"
         ]
     else:
         restart = (
-            f"`pollen deploy restart superlink --dir {shlex.quote(str(root))}`"
+            f"`pollen deploy restart superlink --dir {dir_flag}`"
             if deployment.superlink_state == "file"
             else "`pollen deploy down` and `up` (its state was in memory)"
         )
@@ -535,11 +554,18 @@ def _submit(
 
 
 def resume_command(
-    app: Path, overrides: Sequence[str], federation: Sequence[str], run_dir: Path
+    app: Path,
+    overrides: Sequence[str],
+    federation: Sequence[str],
+    run_dir: Path,
+    deployment: Path | None = None,
 ) -> str:
-    """The `pollen run` that continues the simulation in `run_dir`: the same
-    settings (a resume must keep them) and federation, and `resume`."""
+    """The `pollen run` that continues the run in `run_dir`: the same
+    settings (a resume must keep them), federation and `deployment` (its
+    nodes keep the clients' state), and `resume`."""
     words = ["pollen", "run", shlex.quote(str(app))]
+    if deployment is not None:
+        words += ["--deployment", shlex.quote(str(deployment))]
     for value in [*overrides, f"resume='{run_dir}'"]:
         words += ["-c", _shell_word(value)]
     for value in federation:
@@ -755,7 +781,7 @@ def running_deployment(directory: Path, connection: str | None) -> cluster.Deplo
             raise LaunchError(
                 f"the SuperLink of the deployment in {deployment.root} is not running "
                 f"(its SuperNodes are); restart it with `pollen deploy restart "
-                f"superlink --dir {directory}`"
+                f"superlink --dir {shlex.quote(str(directory))}`"
             )
         raise LaunchError(
             f"the deployment in {deployment.root} is not running; start it with "

@@ -26,7 +26,6 @@ import dataclasses
 import fcntl
 import itertools
 import json
-import os
 import statistics
 import sys
 import time
@@ -34,8 +33,9 @@ import tomllib
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import IO, Any, NamedTuple
+from typing import Any
 
+from .. import locks
 from ..deployment import processes
 from ..deployment.launch import RUN_STOP_SECONDS
 from ..deployment.run_config import RunConfigError, resolve_settings
@@ -377,19 +377,11 @@ def _check_computed(run_dir: Path, cell: Cell) -> None:
         )
 
 
-class Holder(NamedTuple):
-    """The comparison holding a directory's lock: its pid and the cell it is
-    running (empty between cells)."""
-
-    pid: str
-    cell_name: str
-
-
-def describe(cell: Cell, running: Holder | None = None) -> str:
+def describe(cell: Cell, running: locks.Holder | None = None) -> str:
     """A cell's state in words, as the dry run and the progress lines say it;
     the cell that `running` (another comparison) runs now is said so, though
     its directory looks interrupted."""
-    if running is not None and cell.name == running.cell_name:
+    if running is not None and cell.name == running.doing:
         return f"running now (pid {running.pid})"
     if cell.state == HELD:
         return f"{HELD} (its run directory's lock is held)"
@@ -412,32 +404,24 @@ def exclusive(out: Path) -> Iterator[Callable[[str], None]]:
     run directory. The lock goes with the process, however it ends. Yields
     `running(cell_name)`, which records the cell being run in the lock file
     for `running_now`."""
+    stack = contextlib.ExitStack()
     try:
         out.mkdir(parents=True, exist_ok=True)
-        lock_file = (out / LOCK).open("a+")
+        running = stack.enter_context(locks.held(out / LOCK))
+    except locks.LockHeld as held:
+        raise CompareError(
+            f"another pollen compare (pid {held.holder.pid}) is running in {out}; "
+            "wait for it, or use another --out"
+        ) from None
     except OSError as err:
         raise CompareError(
             f"--out {out}: cannot hold a comparison there: {err}"
         ) from err
-    with lock_file as lock:
-        try:
-            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            raise CompareError(
-                f"another pollen compare (pid {_holder(lock).pid}) is running in {out}; "
-                "wait for it, or use another --out"
-            ) from None
-
-        def running(cell_name: str) -> None:
-            lock.truncate(0)
-            lock.write(f"{os.getpid()} {cell_name}".rstrip())
-            lock.flush()
-
-        running("")
+    with stack:
         yield running
 
 
-def running_now(out: Path) -> Holder | None:
+def running_now(out: Path) -> locks.Holder | None:
     """The comparison running in `out`, or None when none runs there. The
     probe holds a shared lock for an instant; a compare starting in that
     instant is told to wait."""
@@ -449,16 +433,9 @@ def running_now(out: Path) -> Holder | None:
         try:
             fcntl.flock(lock, fcntl.LOCK_SH | fcntl.LOCK_NB)
         except BlockingIOError:
-            return _holder(lock)
+            return locks.holder(lock)
         fcntl.flock(lock, fcntl.LOCK_UN)
         return None
-
-
-def _holder(lock: IO[str]) -> Holder:
-    """What a held lock file records."""
-    lock.seek(0)
-    pid, _, cell_name = lock.read().strip().partition(" ")
-    return Holder(pid or "?", cell_name)
 
 
 def run_grid(

@@ -28,7 +28,7 @@ from ..strategies.clock import SimulatedClock
 from ..strategies.membership import Membership
 from ..strategies.replies import error_line
 from ..strategies.round import RoundOutcome, RoundTiming, play_round
-from ..strategies.sampling import reply_clock
+from ..strategies.sampling import Participants, reply_clock
 from ..task import client_state
 from .evaluation import GlobalEvaluation, check_clients_finite
 from .interruption import RunInterrupted
@@ -87,11 +87,13 @@ def synchronous(loop: Loop, progress: Progress) -> Progress:
             progress.train_config(loop.parts.schedule.lr),
             progress.eval_config(),
         )
-        return play_round(
+        participants = federation.membership.participants()
+        outcome = play_round(
             federation.grid, loop.parts.strategy, loop.parts.personal,
             server_round, progress.arrays, configs,
-            federation.membership.participants(), settings.round_timeout, timing,
+            participants, settings.round_timeout, timing,
         )  # fmt: skip
+        return with_unreachable(outcome, participants)
 
     return _drive(loop, progress, play)
 
@@ -123,9 +125,7 @@ def asynchronous(loop: Loop, progress: Progress) -> Progress:
             participants,
             server_seconds,  # its evaluation, records and checkpoint since
         )
-        if participants.unreachable:  # nodes that do not answer, as a round has
-            failures = [*participants.unreachable, *outcome.failures]
-            outcome = replace(outcome, failures=failures)
+        outcome = with_unreachable(outcome, participants)
         made_at = time.monotonic()
         personal.record_trained(update.client for update in outcome.updates)
         if version < loop.settings.rounds:
@@ -136,6 +136,14 @@ def asynchronous(loop: Loop, progress: Progress) -> Progress:
         return _last_version(loop, outcome, unused, progress)
 
     return _drive(loop, progress, play)
+
+
+def with_unreachable(outcome: RoundOutcome, participants: Participants) -> RoundOutcome:
+    """`outcome` with a failure for each connected node that did not answer
+    (its clients were not sampled), first."""
+    if not participants.unreachable:
+        return outcome
+    return replace(outcome, failures=[*participants.unreachable, *outcome.failures])
 
 
 def _last_version(

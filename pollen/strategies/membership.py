@@ -34,7 +34,7 @@ clients (the query took 12-20 s for 1,000 nodes, docs/lab-notes/performance.md).
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from logging import INFO, WARNING
 
 from flwr.app import ConfigRecord, Message, MessageType, RecordDict
@@ -55,11 +55,10 @@ from .sampling import Participants, Roster, RosterError
 
 @dataclass(frozen=True)
 class Question:
-    """The query a node was sent: its message ID and when its answer is
-    past due (`time.monotonic()`)."""
+    """The query a node was sent: its message ID and when (`time.monotonic()`)."""
 
     message_id: str
-    due: float = field(compare=False)
+    asked_at: float
 
 
 LEAST_ANSWER_WAIT = 30.0  # s for a node's answer, however short node-wait is
@@ -155,11 +154,14 @@ class Membership:
         now = time.monotonic()
         return tuple(
             f"node {node}: connected, but no answer to pollen's query for "
-            f"{now - question.due + self.answer_wait:.0f} s (node-wait); its "
-            "clients are not sampled until it answers"
+            f"{now - question.asked_at:.0f} s (node-wait); its clients are not "
+            "sampled until it answers"
             for node, question in sorted(self._asked.items())
-            if question.due <= now
+            if self._past_due(question, now)
         )
+
+    def _past_due(self, question: Question, now: float) -> bool:
+        return now - question.asked_at >= self.answer_wait
 
     @property
     def answer_wait(self) -> float:
@@ -229,11 +231,11 @@ class Membership:
             for n in node_ids
         ]
         taken = {i for i in self.grid.push_messages(queries) if i}
-        due = time.monotonic() + self.answer_wait
+        now = time.monotonic()
         for query in queries:
             if query.metadata.message_id in taken:
                 self._asked[query.metadata.dst_node_id] = Question(
-                    query.metadata.message_id, due
+                    query.metadata.message_id, now
                 )
 
     def _answers(self) -> dict[int, NodeReport]:
@@ -255,7 +257,7 @@ class Membership:
                     log(WARNING, "pollen: node %d is not used: its answer to the "
                         "query is unusable: %s", node, problem)  # fmt: skip
             now = time.monotonic()
-            if all(q.due <= now for q in self._asked.values()):
+            if all(self._past_due(q, now) for q in self._asked.values()):
                 break
             time.sleep(ANSWER_POLL_SECONDS)
         if self.roster is not None and reports:

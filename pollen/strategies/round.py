@@ -161,7 +161,7 @@ def play_round(
         ),
         bytes_up=trained.bytes_up,
         skipped=trained.skipped,
-        failures=[*participants.unreachable, *trained.failures, *evaluated.failures],
+        failures=trained.failures + evaluated.failures,
         clipped=trained.clipped,
         evaluating=evaluated.clients,
         eval_bytes=evaluated.bytes_down,
