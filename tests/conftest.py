@@ -36,7 +36,7 @@ without_telemetry()
 # takes the next test, or the next group of tests that share a module's
 # deployment, as it frees up, so the long ones go out first and the short
 # ones fill the gaps.
-FIRST_GROUPS = ("docker", "warm-executor", "deployment")
+FIRST_GROUPS = ("docker", "warm-executor", "deployment", "superlink-restarts")
 WORKER = os.environ.get("PYTEST_XDIST_WORKER")  # gw0, gw1 under xdist
 if WORKER is not None:
     # torch's own thread pool in each worker process (not in the processes

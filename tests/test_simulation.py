@@ -651,13 +651,15 @@ def kill_after_checkpoint(config: str, checkpoint: Path) -> None:
             path.unlink(missing_ok=True)
 
 
-@pytest.mark.parametrize("strategy", ["fedavg", "feddyn", "fedadam"])
+@pytest.mark.parametrize("strategy", ["feddyn", "fedadam"])
 def test_killed_run_resumes_to_the_uninterrupted_history(
     strategy: str, tmp_path: Path, warm_federation: Path
 ) -> None:
     """Killed after round 2's checkpoint, resumed: the same rounds, the same
     numbers as the run that was never interrupted. FedDyn's clients read
-    their h_k back from disk; FedAdam's moments come from the checkpoint."""
+    their h_k back from disk; FedAdam's moments come from the checkpoint.
+    (FedAvg's resume takes the same path with no state to restore; it was a
+    third case, 62 s of CI for nothing these two do not cover.)"""
     common = (
         f"strategy='{strategy}' rounds=6 num-clients=6 client-frac=0.5 "
         f"local-epochs=4 checkpoint-every=2 output-dir='{tmp_path}'"

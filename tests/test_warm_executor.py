@@ -293,12 +293,11 @@ def _task_processes(deployment: cluster.Deployment) -> list[int]:
     return [p for n in deployment.nodes for p in processes.descendants(n.executor_pid)]
 
 
-@pytest.fixture(scope="module")
-def warm(tmp_path_factory) -> Iterator[cluster.Deployment]:
-    """Two SuperNodes (TLS, authentication) with warm executors."""
+def _warm_deployment(root: Path) -> Iterator[cluster.Deployment]:
+    """Two SuperNodes (TLS, authentication) with warm executors in `root`,
+    stopped after, with every task below them."""
     if not (SHARED_DATA / "mnist.npz").exists():
         pytest.skip(f"real MNIST not at {SHARED_DATA}")
-    root = tmp_path_factory.mktemp("warm")
     write_mnist_slices(root / "data", root / "own.npz")
     started = _up(root, "site", "warm")
     assert all(n.executor_pid for n in started.nodes)
@@ -310,6 +309,19 @@ def warm(tmp_path_factory) -> Iterator[cluster.Deployment]:
         cluster.down(started.root)
         assert not current.running()
         assert not [p for p in below if processes.alive(p)], "outlived deploy down"
+
+
+@pytest.fixture(scope="module")
+def warm(tmp_path_factory) -> Iterator[cluster.Deployment]:
+    """The module's deployment (`_warm_deployment`)."""
+    yield from _warm_deployment(tmp_path_factory.mktemp("warm"))
+
+
+@pytest.fixture
+def restarting(tmp_path_factory) -> Iterator[cluster.Deployment]:
+    """A deployment of its own (`_warm_deployment`) for a test that kills
+    its SuperLink: it runs beside the module's group, on the other worker."""
+    yield from _warm_deployment(tmp_path_factory.mktemp("restarting"))
 
 
 @pytest.mark.xdist_group("warm-executor")
@@ -342,10 +354,10 @@ def test_warm_and_cold_executors_train_to_the_same_history(
 KILLS = 5
 
 
-@pytest.mark.xdist_group("warm-executor")
+@pytest.mark.xdist_group("superlink-restarts")
 @pytest.mark.integration
 def test_a_superlink_killed_five_times_never_hangs_and_the_run_converges(
-    warm: cluster.Deployment, tmp_path: Path
+    restarting: cluster.Deployment, tmp_path: Path
 ) -> None:
     """The SuperLink SIGKILLed after each of rounds 1-5's checkpoints, with
     a node SIGSTOPped from the kill until after `pollen deploy restart
@@ -359,17 +371,17 @@ def test_a_superlink_killed_five_times_never_hangs_and_the_run_converges(
     common = (
         "strategy='feddyn' rounds=6 checkpoint-every=1 node-wait=20 round-timeout=60"
     )
-    finish(submit(warm, tmp_path, f"{common} run-name='whole'", NODES))
+    finish(submit(restarting, tmp_path, f"{common} run-name='whole'", NODES))
     crashed = tmp_path / "crashed"
-    run = submit(warm, tmp_path, f"{common} run-name='crashed'", NODES)
+    run = submit(restarting, tmp_path, f"{common} run-name='crashed'", NODES)
     for kill in range(1, KILLS + 1):
         checkpoint = crashed / "checkpoints" / f"round-{kill:05d}"
         deadline = time.monotonic() + 120  # start-up and a round: 20-30 s here
         while not checkpoint.exists() and time.monotonic() < deadline:
             time.sleep(0.05)
         assert checkpoint.exists(), run.communicate()[0][-3000:]
-        paused = cluster.Deployment.load(warm.root).node(kill % NODES).pid
-        superlink = cluster.Deployment.load(warm.root).superlink_pid
+        paused = cluster.Deployment.load(restarting.root).node(kill % NODES).pid
+        superlink = cluster.Deployment.load(restarting.root).superlink_pid
         os.killpg(paused, signal.SIGSTOP)  # the node, its executor and its task
         try:
             os.kill(superlink, signal.SIGKILL)
@@ -377,13 +389,13 @@ def test_a_superlink_killed_five_times_never_hangs_and_the_run_converges(
             output = run.communicate(timeout=120)[0]
             assert run.returncode != 0
             assert "`pollen deploy restart superlink --dir" in output, output[-3000:]
-            assert f"--deployment {warm.root} -c" in output
+            assert f"--deployment {restarting.root} -c" in output
             assert f"resume='{crashed}'" in output
-            cluster.restart_superlink(warm.root)
+            cluster.restart_superlink(restarting.root)
         finally:
             os.killpg(paused, signal.SIGCONT)
-        cluster.Deployment.load(warm.root).wait_online(NODES, timeout=120)
-        run = submit(warm, tmp_path, f"{common} resume='{crashed}'", NODES)
+        cluster.Deployment.load(restarting.root).wait_online(NODES, timeout=120)
+        run = submit(restarting, tmp_path, f"{common} resume='{crashed}'", NODES)
     finish(run, timeout=240)
     keys = ("round", "accuracy", "loss", "clients", "bytes-up", "bytes-down")
     assert [[r[k] for k in keys] for r in history(crashed)] == [
