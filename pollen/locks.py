@@ -54,6 +54,23 @@ def held(path: Path) -> Iterator[Callable[[str], None]]:
         yield say
 
 
+def current_holder(path: Path) -> Holder | None:
+    """Who holds the lock on `path`, or None when nobody does. The probe
+    holds a shared lock for an instant; a process taking the lock in that
+    instant is refused (`LockHeld`) and should try again."""
+    try:
+        lock = path.open()
+    except FileNotFoundError:
+        return None
+    with lock:
+        try:
+            fcntl.flock(lock, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return holder(lock)
+        fcntl.flock(lock, fcntl.LOCK_UN)
+        return None
+
+
 def holder(lock: IO[str]) -> Holder:
     """What the lock file `lock` records."""
     lock.seek(0)

@@ -482,9 +482,7 @@ def resume_hint(run_dir: Path, settings: Settings, resume: str) -> str:
         return DP_NOT_RESUMABLE
     round = checkpointed_round(run_dir, settings)
     if round is None:
-        return _stopped_without_checkpoint(run_dir, settings.rounds).removeprefix(
-            "pollen: "
-        )
+        return _stopped_without_checkpoint(run_dir, settings.rounds)
     return f"then resume after round {round} (checkpointed) with:\n  {resume}"
 
 
@@ -592,7 +590,10 @@ def report_interrupted(run_dir: Path, settings: Settings, command: str) -> int |
         return None
     round = checkpointed_round(run_dir, settings)
     if round is None:
-        print(_stopped_without_checkpoint(run_dir, settings.rounds), file=sys.stderr)
+        print(
+            f"pollen: {_stopped_without_checkpoint(run_dir, settings.rounds)}",
+            file=sys.stderr,
+        )
         return None
     print(
         f"pollen: interrupted after round {round} (checkpointed); resume with:\n"
@@ -613,24 +614,24 @@ def _stopped_without_checkpoint(run_dir: Path, rounds: int) -> str:
     had not started, had finished no round, or stopped after some (or
     during the wrap-up after its last: every round is recorded)."""
     if not run_dir.exists():
-        return "pollen: interrupted before the run started"
+        return "interrupted before the run started"
     try:
         done = len(read_history(run_dir))
     except (OSError, ValueError):
         done = 0
     if done >= rounds:
         return (
-            f"pollen: stopped during the wrap-up after the last round ({done} of "
+            f"stopped during the wrap-up after the last round ({done} of "
             f"{rounds}): history.json holds every round; model.pt and curves.png "
             f"may be missing (what was written is in {run_dir})"
         )
     if done:
         return (
-            f"pollen: interrupted after round {done} of {rounds}, with no checkpoint "
+            f"interrupted after round {done} of {rounds}, with no checkpoint "
             f"to resume from (what was written is in {run_dir})"
         )
     return (
-        "pollen: interrupted before a round was completed; nothing to resume "
+        "interrupted before a round was completed; nothing to resume "
         f"(what was written is in {run_dir})"
     )
 

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import fcntl
 import itertools
 import json
 import statistics
@@ -46,6 +45,7 @@ from ..runs.checkpoints import (
     check_resumable,
     first_difference,
     list_checkpoints,
+    recorded_checkpoint_every,
 )
 from ..runs.claim import is_held
 from ..settings import SettingsError
@@ -341,11 +341,9 @@ def _why_no_checkpoint(run_dir: Path, cell: Cell) -> str:
     `checkpoint-every` it ran with (its `settings.json`; the cell's own
     where the run stopped before writing one): it stopped before its first,
     or it writes none. Not a fault: the cell simply runs from round 1."""
-    try:
-        recorded = read_json(run_dir / "settings.json", dict)
-    except CompareError:
-        recorded = {}
-    every = recorded.get("checkpoint-every", cell.run_config.get("checkpoint-every"))
+    every = recorded_checkpoint_every(run_dir)
+    if every is None:
+        every = cell.run_config.get("checkpoint-every")
     if every:
         return f"before its first checkpoint (checkpoint-every={every})"
     return "with no checkpoint (checkpoint-every=0)"
@@ -422,20 +420,9 @@ def exclusive(out: Path) -> Iterator[Callable[[str], None]]:
 
 
 def running_now(out: Path) -> locks.Holder | None:
-    """The comparison running in `out`, or None when none runs there. The
-    probe holds a shared lock for an instant; a compare starting in that
-    instant is told to wait."""
-    try:
-        lock = (out / LOCK).open()
-    except FileNotFoundError:
-        return None
-    with lock:
-        try:
-            fcntl.flock(lock, fcntl.LOCK_SH | fcntl.LOCK_NB)
-        except BlockingIOError:
-            return locks.holder(lock)
-        fcntl.flock(lock, fcntl.LOCK_UN)
-        return None
+    """The comparison running in `out`, or None when none runs there
+    (`locks.current_holder`)."""
+    return locks.current_holder(out / LOCK)
 
 
 def run_grid(

@@ -192,16 +192,23 @@ def _locate(run_dir: Path, round: int | None) -> tuple[int, Path]:
     return round, found[round]
 
 
-def _why_none(run_dir: Path) -> str:
-    """Why `run_dir` holds no checkpoint, as far as its settings say: a run
-    that checkpoints may have stopped before it wrote one."""
+def recorded_checkpoint_every(run_dir: Path) -> int | None:
+    """The `checkpoint-every` the run in `run_dir` ran with (its
+    `settings.json`), None where that cannot be read."""
     try:
         every = json.loads((run_dir / "settings.json").read_text()).get(
             "checkpoint-every"
         )
     except (OSError, ValueError, AttributeError):
-        every = None
-    if isinstance(every, int) and every > 0:
+        return None
+    return every if isinstance(every, int) and not isinstance(every, bool) else None
+
+
+def _why_none(run_dir: Path) -> str:
+    """Why `run_dir` holds no checkpoint, as far as its settings say: a run
+    that checkpoints may have stopped before it wrote one."""
+    every = recorded_checkpoint_every(run_dir)
+    if every is not None and every > 0:
         return f"the run stopped before it wrote one (checkpoint-every={every})"
     if every == 0:
         return "the run has checkpoint-every=0, which writes none"

@@ -194,7 +194,8 @@ def local_training_labels(name: str, data_root: str | Path) -> np.ndarray | None
     """The training split's labels of data set `name` as a run loading it on
     this machine gets them, without tensors and without a download: from
     the decoded cache, or decoded into it from a source file under
-    `data_root`; a user's data set from its loader (called once per process). None where this machine has no readable copy (the data may
+    `data_root`; a user's data set from its loader (called once per
+    process). None where this machine has no readable copy (the data may
     live only where the ServerApp runs) or the data set is generated."""
     if name not in DATA_SETS:
         return user_dataset(name).y_train.numpy()

@@ -295,22 +295,21 @@ def _flwr_partition(
     if params.scheme == "iid":  # IidPartitioner deals contiguous shards: shuffle first
         order = np.random.default_rng(params.seed).permutation(len(labels))
     table = datasets.Dataset.from_dict({"index": order, "label": labels[order]})
-    tries = draws if params.scheme == "niid" else 1
-    for draw in range(tries):
+    tries = max(1, draws) if params.scheme == "niid" else 1
+    draw = 0
+    while True:
         # an impossible request is refused here, at the first draw, undrawn
         partitioner = _partitioner(params, len(labels), draw_seed(params.seed, draw))
         try:
             shards = _deal(partitioner, table, params)
         except ValueError as err:
-            if draw + 1 < tries:
+            draw += 1
+            if draw < tries:
                 continue
             raise _partition_failed(params, err, tries) from err
         if draw:
             print(_redraw_note(params, draw), flush=True)
         return shards, draw
-    raise PartitionError(
-        f"invalid value for 'partition-draws': {draws}; allowed: 1 or more"
-    )
 
 
 def _deal(
