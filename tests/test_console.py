@@ -369,6 +369,22 @@ def test_an_interrupted_run_shows_the_rounds_its_history_holds_and_the_stream_lo
     assert log.getvalue().splitlines() == stream
 
 
+def test_a_line_the_stream_delivers_after_the_catch_up_goes_to_the_log_only() -> None:
+    """A stream reader that outlived the stop (a loaded machine) delivered
+    round 2's line after the catch-up had shown round 3: the console's last
+    round was no longer the history's."""
+    out, log = io.StringIO(), io.StringIO()
+    console = Console(log, out, io.StringIO())
+    console.line(block(1)[0])
+    console.catch_up(records(3), 5)
+    late = block(2)[-1]
+    console.line(late)
+    console.close()
+    shown = re.findall(r"^ {5}round (\d+)/5: ", out.getvalue(), re.M)
+    assert shown == ["1", "2", "3"]  # not round 2 again after round 3
+    assert log.getvalue().splitlines()[-1] == late
+
+
 def test_the_status_after_a_catch_up_is_the_last_caught_up_round() -> None:
     out = io.StringIO()
     console = Console(io.StringIO(), out, io.StringIO())

@@ -119,6 +119,10 @@ class Console:
         # the stream can stop inside a block
         self._shown_through = 0
         self._block_shown: list[str] = []
+        # after `catch_up` the screen shows what the history holds: a line the
+        # stream still delivers (its reader outlived the stop on a loaded
+        # machine) goes to the log only
+        self._caught_up = False
         self._lock = threading.Lock()
         self._stopped = threading.Event()
         if self.live or self._show is not None:
@@ -128,7 +132,7 @@ class Console:
         """One line of the stream (without its newline)."""
         self.log.write(raw + "\n")
         self.log.flush()
-        if not self.verbose and self._in_client_failure(raw):
+        if self._caught_up or (not self.verbose and self._in_client_failure(raw)):
             return
         error = self._is_error(raw)
         shown = raw if error or self.verbose else self._pollen_text(raw)
@@ -158,6 +162,7 @@ class Console:
         shows last is then what the history holds, and the status says that
         round. Not written to Flower's log: they are not its lines."""
         with self._lock:
+            self._caught_up = True
             self._clear_status()
             for count, record in enumerate(history, 1):
                 if record.round <= max(after, self._shown_through):
