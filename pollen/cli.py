@@ -27,8 +27,9 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from . import api, listing
-from .deployment import cluster, deploy_actions, supernode, warm_simulation
+from .deployment import cluster, deploy_actions, superlink, supernode, warm_simulation
 from .deployment.flower import without_telemetry
+from .deployment.long_poll import add_pull_hold
 from .deployment.network import NetworkError
 from .deployment.processes import ProcessError
 from .experiments import compare, report
@@ -126,6 +127,7 @@ def deploy_command(args: argparse.Namespace) -> int | None:
             insecure=args.insecure, data_root=args.data_root,
             node_config=args.node_config, executor=args.executor,
             node_poll=args.poll_interval, superlink_state=args.superlink_state,
+            pull_hold=args.pull_hold,
         ):  # fmt: skip
             return EXIT_INTERRUPTED
     elif args.action == "down":
@@ -212,8 +214,9 @@ def _add_run_parser(commands: argparse._SubParsersAction) -> None:
 
 
 def _add_flower_wrappers(commands: argparse._SubParsersAction) -> None:
-    """`pollen superexec` and `pollen supernode`: Flower's own commands, so
-    their flags are left to them (`main` passes on what it does not parse)."""
+    """`pollen superexec`, `pollen supernode` and `pollen superlink`: Flower's
+    own commands, so their flags are left to them (`main` passes on what it
+    does not parse)."""
     commands.add_parser(
         "superexec", add_help=False,
         help="Flower's SuperExec with warm ClientApp processes (for a SuperNode "
@@ -223,6 +226,11 @@ def _add_flower_wrappers(commands: argparse._SubParsersAction) -> None:
         "supernode", add_help=False,
         help="Flower's SuperNode with its idle waits at a 0.1 s poll interval; "
         "`pollen supernode --help`",
+    )  # fmt: skip
+    commands.add_parser(
+        "superlink", add_help=False,
+        help="Flower's SuperLink, holding a node's pull until a message for it "
+        "exists (up to 20 s); `pollen superlink --help`",
     )  # fmt: skip
 
 
@@ -410,6 +418,7 @@ def _add_deploy_up(
         "preloaded parent; default) or cold (Flower's, one per message)",
     )  # fmt: skip
     add_poll_interval(up)
+    add_pull_hold(up)
     up.add_argument(
         "--superlink-state", choices=cluster.SUPERLINK_STATES, default="memory",
         help="where the SuperLink keeps its state: memory (Flower's default, faster "
@@ -455,6 +464,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return superexec.main(rest)
     if args.command == "supernode":  # every other flag is flower-supernode's
         return supernode.main(rest)
+    if args.command == "superlink":  # every other flag is flower-superlink's
+        return superlink.main(rest)
     if rest:
         parser.error(f"unrecognized arguments: {' '.join(rest)}")
     try:

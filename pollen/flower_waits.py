@@ -83,13 +83,18 @@ class PollClock(types.ModuleType):
     (received or replied to; for a SuperExec, a task launched), then a
     `share` of the time since (so a node idle for a minute is back at
     Flower's 3 s, and a message that comes after a wait of T seconds is
-    picked up within about `share` x T), never longer than Flower asked."""
+    picked up within about `share` x T), never longer than Flower asked.
+
+    The time since the previous sleep ended counts as waited: a pull that a
+    `pollen superlink` held for 20 s (`pollen.deployment.long_poll`) has
+    waited already, and the node asks again at once; a pull that a plain
+    SuperLink answered in milliseconds is followed by the whole sleep."""
 
     def __init__(self, poll_seconds: float, share: float = IDLE_SHARE) -> None:
         super().__init__("time")
         self.poll_seconds = poll_seconds
         self.share = share
-        self.last_message = time.monotonic()
+        self.last_message = self.last_wake = time.monotonic()
 
     def __getattr__(self, name: str) -> Any:
         return getattr(time, name)
@@ -98,8 +103,12 @@ class PollClock(types.ModuleType):
         self.last_message = time.monotonic()
 
     def sleep(self, seconds: float) -> None:
-        since = time.monotonic() - self.last_message
-        time.sleep(min(seconds, max(self.poll_seconds, self.share * since)))
+        now = time.monotonic()
+        due = min(
+            seconds, max(self.poll_seconds, self.share * (now - self.last_message))
+        )
+        time.sleep(max(0.0, due - (now - self.last_wake)))
+        self.last_wake = time.monotonic()
 
 
 def _quicker_pulls(name: str, poll_seconds: float) -> None:

@@ -24,6 +24,8 @@ OBSERVED = {
     ),
     "FAB install": "runtime.install_from_fab is not install_from_fab",
     "reply wait": "type(node._push_messages).__name__ == 'PushWhileTasksRun'",
+    "held pulls": "hasattr(superlink_app._get_middleware, '__wrapped__')",
+    "released on exit": "hasattr(uvicorn.Server.handle_exit, '__wrapped__')",
 }
 CHANGES = {  # a patch -> what it changes (the SuperNode's pulls are objects')
     "supernode-waits": ["supernode clock", "object pulls"],
@@ -32,6 +34,7 @@ CHANGES = {  # a patch -> what it changes (the SuperNode's pulls are objects')
     "clientapp-pulls": ["tree pulls"],
     "serverapp-pulls": ["object pulls"],
     "installed-fabs": ["FAB install"],
+    "superlink-long-poll": ["held pulls", "released on exit"],
 }
 
 
@@ -42,7 +45,7 @@ def apply_in_a_fresh_process(
     globals); what it printed (whether it applied, what changed) and its stderr."""
     observed = ", ".join(f"{name!r}: {check}" for name, check in OBSERVED.items())
     code = (
-        "import time, flwr\n"
+        "import time, flwr, uvicorn\n"
         "from pollen import flower_patches\n"
         f"{tamper}\n"
         "from flwr.cli.install import install_from_fab\n"
@@ -50,6 +53,7 @@ def apply_in_a_fresh_process(
         "from flwr.supercore.superexec import run_superexec as loop\n"
         "from flwr.supernode import start_client_internal as node\n"
         "from flwr.supernode.runtime import run_clientapp as runtime\n"
+        "from flwr.superlink import main as superlink_app\n"
         f"applied = flower_patches.resolve({patch.applied_by!r})()\n"
         f"observed = {{{observed}}}\n"
         "print(applied, sorted(name for name, yes in observed.items() if yes))\n"

@@ -185,6 +185,23 @@ def test_poll_clock_waits_the_interval_after_a_message_then_a_share_of_the_wait(
     assert fake.slept[-1] == 0.1
 
 
+def test_a_pull_the_superlink_held_counts_as_waited(monkeypatch):
+    """By hand, poll 0.1 s: 1 s after a message a 3 s sleep lasts 0.1 s, less
+    the time since the previous sleep ended: 0.06 s after a pull answered
+    in 0.04 s; none after a pull a `pollen superlink` held for 20 s (the
+    sleep would last 0.05 x 21 = 1.05 s)."""
+    fake = FakeTime()
+    monkeypatch.setattr(flower_waits, "time", fake)
+    clock = flower_waits.PollClock(0.1, share=0.05)
+    clock.last_message = fake.now - 1
+    fake.now += 0.04
+    clock.sleep(3)
+    assert fake.slept == [pytest.approx(0.06)]
+    fake.now += 20
+    clock.sleep(3)
+    assert fake.slept[-1] == 0.0
+
+
 def test_the_clock_restarts_after_a_message_pulled_or_a_reply_pushed(monkeypatch):
     fake = FakeTime()
     monkeypatch.setattr(flower_waits, "time", fake)

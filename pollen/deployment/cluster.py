@@ -38,6 +38,7 @@ from ..files import write_json
 from ..flower_waits import POLL_SECONDS
 from .certificates import make_certificates, make_node_key
 from .flower import flower_env, start_superlink
+from .long_poll import PULL_HOLD_SECONDS
 from .processes import (
     alive,
     another_listens,
@@ -130,6 +131,9 @@ class Deployment:
     # from before `pollen supernode` ran Flower's)
     node_poll: float = 0.0
     superlink_state: str = "file"  # one of SUPERLINK_STATES (older records: file)
+    # how long the SuperLink holds a pull that finds nothing (0: Flower's
+    # `flower-superlink`; records from before `pollen superlink`)
+    pull_hold: float = 0.0
     # each recorded PID's start time (`processes.start_times`): a PID the system
     # gave to another process since is not this deployment's (older records: {})
     started: dict[str, int] = field(default_factory=dict)
@@ -257,6 +261,7 @@ class Deployment:
             options, host=host, port=port, address=self.address,
             env=flower_env(home), log=self.superlink_log,
             ca=None if self.insecure else self.ca, started=record,
+            pull_hold=self.pull_hold,
         )  # fmt: skip
         if another_listens(superlink.pid, port):
             stop(superlink.pid)
@@ -409,6 +414,7 @@ def up(
     executor: str = "warm",
     node_poll: float = POLL_SECONDS,
     superlink_state: str = "memory",
+    pull_hold: float = PULL_HOLD_SECONDS,
 ) -> Deployment:
     """Start a SuperLink and `num_nodes` SuperNodes; record them in `directory`.
 
@@ -420,7 +426,10 @@ def up(
     a fresh process per message). Each SuperNode is `pollen supernode`,
     which sleeps `node_poll` seconds right after a message, longer as it
     stays idle (0: `flower-supernode`, with Flower's 3 s idle sleep and 0.5 s
-    reply checks). The nodes share this machine's CPUs: each
+    reply checks). The SuperLink is `pollen superlink`, which holds a
+    node's pull that finds nothing up to `pull_hold` seconds, until a
+    message for the node is pushed (0: `flower-superlink`, which answers at
+    once). The nodes share this machine's CPUs: each
     ClientApp gets CPUs / `num_nodes` torch threads (at least 1), as the
     simulation gives each client its share, unless OMP_NUM_THREADS is set.
 
@@ -447,7 +456,7 @@ def up(
         deployment = Deployment(
             str(directory), address, insecure, executor=executor, host=host,
             node_poll=node_poll, superlink_state=superlink_state,
-            threads=_client_threads(num_nodes),
+            pull_hold=pull_hold, threads=_client_threads(num_nodes),
         )  # fmt: skip
         if not insecure:
             make_certificates(deployment.certs, _certificate_hosts(host, san))
@@ -696,6 +705,12 @@ def status(directory: Path) -> str:
             f"SuperNodes poll every {deployment.node_poll} s after a message"
             if deployment.node_poll
             else "Flower's SuperNode waits"
+        )
+        + "; "
+        + (
+            f"the SuperLink holds an empty pull up to {deployment.pull_hold:g} s"
+            if deployment.pull_hold
+            else "Flower's SuperLink answers every pull at once"
         )
         + ")",
         f"superlink  pid {deployment.superlink_pid:>7}  "

@@ -30,6 +30,7 @@ def up(
     executor: str,
     node_poll: float,
     superlink_state: str,
+    pull_hold: float,
 ) -> bool:
     """Start a SuperLink and `num_nodes` SuperNodes; print their status.
     Ctrl-C, SIGTERM and SIGHUP stop it: what it started is stopped, said in
@@ -45,7 +46,7 @@ def up(
                 directory, num_nodes, host=host, port=port, san=san,
                 insecure=insecure, data_root=data_root, node_extra=extra,
                 executor=executor, node_poll=node_poll,
-                superlink_state=superlink_state,
+                superlink_state=superlink_state, pull_hold=pull_hold,
             )  # fmt: skip
     except KeyboardInterrupt:
         print("pollen: deploy up interrupted; what it had started is stopped",

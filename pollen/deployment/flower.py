@@ -75,9 +75,11 @@ def start_superlink(
     cwd: Path | None = None,
     ca: Path | None = None,
     started: Callable[[int], None] | None = None,
+    pull_hold: float = 0.0,
 ) -> subprocess.Popen[bytes]:
     """Start `flower-superlink` listening on `host:port` (ServerApps in
-    subprocesses, no dependency installation) with `options` added, and
+    subprocesses, no dependency installation) with `options` added (with a
+    `pull_hold`, `pollen superlink` holding an empty pull that long), and
     return once its health endpoint at `address` answers (over TLS trusting
     `ca`, when given). Its console output goes to `log`; with `own_log` it
     writes `log` itself instead (`--log-file`: Flower's format, with times).
@@ -87,8 +89,13 @@ def start_superlink(
     stops it if this command is killed meanwhile)."""
     if problem := processes.port_problem(host, port):
         raise processes.ProcessError(f"flower-superlink cannot listen on {problem}")
+    program = (
+        [processes.entry_point("pollen"), "superlink", "--pull-hold", str(pull_hold)]
+        if pull_hold
+        else [processes.entry_point("flower-superlink")]
+    )
     command = [
-        processes.entry_point("flower-superlink"), "--isolation", "subprocess",
+        *program, "--isolation", "subprocess",
         "--host", host, "--port", str(port),
         "--disable-runtime-dependency-installation", *options,
     ]  # fmt: skip

@@ -1,0 +1,221 @@
+"""`pollen superlink`'s held Fleet pull (`pollen.deployment.long_poll`): which
+pull is held and what lets it go, on Flower's own protobuf messages; and a
+real `pollen superlink` holding a real node's pull and stopping at once."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import signal
+import subprocess
+import time
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import pytest
+from flwr.proto.fleet_pb2 import PullMessagesRequest, PullMessagesResponse
+from flwr.proto.message_pb2 import Message as MessageProto
+from flwr.proto.node_pb2 import Node
+from flwr.proto.runtime_pb2 import PushAppMessagesRequest, PushAppMessagesResponse
+
+from pollen.deployment import processes
+from pollen.deployment.flower import flower_env, start_superlink
+from pollen.deployment.long_poll import (
+    FLEET_PULL,
+    RUNTIME_PUSH,
+    LongPollMiddleware,
+    NodeBoard,
+    pull_hold,
+)
+
+NODE, OTHER = 11, 12
+
+
+def test_a_node_is_quiet_only_while_nothing_was_pushed_for_it_since_its_empty_pull():
+    board = NodeBoard()
+    assert not board.is_quiet(NODE)  # never seen: its pull may find something
+    board.found_nothing(NODE, board.count(NODE))
+    assert board.is_quiet(NODE) and not board.is_quiet(OTHER)
+    board.announce([NODE])
+    assert not board.is_quiet(NODE)
+    # a push stored while the pull read the state: the count the pull began
+    # with (1) is behind, so the next pull is answered at once
+    began = board.count(NODE)
+    board.announce([NODE])
+    board.found_nothing(NODE, began)
+    assert not board.is_quiet(NODE)
+    board.found_nothing(NODE, board.count(NODE))
+    board.release_all()
+    assert not board.is_quiet(NODE)  # a stopping SuperLink holds nothing
+
+
+def test_a_held_pull_goes_on_when_its_node_is_named_or_its_time_is_up():
+    async def scenario() -> tuple[float, float, float]:
+        board = NodeBoard()
+        started = time.monotonic()
+        named = asyncio.create_task(board.hold(NODE, 5))
+        other = asyncio.create_task(board.hold(OTHER, 0.3))
+        await asyncio.sleep(0.1)
+        board.announce([NODE, NODE])
+        await named
+        named_after = time.monotonic() - started
+        await other
+        other_after = time.monotonic() - started
+        stopping = asyncio.create_task(board.hold(NODE, 5))
+        await asyncio.sleep(0.05)
+        board.release_all()
+        await stopping
+        assert not board.held
+        return named_after, other_after, time.monotonic() - started
+
+    named_after, other_after, stopped_after = asyncio.run(scenario())
+    assert 0.1 <= named_after < 0.25
+    assert 0.3 <= other_after < 0.45
+    assert stopped_after < 0.6
+
+
+def message_for(node: int) -> MessageProto:
+    message = MessageProto()
+    message.metadata.dst_node_id = node
+    return message
+
+
+class FlowerStandIn:
+    """The app inside the middleware, as Flower's routes leave the request's
+    state: the parsed request in, the handler's response out (none for a
+    request that failed); pulls find `waiting` messages per node."""
+
+    def __init__(self) -> None:
+        self.waiting: dict[int, int] = {}
+        self.pulled: list[tuple[int, float]] = []
+
+    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        state = scope["state"]
+        request = state["protobuf_request"]
+        if scope["path"] == FLEET_PULL:
+            node = request.node.node_id
+            found = min(1, self.waiting.get(node, 0))
+            self.waiting[node] = self.waiting.get(node, 0) - found
+            self.pulled.append((node, time.monotonic()))
+            state["protobuf_response"] = PullMessagesResponse(
+                messages_list=[message_for(node)] * found
+            )
+        elif scope.get("fail"):
+            return
+        else:
+            for message in request.messages_list:
+                node = message.metadata.dst_node_id
+                self.waiting[node] = self.waiting.get(node, 0) + 1
+            state["protobuf_response"] = PushAppMessagesResponse()
+
+
+def request_scope(path: str, request: Any, **extra: Any) -> dict[str, Any]:
+    return {
+        "type": "http",
+        "path": path,
+        "state": {"protobuf_request": request},
+        **extra,
+    }
+
+
+def pull(node: int, *message_ids: str) -> dict[str, Any]:
+    request = PullMessagesRequest(node=Node(node_id=node), message_ids=message_ids)
+    return request_scope(FLEET_PULL, request)
+
+
+def push(*nodes: int, fail: bool = False) -> dict[str, Any]:
+    request = PushAppMessagesRequest(messages_list=[message_for(n) for n in nodes])
+    return request_scope(RUNTIME_PUSH, request, fail=fail)
+
+
+def test_the_middleware_holds_an_empty_pull_until_a_push_names_its_node():
+    """Pull 1 finds nothing and is answered at once; pull 2 is held; a push
+    for another node and a push that failed leave it held; a push for its
+    node lets it go, and it finds the message; a pull for given messages is
+    never held."""
+    flower = FlowerStandIn()
+    middleware = LongPollMiddleware(flower, NodeBoard(), hold_seconds=5)
+
+    async def scenario() -> dict[str, float]:
+        start = time.monotonic()
+        await middleware(pull(NODE), None, None)
+        first = time.monotonic() - start
+        held = asyncio.create_task(middleware(pull(NODE), None, None))
+        await asyncio.sleep(0.1)
+        await middleware(push(OTHER), None, None)
+        await middleware(push(NODE, fail=True), None, None)
+        await asyncio.sleep(0.1)
+        still_held = not held.done()
+        pushed = time.monotonic()
+        await middleware(push(NODE, OTHER), None, None)
+        await held
+        woken = time.monotonic() - pushed
+        await middleware(pull(NODE, "some-message-id"), None, None)
+        return {"first": first, "still_held": still_held, "woken": woken}
+
+    outcome = asyncio.run(scenario())
+    assert outcome["first"] < 0.1 and outcome["still_held"]
+    assert outcome["woken"] < 0.1
+    assert [node for node, _ in flower.pulled] == [NODE, NODE, NODE]
+    assert flower.waiting[NODE] == 0  # the held pull took the message
+
+
+@pytest.mark.parametrize("value", ["-1", "0.5", "26", "ten"])
+def test_pull_hold_is_checked(value):
+    with pytest.raises(
+        argparse.ArgumentTypeError, match="expected seconds from 1 to 25"
+    ):
+        pull_hold(value)
+    assert pull_hold("0") == 0 and pull_hold("20") == 20
+
+
+@pytest.mark.integration
+def test_a_real_superlink_holds_a_quiet_nodes_pull_and_stops_at_once(tmp_path):
+    """A real `pollen superlink` (in memory, insecure) and a node speaking
+    Flower's own Fleet client: its first empty pull is answered at once,
+    the next is held for `--pull-hold` (2 s). Then, with a 20 s hold,
+    SIGTERM 1 s into a held pull: the pull is answered and the SuperLink
+    has exited within a few seconds (uvicorn waits for every request in
+    progress; a held one would keep it 19 s more)."""
+    from flwr.supernode.fleet_http_connection import http_request_response
+
+    port = processes.free_port()
+    address = f"127.0.0.1:{port}"
+
+    def superlink(hold: float) -> subprocess.Popen[bytes]:
+        return start_superlink(
+            ["--insecure", "--database", ":flwr-in-memory:"], host="127.0.0.1",
+            port=port, address=address, env=flower_env(tmp_path / "home"),
+            log=tmp_path / f"superlink-{hold:g}.log", pull_hold=hold,
+        )  # fmt: skip
+
+    def timed(receive: Any) -> float:
+        began = time.monotonic()
+        assert receive() is None
+        return time.monotonic() - began
+
+    link = superlink(2)
+    try:
+        with http_request_response(address, insecure=True) as connection:
+            first, second = timed(connection[1]), timed(connection[1])
+        assert first < 1.0 and 1.9 <= second < 4, (first, second)
+    finally:
+        processes.stop(link.pid)
+
+    link = superlink(20)
+    try:  # (assertions go after the connection: it swallows errors raised in it)
+        with http_request_response(address, insecure=True, max_retries=0) as connection:
+            receive = connection[1]
+            timed(receive)  # now the node is quiet: its next pull is held
+            with ThreadPoolExecutor(1) as pool:
+                held = pool.submit(timed, receive)
+                time.sleep(1)
+                link.send_signal(signal.SIGTERM)
+                stopping = time.monotonic()
+                answered = held.result(timeout=30)
+                link.wait(timeout=30)
+                stopped = time.monotonic() - stopping
+    finally:
+        processes.stop(link.pid)
+    assert answered < 4 and stopped < 5, (answered, stopped)
+    assert "Finished server process" in (tmp_path / "superlink-20.log").read_text()
