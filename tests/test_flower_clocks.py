@@ -26,7 +26,7 @@ def documented() -> list[tuple[str, float, str]]:
 
 
 def test_the_table_names_every_clock() -> None:
-    assert len(documented()) == 11
+    assert len(documented()) == 12
 
 
 @pytest.mark.parametrize(("clock", "value", "name"), documented())
