@@ -12,9 +12,10 @@ one shard per node): `mlp` on MNIST (all 60,000 training images) with 2 and
 with 8 SuperNodes, and `cnn` on the first 12,000 Fashion-MNIST training
 images with 4; the server evaluates on 2,000 test images. Each runs four
 ways, one after the other: simulated (`pollen run`); deployed with Flower's
-SuperNode as it ships (`pollen deploy up --poll-interval 0`: 3 s idle sleep,
+SuperNode and SuperLink as they ship (`pollen deploy up --poll-interval 0
+--pull-hold 0`: 3 s idle sleep, every pull answered at once,
 0.5 s reply checks, 1 s first object-pull retry); deployed with `pollen
-supernode` (the default); and the same with the SuperLink's state in memory
+supernode` and `pollen superlink` (the default); and the same with the SuperLink's state in memory
 (`--superlink-state memory`) instead of its SQLite file. Deployments are
 `pollen deploy up` on this machine (TLS, SuperNode authentication, warm
 executors). `--ways` keeps some of the four (by the names above: sim,

@@ -52,6 +52,7 @@ PROJECT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(PROJECT))
 
 from pollen.deployment import cluster, processes  # noqa: E402
+from pollen.deployment.long_poll import PULL_HOLD_SECONDS  # noqa: E402
 
 COMMON = "client-frac=1.0 local-epochs=1 batch-size=32 lr=0.05 seed=845 download=false"
 TASK_LINE = re.compile(
@@ -259,12 +260,14 @@ def deployed(
     idle_seconds: float = 0.0, superlink_state: str = "file",
 ) -> dict:  # fmt: skip
     """One deployment, one run; its round times, message spans and memory.
-    `node_poll` as `pollen deploy up --poll-interval` (0: Flower's own waits);
+    `node_poll` as `pollen deploy up --poll-interval` (0: Flower's own waits,
+    and Flower's SuperLink, answering every pull at once: `--pull-hold 0`);
     with `idle_seconds`, the CPU the SuperLink and the SuperNodes used while
     the deployment stood idle that long before the run."""
     site = cluster.up(
         out / f"site-{name}", nodes, port=processes.free_port(), executor=executor,
         node_extra=node_extra, node_poll=node_poll, superlink_state=superlink_state,
+        pull_hold=PULL_HOLD_SECONDS if node_poll else 0.0,
     )  # fmt: skip
     try:
         idle = idle_cpu(site, idle_seconds) if idle_seconds else {}
