@@ -41,6 +41,8 @@ SUPERLINK_APP = "flwr.superlink.main:_get_middleware"
 SUPERLINK_SERVE = "flwr.superlink.cli.flower_superlink:_run_superlink_http_api"
 FLEET_PULL_ROUTE = "flwr.superlink.routers.fleet.router:fleet_pull_messages"
 RUNTIME_PUSH_ROUTE = "flwr.supercore.routers.runtime.router:push_messages"
+RUNTIME_OBJECT_ROUTE = "flwr.supercore.routers.runtime.router:push_object"
+RUNTIME_PUSH = "flwr.superlink.servicer.runtime.runtime_handlers:push_messages"
 
 # A digest of the source of each Flower function pollen changes, as each
 # verified release ships it (`source_digest`).
@@ -60,6 +62,8 @@ TESTED_SOURCES: dict[str, dict[str, str]] = {
         SUPERLINK_SERVE: "eb0d78b85f999576",
         FLEET_PULL_ROUTE: "0f9739ecca2af0de",
         RUNTIME_PUSH_ROUTE: "195c0dab8d020cdc",
+        RUNTIME_OBJECT_ROUTE: "cea29ed48616b5b5",
+        RUNTIME_PUSH: "03b2ea647465c032",
     },
     # The nightly of 1.43: `_push_messages` also returns when no task is left
     # (it pushes nothing), `_pull_and_store_message` acknowledges a message
@@ -80,6 +84,8 @@ TESTED_SOURCES: dict[str, dict[str, str]] = {
         SUPERLINK_SERVE: "eb0d78b85f999576",
         FLEET_PULL_ROUTE: "0f9739ecca2af0de",
         RUNTIME_PUSH_ROUTE: "195c0dab8d020cdc",
+        RUNTIME_OBJECT_ROUTE: "cea29ed48616b5b5",
+        RUNTIME_PUSH: "b757faa848722b17",
     },
 }
 
@@ -201,11 +207,19 @@ SUPERLINK_LONG_POLL = Patch(
     key="superlink-long-poll",
     where="`pollen superlink`",
     applied_by="pollen.deployment.long_poll:hold_fleet_pulls",
-    functions=(SUPERLINK_APP, SUPERLINK_SERVE, FLEET_PULL_ROUTE, RUNTIME_PUSH_ROUTE),
+    functions=(
+        SUPERLINK_APP,
+        SUPERLINK_SERVE,
+        FLEET_PULL_ROUTE,
+        RUNTIME_PUSH_ROUTE,
+        RUNTIME_OBJECT_ROUTE,
+        RUNTIME_PUSH,
+    ),
     what="A middleware inside Flower's own holds a Fleet pull that would find "
     "nothing (its node's last pull found nothing, and no push named it since) "
-    "until the ServerApp pushes a message for the node, or `--pull-hold` s "
-    "(20) pass; a stopping SuperLink lets held pulls go.",
+    "until the ServerApp has pushed a message for the node and the message's "
+    "objects, or `--pull-hold` s (20) pass; a stopping SuperLink lets held "
+    "pulls go.",
     why="Every pull costs the SuperLink about 9 ms of CPU: a node that asks "
     "every 3 s picks a message up late, one that asks every 0.1 s loads the "
     "SuperLink with 0.09 cores per node.",

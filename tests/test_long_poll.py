@@ -15,6 +15,7 @@ from typing import Any
 import pytest
 from flwr.proto.fleet_pb2 import PullMessagesRequest, PullMessagesResponse
 from flwr.proto.message_pb2 import Message as MessageProto
+from flwr.proto.message_pb2 import ObjectTree, PushObjectRequest, PushObjectResponse
 from flwr.proto.node_pb2 import Node
 from flwr.proto.runtime_pb2 import PushAppMessagesRequest, PushAppMessagesResponse
 
@@ -23,6 +24,7 @@ from pollen.deployment.flower import flower_env, start_superlink
 from pollen.deployment.long_poll import (
     FLEET_PULL,
     RUNTIME_PUSH,
+    RUNTIME_PUSH_OBJECT,
     LongPollMiddleware,
     NodeBoard,
     pull_hold,
@@ -102,11 +104,18 @@ class FlowerStandIn:
             )
         elif scope.get("fail"):
             return
+        elif scope["path"] == RUNTIME_PUSH_OBJECT:
+            state["protobuf_response"] = PushObjectResponse(stored=True)
         else:
             for message in request.messages_list:
                 node = message.metadata.dst_node_id
                 self.waiting[node] = self.waiting.get(node, 0) + 1
-            state["protobuf_response"] = PushAppMessagesResponse()
+            state["protobuf_response"] = PushAppMessagesResponse(
+                message_ids=[
+                    f"id-{m.metadata.dst_node_id}" for m in request.messages_list
+                ],
+                objects_to_push=scope["missing"],
+            )
 
 
 def request_scope(path: str, request: Any, **extra: Any) -> dict[str, Any]:
@@ -123,9 +132,23 @@ def pull(node: int, *message_ids: str) -> dict[str, Any]:
     return request_scope(FLEET_PULL, request)
 
 
-def push(*nodes: int, fail: bool = False) -> dict[str, Any]:
-    request = PushAppMessagesRequest(messages_list=[message_for(n) for n in nodes])
-    return request_scope(RUNTIME_PUSH, request, fail=fail)
+def push(
+    *nodes: int, fail: bool = False, missing: tuple[str, ...] = ()
+) -> dict[str, Any]:
+    """The ServerApp's push of one message per node of `nodes`, each with the
+    objects "array" and "config"; the SuperLink lacks `missing` of them."""
+    children = [ObjectTree(object_id=name) for name in ("array", "config")]
+    request = PushAppMessagesRequest(
+        messages_list=[message_for(n) for n in nodes],
+        message_object_trees=[
+            ObjectTree(object_id=f"msg-{n}", children=children) for n in nodes
+        ],
+    )
+    return request_scope(RUNTIME_PUSH, request, fail=fail, missing=list(missing))
+
+
+def push_object(object_id: str) -> dict[str, Any]:
+    return request_scope(RUNTIME_PUSH_OBJECT, PushObjectRequest(object_id=object_id))
 
 
 def test_the_middleware_holds_an_empty_pull_until_a_push_names_its_node():
@@ -158,6 +181,37 @@ def test_the_middleware_holds_an_empty_pull_until_a_push_names_its_node():
     assert outcome["woken"] < 0.1
     assert [node for node, _ in flower.pulled] == [NODE, NODE, NODE]
     assert flower.waiting[NODE] == 0  # the held pull took the message
+
+
+def test_a_held_pull_goes_on_once_its_messages_objects_are_pushed():
+    """Its message is stored with two objects missing: the pull stays held
+    through the first object's push and goes on after the second's (a node
+    woken before would retry its object pulls); a node whose message lacks
+    nothing is woken by the push itself."""
+    flower = FlowerStandIn()
+    board = NodeBoard()
+    middleware = LongPollMiddleware(flower, board, hold_seconds=5)
+
+    async def scenario() -> list[bool]:
+        for node in (NODE, OTHER):
+            await middleware(pull(node), None, None)
+        held = asyncio.create_task(middleware(pull(NODE), None, None))
+        await asyncio.sleep(0.05)
+        await middleware(push(NODE, missing=("array", "config")), None, None)
+        seen = [held.done()]
+        await middleware(push_object("array"), None, None)
+        await asyncio.sleep(0.05)
+        seen.append(held.done())
+        await middleware(push_object("config"), None, None)
+        await asyncio.wait_for(held, 0.5)
+        other = asyncio.create_task(middleware(pull(OTHER), None, None))
+        await asyncio.sleep(0.05)
+        await middleware(push(OTHER), None, None)
+        await asyncio.wait_for(other, 0.5)
+        return seen
+
+    assert asyncio.run(scenario()) == [False, False]
+    assert not board.missing and flower.waiting == {NODE: 0, OTHER: 0}
 
 
 @pytest.mark.parametrize("value", ["-1", "0.5", "26", "ten"])

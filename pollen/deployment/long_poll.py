@@ -47,7 +47,7 @@ import argparse
 import asyncio
 import contextlib
 import functools
-from collections.abc import Awaitable, Callable, Iterable, MutableMapping
+from collections.abc import Awaitable, Callable, Iterable, Iterator, MutableMapping
 from typing import Any
 
 from ..flower_patches import SUPERLINK_LONG_POLL, guard
@@ -58,6 +58,7 @@ PULL_HOLD_SECONDS = 20.0
 MAX_PULL_HOLD_SECONDS = 25.0
 FLEET_PULL = "/v1/fleet/pull-messages"
 RUNTIME_PUSH = "/v1/runtime/push-messages"
+RUNTIME_PUSH_OBJECT = "/v1/runtime/push-object"
 
 Scope = MutableMapping[str, Any]
 ASGIApp = Callable[[Scope, Any, Any], Awaitable[None]]
@@ -73,6 +74,8 @@ class NodeBoard:
         self.news: dict[int, int] = {}
         self.quiet_at: dict[int, int] = {}
         self.held: dict[int, set[asyncio.Event]] = {}
+        # node -> objects of its stored messages that are not pushed yet
+        self.missing: dict[int, set[str]] = {}
         self.closing = False
 
     def count(self, node: int) -> int:
@@ -111,6 +114,28 @@ class NodeBoard:
             for news in self.held.pop(node, ()):
                 news.set()
 
+    def stored(self, node: int, missing: set[str]) -> None:
+        """A message for `node` was stored, and its objects `missing` are
+        still to be pushed: the node hears of it once they are (a node
+        woken earlier would find the message but not its objects, and
+        retry their pulls)."""
+        if missing:
+            self.missing.setdefault(node, set()).update(missing)
+        else:
+            self.announce([node])
+
+    def object_pushed(self, object_id: str) -> None:
+        """The ServerApp pushed `object_id`: the nodes whose messages now
+        have all their objects hear of them."""
+        complete = []
+        for node, missing in self.missing.items():
+            missing.discard(object_id)
+            if not missing:
+                complete.append(node)
+        for node in complete:
+            del self.missing[node]
+        self.announce(complete)
+
     def release_all(self) -> None:
         """The server stops: no pull is held any more."""
         self.closing = True
@@ -136,13 +161,17 @@ class LongPollMiddleware:
             await self._pull(scope, receive, send)
         elif path == RUNTIME_PUSH:
             await self.app(scope, receive, send)
-            self._pushed(scope)
+            self._pushed(*exchange(scope))
+        elif path == RUNTIME_PUSH_OBJECT:
+            await self.app(scope, receive, send)
+            request, response = exchange(scope)
+            if request is not None and response is not None:
+                self.board.object_pushed(request.object_id)
         else:
             await self.app(scope, receive, send)
 
     async def _pull(self, scope: Scope, receive: Any, send: Any) -> None:
-        state = scope.get("state", {})
-        request = state.get("protobuf_request")
+        request, _ = exchange(scope)
         if request is None or list(request.message_ids):
             await self.app(scope, receive, send)
             return
@@ -151,19 +180,36 @@ class LongPollMiddleware:
             await self.board.hold(node, self.hold_seconds)
         count = self.board.count(node)
         await self.app(scope, receive, send)
-        response = state.get("protobuf_response")
+        _, response = exchange(scope)
         if response is not None and not list(response.messages_list):
             self.board.found_nothing(node, count)
 
-    def _pushed(self, scope: Scope) -> None:
-        state = scope.get("state", {})
-        request, response = (
-            state.get("protobuf_request"),
-            state.get("protobuf_response"),
-        )
+    def _pushed(self, request: Any, response: Any) -> None:
         if request is None or response is None:  # the push failed: nothing stored
             return
-        self.board.announce(m.metadata.dst_node_id for m in request.messages_list)
+        to_push = set(response.objects_to_push)
+        stored = zip(
+            request.messages_list, request.message_object_trees, response.message_ids,
+            strict=True,  # Flower answers each message in order
+        )  # fmt: skip
+        for message, tree, message_id in stored:
+            if message_id:  # "" where Flower did not store it
+                missing = to_push.intersection(object_ids(tree))
+                self.board.stored(message.metadata.dst_node_id, missing)
+
+
+def exchange(scope: Scope) -> tuple[Any, Any]:
+    """The request Flower parsed and its handler's response (None for a
+    request that failed)."""
+    state = scope.get("state", {})
+    return state.get("protobuf_request"), state.get("protobuf_response")
+
+
+def object_ids(tree: Any) -> Iterator[str]:
+    """Every object ID in a message's object tree (Flower's `ObjectTree`)."""
+    yield tree.object_id
+    for child in tree.children:
+        yield from object_ids(child)
 
 
 def hold_fleet_pulls(hold_seconds: float = PULL_HOLD_SECONDS) -> bool:
