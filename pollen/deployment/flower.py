@@ -1,9 +1,11 @@
-"""Flower's own processes as pollen starts them: their environment, and the
-one way a `flower-superlink` is started and waited for (by `pollen run`'s
-private simulation and by `pollen deploy` alike)."""
+"""Flower's own processes as pollen starts them: their environment, the
+one way a SuperLink is started and waited for (by `pollen run`'s private
+simulation and by `pollen deploy` alike), and how `pollen supernode` and
+`pollen superlink` hand over to Flower's own entry points."""
 
 from __future__ import annotations
 
+import argparse
 import os
 import ssl
 import subprocess
@@ -34,6 +36,26 @@ RAY_DIR_PREFIX = "pollen-ray-"
 # data), unless FLWR_TELEMETRY_ENABLED says otherwise; without a network the
 # failed post still cost each warm task about 0.1 s of CPU here.
 TELEMETRY_ENV = {"FLWR_TELEMETRY_ENABLED": "0"}
+
+
+def wrapper_parser(command: str, what: str) -> argparse.ArgumentParser:
+    """The parser of `pollen COMMAND`, Flower's `flower-COMMAND` changed as
+    `what` says: pollen's own flags only; every other flag is Flower's."""
+    return argparse.ArgumentParser(
+        prog=f"pollen {command}",
+        description=f"{what}; every flag `flower-{command}` takes is passed on.",
+        allow_abbrev=False,  # `--port` and the like are Flower's
+    )
+
+
+def hand_over(
+    command: str, flower_args: Sequence[str], flower_main: Callable[[], None]
+) -> int:
+    """Run Flower's `flower-COMMAND` entry point in this process, with the
+    flags pollen did not parse."""
+    sys.argv = [f"flower-{command}", *flower_args]
+    flower_main()
+    return 0
 
 
 def without_telemetry() -> None:

@@ -4,19 +4,15 @@ until a message for it exists (`pollen.deployment.long_poll`); every flag
 
 from __future__ import annotations
 
-import argparse
-import sys
 from collections.abc import Sequence
 
+from .flower import hand_over, wrapper_parser
 from .long_poll import add_pull_hold, hold_fleet_pulls
 
 
 def main(argv: Sequence[str]) -> int:
-    parser = argparse.ArgumentParser(
-        prog="pollen superlink",
-        description="Flower's SuperLink with a held (long-poll) Fleet pull; every "
-        "flag `flower-superlink` takes is passed on.",
-        allow_abbrev=False,  # `--port` and the like are flower-superlink's
+    parser = wrapper_parser(
+        "superlink", "Flower's SuperLink with a held (long-poll) Fleet pull"
     )
     add_pull_hold(parser)
     args, flower_args = parser.parse_known_args(argv)
@@ -24,6 +20,4 @@ def main(argv: Sequence[str]) -> int:
         hold_fleet_pulls(args.pull_hold)
     from flwr.superlink.cli.flower_superlink import flower_superlink
 
-    sys.argv = ["flower-superlink", *flower_args]
-    flower_superlink()
-    return 0
+    return hand_over("superlink", flower_args, flower_superlink)

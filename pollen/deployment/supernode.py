@@ -4,8 +4,6 @@ every flag `flower-supernode` takes is passed on."""
 
 from __future__ import annotations
 
-import argparse
-import sys
 from collections.abc import Sequence
 
 from ..flower_waits import (
@@ -13,14 +11,12 @@ from ..flower_waits import (
     end_reply_waits_without_task,
     shorten_supernode_waits,
 )
+from .flower import hand_over, wrapper_parser
 
 
 def main(argv: Sequence[str]) -> int:
-    parser = argparse.ArgumentParser(
-        prog="pollen supernode",
-        description="Flower's SuperNode with its idle waits at the poll interval; "
-        "every flag `flower-supernode` takes is passed on.",
-        allow_abbrev=False,  # `--port` and the like are flower-supernode's
+    parser = wrapper_parser(
+        "supernode", "Flower's SuperNode with its idle waits at the poll interval"
     )
     add_poll_interval(parser)
     args, flower_args = parser.parse_known_args(argv)
@@ -29,6 +25,4 @@ def main(argv: Sequence[str]) -> int:
         shorten_supernode_waits(args.poll_interval)
     from flwr.supernode.cli.flower_supernode import flower_supernode
 
-    sys.argv = ["flower-supernode", *flower_args]
-    flower_supernode()
-    return 0
+    return hand_over("supernode", flower_args, flower_supernode)
