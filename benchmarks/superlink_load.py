@@ -106,7 +106,11 @@ from pollen.deployment import processes  # noqa: E402
 from pollen.deployment.certificates import make_certificates  # noqa: E402
 from pollen.deployment.flower import flower_env  # noqa: E402
 from pollen.flower_patches import PULL_OBJECTS, resolve  # noqa: E402
-from pollen.flower_waits import PollClock, _quicker_pulls  # noqa: E402
+from pollen.flower_waits import (  # noqa: E402
+    HELD_PULL_SECONDS,
+    PollClock,
+    _quicker_pulls,
+)
 
 APP = HERE / "superlink_load_app"
 CLOCKS = ("flower", "pollen", "long-poll")
@@ -191,6 +195,12 @@ class Clock:
         if self.poll is not None:
             self.poll.message_seen()
 
+    def found_nothing(self, took: float) -> None:
+        """An empty pull took `took` s: held by a `pollen superlink` when at
+        least HELD_PULL_SECONDS (`pollen supernode`'s `NotingMessages`)."""
+        if self.poll is not None and took >= HELD_PULL_SECONDS:
+            self.poll.pull_held(took)
+
 
 class Node(threading.Thread):
     """One SuperNode's loop (`start_client_internal`), its ClientApp replaced
@@ -230,6 +240,7 @@ class Node(threading.Thread):
         self.connected()
         while not self.stop.is_set():
             try:
+                began = time.monotonic()
                 run_id = flower._pull_and_store_message(
                     state=state, object_store=store, node_config={},
                     receive=self.timed(receive), get_run=get_run, get_fab=get_fab,
@@ -237,6 +248,7 @@ class Node(threading.Thread):
                     trusted_entities=None,
                 )  # fmt: skip
                 if run_id is None:
+                    self.clock.found_nothing(time.monotonic() - began)
                     self.clock.idle(self.stop)
                     continue
                 self.clock.message_seen()

@@ -75,6 +75,9 @@ IDLE_SHARE = 0.05  # after a wait of T s, a message is picked up within ~0.05 T
 # as long as Flower's own (PULL_MAX_TIME, 2 h; not its 500 tries, which at
 # 0.1 s would give up on a slow node's push after 50 s).
 PULL_RETRY_CAP_SECONDS = 1.0
+# An empty pull that took this long was held by a `pollen superlink` (a
+# plain SuperLink answers in milliseconds): it counts as the idle sleep.
+HELD_PULL_SECONDS = 1.0
 
 
 class PollClock(types.ModuleType):
@@ -85,16 +88,16 @@ class PollClock(types.ModuleType):
     Flower's 3 s, and a message that comes after a wait of T seconds is
     picked up within about `share` x T), never longer than Flower asked.
 
-    The time since the previous sleep ended counts as waited: a pull that a
-    `pollen superlink` held for 20 s (`pollen.deployment.long_poll`) has
-    waited already, and the node asks again at once; a pull that a plain
-    SuperLink answered in milliseconds is followed by the whole sleep."""
+    An empty pull that a `pollen superlink` held (`pull_held`: it took at
+    least `HELD_PULL_SECONDS`) has waited already: the next sleep is that
+    much shorter, so after a 20 s hold the node asks again at once."""
 
     def __init__(self, poll_seconds: float, share: float = IDLE_SHARE) -> None:
         super().__init__("time")
         self.poll_seconds = poll_seconds
         self.share = share
-        self.last_message = self.last_wake = time.monotonic()
+        self.last_message = time.monotonic()
+        self.waited = 0.0  # by the held pull just before the next sleep
 
     def __getattr__(self, name: str) -> Any:
         return getattr(time, name)
@@ -102,13 +105,15 @@ class PollClock(types.ModuleType):
     def message_seen(self) -> None:
         self.last_message = time.monotonic()
 
+    def pull_held(self, seconds: float) -> None:
+        """The empty pull before the next sleep was held `seconds`."""
+        self.waited = seconds
+
     def sleep(self, seconds: float) -> None:
-        now = time.monotonic()
-        due = min(
-            seconds, max(self.poll_seconds, self.share * (now - self.last_message))
-        )
-        time.sleep(max(0.0, due - (now - self.last_wake)))
-        self.last_wake = time.monotonic()
+        since = time.monotonic() - self.last_message
+        due = min(seconds, max(self.poll_seconds, self.share * since))
+        time.sleep(max(0.0, due - self.waited))
+        self.waited = 0.0
 
 
 def _quicker_pulls(name: str, poll_seconds: float) -> None:
@@ -128,16 +133,19 @@ def _quicker_pulls(name: str, poll_seconds: float) -> None:
 class NotingMessages:
     """A SuperNode step (`_pull_and_store_message`, `_push_messages`) that
     tells `clock` when it handled a message: a pull that returned a run ID,
-    or a push of replies."""
+    or a push of replies; and an empty pull that the SuperLink held."""
 
     def __init__(self, step: Callable[..., Any], clock: PollClock, pull: bool) -> None:
         self.step, self.clock, self.pull = step, clock, pull
         functools.update_wrapper(self, step)  # its source stays Flower's (`guard`)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        started = time.monotonic()
         result = self.step(*args, **kwargs)
         if result is not None or not self.pull:
             self.clock.message_seen()
+        elif (took := time.monotonic() - started) >= HELD_PULL_SECONDS:
+            self.clock.pull_held(took)
         return result
 
 

@@ -33,18 +33,21 @@ from pollen.deployment.long_poll import (
 NODE, OTHER = 11, 12
 
 
-def test_a_node_is_quiet_only_while_nothing_was_pushed_for_it_since_its_empty_pull():
+def test_a_node_is_quiet_only_while_nothing_came_for_it_since_its_empty_pull():
     board = NodeBoard()
     assert not board.is_quiet(NODE)  # never seen: its pull may find something
     board.found_nothing(NODE, board.count(NODE))
     assert board.is_quiet(NODE) and not board.is_quiet(OTHER)
     board.announce([NODE])
     assert not board.is_quiet(NODE)
-    # a push stored while the pull read the state: the count the pull began
-    # with (1) is behind, so the next pull is answered at once
+    # a message completed while the pull read the state: the count the pull
+    # began with (1) is behind, so the next pull is answered at once
     began = board.count(NODE)
     board.announce([NODE])
     board.found_nothing(NODE, began)
+    assert not board.is_quiet(NODE)
+    board.found_nothing(NODE, board.count(NODE))
+    board.found(NODE, ["some-id"])  # a held pull that ran out found one: more may wait
     assert not board.is_quiet(NODE)
     board.found_nothing(NODE, board.count(NODE))
     board.release_all()
@@ -52,70 +55,103 @@ def test_a_node_is_quiet_only_while_nothing_was_pushed_for_it_since_its_empty_pu
 
 
 def test_a_held_pull_goes_on_when_its_node_is_named_or_its_time_is_up():
-    async def scenario() -> tuple[float, float, float]:
+    async def scenario() -> tuple[float, float, float, list[bool]]:
         board = NodeBoard()
         started = time.monotonic()
         named = asyncio.create_task(board.hold(NODE, 5))
         other = asyncio.create_task(board.hold(OTHER, 0.3))
         await asyncio.sleep(0.1)
         board.announce([NODE, NODE])
-        await named
+        went_on = [await named]
         named_after = time.monotonic() - started
-        await other
+        went_on.append(await other)
         other_after = time.monotonic() - started
         stopping = asyncio.create_task(board.hold(NODE, 5))
         await asyncio.sleep(0.05)
         board.release_all()
-        await stopping
+        went_on.append(await stopping)
         assert not board.held
-        return named_after, other_after, time.monotonic() - started
+        return named_after, other_after, time.monotonic() - started, went_on
 
-    named_after, other_after, stopped_after = asyncio.run(scenario())
-    assert 0.1 <= named_after < 0.25
-    assert 0.3 <= other_after < 0.45
-    assert stopped_after < 0.6
+    named_after, other_after, stopped_after, went_on = asyncio.run(scenario())
+    assert 0.1 <= named_after < 1.0
+    assert 0.3 <= other_after < 1.2
+    assert stopped_after < 2.0
+    assert went_on == [True, True, True]
 
 
-def message_for(node: int) -> MessageProto:
+def test_a_newer_pull_of_a_node_takes_over_its_held_one():
+    """The older is let go at once, told it was superseded (its client may
+    be gone: it must not take the message); the newer goes on holding."""
+
+    async def scenario() -> tuple[bool, bool, bool]:
+        board = NodeBoard()
+        older = asyncio.create_task(board.hold(NODE, 5))
+        await asyncio.sleep(0.05)
+        newer = asyncio.create_task(board.hold(NODE, 5))
+        older_went_on = await asyncio.wait_for(older, 1)
+        await asyncio.sleep(0.05)
+        newer_waits = not newer.done()
+        board.announce([NODE])
+        return older_went_on, newer_waits, await asyncio.wait_for(newer, 1)
+
+    assert asyncio.run(scenario()) == (False, True, True)
+
+
+def message_for(node: int, message_id: str = "") -> MessageProto:
     message = MessageProto()
     message.metadata.dst_node_id = node
+    message.metadata.message_id = message_id
     return message
+
+
+async def sink(message: dict[str, Any]) -> None:
+    """The server's `send`: what the middleware answers goes nowhere here."""
 
 
 class FlowerStandIn:
     """The app inside the middleware, as Flower's routes leave the request's
-    state: the parsed request in, the handler's response out (none for a
-    request that failed); pulls find `waiting` messages per node."""
+    state: the parsed request in, the handler's response out as the route
+    starts its answer (none for a request that failed); pulls find
+    `waiting` messages per node."""
 
     def __init__(self) -> None:
-        self.waiting: dict[int, int] = {}
-        self.pulled: list[tuple[int, float]] = []
+        self.waiting: dict[int, list[str]] = {}
+        self.pulled: list[int] = []
 
     async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
         state = scope["state"]
         request = state["protobuf_request"]
         if scope["path"] == FLEET_PULL:
             node = request.node.node_id
-            found = min(1, self.waiting.get(node, 0))
-            self.waiting[node] = self.waiting.get(node, 0) - found
-            self.pulled.append((node, time.monotonic()))
+            found = self.waiting.get(node, [])[:1]
+            self.waiting[node] = self.waiting.get(node, [])[len(found) :]
+            self.pulled.append(node)
             state["protobuf_response"] = PullMessagesResponse(
-                messages_list=[message_for(node)] * found
+                messages_list=[message_for(node, m) for m in found]
             )
         elif scope.get("fail"):
+            for message in request.messages_list[:1]:  # stored, then it failed
+                self.waiting.setdefault(message.metadata.dst_node_id, []).append("x")
+            await send({"type": "http.response.start", "status": 500, "headers": []})
             return
         elif scope["path"] == RUNTIME_PUSH_OBJECT:
             state["protobuf_response"] = PushObjectResponse(stored=True)
         else:
-            for message in request.messages_list:
-                node = message.metadata.dst_node_id
-                self.waiting[node] = self.waiting.get(node, 0) + 1
+            ids = [
+                f"id-{m.metadata.dst_node_id}-{len(self.pulled)}"
+                for m in request.messages_list
+            ]
+            for message, message_id in zip(request.messages_list, ids, strict=True):
+                self.waiting.setdefault(message.metadata.dst_node_id, []).append(
+                    message_id
+                )
             state["protobuf_response"] = PushAppMessagesResponse(
-                message_ids=[
-                    f"id-{m.metadata.dst_node_id}" for m in request.messages_list
-                ],
-                objects_to_push=scope["missing"],
+                message_ids=ids, objects_to_push=scope["missing"]
             )
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        await send({"type": "http.response.body", "body": b""})
+        state.pop("protobuf_response", None)  # as Flower's translation does, after
 
 
 def request_scope(path: str, request: Any, **extra: Any) -> dict[str, Any]:
@@ -135,13 +171,17 @@ def pull(node: int, *message_ids: str) -> dict[str, Any]:
 def push(
     *nodes: int, fail: bool = False, missing: tuple[str, ...] = ()
 ) -> dict[str, Any]:
-    """The ServerApp's push of one message per node of `nodes`, each with the
-    objects "array" and "config"; the SuperLink lacks `missing` of them."""
-    children = [ObjectTree(object_id=name) for name in ("array", "config")]
+    """The ServerApp's push of one message per node of `nodes`, each with its
+    own root object and the objects "array" and "config"; the SuperLink
+    lacks `missing` of them."""
     request = PushAppMessagesRequest(
         messages_list=[message_for(n) for n in nodes],
         message_object_trees=[
-            ObjectTree(object_id=f"msg-{n}", children=children) for n in nodes
+            ObjectTree(
+                object_id=f"msg-{n}",
+                children=[ObjectTree(object_id=name) for name in ("array", "config")],
+            )
+            for n in nodes
         ],
     )
     return request_scope(RUNTIME_PUSH, request, fail=fail, missing=list(missing))
@@ -153,65 +193,113 @@ def push_object(object_id: str) -> dict[str, Any]:
 
 def test_the_middleware_holds_an_empty_pull_until_a_push_names_its_node():
     """Pull 1 finds nothing and is answered at once; pull 2 is held; a push
-    for another node and a push that failed leave it held; a push for its
-    node lets it go, and it finds the message; a pull for given messages is
-    never held."""
+    for another node leaves it held; a push for its node lets it go, and it
+    finds the message; a pull for given messages is never held."""
     flower = FlowerStandIn()
     middleware = LongPollMiddleware(flower, NodeBoard(), hold_seconds=5)
 
     async def scenario() -> dict[str, float]:
         start = time.monotonic()
-        await middleware(pull(NODE), None, None)
+        await middleware(pull(NODE), None, sink)
         first = time.monotonic() - start
-        held = asyncio.create_task(middleware(pull(NODE), None, None))
+        held = asyncio.create_task(middleware(pull(NODE), None, sink))
         await asyncio.sleep(0.1)
-        await middleware(push(OTHER), None, None)
-        await middleware(push(NODE, fail=True), None, None)
+        await middleware(push(OTHER), None, sink)
         await asyncio.sleep(0.1)
         still_held = not held.done()
         pushed = time.monotonic()
-        await middleware(push(NODE, OTHER), None, None)
+        await middleware(push(NODE, OTHER), None, sink)
         await held
         woken = time.monotonic() - pushed
-        await middleware(pull(NODE, "some-message-id"), None, None)
+        await middleware(pull(NODE, "some-message-id"), None, sink)
         return {"first": first, "still_held": still_held, "woken": woken}
 
     outcome = asyncio.run(scenario())
-    assert outcome["first"] < 0.1 and outcome["still_held"]
-    assert outcome["woken"] < 0.1
-    assert [node for node, _ in flower.pulled] == [NODE, NODE, NODE]
-    assert flower.waiting[NODE] == 0  # the held pull took the message
+    assert outcome["first"] < 0.5 and outcome["still_held"]
+    assert outcome["woken"] < 0.5
+    assert flower.pulled == [NODE, NODE, NODE]
+    assert flower.waiting[NODE] == []  # the held pull took the message
+
+
+def test_a_push_that_fails_partway_wakes_every_node_it_named():
+    """Flower stores a push's messages one by one and may fail after the
+    first: the held pull of its node goes on (and finds it)."""
+    flower = FlowerStandIn()
+    middleware = LongPollMiddleware(flower, NodeBoard(), hold_seconds=5)
+
+    async def scenario() -> float:
+        await middleware(pull(NODE), None, sink)
+        held = asyncio.create_task(middleware(pull(NODE), None, sink))
+        await asyncio.sleep(0.05)
+        failed = time.monotonic()
+        await middleware(push(NODE, OTHER, fail=True), None, sink)
+        await asyncio.wait_for(held, 1)
+        return time.monotonic() - failed
+
+    assert asyncio.run(scenario()) < 0.5
+    assert flower.waiting[NODE] == []
+
+
+def test_a_superseded_held_pull_is_answered_empty_without_asking_flower():
+    flower = FlowerStandIn()
+    middleware = LongPollMiddleware(flower, NodeBoard(), hold_seconds=5)
+    answered: list[dict[str, Any]] = []
+
+    async def recording(message: dict[str, Any]) -> None:
+        answered.append(message)
+
+    async def scenario() -> None:
+        await middleware(pull(NODE), None, sink)
+        older = asyncio.create_task(middleware(pull(NODE), None, recording))
+        await asyncio.sleep(0.05)
+        newer = asyncio.create_task(middleware(pull(NODE), None, sink))
+        await asyncio.wait_for(older, 1)
+        await middleware(push(NODE), None, sink)
+        await asyncio.wait_for(newer, 1)
+
+    asyncio.run(scenario())
+    assert flower.pulled == [NODE, NODE]  # the first pull and the newer one
+    assert answered[0]["status"] == 200 and flower.waiting[NODE] == []
 
 
 def test_a_held_pull_goes_on_once_its_messages_objects_are_pushed():
     """Its message is stored with two objects missing: the pull stays held
     through the first object's push and goes on after the second's (a node
-    woken before would retry its object pulls); a node whose message lacks
-    nothing is woken by the push itself."""
+    woken before would retry its object pulls). A message whose objects
+    never came does not hold up the node's next one; a node whose message
+    lacks nothing is woken by the push itself."""
     flower = FlowerStandIn()
     board = NodeBoard()
     middleware = LongPollMiddleware(flower, board, hold_seconds=5)
 
     async def scenario() -> list[bool]:
         for node in (NODE, OTHER):
-            await middleware(pull(node), None, None)
-        held = asyncio.create_task(middleware(pull(NODE), None, None))
+            await middleware(pull(node), None, sink)
+        held = asyncio.create_task(middleware(pull(NODE), None, sink))
         await asyncio.sleep(0.05)
-        await middleware(push(NODE, missing=("array", "config")), None, None)
+        await middleware(push(NODE, missing=("msg-11", "array")), None, sink)
+        await asyncio.sleep(0.05)
         seen = [held.done()]
-        await middleware(push_object("array"), None, None)
+        await middleware(push_object("array"), None, sink)
         await asyncio.sleep(0.05)
         seen.append(held.done())
-        await middleware(push_object("config"), None, None)
+        await middleware(push_object("msg-11"), None, sink)
         await asyncio.wait_for(held, 0.5)
-        other = asyncio.create_task(middleware(pull(OTHER), None, None))
+        # OTHER: a message whose root object never comes holds its pull; the
+        # next message, complete, wakes it (it finds the first, which waits
+        # for nothing any more), and the pull after finds the second at once
+        await middleware(push(OTHER, missing=("msg-12",)), None, sink)
+        other = asyncio.create_task(middleware(pull(OTHER), None, sink))
         await asyncio.sleep(0.05)
-        await middleware(push(OTHER), None, None)
+        seen.append(other.done())
+        await middleware(push(OTHER), None, sink)
         await asyncio.wait_for(other, 0.5)
+        await asyncio.wait_for(middleware(pull(OTHER), None, sink), 0.5)
         return seen
 
-    assert asyncio.run(scenario()) == [False, False]
-    assert not board.missing and flower.waiting == {NODE: 0, OTHER: 0}
+    assert asyncio.run(scenario()) == [False, False, False]
+    assert not board.incomplete and not board.awaited
+    assert flower.waiting == {NODE: [], OTHER: []}
 
 
 @pytest.mark.parametrize("value", ["-1", "0.5", "26", "ten"])

@@ -186,20 +186,30 @@ def test_poll_clock_waits_the_interval_after_a_message_then_a_share_of_the_wait(
 
 
 def test_a_pull_the_superlink_held_counts_as_waited(monkeypatch):
-    """By hand, poll 0.1 s: 1 s after a message a 3 s sleep lasts 0.1 s, less
-    the time since the previous sleep ended: 0.06 s after a pull answered
-    in 0.04 s; none after a pull a `pollen superlink` held for 20 s (the
-    sleep would last 0.05 x 21 = 1.05 s)."""
+    """By hand, poll 0.1 s: an empty pull held 20 s (at least
+    HELD_PULL_SECONDS) leaves nothing of the next sleep (it would last
+    0.05 x 21 = 1.05 s); one answered in 0.04 s leaves the whole 0.1 s, as
+    does one that found a message."""
     fake = FakeTime()
     monkeypatch.setattr(flower_waits, "time", fake)
     clock = flower_waits.PollClock(0.1, share=0.05)
+
+    def pull_taking(seconds: float, found: int | None = None):
+        def step() -> int | None:
+            fake.now += seconds
+            return found
+
+        return flower_waits.NotingMessages(step, clock, pull=True)
+
     clock.last_message = fake.now - 1
-    fake.now += 0.04
+    pull_taking(20)()
     clock.sleep(3)
-    assert fake.slept == [pytest.approx(0.06)]
-    fake.now += 20
+    pull_taking(0.04)()
+    clock.last_message = fake.now - 1
     clock.sleep(3)
-    assert fake.slept[-1] == 0.0
+    pull_taking(20, found=7)()
+    clock.sleep(3)
+    assert fake.slept == [0.0, 0.1, 0.1]
 
 
 def test_the_clock_restarts_after_a_message_pulled_or_a_reply_pushed(monkeypatch):
