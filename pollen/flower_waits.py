@@ -270,17 +270,23 @@ def shorten_serverapp_pulls(poll_seconds: float = POLL_SECONDS) -> bool:
     return True
 
 
-def poll_interval(text: str) -> float:
-    """An argparse type: seconds, 0 (Flower's own waits) or 0.01 to 3."""
+def seconds_or_flowers(text: str, low: float, high: float, zero: str) -> float:
+    """`text` as seconds from `low` to `high`, or 0 (`zero`: what Flower
+    then does itself); else argparse's error, which says both."""
     try:
         seconds = float(text)
     except ValueError:
         seconds = -1.0
-    if seconds != 0 and not 0.01 <= seconds <= 3:
+    if seconds != 0 and not low <= seconds <= high:
         raise argparse.ArgumentTypeError(
-            f"{text!r}: expected seconds from 0.01 to 3, or 0 for Flower's own waits"
+            f"{text!r}: expected seconds from {low:g} to {high:g}, or 0 for {zero}"
         )
     return seconds
+
+
+def poll_interval(text: str) -> float:
+    """An argparse type: seconds, 0 (Flower's own waits) or 0.01 to 3."""
+    return seconds_or_flowers(text, 0.01, 3, "Flower's own waits")
 
 
 def add_poll_interval(parser: argparse.ArgumentParser) -> None:

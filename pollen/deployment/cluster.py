@@ -428,8 +428,8 @@ def up(
     stays idle (0: `flower-supernode`, with Flower's 3 s idle sleep and 0.5 s
     reply checks). The SuperLink is `pollen superlink`, which holds a
     node's pull that finds nothing up to `pull_hold` seconds, until a
-    message for the node is pushed (0: `flower-superlink`, which answers at
-    once). The nodes share this machine's CPUs: each
+    message for the node and its objects are pushed (0: `flower-superlink`,
+    which answers at once). The nodes share this machine's CPUs: each
     ClientApp gets CPUs / `num_nodes` torch threads (at least 1), as the
     simulation gives each client its share, unless OMP_NUM_THREADS is set.
 

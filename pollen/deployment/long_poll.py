@@ -59,6 +59,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..flower_patches import SUPERLINK_LONG_POLL, guard
+from ..flower_waits import seconds_or_flowers
 
 PULL_HOLD_SECONDS = 20.0
 # Flower's SuperNode gives up on an answer after 30 s (its HTTP client's
@@ -323,16 +324,7 @@ def _release_on_exit(server: type, board: NodeBoard) -> None:
 def pull_hold(text: str) -> float:
     """An argparse type: seconds, 0 (Flower's own pulls) or 1 to
     `MAX_PULL_HOLD_SECONDS`."""
-    try:
-        seconds = float(text)
-    except ValueError:
-        seconds = -1.0
-    if seconds != 0 and not 1 <= seconds <= MAX_PULL_HOLD_SECONDS:
-        raise argparse.ArgumentTypeError(
-            f"{text!r}: expected seconds from 1 to {MAX_PULL_HOLD_SECONDS:g} (Flower's "
-            "SuperNode waits 30 s for an answer), or 0 for Flower's own pulls"
-        )
-    return seconds
+    return seconds_or_flowers(text, 1, MAX_PULL_HOLD_SECONDS, "Flower's own pulls")
 
 
 def add_pull_hold(parser: argparse.ArgumentParser) -> None:
