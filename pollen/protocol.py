@@ -70,6 +70,8 @@ EFFECTIVE_STEPS = "effective-steps"
 UPDATE_NORM = "update-norm"  # central DP: the client's update norm before clipping
 DP_EPSILON = "dp-epsilon"  # the privacy spent so far (DP-SGD)
 DP_NOISE_MULTIPLIER = "dp-noise-multiplier"
+DP_SAMPLE_RATE = "dp-sample-rate"  # q, each example's chance to be in a batch
+DP_STEPS = "dp-steps"  # DP-SGD steps taken over every round so far
 PERSONAL_METRICS = ("global-accuracy", "global-loss", "local-accuracy", "local-loss")
 
 

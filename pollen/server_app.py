@@ -49,6 +49,7 @@ from .runs.results import (
     create_run_dir,
     default_run_name,
     plot_curves,
+    privacy_line,
     read_history,
     summarize,
 )
@@ -98,14 +99,19 @@ def _run(grid: Grid, context: Context, started: float, stop: StopSignal) -> None
         run_name, settings.strategy, settings.data_set, settings.rounds
     )
     tracker: Tracker = NoTracker()
+    recorder: RoundRecorder | None = None
     try:
         tracker = open_tracker(settings, run_dir, run_name, history)
-        _train(grid, run, tracker, stop)
+        recorder = RoundRecorder(
+            settings, history, run_dir, notifier, run_name, tracker
+        )
+        _train(grid, run, recorder, stop)
     except BaseException as err:
         status = "interrupted" if stop.asked else "failed"
         summary = summarize(
-            history, status, run.elapsed(), _reason(err), settings.run_token
-        )
+            history, status, run.elapsed(), _reason(err), settings.run_token,
+            recorder.privacy() if recorder else None,
+        )  # fmt: skip
         # a resume that fails before its first round leaves the run as it was
         if len(history) > restored or not (run_dir / "summary.json").exists():
             write_json(run_dir / "summary.json", summary)
@@ -117,7 +123,7 @@ def _run(grid: Grid, context: Context, started: float, stop: StopSignal) -> None
             return
         _tell_failure(notifier, run_name, err)
         raise
-    _completed(run, tracker)
+    _completed(run, tracker, recorder.privacy())
 
 
 def _open(settings: Settings, notifier: Notifier, started: float) -> _OpenRun:
@@ -142,13 +148,21 @@ def _open(settings: Settings, notifier: Notifier, started: float) -> _OpenRun:
     return _OpenRun(settings, run_dir, run_name, checkpoint, history, notifier, elapsed)
 
 
-def _completed(run: _OpenRun, tracker: Tracker) -> None:
-    """A run that finished every round: its summary, tracker and notification."""
+def _completed(
+    run: _OpenRun, tracker: Tracker, privacy: dict[str, object] | None
+) -> None:
+    """A run that finished every round: its summary (with the privacy spent
+    under every accountant, under DP), tracker and notification."""
     history, settings = run.history, run.settings
     write_json(
         run.run_dir / "summary.json",
-        summarize(history, "completed", run.elapsed(), run_token=settings.run_token),
-    )
+        summarize(
+            history, "completed", run.elapsed(), run_token=settings.run_token,
+            privacy=privacy,
+        ),
+    )  # fmt: skip
+    if privacy:
+        print(privacy_line(privacy), flush=True)
     tracker.finish(run.run_dir, "completed")
     last = history[-1] if history else None
     run.notifier.run_finished(
@@ -225,7 +239,9 @@ class _OpenRun:
         return self.checkpoint.round if self.checkpoint else 0
 
 
-def _train(grid: Grid, run: _OpenRun, tracker: Tracker, stop: StopSignal) -> None:
+def _train(
+    grid: Grid, run: _OpenRun, recorder: RoundRecorder, stop: StopSignal
+) -> None:
     """Assemble the run's parts, play its rounds (or versions), save the model."""
     settings, run_dir = run.settings, run.run_dir
     simulation = isinstance(grid, InMemoryGrid)  # no public API tells: see docs
@@ -239,9 +255,6 @@ def _train(grid: Grid, run: _OpenRun, tracker: Tracker, stop: StopSignal) -> Non
     parts = ServerParts(strategy, personal, PlateauSchedule.from_settings(settings))
     arrays = ArrayRecord({k: v.clone() for k, v in model.state_dict().items()})
     evaluation = GlobalEvaluation(settings, data.dataset, model.to(device), device)
-    recorder = RoundRecorder(
-        settings, run.history, run_dir, run.notifier, run.name, tracker
-    )
     if run.checkpoint is not None:
         entries = {k: tuple(v.shape) for k, v in model.state_dict().items()}
         arrays = parts.restore(run.checkpoint, entries, settings.model)

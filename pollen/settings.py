@@ -51,6 +51,7 @@ from .catalog import (
     Scalar,
     load,
 )
+from .common.accountants import ACCOUNTANTS
 from .common.attackers import attack_problem, attacking, parse_clients
 from .common.partition_sizes import split_problem
 from .extensions import (
@@ -298,6 +299,13 @@ class Settings:
     )
     dp_delta: float = key(1e-5, "privacy parameter delta", open_fraction())
     dp_max_grad_norm: float = key(1.0, "per-sample gradient clipping bound C", above(0))
+    accountant: str = key(
+        "rdp",
+        "privacy accountant of DP-SGD and central DP: it calibrates the noise and "
+        "counts the budget (rdp: Renyi DP; prv, pld: near-exact, less noise for "
+        "the same epsilon); the summary gives every accountant's epsilon",
+        one_of(*ACCOUNTANTS),
+    )
     # Central (user-level) DP: clip each client's update, noise on the server
     central_dp: str = key(
         "off",

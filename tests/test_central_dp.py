@@ -1,6 +1,7 @@
 """Central (user-level) DP: clipping, the fixed denominator and the noise
 by hand; Flower's DP wrappers on the same replies; the adaptive clip norm;
-the accountant against an independent one and the exact epsilon."""
+the noise calibrated under each accountant (the accountants themselves:
+tests/test_accountants.py)."""
 
 from __future__ import annotations
 
@@ -14,9 +15,6 @@ from flwr.serverapp.strategy import (
     FedAvg,
 )
 from flwr.supercore.differential_privacy import compute_adaptive_noise_params
-from opacus.accountants import PRVAccountant
-from scipy.optimize import brentq
-from scipy.stats import norm
 
 from pollen.common.clipping import clipped_reply
 from pollen.protocol import UPDATE_NORM
@@ -152,38 +150,6 @@ def test_client_side_clipping_and_its_reported_norm() -> None:
     assert dp(updates, current).report["unclipped"] == 0.5
 
 
-def exact_epsilon(z: float, releases: int, delta: float) -> float:
-    """The exact epsilon of `releases` Gaussian mechanisms of multiplier z:
-    together one Gaussian mechanism of mu = sqrt(T) / z, whose delta(eps) =
-    Phi(-eps/mu + mu/2) - e^eps Phi(-eps/mu - mu/2) (Balle & Wang 2018)."""
-    mu = math.sqrt(releases) / z
-
-    def gap(eps: float) -> float:
-        return (
-            norm.cdf(-eps / mu + mu / 2)
-            - math.exp(eps) * norm.cdf(-eps / mu - mu / 2)
-            - delta
-        )
-
-    return brentq(gap, 0.0, 500.0)
-
-
-@pytest.mark.parametrize(("z", "releases"), [(1.0, 10), (2.0, 50), (0.8, 3)])
-def test_accountant_against_prv_and_the_exact_epsilon(z: float, releases: int) -> None:
-    """pollen's RDP epsilon is an upper bound of the exact one, within 15 %;
-    Opacus's PRV accountant (an independent, numerical method) is within 1 %
-    of exact."""
-    delta = 1e-5
-    exact = exact_epsilon(z, releases, delta)
-    prv = PRVAccountant()
-    for _ in range(releases):
-        prv.step(noise_multiplier=z, sample_rate=1.0)
-    assert prv.get_epsilon(delta=delta) == pytest.approx(exact, rel=0.01)
-    ours = epsilon_spent(z, releases, delta)
-    assert exact <= ours <= 1.15 * exact
-    assert epsilon_spent(z, 0, delta) == 0.0
-
-
 def test_state_survives_a_checkpoint() -> None:
     dp = mechanism(adaptive=True, count_noise=1.0)
     dp(
@@ -243,3 +209,20 @@ def test_central_epsilon_calibrates_the_noise_for_the_planned_rounds() -> None:
     dp = CentralDP.from_settings(settings)
     assert 2.95 <= epsilon_spent(dp.z, 20, 1e-5) <= 3.0
     assert epsilon_spent(dp.z * 2, 20, 1e-5) < 1.5
+
+
+def test_a_tighter_accountant_calibrates_less_noise_and_counts_with_itself() -> None:
+    """Under PLD the same budget needs less noise than under RDP, the
+    mechanism counts its releases with PLD, and its report carries what
+    the summary needs to count them under every accountant."""
+    run = {"central-dp": "fixed", "central-epsilon": 3.0, "rounds": 20, "model": "mlp"}
+    rdp = CentralDP.from_settings(Settings.from_run_config(run))
+    pld = CentralDP.from_settings(
+        Settings.from_run_config({**run, "accountant": "pld"})
+    )
+    assert pld.z < 0.97 * rdp.z
+    assert 2.97 <= epsilon_spent(pld.z, 20, 1e-5, "pld") <= 3.0
+    pld.rng = NoNoise()
+    report = pld([update(0, [1.0, 0.0])], {"w": np.zeros(2)}).report
+    assert report["releases"] == 1 and report["noise-multiplier"] == pld.z
+    assert report["epsilon"] == pytest.approx(epsilon_spent(pld.z, 1, 1e-5, "pld"))

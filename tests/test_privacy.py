@@ -17,7 +17,14 @@ from opacus.accountants.utils import get_noise_multiplier
 from torch import nn
 
 from pollen import client_app
-from pollen.protocol import CLIENT, DP_EPSILON, DP_NOISE_MULTIPLIER, dp_steps_key
+from pollen.protocol import (
+    CLIENT,
+    DP_EPSILON,
+    DP_NOISE_MULTIPLIER,
+    DP_SAMPLE_RATE,
+    DP_STEPS,
+    dp_steps_key,
+)
 from pollen.settings import Settings
 from pollen.task import train as train_module
 from pollen.task.models import build_model
@@ -176,6 +183,8 @@ def test_privacy_ledger_counts_steps_across_rounds_in_state() -> None:
         assert ledger.metrics() == {
             DP_EPSILON: p.epsilon_after(spent),
             DP_NOISE_MULTIPLIER: p.noise_multiplier,
+            DP_SAMPLE_RATE: 0.1,
+            DP_STEPS: spent,
         }
     assert PrivacyLedger.load(context, 4, p).steps == 0  # another client's
 
@@ -351,16 +360,21 @@ def test_client_app_accounts_epsilon_per_client_across_rounds() -> None:
     assert 0 < first["dp-epsilon"] < second["dp-epsilon"] < settings["dp-epsilon"]
     # no loss on the private batches leaves the client; the training time
     # does (the simulated clock's), as the reply's own arrival would show it,
-    # and so do its steps (FedNova's; fixed by the shard size, as above)
+    # and so do its steps (FedNova's; fixed by the shard size, as above) and
+    # what its epsilon counts (q and the DP-SGD steps so far: public, as sigma)
     assert set(first) == {
         "num-examples",
         "dp-epsilon",
         "dp-noise-multiplier",
+        "dp-sample-rate",
+        "dp-steps",
         "train-seconds",
         "local-steps",
         "effective-steps",
     }
     assert first["local-steps"] == per_round
+    assert (first["dp-sample-rate"], first["dp-steps"]) == (q, per_round)
+    assert second["dp-steps"] == 2 * per_round
     assert context.state["dp-steps-1"]["steps"] == 2 * per_round
     assert context.state["dp-steps-0"]["steps"] == steps_per_round(other)
     for metrics, steps in ((first, per_round), (second, 2 * per_round)):

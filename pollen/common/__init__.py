@@ -3,7 +3,7 @@
 These modules sit below every other pollen package (they import only the
 standard library, NumPy, Flower's record types and the catalogue): the
 update's clipping to a norm bound, a client's effective local steps,
-central DP's noise calibration, a link's shape, the partition arithmetic
+privacy accountants (epsilon and noise calibration), a link's shape, the partition arithmetic
 `Settings` checks, which clients attack, what one run-config value may be,
 the line that says a user's slow code is still running, a few names of a
 long list.

@@ -7,7 +7,9 @@ the history (a run that dies keeps every finished round), prints the round's
 console lines, sends a notification when one is due, and hands the row to
 the run's tracker (`pollen.runs.tracking`: TensorBoard or MLflow, when
 asked for). Under DP-SGD it keeps each client's reported epsilon and records
-the largest: the privacy the federation has spent so far. A run that stays
+the largest: the privacy the federation has spent so far; at the end,
+`privacy` gives that client's releases (and central DP's) under every
+accountant, for the summary. A run that stays
 at chance accuracy while its test loss rises is warned once, with the
 likely cause (before anything is non-finite, which stops the run).
 """
@@ -19,8 +21,9 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
+from ..common.accountants import epsilons
 from ..extensions import data_set_info
-from ..protocol import DP_EPSILON
+from ..protocol import DP_EPSILON, DP_NOISE_MULTIPLIER, DP_SAMPLE_RATE, DP_STEPS
 from ..settings import Settings
 from ..strategies.round import RoundOutcome
 from .evaluation import divergence_hint
@@ -62,6 +65,8 @@ class RoundRecorder:
         self.notifier = notifier
         self.run_name = run_name
         self.dp_epsilon: dict[int, float] = {}
+        # each DP-SGD client's last report: noise multiplier, sample rate, steps
+        self.dp_releases: dict[int, tuple[float, float, int]] = {}
         self._last = time.monotonic()
         self._warned_stall = False
         self.tracker = tracker or NoTracker()
@@ -148,4 +153,45 @@ class RoundRecorder:
             if isinstance(epsilon, float):
                 spent = self.dp_epsilon.get(update.client, 0.0)
                 self.dp_epsilon[update.client] = max(spent, epsilon)
+                releases = [update.metrics.get(k) for k in _RELEASE_METRICS]
+                if all(isinstance(v, int | float) for v in releases):
+                    z, q, steps = releases
+                    self.dp_releases[update.client] = (z, q, int(steps))
         return max(self.dp_epsilon.values()) if self.dp_epsilon else None
+
+    def privacy(self) -> dict[str, object] | None:
+        """The privacy spent, under every accountant (`summary.json`'s
+        `privacy`; None without DP): DP-SGD's for the client that spent
+        most, central DP's for every release so far. Each accountant takes
+        up to a second here, once a run."""
+        settings = self.settings
+        spent: dict[str, object] = {}
+        if self.dp_releases:
+            client = max(self.dp_releases, key=lambda c: self.dp_epsilon[c])
+            z, q, steps = self.dp_releases[client]
+            spent["example-level"] = {
+                "client": client, "noise-multiplier": z, "sample-rate": q,
+                "steps": steps, "epsilon": epsilons(
+                    noise_multiplier=z, sample_rate=q, steps=steps,
+                    delta=settings.dp_delta,
+                ),
+            }  # fmt: skip
+        central = next(
+            (r.aggregation for r in reversed(self.history)
+             if "releases" in r.aggregation),
+            None,
+        )  # fmt: skip
+        if central:
+            z, releases = central["noise-multiplier"], int(central["releases"])
+            spent["user-level"] = {
+                "noise-multiplier": z, "releases": releases, "epsilon": epsilons(
+                    noise_multiplier=z, sample_rate=1.0, steps=releases,
+                    delta=settings.dp_delta,
+                ),
+            }  # fmt: skip
+        if not spent:
+            return None
+        return {"accountant": settings.accountant, "delta": settings.dp_delta, **spent}
+
+
+_RELEASE_METRICS = (DP_NOISE_MULTIPLIER, DP_SAMPLE_RATE, DP_STEPS)

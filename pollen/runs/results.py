@@ -214,9 +214,12 @@ def summarize(
     seconds: float,
     error: str | None = None,
     run_token: str = "",
+    privacy: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """What `summary.json` holds: the outcome in a few numbers, and the token
-    of the command that claimed the run's directory (`pollen.runs.claim`)."""
+    """What `summary.json` holds: the outcome in a few numbers, the privacy
+    spent under every accountant (`RoundRecorder.privacy`, under DP), and
+    the token of the command that claimed the run's directory
+    (`pollen.runs.claim`)."""
     best = max(history, key=lambda r: r.accuracy, default=None)
     # the last personal evaluation (personal-eval-every need not divide rounds)
     personal = next((r for r in reversed(history) if r.personal), None)
@@ -240,7 +243,26 @@ def summarize(
         if personal
         else None,
         "final-personal-round": personal.round if personal else None,
+        "privacy": privacy,
     }
+
+
+def privacy_line(privacy: dict[str, Any]) -> str:
+    """The privacy spent, under every accountant, for the console:
+    "pollen: privacy spent at delta 1e-05 (rdp counts): example-level
+    epsilon 2.31 (rdp), 2.10 (prv), 2.09 (pld)"."""
+    parts = []
+    for level in ("example-level", "user-level"):
+        if level in privacy:
+            counted = ", ".join(
+                f"{'-' if e is None else f'{e:.2f}'} ({name})"
+                for name, e in privacy[level]["epsilon"].items()
+            )
+            parts.append(f"{level} epsilon {counted}")
+    return (
+        f"pollen: privacy spent at delta {privacy['delta']:g} "
+        f"({privacy['accountant']} counts): " + "; ".join(parts)
+    )
 
 
 # Two lines of `round_lines`, as a console reads progress back from them

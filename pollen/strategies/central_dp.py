@@ -31,12 +31,12 @@ the two releases together cost what one Gaussian mechanism of multiplier z
 costs (Andrew et al., Theorem 1; TensorFlow Privacy's quantile estimator
 centres the same way). With fixed clipping z_Delta = z.
 
-The privacy spent is counted per release (a round that aggregated) by
-Opacus's RDP accountant at `dp-delta`, with no amplification by sampling:
-pollen samples a fixed number of clients without replacement, and the
-accountants at hand assume Poisson sampling, so none is claimed.
-`tests/test_central_dp.py` checks that accountant against Opacus's PRV
-accountant and the exact epsilon of composed Gaussian mechanisms.
+The privacy spent is counted per release (a round that aggregated) by the
+run's `accountant` (`pollen.common.accountants`: RDP, PRV or PLD) at
+`dp-delta`, with no amplification by sampling: pollen samples a fixed number
+of clients without replacement, and the accountants at hand assume Poisson
+sampling, so none is claimed. `tests/test_accountants.py` checks each
+against its library and the exact epsilon of composed Gaussian mechanisms.
 
 Covered: the model's floating entries that travel (`problem` refuses
 BatchNorm statistics that would travel: noise would make a variance
@@ -56,8 +56,8 @@ from typing import Any
 
 import numpy as np
 
+from ..common import accountants
 from ..common.clipping import clipped
-from ..common.noise import noise_for_epsilon
 from ..extensions import model_info, part
 from ..protocol import CLIP_NORM, UPDATE_NORM
 from .aggregation import Aggregate, Arrays, ClientUpdate, Rule, mean64, normalized
@@ -78,25 +78,24 @@ def update_noise_multiplier(z: float, count_noise: float) -> float:
     return rest**-0.5
 
 
-def epsilon_spent(z: float, releases: int, delta: float) -> float:
+def epsilon_spent(
+    z: float, releases: int, delta: float, accountant: str = "rdp"
+) -> float:
     """Epsilon after `releases` Gaussian mechanisms of multiplier z at
-    `delta` (Opacus's RDP accountant, no sampling amplification)."""
-    from opacus.accountants import RDPAccountant
-
-    if releases == 0:
-        return 0.0
-    accountant = RDPAccountant()
-    accountant.history = [(z, 1.0, releases)]
-    return float(accountant.get_epsilon(delta))
+    `delta` under `accountant` (no sampling amplification)."""
+    return accountants.epsilon(
+        accountant, noise_multiplier=z, sample_rate=1.0, steps=releases, delta=delta
+    )
 
 
 def planned_noise(settings: Any) -> float:
-    """z: `central-noise-multiplier`, or calibrated to `central-epsilon` over
-    the run's `rounds`."""
+    """z: `central-noise-multiplier`, or the smallest that keeps the run's
+    `rounds` releases within `central-epsilon` under its `accountant`."""
     if settings.central_epsilon:
-        return noise_for_epsilon(
-            settings.central_epsilon, settings.rounds, settings.dp_delta
-        )
+        return accountants.noise_multiplier(
+            settings.accountant, epsilon=settings.central_epsilon,
+            delta=settings.dp_delta, sample_rate=1.0, steps=settings.rounds,
+        )  # fmt: skip
     return settings.central_noise_multiplier
 
 
@@ -115,6 +114,7 @@ class CentralDP(Rule):
         clip_lr: float = 0.2,
         count_noise: float = 0.0,
         client_clips: bool = False,
+        accountant: str = "rdp",
         rng: np.random.Generator | None = None,
     ) -> None:
         self.clip_norm = clip_norm
@@ -126,6 +126,7 @@ class CentralDP(Rule):
         self.clip_lr = clip_lr
         self.count_noise = count_noise if adaptive else 0.0
         self.client_clips = client_clips
+        self.accountant = accountant
         self.z_update = update_noise_multiplier(noise_multiplier, self.count_noise)
         self.rng = rng or np.random.default_rng()  # OS entropy: never the run's seed
         self.releases = 0
@@ -144,6 +145,7 @@ class CentralDP(Rule):
             clip_lr=settings.central_clip_lr,
             count_noise=settings.central_count_noise or n / 20,
             client_clips=settings.central_clip_on == "client",
+            accountant=settings.accountant,
         )
 
     @classmethod
@@ -206,7 +208,7 @@ class CentralDP(Rule):
     @property
     def epsilon(self) -> float:
         """The privacy spent so far (every release, at `delta`)."""
-        return epsilon_spent(self.z, self.releases, self.delta)
+        return epsilon_spent(self.z, self.releases, self.delta, self.accountant)
 
     def __call__(
         self,
@@ -249,6 +251,9 @@ class CentralDP(Rule):
             self.clip_norm *= math.exp(-self.clip_lr * (noisy + 0.5 - self.quantile))
             report["unclipped"] = noisy + 0.5  # noised: the exact share is private
         self.releases += 1
+        # what the summary needs to give every accountant's epsilon
+        report["releases"] = self.releases
+        report["noise-multiplier"] = self.z
         report["epsilon"] = self.epsilon
         return Aggregate(arrays, tuple(updates), report)
 

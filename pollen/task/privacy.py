@@ -10,10 +10,12 @@ client has spent is its `PrivacyLedger`, kept between rounds.
 Each client calibrates its own noise: with sampling rate q = batch / shard
 size and the steps the whole planned run would take it (every round x local
 epochs x 1/q steps, as if it were sampled every round), sigma is the smallest
-noise multiplier for which Opacus' RDP accountant keeps that run within
-(`dp-epsilon`, `dp-delta`). Batches are Poisson samples (each example in with
-probability q), which is what the accountant assumes. The epsilon a client
-reports is the accountant's value for the steps it has actually taken.
+noise multiplier for which the run's `accountant` (`pollen.common.accountants`:
+RDP, PRV or PLD) keeps that run within (`dp-epsilon`, `dp-delta`). Batches are
+Poisson samples (each example in with probability q), which is what the
+accountants assume. The epsilon a client reports is the accountant's value for
+the steps it has actually taken; it reports sigma, q and those steps too, so
+the summary can give every accountant's epsilon.
 
 The noise and the Poisson sampling draw from operating-system entropy, never
 from the run's seed: the server knows that seed, and noise it can regenerate
@@ -29,7 +31,6 @@ import secrets
 import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass
-from functools import cache
 from typing import TYPE_CHECKING
 
 import torch
@@ -37,7 +38,14 @@ from flwr.app import ConfigRecord, Context
 from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
-from ..protocol import DP_EPSILON, DP_NOISE_MULTIPLIER, dp_steps_key
+from ..common import accountants
+from ..protocol import (
+    DP_EPSILON,
+    DP_NOISE_MULTIPLIER,
+    DP_SAMPLE_RATE,
+    DP_STEPS,
+    dp_steps_key,
+)
 from .local_run import LocalRun, Outcome
 from .objectives import LocalObjective
 from .train import (
@@ -54,10 +62,8 @@ if TYPE_CHECKING:
     from ..settings import Settings
 
 DP_ALTERNATIVE = "cnn-gn"
-# Opacus' advice when the best RDP order is the largest one tried (large
-# epsilon), and torch's note that a frozen first layer's input needs no
-# gradient: both expected here, neither actionable by a user.
-warnings.filterwarnings("ignore", message="Optimal order is the largest alpha")
+# torch's note that a frozen first layer's input needs no gradient: expected
+# here, nothing a user can act on.
 warnings.filterwarnings("ignore", message="Full backward hook is firing")
 
 
@@ -70,6 +76,7 @@ class PrivacyPlan:
     max_grad_norm: float
     delta: float
     steps_per_round: int
+    accountant: str = "rdp"
 
     @classmethod
     def calibrate(
@@ -82,11 +89,17 @@ class PrivacyPlan:
         batch_size: int,
         local_epochs: int,
         rounds: int,
+        accountant: str = "rdp",
     ) -> PrivacyPlan:
         sample_rate = min(1.0, batch_size / shard_size)
         steps_per_round = local_epochs * max(1, round(1 / sample_rate))
-        sigma = _noise_multiplier(epsilon, delta, sample_rate, rounds * steps_per_round)
-        return cls(sigma, sample_rate, max_grad_norm, delta, steps_per_round)
+        sigma = accountants.noise_multiplier(
+            accountant, epsilon=epsilon, delta=delta, sample_rate=sample_rate,
+            steps=rounds * steps_per_round,
+        )  # fmt: skip
+        return cls(
+            sigma, sample_rate, max_grad_norm, delta, steps_per_round, accountant
+        )
 
     @classmethod
     def from_settings(cls, settings: Settings, shard_size: int) -> PrivacyPlan:
@@ -95,35 +108,15 @@ class PrivacyPlan:
         return cls.calibrate(
             epsilon=s.dp_epsilon, delta=s.dp_delta, max_grad_norm=s.dp_max_grad_norm,
             shard_size=shard_size, batch_size=s.batch_size,
-            local_epochs=s.local_epochs, rounds=s.rounds,
+            local_epochs=s.local_epochs, rounds=s.rounds, accountant=s.accountant,
         )  # fmt: skip
 
     def epsilon_after(self, steps: int) -> float:
         """The epsilon spent after `steps` DP-SGD steps under this plan."""
-        if steps == 0:
-            return 0.0
-        from opacus.accountants import RDPAccountant
-
-        accountant = RDPAccountant()
-        accountant.history = [(self.noise_multiplier, self.sample_rate, steps)]
-        return float(accountant.get_epsilon(self.delta))
-
-
-@cache
-def _noise_multiplier(
-    epsilon: float, delta: float, sample_rate: float, steps: int
-) -> float:
-    """Opacus' calibration (a search over sigma, about a second): once per
-    client and process, not every round."""
-    from opacus.accountants.utils import get_noise_multiplier
-
-    return get_noise_multiplier(
-        target_epsilon=epsilon,
-        target_delta=delta,
-        sample_rate=sample_rate,
-        steps=steps,
-        accountant="rdp",
-    )
+        return accountants.epsilon(
+            self.accountant, noise_multiplier=self.noise_multiplier,
+            sample_rate=self.sample_rate, steps=steps, delta=self.delta,
+        )  # fmt: skip
 
 
 def check_private_model(model: nn.Module, name: str) -> None:
@@ -258,11 +251,14 @@ class PrivacyLedger:
     def save(self, context: Context, client: int) -> None:
         context.state[dp_steps_key(client)] = ConfigRecord({"steps": self.steps})
 
-    def metrics(self) -> dict[str, float]:
-        """The epsilon spent so far and the run's noise multiplier."""
+    def metrics(self) -> dict[str, float | int]:
+        """The epsilon spent so far, and what it counts: the run's noise
+        multiplier, the sampling rate and the steps taken."""
         return {
             DP_EPSILON: self.plan.epsilon_after(self.steps),
             DP_NOISE_MULTIPLIER: self.plan.noise_multiplier,
+            DP_SAMPLE_RATE: self.plan.sample_rate,
+            DP_STEPS: self.steps,
         }
 
 
