@@ -9,7 +9,8 @@ by `pollen.api` (the same functions a Python user calls: `pollen.run`,
 `pollen.deployment.superexec`, `pollen supernode` by
 `pollen.deployment.supernode`, the grids by `pollen.experiments.compare`
 (tables and plots: `pollen.experiments.report`),
-`pollen centralized` by `pollen.experiments.centralized`, `pollen list` and
+`pollen centralized` by `pollen.experiments.centralized`, `pollen audit` by
+`pollen.audit.run`, `pollen list` and
 `pollen config` by `pollen.listing`. An expected error
 is printed as one line and ends the command with the exit status
 `EXIT_CODES` gives its kind: `EXIT_BAD_INPUT` for input to fix before
@@ -27,6 +28,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from . import api, listing
+from .audit import AuditError, AuditFailed
 from .deployment import cluster, deploy_actions, superlink, supernode, warm_simulation
 from .deployment.flower import without_telemetry
 from .deployment.long_poll import add_pull_hold
@@ -43,9 +45,9 @@ RUN_CONFIG_HELP = (
     "(repeatable)"
 )
 EXIT_CODES = (
-    ((*api.BAD_INPUT, cluster.DeployRefused), EXIT_BAD_INPUT),
+    ((*api.BAD_INPUT, cluster.DeployRefused, AuditError), EXIT_BAD_INPUT),
     ((cluster.DeployError, ProcessError, NetworkError,
-      warm_simulation.WarmSimulationError), EXIT_FAILED),
+      warm_simulation.WarmSimulationError, AuditFailed), EXIT_FAILED),
 )  # fmt: skip
 EXPECTED_ERRORS = tuple(kind for kinds, _ in EXIT_CODES for kind in kinds)
 
@@ -90,6 +92,17 @@ def centralized_command(args: argparse.Namespace) -> None:
 
     app = Path(args.app).expanduser().resolve()
     centralized.run_centralized(app, args.run_config, args.epochs)
+
+
+def audit_command(args: argparse.Namespace) -> None:
+    from .audit import run  # imports torch: only this command pays
+
+    request = run.AuditRequest(
+        attack=args.attack, client=args.client, examples=args.examples,
+        iterations=args.iterations, restarts=args.restarts, seed=args.seed,
+        start=args.start, out=args.out,
+    )  # fmt: skip
+    run.run_audit(Path(args.app).expanduser().resolve(), args.run_config, request)
 
 
 def compare_command(args: argparse.Namespace) -> int:
@@ -156,6 +169,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_compare_parsers(commands)
     _add_listing_parsers(commands)
     _add_centralized_parser(commands)
+    _add_audit_parser(commands)
     return parser
 
 
@@ -266,6 +280,38 @@ def _add_centralized_parser(commands: argparse._SubParsersAction) -> None:
         "--epochs", type=int, default=None, help="default: rounds x local-epochs"
     )
     central.set_defaults(handler=centralized_command)
+
+
+def _add_audit_parser(commands: argparse._SubParsersAction) -> None:
+    """`pollen audit`: a curious server's reconstruction of a client's examples."""
+    audit = commands.add_parser(
+        "audit", help="what a curious server rebuilds of a client's examples "
+        "from what it receives (gradient inversion)",
+        description="Plays the server for one round of the run config: sends "
+        "the round's model to one client (training on its first --examples "
+        "examples), takes exactly what the server receives (shared entries, "
+        "clipped or noised as configured; under SecAgg+ the round's sum) and "
+        "attacks it; writes audit.json (PSNR and SSIM per image) and audit.png.",
+    )  # fmt: skip
+    _add_app(audit)
+    _add_run_config(audit)
+    audit.add_argument("--attack", choices=("ig", "dlg", "idlg"), default="ig",
+                       help="Inverting Gradients (default), DLG or iDLG")  # fmt: skip
+    audit.add_argument("--client", type=_int_in(0, 10**9), default=None,
+                       help="the client (default: the round's first sampled)")  # fmt: skip
+    audit.add_argument("--examples", type=_int_in(1, 64), default=1,
+                       help="the client trains on its first N examples (default 1)")  # fmt: skip
+    audit.add_argument("--iterations", type=_int_in(1, 10**6), default=None,
+                       help="optimiser iterations (default: 300 L-BFGS, 2000 for ig)")  # fmt: skip
+    audit.add_argument("--restarts", type=_int_in(1, 100), default=1,
+                       help="random restarts; the best is kept")  # fmt: skip
+    audit.add_argument("--seed", type=int, default=0, help="the dummy data's seed")
+    audit.add_argument("--from", dest="start", type=Path, default=None,
+                       metavar="RUN_DIR", help="audit the round after this run's "
+                       "newest checkpoint, with its settings (-c on top)")  # fmt: skip
+    audit.add_argument("--out", type=Path, default=None,
+                       help="output folder (default: under output-dir)")  # fmt: skip
+    audit.set_defaults(handler=audit_command)
 
 
 def _add_compare_parsers(commands: argparse._SubParsersAction) -> None:
