@@ -73,9 +73,7 @@ def assert_same_update(
     assert set(observed) == set(expected)
     for name, update in observed.items():
         scale = float(expected[name].abs().max())
-        torch.testing.assert_close(
-            update, expected[name], rtol=1e-3, atol=1e-4 * scale
-        )
+        torch.testing.assert_close(update, expected[name], rtol=1e-3, atol=1e-4 * scale)
 
 
 def test_the_view_is_one_sgd_step_on_the_clients_example(

@@ -128,6 +128,30 @@ def test_one_step_update_by_hand() -> None:
     )
 
 
+def test_a_clipped_step_by_hand() -> None:
+    """The same step with the gradient clipped to a total norm of 0.5: the
+    gradient above has norm ||b|| sqrt(1 + ||x||^2) = 0.8660 x 2.5 = 2.1651,
+    so it is scaled by 0.5 / 2.1651 (as torch's clip_grad_norm_ scales it),
+    and a bound above 2.1651 leaves it as it was."""
+    x = torch.tensor([[1.0, -2.0, 0.5]])
+    bias_gradient = torch.tensor([0.25, 0.25, -0.75, 0.25])
+    scale = 0.5 / (2.1651 + 1e-6)
+    clipped = simulated_update(
+        zero_linear(), x, torch.tensor([2]), LocalTraining(lr=0.5, max_grad_norm=0.5)
+    )
+    torch.testing.assert_close(
+        clipped["bias"], -0.5 * scale * bias_gradient, rtol=1e-4, atol=0
+    )
+    loose = simulated_update(
+        zero_linear(), x, torch.tensor([2]), LocalTraining(lr=0.5, max_grad_norm=2.3)
+    )
+    torch.testing.assert_close(loose["bias"], -0.5 * bias_gradient)
+    layer = zero_linear()
+    F.cross_entropy(layer(x), torch.tensor([2])).backward()
+    torch.nn.utils.clip_grad_norm_(list(layer.parameters()), 0.5)
+    torch.testing.assert_close(clipped["weight"], -0.5 * layer.weight.grad)
+
+
 def test_labels_from_a_hand_computed_update() -> None:
     layer = zero_linear()
     update = {"bias": -0.5 * torch.tensor([0.25, 0.25, -0.75, 0.25])}

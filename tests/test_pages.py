@@ -67,7 +67,10 @@ def test_a_measured_table_renders_as_its_section_and_its_readme_row(
 @pytest.mark.parametrize(
     ("change", "message"),
     [
-        ({"kind": "latency"}, "kind 'latency'; allowed: ['accuracy', 'privacy', 'speed']"),
+        (
+            {"kind": "latency"},
+            "kind 'latency'; allowed: ['accuracy', 'privacy', 'speed']",
+        ),
         ({"date": "28 Nov 2026"}, "allowed: YYYY-MM-DD"),
         ({"rows": [["FedAvg"]]}, "row 1 has 1 cells, the columns 2"),
         ({"rows": []}, "rows must be a non-empty list"),
