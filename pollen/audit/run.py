@@ -83,14 +83,19 @@ def run_audit(app: Path, overrides: Sequence[str], request: AuditRequest) -> Pat
     if out.exists() and any(out.iterdir()):
         raise AuditError(f"{out} is not empty; name a new folder with --out")
     out.mkdir(parents=True, exist_ok=True)
+    threads = torch.get_num_threads()
     torch.set_num_threads(1)  # a small model's steps: 50x faster than two threads here
-    with tempfile.TemporaryDirectory(prefix="pollen-audit-") as workdir:
-        view = server_view(
-            settings, client=request.client, examples=request.examples,
-            workdir=Path(workdir), checkpoint=checkpoint,
-        )  # fmt: skip
-    print(f"pollen audit: round {view.round}, the server sees {view.sees}", flush=True)
-    report = audit(view, request, out / "audit.png")
+    try:
+        with tempfile.TemporaryDirectory(prefix="pollen-audit-") as workdir:
+            view = server_view(
+                settings, client=request.client, examples=request.examples,
+                workdir=Path(workdir), checkpoint=checkpoint,
+            )  # fmt: skip
+        print(f"pollen audit: round {view.round}, the server sees {view.sees}",
+              flush=True)  # fmt: skip
+        report = audit(view, request, out / "audit.png")
+    finally:  # a Python caller's process keeps its own
+        torch.set_num_threads(threads)
     report["settings"] = settings.to_run_config()
     write_json(out / "audit.json", report)
     for line in _lines(report):
