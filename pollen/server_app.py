@@ -19,7 +19,7 @@ import io
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from logging import INFO
+from logging import INFO, WARNING
 from pathlib import Path
 
 import torch
@@ -110,7 +110,7 @@ def _run(grid: Grid, context: Context, started: float, stop: StopSignal) -> None
         status = "interrupted" if stop.asked else "failed"
         summary = summarize(
             history, status, run.elapsed(), _reason(err), settings.run_token,
-            recorder.privacy() if recorder else None,
+            _privacy_or_none(recorder),
         )  # fmt: skip
         # a resume that fails before its first round leaves the run as it was
         if len(history) > restored or not (run_dir / "summary.json").exists():
@@ -171,6 +171,16 @@ def _completed(
     )  # fmt: skip
     run.notifier.close()
     print(f"{RUN_COMPLETED} {run.run_dir}", flush=True)
+
+
+def _privacy_or_none(recorder: RoundRecorder | None) -> dict[str, object] | None:
+    """The privacy spent, for the summary of a run that failed: never an
+    error of its own that would hide the one that ended the run."""
+    try:
+        return recorder.privacy() if recorder else None
+    except Exception as err:
+        log(WARNING, "pollen: the privacy spent could not be counted: %s", err)
+        return None
 
 
 def _tell_failure(notifier: Notifier, run_name: str, err: BaseException) -> None:

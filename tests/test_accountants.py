@@ -130,6 +130,19 @@ def test_no_bound_is_none_and_a_useless_one_is_not_tightened() -> None:
     assert spent["prv"] is None and spent["pld"] is None
 
 
+def test_the_accountant_that_counts_is_always_asked(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Ten releases at z = 1 (exact epsilon about 5.6) with the bar for
+    tightening lowered below RDP's: PRV is not asked, but PLD, which
+    counted the run, is."""
+    monkeypatch.setattr(accountants, "WORTH_TIGHTENING", 5.0)
+    spent = epsilons(noise_multiplier=1.0, sample_rate=1.0, steps=10, delta=DELTA,
+                     counting="pld")  # fmt: skip
+    assert spent["rdp"] > 5.0 and spent["prv"] is None
+    assert spent["pld"] == pytest.approx(exact_epsilon(1.0, 10, DELTA), rel=0.01)
+
+
 def test_an_unknown_accountant_is_refused_with_the_allowed_ones() -> None:
     with pytest.raises(ValueError, match=r"unknown accountant .moments.*rdp, prv, pld"):
         epsilon("moments", noise_multiplier=1.0, sample_rate=1.0, steps=1, delta=DELTA)

@@ -15,9 +15,10 @@ import torch
 import torch.nn.functional as F
 
 from pollen.audit import AuditError
+from pollen.audit.inversion import simulated_update
 from pollen.audit.server_view import audit_problem, server_view
 from pollen.cli import main
-from pollen.runs.checkpoints import Checkpoint
+from pollen.runs.checkpoints import Checkpoint, save_checkpoint
 from pollen.runs.lr_schedule import SCHEDULE_KEY, PlateauSchedule
 from pollen.settings import Settings
 from pollen.task.train import Preprocess
@@ -54,7 +55,7 @@ def by_hand(view, lr: float, clip: float = 10.0) -> dict[str, torch.Tensor]:
     """-lr x the gradient of the cross-entropy on the client's example(s),
     through the dataset's normalisation, clipped to `max-grad-norm` (10 by
     default): one full-batch SGD step."""
-    prep = Preprocess(view.dataset.mean, view.dataset.std)
+    prep = Preprocess(view.mean, view.std)
     loss = F.cross_entropy(view.model(prep(view.originals, None)), view.labels.long())
     names = list(view.observed)
     params = dict(view.model.named_parameters())
@@ -191,12 +192,21 @@ def test_what_the_attacks_cannot_replay_is_refused(
     assert problem is not None and message in problem
 
 
-def test_a_client_not_sampled_is_refused(data_root: Path, tmp_path: Path) -> None:
+def test_a_client_not_sampled_or_not_in_the_run_is_refused(
+    data_root: Path, tmp_path: Path
+) -> None:
     s = settings(data_root)
-    sampled = server_view(s, client=None, examples=1, workdir=tmp_path).clients[0]
-    other = next(c for c in range(10) if c != sampled and c not in (sampled,))
+    sampled = server_view(s, client=None, examples=1, workdir=tmp_path)
+    secure = settings(
+        data_root, **{"client-frac": 0.3, "secure-aggregation": "secagg+"}
+    )
+    drawn = server_view(secure, client=None, examples=1, workdir=tmp_path).clients
+    assert sampled.clients[0] in drawn  # the same draw, one more client
+    other = next(c for c in range(10) if c not in drawn)
     with pytest.raises(AuditError, match=f"client {other} does not train in round 1"):
         server_view(s, client=other, examples=1, workdir=tmp_path)
+    with pytest.raises(AuditError, match="--client 10 is not one of the run's clients"):
+        server_view(s, client=10, examples=1, workdir=tmp_path)
 
 
 def pollen_audit(
@@ -260,3 +270,84 @@ def test_a_configuration_it_cannot_replay_fails_before_anything_trains(
     code, _, error = pollen_audit(capsys, "-c", "momentum=0.9", "--out", str(out))
     assert code == 2 and "set momentum=0" in error
     assert not out.exists()
+
+
+@pytest.mark.parametrize(
+    ("overrides", "examples"),
+    [
+        ({"model": "cnn", "batch-size": 2}, 4),  # BatchNorm, 2 shuffled batches
+        ({"batch-size": 2, "local-epochs": 2}, 8),  # 8 steps in the client's order
+        ({"normalize": False}, 2),
+    ],
+)
+def test_the_replay_on_the_true_examples_gives_the_observed_update(
+    data_root: Path, tmp_path: Path, overrides: dict, examples: int
+) -> None:
+    """What the attacks match against: the client's local training replayed
+    on its own examples (BatchNorm in train mode, the batches of the run's
+    seed, the inputs as the client normalised them) is its update."""
+    view = server_view(settings(data_root, **overrides), client=None,
+                       examples=examples, workdir=tmp_path)  # fmt: skip
+    inputs = Preprocess(view.mean, view.std)(view.originals, None)
+    view.model.train()
+    replayed = simulated_update(view.model, inputs, view.labels.long(), view.training)
+    assert_same_update(view.observed, {k: replayed[k].detach() for k in view.observed})
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        ({"head-epochs": 1, "sharing": "fedper"}, "set head-epochs=0"),
+        ({"model": "cnn-lora", "lora-dropout": 0.1}, "set lora-dropout=0"),
+        ({"model": "mobilenet", "data-set": "cifar10"}, "a model without dropout"),
+        ({"attack": "sign-flip", "attackers": 0.2}, "attack='none'"),
+    ],
+)
+def test_what_the_replay_would_get_wrong_is_refused(
+    overrides: dict, message: str
+) -> None:
+    problem = audit_problem(Settings.from_run_config({**PLAIN, **overrides}))
+    assert problem is not None and message in problem
+
+
+def test_a_dp_sgd_view_says_whose_budget_and_replays_without_clipping(
+    data_root: Path, tmp_path: Path
+) -> None:
+    view = server_view(settings(data_root, dp=True), client=None, examples=1,
+                       workdir=tmp_path)  # fmt: skip
+    assert "DP-SGD at epsilon 10 for a client of 1 example" in view.sees
+    assert view.training.max_grad_norm == 0 and view.training.order == ()
+    noise = by_hand(view, 0.1)  # the noise swamps one clipped gradient
+    cosine = sum(float((view.observed[n] * noise[n]).sum()) for n in noise)
+    assert abs(cosine) < 0.5 * math.sqrt(
+        sum(float((v**2).sum()) for v in view.observed.values())
+        * sum(float((g**2).sum()) for g in noise.values())
+    )
+
+
+def test_a_file_as_out_a_bad_checkpoint_and_a_failed_audit_exit_2_leaving_nothing(
+    data_root: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    a_file = tmp_path / "a-file"
+    a_file.write_text("")
+    code, _, error = pollen_audit(
+        capsys, "-c", run_config(data_root), "--out", str(a_file)
+    )
+    assert code == 2 and "is a file" in error
+    out = tmp_path / "never"
+    code, _, error = pollen_audit(
+        capsys, "-c", run_config(data_root), "--client", "10", "--out", str(out)
+    )
+    assert code == 2 and "is not one of the run's clients" in error
+    assert not out.exists()
+    s = settings(data_root)
+    model = server_view(s, client=None, examples=1, workdir=tmp_path).model
+    state = {k: v.detach().numpy() for k, v in model.state_dict().items()}
+    run_dir = tmp_path / "run"
+    save_checkpoint(
+        run_dir, Checkpoint(2, state, {}, {"settings": s.to_run_config()}), 1
+    )
+    code, _, error = pollen_audit(
+        capsys, "--from", str(run_dir), "-c", "model='mlp'", "--out", str(out)
+    )
+    assert code == 2 and "mlp" in error and not out.exists()

@@ -31,10 +31,10 @@ this is gradient matching up to the factor -lr; for T > 1 it is Geiping et
 al.'s attack on federated averaging (section 5). Every trained parameter
 moves in the simulation; only the observed entries are compared.
 
-The model is put in eval mode for the attack (BatchNorm uses its running
-statistics, dropout is off) and given back in the modes it had; a client
-that trained in train mode normalised with its batch's statistics instead,
-which the simulation does not reproduce.
+The model is put in train mode for the attack, as the client trains it
+(BatchNorm normalises with each batch's statistics, on copies of its
+buffers), and given back in the modes it had. Dropout would draw masks the
+replay cannot know: `pollen audit` refuses models with it.
 """
 
 from __future__ import annotations
@@ -67,7 +67,9 @@ class LocalTraining:
     dummy examples, and their updates are summed (divide the observed mean
     of an aggregate by k yourself, or use "ig", which ignores scale). Where
     `max_grad_norm` > 0 each step's gradient is clipped to that total L2
-    norm first, as `torch.nn.utils.clip_grad_norm_` clips it.
+    norm first, as `torch.nn.utils.clip_grad_norm_` clips it. Where the
+    server knows each client's batches (`order`), they replace the fixed
+    order.
     """
 
     lr: float
@@ -75,6 +77,10 @@ class LocalTraining:
     batch_size: int | None = None
     clients: int = 1
     max_grad_norm: float = 0.0
+    # each client's steps as the indices of its examples (within its share),
+    # where the server knows them (pollen's shuffle is seeded by the run's
+    # seed); empty: the fixed order above
+    order: tuple[tuple[tuple[int, ...], ...], ...] = ()
 
     def __post_init__(self) -> None:
         if not self.lr > 0:
@@ -92,6 +98,14 @@ class LocalTraining:
             raise ValueError(
                 f"max_grad_norm must be 0 (none) or positive, not {self.max_grad_norm}"
             )
+        if self.order and (
+            len(self.order) != self.clients
+            or any(len(steps) != self.steps for steps in self.order)
+        ):
+            raise ValueError(
+                f"order must give each of the {self.clients} clients its "
+                f"{self.steps} steps' examples"
+            )
 
     def clipped(
         self, grads: Sequence[torch.Tensor | None]
@@ -105,8 +119,11 @@ class LocalTraining:
         scale = (self.max_grad_norm / (norm + 1e-6)).clamp(max=1.0)
         return [None if g is None else g * scale for g in grads]
 
-    def batches(self, examples: int) -> Iterator[slice]:
-        """One client's batch for each step, over its `examples` examples."""
+    def batches(self, examples: int, client: int = 0) -> Iterator[slice | list[int]]:
+        """`client`'s batch for each step, over its `examples` examples."""
+        if self.order:
+            yield from (list(step) for step in self.order[client])
+            return
         size = self.batch_size or examples
         per_pass = math.ceil(examples / size)
         for step in range(self.steps):
@@ -169,17 +186,20 @@ def simulated_update(
     trained on (`inputs`, `targets`) as `training` says; differentiable in
     both (the gradients are taken with create_graph). `targets` holds class
     indices (n,) or class probabilities (n, classes). The model runs in the
-    mode it is in (`reconstruct` puts it in eval mode)."""
+    mode it is in (`reconstruct` puts it in train mode, as the client
+    trained: BatchNorm normalises with each batch's statistics); its
+    buffers are copied for each client, so running statistics the replay
+    updates never reach the model."""
     start = _trained(model)
-    buffers = dict(model.named_buffers())
     share = len(inputs) // training.clients
     total = {name: torch.zeros_like(value) for name, value in start.items()}
     for client in range(training.clients):
         mine = slice(client * share, (client + 1) * share)
+        buffers = {name: value.clone() for name, value in model.named_buffers()}
         theta = {
             name: value.requires_grad_() for name, value in _trained(model).items()
         }
-        for batch in training.batches(share):
+        for batch in training.batches(share, client):
             logits = functional_call(
                 model, {**buffers, **theta}, (inputs[mine][batch],)
             )
@@ -256,7 +276,7 @@ def reconstruct(
     )
     generator = torch.Generator().manual_seed(seed)
     runs = []
-    with _eval_mode(model):
+    with _mode(model, train=True):
         classes = _output_width(model, input_shape, device)
         if attack != "dlg":
             labels = infer_labels(observed, model, count).to(device)
@@ -455,16 +475,19 @@ def _join(module: str, parameter: str) -> str:
 def _output_width(
     model: nn.Module, input_shape: tuple[int, ...], device: torch.device
 ) -> int:
-    """The number of classes: the width of the model's output."""
-    with torch.no_grad():
+    """The number of classes: the width of the model's output (in eval
+    mode: a batch of one leaves BatchNorm's statistics alone)."""
+    with _mode(model, train=False), torch.no_grad():
         return int(model(torch.zeros((1, *input_shape), device=device)).shape[-1])
 
 
 @contextmanager
-def _eval_mode(model: nn.Module) -> Iterator[None]:
-    """`model` in eval mode, each module's own mode restored after."""
+def _mode(model: nn.Module, train: bool) -> Iterator[None]:
+    """`model` in train (or eval) mode, each module's own mode restored
+    after. The attacks run in train mode, as the client trains; the model's
+    buffers are never written (`simulated_update` replays on copies)."""
     modes = [(module, module.training) for module in model.modules()]
-    model.eval()
+    model.train(train)
     try:
         yield
     finally:

@@ -17,8 +17,9 @@ from __future__ import annotations
 
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -31,7 +32,7 @@ from ..settings import Settings
 from . import AuditError
 from .images import pair_up, psnr, ssim, write_picture
 from .inversion import ATTACKS, reconstruct
-from .server_view import ServerView, audit_problem, server_view
+from .server_view import ServerView, server_view
 
 # Optimiser iterations by default: L-BFGS's for DLG and iDLG (each up to 1.25
 # evaluations), Adam's for Inverting Gradients (Geiping et al. ran 4,800
@@ -64,12 +65,13 @@ class AuditRequest:
         ):  # fmt: skip
             if value < least:
                 raise AuditError(f"{flag} must be at least {least}, not {value}")
-        if self.out is not None and self.out.exists() and any(self.out.iterdir()):
-            raise AuditError(f"--out {self.out} is not empty; name a new folder")
+        if self.out is not None:
+            _check_out(self.out)
 
 
 def run_audit(app: Path, overrides: Sequence[str], request: AuditRequest) -> Path:
-    """`pollen audit`: validate, attack, score, write; the output folder."""
+    """`pollen audit`: validate, attack, score, write; the output folder,
+    created only once there is something to write in it."""
     request.check()
     checkpoint = None
     if request.start is not None:  # the run as it was, then any -c on top
@@ -77,12 +79,8 @@ def run_audit(app: Path, overrides: Sequence[str], request: AuditRequest) -> Pat
         recorded = Settings.from_run_config(checkpoint.extra["settings"])
         overrides = [config_string(recorded), *overrides]
     settings = resolve_settings(app, overrides)
-    if problem := audit_problem(settings):
-        raise AuditError(problem)
     out = request.out or Path(settings.output_dir) / _default_name(settings, request)
-    if out.exists() and any(out.iterdir()):
-        raise AuditError(f"{out} is not empty; name a new folder with --out")
-    out.mkdir(parents=True, exist_ok=True)
+    _check_out(out)
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # a small model's steps: 50x faster than two threads here
     try:
@@ -90,13 +88,16 @@ def run_audit(app: Path, overrides: Sequence[str], request: AuditRequest) -> Pat
             view = server_view(
                 settings, client=request.client, examples=request.examples,
                 workdir=Path(workdir), checkpoint=checkpoint,
+                client_app=client_app_reference(app),
             )  # fmt: skip
         print(f"pollen audit: round {view.round}, the server sees {view.sees}",
               flush=True)  # fmt: skip
-        report = audit(view, request, out / "audit.png")
+        report, picture = audit(view, request)
     finally:  # a Python caller's process keeps its own
         torch.set_num_threads(threads)
     report["settings"] = settings.to_run_config()
+    out.mkdir(parents=True, exist_ok=True)
+    picture(out / "audit.png")
     write_json(out / "audit.json", report)
     for line in _lines(report):
         print(line, flush=True)
@@ -104,11 +105,35 @@ def run_audit(app: Path, overrides: Sequence[str], request: AuditRequest) -> Pat
     return out
 
 
-def audit(view: ServerView, request: AuditRequest, picture: Path) -> dict[str, Any]:
-    """Attack `view`, score each of the client's examples, draw them in
-    `picture`; the numbers (what `audit.json` holds but the settings)."""
-    mean = torch.tensor(view.dataset.mean).view(1, -1, 1, 1)
-    std = torch.tensor(view.dataset.std).view(1, -1, 1, 1)
+def client_app_reference(app: Path) -> str:
+    """The ClientApp the app names (`[tool.flwr.app.components] clientapp`
+    in its pyproject.toml), as Flower loads it."""
+    from flwr.common.config import get_project_config
+
+    try:
+        return str(get_project_config(app)["tool"]["flwr"]["app"]["components"]
+                   ["clientapp"])  # fmt: skip
+    except (FileNotFoundError, KeyError, ValueError) as err:
+        raise AuditError(
+            f"{app} names no ClientApp ([tool.flwr.app.components] clientapp "
+            f"in its pyproject.toml): {err}"
+        ) from err
+
+
+def _check_out(out: Path) -> None:
+    if out.exists() and not out.is_dir():
+        raise AuditError(f"--out {out} is a file; name a new folder")
+    if out.is_dir() and any(out.iterdir()):
+        raise AuditError(f"{out} is not empty; name a new folder with --out")
+
+
+def audit(
+    view: ServerView, request: AuditRequest
+) -> tuple[dict[str, Any], Callable[[Path], None]]:
+    """Attack `view` and score each of the client's examples: the numbers
+    (what `audit.json` holds but the settings) and what draws them."""
+    mean = torch.tensor(view.mean).view(1, -1, 1, 1)
+    std = torch.tensor(view.std).view(1, -1, 1, 1)
     box = (float((-mean / std).min()), float(((1 - mean) / std).max()))
     count = len(view.originals) * len(view.clients)
     if all(not update.any() for update in view.observed.values()):
@@ -140,9 +165,10 @@ def audit(view: ServerView, request: AuditRequest, picture: Path) -> dict[str, A
         }
         for i, j in enumerate(match)
     ]
-    write_picture(
-        picture, originals, rebuilt[match],
-        [f"PSNR {m['psnr']:.1f} / SSIM {m['ssim']:.2f}" for m in images],
+    captions = [f"PSNR {m['psnr']:.1f} / SSIM {m['ssim']:.2f}" for m in images]
+    picture = partial(
+        write_picture, originals=originals, reconstructions=rebuilt[match],
+        captions=captions,
     )  # fmt: skip
     return {
         "attack": request.attack,
@@ -159,7 +185,8 @@ def audit(view: ServerView, request: AuditRequest, picture: Path) -> dict[str, A
         "seconds": round(seconds, 2),
         "seconds-per-image": round(seconds / count, 2),
         "loss": found.loss,
-    }  # fmt: skip
+        "iterations": found.iterations,
+    }, picture  # fmt: skip
 
 
 def _default_name(settings: Settings, request: AuditRequest) -> str:

@@ -163,7 +163,7 @@ class RoundRecorder:
         """The privacy spent, under every accountant (`summary.json`'s
         `privacy`; None without DP): DP-SGD's for the client that spent
         most, central DP's for every release so far. Each accountant takes
-        up to a second here, once a run."""
+        up to a few seconds here, once a run."""
         settings = self.settings
         spent: dict[str, object] = {}
         if self.dp_releases:
@@ -173,7 +173,7 @@ class RoundRecorder:
                 "client": client, "noise-multiplier": z, "sample-rate": q,
                 "steps": steps, "epsilon": epsilons(
                     noise_multiplier=z, sample_rate=q, steps=steps,
-                    delta=settings.dp_delta,
+                    delta=settings.dp_delta, counting=settings.accountant,
                 ),
             }  # fmt: skip
         central = next(
@@ -186,7 +186,7 @@ class RoundRecorder:
             spent["user-level"] = {
                 "noise-multiplier": z, "releases": releases, "epsilon": epsilons(
                     noise_multiplier=z, sample_rate=1.0, steps=releases,
-                    delta=settings.dp_delta,
+                    delta=settings.dp_delta, counting=settings.accountant,
                 ),
             }  # fmt: skip
         if not spent:
