@@ -8,7 +8,8 @@ plain SGD lr 0.1 without momentum or weight decay, no augmentation, one
 local epoch of batch 32 on the client's first example(s). Each defence
 changes only what it must. Attack: Inverting Gradients, 2,000 Adam steps,
 one start; FedSA's A matrices carry no output layer for IG's labels, so
-that cell runs DLG, on 2 examples (cnn-lora has BatchNorm, which skips a
+that cell runs DLG (best of 8 starts: its L-BFGS often stops within
+seconds), on 2 examples (cnn-lora has BatchNorm, which skips a
 batch of one) for 2 local steps (in a client's first step B is zero, so A
 does not move: one step would send zeros). Each cell runs `pollen audit` in this process; its
 folder under --out holds audit.json and audit.png, and a cell whose folder
@@ -53,7 +54,8 @@ CELLS = {
     "central-client": ("central DP, clipped by the client (C = 0.1)",
                        "central-dp='fixed' central-clip-on='client' "
                        "central-clip-norm=0.1", "ig", 1),
-    "fedsa": ("FedSA: LoRA A matrices only (cnn-lora, 2 examples, 2 steps), DLG",
+    "fedsa": ("FedSA: LoRA A matrices only (cnn-lora, 2 examples, 2 steps), DLG, "
+              "best of 8 starts",
               "strategy='fedsa' model='cnn-lora' lora-dropout=0.0 local-epochs=2",
               "dlg", 2),
     "secagg": ("SecAgg+: the sum of the round's 3 clients",
@@ -70,7 +72,9 @@ def run_cell(data_set: str, name: str, data_root: str, out: Path) -> dict:
         return json.loads((folder / "audit.json").read_text())
     _, overrides, attack, examples = CELLS[name]
     config = [f"{BASE} data-set='{data_set}' data-root='{data_root}'", overrides]
-    request = AuditRequest(attack=attack, examples=examples, out=folder)
+    restarts = 8 if attack == "dlg" else 1  # L-BFGS often stops at once: cheap
+    request = AuditRequest(attack=attack, examples=examples, restarts=restarts,
+                           out=folder)  # fmt: skip
     run_audit(ROOT, config, request)
     return json.loads((folder / "audit.json").read_text())
 
