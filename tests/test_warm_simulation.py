@@ -104,3 +104,65 @@ def test_pollen_warm_up_keeps_a_federation_that_runs_here_use(tmp_path: Path) ->
     assert not alive(federation.superlink_pid) and not alive(federation.ray_pid)
     gone = pollen("warm", "status")
     assert gone.returncode == 1 and "no warm simulation" in gone.stderr
+
+
+def _fake_starts(
+    monkeypatch: pytest.MonkeyPatch, taken: int
+) -> list[tuple[tuple[int, int, int], subprocess.Popen]]:
+    """A Ray head and a SuperLink that are `sleep`s: the head's log says it
+    started and, for its first `taken` starts, that a subprocess could not
+    bind its port (what Ray says when another process took the port)."""
+    from pollen.deployment import warm_simulation as warm
+
+    heads: list[tuple[tuple[int, int, int], subprocess.Popen]] = []
+
+    def head(ports, env, log, cpus=None):
+        with log.open("ab") as out:
+            out.write(warm.RAY_READY_LINE.encode() + b"\n")
+            if len(heads) < taken:
+                out.write(warm.PORT_TAKEN + b": ray_client_server [exit code=1]\n")
+        process = subprocess.Popen(["sleep", "60"], start_new_session=True)
+        heads.append((ports, process))
+        return process
+
+    def link(home, env, log):
+        return subprocess.Popen(["sleep", "60"], start_new_session=True), None
+
+    monkeypatch.setattr(warm, "start_ray_head", head)
+    monkeypatch.setattr(warm, "start_simulation_superlink", link)
+    return heads
+
+
+def test_a_head_whose_port_was_taken_starts_again_on_fresh_ports(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Ray's client server lost its port to another process between pollen's
+    choice and its bind: the head exited a second after saying it started,
+    and `pollen warm up` recorded a federation that was not running."""
+    from pollen.deployment import warm_simulation as warm
+    from pollen.deployment.processes import alive
+
+    heads = _fake_starts(monkeypatch, taken=1)
+    federation = warm.start_warm_simulation(tmp_path / "warm")
+    try:
+        (first, dead), (second, kept) = heads
+        assert first != second and federation.ray_pid == kept.pid
+        assert federation.ray_address == f"127.0.0.1:{second[0]}"
+        dead.wait(timeout=10)
+        assert not alive(dead.pid) and alive(kept.pid)
+    finally:
+        warm.stop_warm_simulation(federation)
+
+
+def test_a_port_taken_at_every_try_is_an_error_that_leaves_nothing_running(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from pollen.deployment import warm_simulation as warm
+
+    heads = _fake_starts(monkeypatch, taken=warm.HEAD_TRIES)
+    with pytest.raises(warm.WarmSimulationError, match="taken each time"):
+        warm.start_warm_simulation(tmp_path / "warm")
+    assert len(heads) == warm.HEAD_TRIES
+    for _, process in heads:
+        assert process.wait(timeout=10) is not None
+    assert not (tmp_path / "warm" / STATE_FILE).exists()

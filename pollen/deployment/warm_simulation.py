@@ -39,6 +39,10 @@ DEFAULT_DIR = Path(".pollen-warm")
 FLWR_HOME = "flwr-home"  # the Flower home whose default connection is the SuperLink
 RAY_START_SECONDS = 90.0
 RAY_READY_LINE = "Ray runtime started"
+# what a Ray head's log says when a subprocess it started could not bind its
+# port (the port was free when pollen chose it, taken when Ray bound it)
+PORT_TAKEN = b"Some Ray subprocesses exited unexpectedly"
+HEAD_TRIES = 3  # starts on fresh ports before a taken port is an error
 
 
 class WarmSimulationError(ValueError):
@@ -181,15 +185,38 @@ def start_warm_simulation(directory: Path, cpus: int | None = None) -> WarmSimul
     home = directory / FLWR_HOME
     if problem := made_folder_problem(home):
         raise WarmSimulationError(f"cannot keep a federation in {directory}: {problem}")
+    for _ in range(HEAD_TRIES - 1):  # another process may bind a port first
+        with contextlib.suppress(_PortTaken):
+            return _start(directory, home, cpus)
+    try:
+        return _start(directory, home, cpus)
+    except _PortTaken:
+        raise WarmSimulationError(
+            f"the Ray head exited at start {HEAD_TRIES} times: a port it was "
+            f"given was taken each time (see {directory / 'ray-head.log'})"
+        ) from None
+
+
+class _PortTaken(Exception):
+    """The Ray head exited right after it started: a port it was given had
+    been taken between `free_port` and its bind."""
+
+
+def _start(directory: Path, home: Path, cpus: int | None) -> WarmSimulation:
+    """One try at `start_warm_simulation` on fresh ports."""
     ray_temp_dir = str(make_ray_dir())
     head = link = None
+    log = directory / "ray-head.log"
     try:
         gcs, client, agent = processes.distinct_free_ports(3)
         env = federation_env(home, f"127.0.0.1:{gcs}", ray_temp_dir)
-        head = start_ray_head(
-            (gcs, client, agent), env, directory / "ray-head.log", cpus
-        )
+        earlier = log.stat().st_size if log.exists() else 0
+        head = start_ray_head((gcs, client, agent), env, log, cpus)
         link, _ = start_simulation_superlink(home, env, directory / "superlink.log")
+        # Ray reports a subprocess that could not bind after its ready line
+        # (the SuperLink's start gives it the second it takes), then exits
+        if PORT_TAKEN in log.read_bytes()[earlier:]:
+            raise _PortTaken
         federation = WarmSimulation(
             str(directory),
             env["RAY_ADDRESS"],
