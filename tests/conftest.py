@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import ipaddress
 import json
 import os
+import random
 import re
+import secrets
 import signal
 import sys
 from collections.abc import Iterator
@@ -85,6 +88,24 @@ def pytest_collection_finish(session: pytest.Session) -> None:
         from tests.docker_image import BUILD
 
         BUILD.start()
+
+
+def free_network_names(block: str) -> tuple[str, str]:
+    """A fresh prefix and a /24 of `block` that no route of this machine
+    overlaps, for a test's ShapedNetwork: a CI machine may share its network
+    namespace with other jobs (one of them once held 10.233.61.0/24)."""
+    from pollen.deployment.network import overlapping_routes
+
+    network = ipaddress.IPv4Network(block)
+    taken = [
+        ipaddress.IPv4Network(r, strict=False) for r in overlapping_routes(network)
+    ]
+    free = [
+        s for s in network.subnets(new_prefix=24) if not any(map(s.overlaps, taken))
+    ]
+    if not free:
+        pytest.fail(f"every /24 of {block} is routed on this machine")
+    return f"pt{secrets.token_hex(2)}", str(random.choice(free))
 
 
 def runs_that_trained_nothing(root: Path) -> list[Path]:

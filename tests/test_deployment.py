@@ -20,7 +20,12 @@ from pollen.deployment import certificates, cluster, processes
 from pollen.deployment.flower import flower_env
 from pollen.flower_patches import PATCHES
 from pollen.runs.checkpoints import read_npz
-from tests.conftest import PROJECT, SHARED_DATA, write_mnist_slices
+from tests.conftest import (
+    PROJECT,
+    SHARED_DATA,
+    free_network_names,
+    write_mnist_slices,
+)
 from tests.deployed import BIN, finish, history, wait_for_rounds
 from tests.deployed import submit as submit_to
 from tests.user_package import PACKAGE, write_user_package
@@ -213,10 +218,8 @@ def shaped_round_seconds(tmp_path: Path, name: str, shape: str) -> float:
     from pollen.common.links import LinkShape
     from pollen.deployment.network import ShapedNetwork
 
-    subnet = {"plain": "10.234.1.0/24", "slow": "10.234.2.0/24"}[name]
-    with ShapedNetwork(
-        2, LinkShape.parse(shape), prefix=f"pd{name[0]}", subnet=subnet
-    ) as net:
+    prefix, subnet = free_network_names("10.234.0.0/19")
+    with ShapedNetwork(2, LinkShape.parse(shape), prefix=prefix, subnet=subnet) as net:
         site = cluster.up(
             tmp_path / f"{name}-site", 2, host=net.server_address, insecure=True,
             node_prefix={k: net.exec_prefix(k) for k in range(2)},

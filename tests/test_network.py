@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 import math
 import random
-import secrets
 import socket
 import subprocess
 import sys
@@ -28,7 +27,7 @@ from pollen.deployment.network import (
     ShapedNetwork,
     netns_available,
 )
-from tests.conftest import WORKER
+from tests.conftest import WORKER, free_network_names
 
 MB = 2_000_000
 
@@ -144,12 +143,13 @@ def test_network_rejects_bad_arguments(args: tuple, message: str) -> None:
 def names() -> tuple[str, str]:
     """A fresh (prefix, subnet); skips where namespaces cannot be built. Under
     xdist each of up to 8 workers draws its subnets from its own 32 of
-    10.233.x, so two tests running side by side never overlap."""
+    10.233.x, so two tests running side by side never overlap, and only from
+    those no route of this machine uses: a CI machine may share its network
+    namespace with other jobs, and one of them once held 10.233.61.0/24."""
     if reason := netns_available():
         pytest.skip(reason)
     slot = int(WORKER.removeprefix("gw")) % 8 if WORKER else random.randrange(8)
-    third = 32 * slot + random.randrange(32)
-    return f"pt{secrets.token_hex(2)}", f"10.233.{third}.0/24"
+    return free_network_names(f"10.233.{32 * slot}.0/19")
 
 
 def leftovers(prefix: str) -> list[str]:

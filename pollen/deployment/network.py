@@ -97,6 +97,20 @@ def netns_available() -> str | None:
     return None
 
 
+def overlapping_routes(subnet: ipaddress.IPv4Network) -> list[str]:
+    """The destinations of this machine's routes, in any table, that overlap
+    `subnet` (sorted, each once): a network on `subnet` would shadow them."""
+    routes = json.loads(_run("ip", "-j", "-4", "route", "show", "table", "all") or "[]")
+    return sorted(
+        {
+            route["dst"]
+            for route in routes
+            if route["dst"] != "default"
+            and ipaddress.IPv4Network(route["dst"], strict=False).overlaps(subnet)
+        }
+    )
+
+
 class ShapedNetwork:
     """`num_nodes` network namespaces linked to the root namespace by shaped links.
 
@@ -262,19 +276,10 @@ class ShapedNetwork:
                 "prefix is running, or a run was killed. Use another prefix; after a "
                 f"killed run, remove what it left with: {'; '.join(leftovers)}"
             )
-        routes = json.loads(
-            _run("ip", "-j", "-4", "route", "show", "table", "all") or "[]"
-        )
-        clashes = [
-            r["dst"]
-            for r in routes
-            if r["dst"] != "default"
-            and ipaddress.IPv4Network(r["dst"], strict=False).overlaps(self.subnet)
-        ]
-        if clashes:
+        if clashes := overlapping_routes(self.subnet):
             raise NetworkError(
                 f"subnet {self.subnet} overlaps routes of this machine "
-                f"({', '.join(sorted(set(clashes)))}); choose another subnet"
+                f"({', '.join(clashes)}); choose another subnet"
             )
 
     def _host_end(self, i: int) -> str:
