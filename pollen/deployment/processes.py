@@ -404,12 +404,11 @@ def silence_closed_terminal() -> None:
 def stop(pid: int, grace: float = STOP_GRACE_SECONDS) -> None:
     """Stop the process group `pid` leads (see `end`), then SIGKILL whatever
     it had started in other sessions (Flower's SuperExec starts ServerApps
-    and ClientApps in sessions of their own)."""
+    and ClientApps in sessions of their own), waiting until they are gone:
+    a caller that looks next must not find one dying."""
     strays = descendants(pid)
     end([pid], grace, group=True)
-    for stray in strays:
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(stray, signal.SIGKILL)
+    end(strays, KILL_WAIT_SECONDS, first=signal.SIGKILL)
 
 
 def stop_child(process: subprocess.Popen, grace: float) -> None:
