@@ -123,17 +123,17 @@ class ModelInfo:
                 f"sharing={sharing!r} needs a model with LoRA layers; model is "
                 f"{self.name!r}; allowed: " + ", ".join(_models(lambda m: m.lora))
             )
-        if sharing == "fedper" and not self.linear:
+        if sharing in HEAD_SHARING and not self.linear:
             return (
-                f"sharing='fedper' with model={self.name!r}: FedPer keeps the last "
-                "nn.Linear layer (the classifier) on each client, and this model "
-                "has none, so the run would be plain FedAvg"
+                f"sharing={sharing!r} with model={self.name!r}: it splits the model "
+                "at the last nn.Linear layer (the classifier), and this model has "
+                "none"
             )
-        if sharing == "fedper" and self.lora:
+        if sharing in HEAD_SHARING and self.lora:
             return (
-                f"sharing='fedper' with model={self.name!r}: its classifier is a "
+                f"sharing={sharing!r} with model={self.name!r}: its classifier is a "
                 "LoRA head, whose sharing is lora-a (FedSA) or lora; allowed with "
-                "fedper: " + ", ".join(_models(lambda m: not m.lora))
+                f"{sharing}: " + ", ".join(_models(lambda m: not m.lora))
             )
         return None
 
@@ -345,10 +345,13 @@ CENTRAL_DP_STEP = "pollen.strategies.central_dp:CentralDP"
 # Which model entries travel (pollen.task.sharing): BatchNorm policies
 # under `sharing = all`, and the LoRA policies of FedSA.
 BN_POLICIES = ("shared", "fedbn", "silobn")
-SHARING = ("all", "lora-a", "lora", "fedper")
+SHARING = ("all", "lora-a", "lora", "fedper", "lg")
+# the sharings whose classifier, the last nn.Linear, is their own part
+HEAD_SHARING = ("fedper", "lg")
 LORA_SHARING = ("lora-a", "lora")
 SHARING_POLICIES = (*BN_POLICIES, *SHARING[1:])
-# what sharing, FedRep's schedule and Ditto's personal model refuse
+# what sharing, FedRep's schedule, FedBABU's frozen head and fine-tuning and
+# Ditto's personal model refuse
 PERSONAL_RULES = "pollen.task.personal_rules:personal_problem"
 
 # A strategy preset is a default combination of parts (explicit keys win):
@@ -368,7 +371,12 @@ PRESETS: dict[str, dict[str, Scalar]] = {
     "fedyogi": {"server-update": "yogi", "local-objective": "plain"},
     "fedsa": {"server-update": "fedavg", "local-objective": "plain", "sharing": "lora-a"},
     "fedper": {"server-update": "fedavg", "local-objective": "plain", "sharing": "fedper"},
+    "lg-fedavg": {"server-update": "fedavg", "local-objective": "plain", "sharing": "lg"},
     "ditto": {"server-update": "fedavg", "local-objective": "plain", "ditto-lambda": 0.1},
+    "fedbabu": {
+        "server-update": "fedavg", "local-objective": "plain", "sharing": "fedper",
+        "freeze-head": True, "fine-tune-epochs": 5,
+    },
     "fedrep": {
         "server-update": "fedavg", "local-objective": "plain", "sharing": "fedper",
         "head-epochs": 2,

@@ -79,6 +79,7 @@ from .task.attacks import poisoning_mod, trained_labels
 from .task.client_clip import clipping_mod
 from .task.data import Dataset
 from .task.ditto import personal_state
+from .task.fedbabu import fine_tuned
 from .task.inputs import model_inputs, settings_model
 from .task.local_run import LocalRun, cohort_epochs
 from .task.node_data import NodeData, node_data, node_partition
@@ -436,17 +437,21 @@ def _load_optimizer_modules(name: str) -> None:
 @app.evaluate(mods=[straggler_mod(EVAL_SECONDS)])
 def evaluate_personal(msg: Message, context: Context) -> Message:
     """This client's model (shared + local entries, or under Ditto its
-    personal model) on the global test set and on its own test shard; NaN for
-    either where the node has none (a node with its own data file and no copy
-    of the data set has no global one), and for the global test where the
-    client keeps nothing of its own (the model is the global one, which the
-    server evaluates on that set already)."""
+    personal model; with `fine-tune-epochs`, that model fine-tuned on its
+    training shard first, not kept) on the global test set and on its own
+    test shard; NaN for either where the node has none (a node with its own
+    data file and no copy of the data set has no global one), and for the
+    global test where the client's model is the global one (the server
+    evaluates that on the set already)."""
     cm = ClientModel.assemble(msg, context)
+    s = cm.settings
     v_k = personal_state(context, cm.client)
-    if cm.settings.ditto_lambda and v_k is not None:
+    if s.ditto_lambda and v_k is not None:
         cm.model.load_state_dict(v_k)
-    keeps_own = bool(cm.sharing.local) or cm.settings.ditto_lambda > 0
     started = time.perf_counter()
+    if s.fine_tune_epochs:
+        fine_tuned(cm.local_run(float(msg.content[CONFIG][LR])), s.fine_tune_epochs)
+    keeps_own = bool(cm.sharing.local) or s.ditto_lambda > 0 or s.fine_tune_epochs > 0
     global_test = cm.data.global_test(cm.device) if keeps_own else None
     g_loss, g_acc = cm.loss_and_accuracy("test", global_test)
     own = cm.data.test_shard(cm.client, cm.device)
@@ -456,9 +461,7 @@ def evaluate_personal(msg: Message, context: Context) -> Message:
     metrics = MetricRecord(
         {**personal, NUM_EXAMPLES: len(own[1]), EVAL_SECONDS: seconds}
     )
-    client_state.spill(
-        context, msg.content[CONFIG], _state_limit(cm.settings), cm.client
-    )
+    client_state.spill(context, msg.content[CONFIG], _state_limit(s), cm.client)
     return cm.reply(msg, metrics)
 
 

@@ -207,7 +207,7 @@ def allowed_text(f: dataclasses.Field) -> str:
     rule: Rule | None = f.metadata["rule"]
     text = rule.allowed if rule else ""
     if f.default == AUTO and f.metadata["kind"] is not str:
-        text = f"auto or {text}"
+        text = f"auto or {text or kind_words(f.metadata['kind'])}"
     return text
 
 

@@ -52,7 +52,10 @@ def _rows(pairs: list[tuple[str, str]], indent: int = 2) -> str:
 def _preset_text(parts: Mapping[str, Scalar]) -> str:
     """A preset's parts and settings, then the client hyper-parameters its
     parts assume where the run config leaves them auto."""
-    chosen = ", ".join(f"{key}={value}" for key, value in parts.items())
+    chosen = ", ".join(
+        f"{key}={str(value).lower() if isinstance(value, bool) else value}"
+        for key, value in parts.items()
+    )
     assumed = assumed_training(
         SERVER_UPDATES[str(parts["server-update"])],
         LOCAL_OBJECTIVES[str(parts["local-objective"])],

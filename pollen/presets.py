@@ -4,7 +4,8 @@ assumptions of the parts it combines, the data set's defaults.
 A key declared with the default "auto" (`pollen.settings`) takes its value
 here, in this order: the strategy preset names the server update and the
 local objective (and FedAvgM's momentum, FedSA's and FedPer's sharing,
-FedBuff's mode, FedRep's head epochs, Ditto's lambda); the parts the run
+FedBuff's mode, FedRep's head epochs, Ditto's lambda, FedBABU's frozen
+head and fine-tuning); the parts the run
 then combines state the client hyper-parameters their algorithm assumes
 (`catalog.Part.training`: SCAFFOLD's plain SGD); the data set fills the
 rest with its measured defaults for the client optimiser. A value the user
@@ -69,10 +70,12 @@ def resolve_auto(values: Mapping[str, Scalar]) -> dict[str, Scalar]:
     fill("mode", preset.get("mode", "sync"))
     fill("head-epochs", int(preset.get("head-epochs", 0)))
     fill("ditto-lambda", float(preset.get("ditto-lambda", 0.0)))
+    fill("freeze-head", bool(preset.get("freeze-head", False)))
+    fill("fine-tune-epochs", int(preset.get("fine-tune-epochs", 0)))
     sharing = resolved["sharing"]
     policy = resolved["bn-policy"] if sharing == "all" else sharing
     own = keeps_own_model(str(policy), float(resolved["ditto-lambda"]))
-    fill("personal-eval-every", int(own))
+    fill("personal-eval-every", int(own or int(resolved["fine-tune-epochs"]) > 0))
     if resolved["server-lr"] == AUTO:  # the server update's own default
         update = part("server-update", str(resolved["server-update"])).load()
         resolved["server-lr"] = update.auto_server_lr

@@ -203,7 +203,8 @@ class Settings:
     sharing: str = key(
         AUTO,
         "what travels: all (per bn-policy), lora-a (A matrices only; auto: fedsa), "
-        "lora (A and B), fedper (all but the classifier; auto: fedper)",
+        "lora (A and B), fedper (all but the classifier; auto: fedper), lg (the "
+        "classifier only; auto: lg-fedavg)",
         one_of(AUTO, *SHARING),
     )
     head_epochs: int = key(
@@ -221,6 +222,22 @@ class Settings:
         "evaluated on it (auto: 0 = off, ditto: 0.1)",
         at_least(0),
         float,
+    )
+    freeze_head: bool = key(
+        AUTO,
+        "FedBABU: the classifier (the last nn.Linear) is never trained and "
+        "keeps the common initialisation; only the body trains and travels; "
+        "needs sharing fedper (auto: false, fedbabu: true)",
+        kind=bool,
+    )
+    fine_tune_epochs: int = key(
+        AUTO,
+        "personal evaluation first fine-tunes the client's whole model for N "
+        "epochs on its training shard at the round's lr, and tests that (not "
+        "kept; FedBABU's personalisation, or FedAvg-FT with fedavg) (auto: 0 = "
+        "off, fedbabu: 5)",
+        at_least(0),
+        int,
     )
     client_optimizer: str = key("sgd", "client optimiser", one_of(*CLIENT_OPTIMIZERS))
     betas: str = key("0.9,0.999", "client adam/adamw betas", betas_rule())
@@ -270,7 +287,7 @@ class Settings:
         "evaluate each client's own model (its local entries or Ditto's personal "
         "model; the global model where it keeps none) on its own test shard every "
         "N rounds (0: never; auto: 1 where clients keep entries or a personal "
-        "model, else 0)",
+        "model or fine-tune, else 0)",
         at_least(0),
         int,
     )

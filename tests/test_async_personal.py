@@ -32,9 +32,9 @@ def test_async_run_evaluates_personal_models_at_the_end_whatever_every_is():
     loop = SimpleNamespace(
         federation=SimpleNamespace(grid=grid, membership=membership),
         settings=SimpleNamespace(rounds=10, round_timeout=10.0),
-        parts=SimpleNamespace(personal=personal),
+        parts=SimpleNamespace(personal=personal, schedule=SimpleNamespace(lr=0.01)),
     )
-    progress = SimpleNamespace(eval_config=lambda: ConfigRecord())
+    progress = SimpleNamespace(eval_config=lambda lr: ConfigRecord())
     outcome = RoundOutcome(
         arrays=arrays,
         clients=[0, 1],

@@ -298,6 +298,7 @@ def test_the_replay_on_the_true_examples_gives_the_observed_update(
     ("overrides", "message"),
     [
         ({"head-epochs": 1, "sharing": "fedper"}, "set head-epochs=0"),
+        ({"freeze-head": True, "sharing": "fedper"}, "set freeze-head=false"),
         ({"model": "cnn-lora", "lora-dropout": 0.1}, "set lora-dropout=0"),
         ({"model": "mobilenet", "data-set": "cifar10"}, "a model without dropout"),
         ({"attack": "sign-flip", "attackers": 0.2}, "attack='none'"),

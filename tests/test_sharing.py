@@ -199,6 +199,11 @@ def test_fedper_keeps_the_classifier_local(model_name: str, shape: tuple) -> Non
     assert set(fedper.shared) == set(model.state_dict()) - head
     assert not head & set(fedper.trained_shared())
     assert set(Sharing.of("shared", model).shared) == set(model.state_dict())
+    lg = Sharing.of("lg", model)  # LG-FedAvg: FedPer's mirror
+    assert set(lg.shared) == set(lg.trained_shared()) == head
+    assert set(lg.local) == set(fedper.shared) - set(
+        k for k, kind in fedper.kinds.items() if kind == "frozen"
+    )
 
 
 def test_fedper_head_stays_on_the_client_across_rounds() -> None:
@@ -217,9 +222,33 @@ def test_fedper_head_stays_on_the_client_across_rounds() -> None:
     assert not np.array_equal(heads[0], heads[1])  # round 2 trained round 1's head
 
 
-def test_fedper_is_refused_on_lora_heads() -> None:
+def test_lg_fedavg_sends_the_classifier_and_keeps_the_representation() -> None:
+    """LG-FedAvg's two rounds on one client: the reply carries the classifier
+    alone; the body (BatchNorm's statistics too) stays in `context.state`,
+    and round 2 trains from round 1's body, not the server's initial one."""
+    settings = run_config(strategy="lg-fedavg")
+    assert settings["sharing"] == "lg" and settings["personal-eval-every"] == 1
+    model = build_model("mlp-bn", (1, 8, 8), 10, settings["seed"])
+    sharing = Sharing.of("lg", model)
+    assert set(sharing.shared) == {"4.weight", "4.bias"}
+    assert {"1.weight", "2.running_mean"} <= set(sharing.local)
+    context = Context(1, 1, {}, RecordDict(), settings)
+    sent = ArrayRecord({k: model.state_dict()[k] for k in sharing.shared})
+    bodies = []
+    for rnd in (1, 2):
+        reply = client_app.train(message("train", sent, 1, rnd), context)
+        assert set(reply.content["arrays"]) == set(sharing.shared)
+        bodies.append(context.state["local-1"]["1.weight"].numpy().copy())
+        sent = reply.content["arrays"]
+    initial = model.state_dict()["1.weight"].numpy()
+    assert not np.allclose(bodies[0], initial)
+    assert not np.allclose(bodies[1], bodies[0])
+
+
+@pytest.mark.parametrize("strategy", ["fedper", "lg-fedavg"])
+def test_head_sharings_are_refused_on_lora_heads(strategy: str) -> None:
     with pytest.raises(SettingsError, match="its classifier is a LoRA head"):
-        Settings.from_run_config({"strategy": "fedper", "model": "cnn-lora"})
+        Settings.from_run_config({"strategy": strategy, "model": "cnn-lora"})
 
 
 def test_training_only_freezes_the_others_and_restores_them() -> None:

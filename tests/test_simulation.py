@@ -502,6 +502,8 @@ SUITE = [
     ("scaffold", "silobn", "mlp-bn", "local-objective='scaffold-sam'"),
     ("fedavgm", "fedbn", "mlp-bn", "aggregator='fednova'"),
     ("ditto", "fedper", "mlp-bn", "head-epochs=1"),  # Ditto beside FedRep
+    ("lg-fedavg", "lg", "mlp-bn", ""),
+    ("fedbabu", "fedper", "mlp-bn", "fine-tune-epochs=1"),
 ]
 
 

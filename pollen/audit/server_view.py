@@ -105,6 +105,8 @@ def audit_problem(settings: Settings) -> str | None:
         "head-epochs": (s.head_epochs > 0, "FedRep trains the head with the "
                         "body frozen first; the attacks replay one phase",
                         "head-epochs=0"),
+        "freeze-head": (s.freeze_head, "FedBABU trains the body alone; the "
+                        "attacks replay every parameter", "freeze-head=false"),
         "lora-dropout": (info.lora and s.lora_dropout > 0, "dropout draws masks "
                          "the server cannot replay", "lora-dropout=0"),
         "model": (info.dropout, "dropout draws masks the server cannot replay",

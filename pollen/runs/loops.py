@@ -85,7 +85,7 @@ def synchronous(loop: Loop, progress: Progress) -> Progress:
     def play(server_round: int, progress: Progress) -> RoundOutcome:
         configs = (
             progress.train_config(loop.parts.schedule.lr),
-            progress.eval_config(),
+            progress.eval_config(loop.parts.schedule.lr),
         )
         participants = federation.membership.participants()
         outcome = play_round(
@@ -158,7 +158,8 @@ def _last_version(
                 for c in unused]  # fmt: skip
     evaluated = loop.parts.personal.run(
         federation.grid, loop.settings.rounds, outcome.arrays,
-        progress.eval_config(), federation.membership.participants(),
+        progress.eval_config(loop.parts.schedule.lr),
+        federation.membership.participants(),
         loop.settings.round_timeout, final=True,
     )  # fmt: skip
     return replace(

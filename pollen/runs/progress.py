@@ -95,9 +95,11 @@ class Progress:
         """A training message's config: the learning rate and the client-state keys."""
         return ConfigRecord({LR: lr, **self.client_config})
 
-    def eval_config(self) -> ConfigRecord:
-        """A personal-evaluation message's config: the client-state keys."""
-        return ConfigRecord(dict(self.client_config))
+    def eval_config(self, lr: float) -> ConfigRecord:
+        """A personal-evaluation message's config: the learning rate a
+        fine-tuning client trains at (`fine-tune-epochs`) and the
+        client-state keys."""
+        return ConfigRecord({LR: lr, **self.client_config})
 
 
 def save_progress(

@@ -10,7 +10,8 @@ computation cannot reproduce exactly:
   `lora-dropout`): `vmap` draws one mask tensor for the cohort, so no client
   would see the masks its sequential training draws;
 - DP-SGD, FedRep's two phases and Ditto's personal model: trainings of more
-  than one pass per round, each built around one client's model;
+  than one pass per round, each built around one client's model; FedBABU's
+  frozen head, which the cohort's plain epochs would train;
 - asynchronous FedBuff: clients start one at a time as the buffer asks, so
   a round has no cohort to train together.
 
@@ -51,14 +52,16 @@ def cohort_problem(s: Settings) -> str | None:
         ("dp=true", s.dp, "dp=false"),
         (f"head-epochs={s.head_epochs}", s.head_epochs, "head-epochs=0"),
         (f"ditto-lambda={s.ditto_lambda:g}", s.ditto_lambda, "ditto-lambda=0"),
+        ("freeze-head=true", s.freeze_head, "freeze-head=false"),
     ]
     for given, on, off in trainings:
         if on:
             return (
                 f"client-execution='cohort' with {given}: that training works on "
                 "one client's model at a time (DP-SGD's per-sample clipping, "
-                "FedRep's phases, Ditto's personal model), and a cohort trains "
-                "its clients' models together in plain local epochs; allowed: "
+                "FedRep's phases, Ditto's personal model, FedBABU's frozen head), "
+                "and a cohort trains its clients' models together in plain local "
+                "epochs; allowed: "
                 f"{off}, or {ALLOWED}"
             )
     if s.mode == "async":

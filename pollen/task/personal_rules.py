@@ -11,6 +11,11 @@
   trains the whole model beside the global one, without DP-SGD, so it cannot
   run under DP-SGD or a LoRA sharing that trains only adapters
   (`pollen.task.ditto`).
+- FedBABU's frozen head (Oh et al. 2022, https://arxiv.org/abs/2106.06042)
+  never changes, so it need not travel (`sharing = "fedper"`), and FedRep's
+  head phase would train it; fine-tuning before a personal evaluation trains
+  the whole model without DP-SGD, and Ditto's personal model is already the
+  one a client tests (`pollen.task.fedbabu`).
 """
 
 from __future__ import annotations
@@ -47,5 +52,31 @@ def personal_problem(s: Settings) -> str | None:
         return (
             "head-epochs with dp=true: DP-SGD's budget is planned for one "
             "training pass per round; set head-epochs=0"
+        )
+    return _fedbabu_problem(s)
+
+
+def _fedbabu_problem(s: Settings) -> str | None:
+    """Why `s`'s frozen head or fine-tuning cannot run, or None."""
+    if s.freeze_head and s.sharing != "fedper":
+        return (
+            f"freeze-head with sharing={s.sharing!r}: the frozen classifier "
+            "never changes, so it stays on each client; set sharing='fedper' "
+            "(or strategy='fedbabu')"
+        )
+    if s.freeze_head and (s.head_epochs or s.dp):
+        given = f"head-epochs={s.head_epochs}" if s.head_epochs else "dp=true"
+        return (
+            f"freeze-head with {given}: FedRep's head phase would train the "
+            "frozen classifier, and DP-SGD's plan trains the whole model; allowed "
+            "with freeze-head: head-epochs=0 and dp=false"
+        )
+    if s.fine_tune_epochs and (s.dp or s.ditto_lambda):
+        given = "dp=true" if s.dp else "ditto-lambda"
+        return (
+            f"fine-tune-epochs with {given}: fine-tuning trains the whole model "
+            "on the client's data without DP-SGD, and Ditto's personal model is "
+            "already the model a client tests; allowed with fine-tune-epochs: "
+            "dp=false and ditto-lambda=0"
         )
     return None

@@ -1,11 +1,12 @@
 """Which training a round runs, from the settings: the one place that decides.
 
 DP-SGD (`dp`, `pollen.task.privacy`), FedRep's two phases (`head-epochs`,
-`pollen.task.fedrep`) or plain epochs (`pollen.task.local_run`); under
-Ditto (`ditto-lambda`, `pollen.task.ditto`) the personal model's step
-follows whichever it is. The settings refuse DP-SGD with either of the
-others. FedPer needs no schedule: its sharing policy keeps the classifier
-on the client (`pollen.task.sharing`).
+`pollen.task.fedrep`) or plain epochs (`pollen.task.local_run`), the last
+with FedBABU's classifier frozen (`freeze-head`, `pollen.task.fedbabu`);
+under Ditto (`ditto-lambda`, `pollen.task.ditto`) the personal model's step
+follows whichever it is. The settings refuse DP-SGD with any of the
+others. FedPer and LG-FedAvg need no schedule: their sharing policies keep
+a part of the model on the client (`pollen.task.sharing`).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from functools import partial
 from ..settings import Settings
 from .data import Dataset
 from .ditto import Ditto
+from .fedbabu import FrozenHead
 from .fedrep import FedRep
 from .inputs import settings_model
 from .local_run import Training, plain
@@ -28,6 +30,8 @@ def local_training(settings: Settings, dataset: Dataset) -> Training:
         training = private
     elif settings.head_epochs:
         training = FedRep(settings.head_epochs)
+    elif settings.freeze_head:
+        training = FrozenHead(plain)
     if settings.ditto_lambda:
         new_model = partial(settings_model, settings, dataset)
         return Ditto(settings.ditto_lambda, training, new_model)

@@ -21,7 +21,11 @@ BatchNorm entries only; `lora-a` (FedSA) sends the A matrices alone, `lora`
 both A and B; `fedper` sends everything but the classifier, so each client
 keeps a personal classifier over the shared base layers, restored from
 `context.state` like every local entry (FedPer needs no training schedule of
-its own; FedRep, on the same policy, adds one: `pollen.task.fedrep`).
+its own; FedRep, on the same policy, adds one: `pollen.task.fedrep`); `lg`
+is its mirror, LG-FedAvg (Liang et al. 2020, https://arxiv.org/abs/2001.01523,
+Algorithm 1): only the classifier travels, so each client keeps its own
+representation (every layer below the classifier, BatchNorm included) and
+the federation learns one global classifier over them.
 """
 
 from __future__ import annotations
@@ -47,6 +51,7 @@ POLICIES: dict[str, frozenset[Kind]] = {
     "lora-a": frozenset({"lora-a"}),
     "lora": LORA,
     "fedper": frozenset({"weight", "bn-affine", "bn-stat", "buffer"}),
+    "lg": frozenset({"head"}),
 }
 
 
