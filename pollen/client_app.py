@@ -206,6 +206,10 @@ class ClientModel:
     def settings(self) -> Settings:
         return self.data.settings
 
+    def new_model(self) -> torch.nn.Module:
+        """The run's model at its common initialisation (on the CPU)."""
+        return settings_model(self.settings, self.dataset)
+
     def preprocess(self, augment: bool) -> Preprocess:
         return Preprocess(
             self.dataset.mean,
@@ -299,7 +303,7 @@ def train(msg: Message, context: Context) -> Message:
     cm = ClientModel.assemble(msg, context)
     run = cm.local_run(float(msg.content[CONFIG][LR]))
     objective = LocalObjective.from_settings(cm.settings)
-    objective.load(context, cm.client, cm.model, cm.sharing, msg.content)
+    objective.load(context, cm.client, cm.model, cm.sharing, msg.content, cm.new_model)
     training = local_training(cm.settings, cm.dataset)
     _load_optimizer_modules(cm.settings.client_optimizer)
     started = time.perf_counter()
@@ -364,7 +368,9 @@ class _Member:
         run = cm.local_run(lr)
         run.check_steps()
         objective = LocalObjective.from_settings(cm.settings)
-        objective.load(context, cm.client, cm.model, cm.sharing, view.content)
+        objective.load(
+            context, cm.client, cm.model, cm.sharing, view.content, cm.new_model
+        )
         return cls(view, cm, run, objective)
 
 

@@ -96,6 +96,11 @@ def feddyn_state_key(client: int) -> str:
     return f"feddyn-h-{client}"
 
 
+def moon_state_key(client: int) -> str:
+    """MOON's previous local model w_k^{t-1} (every state-dict entry)."""
+    return f"moon-{client}"
+
+
 def secagg_state_key(client: int, server_round: int) -> str:
     """A secure round's secrets and the shares a client holds, for that round
     only: named outside the `<name>-<client>` form, so the client-state store

@@ -252,6 +252,15 @@ class Settings:
     prox_mu: float = key(
         0.01, "FedProx weight mu (local-objective prox, prox-sam)", at_least(0)
     )
+    moon_mu: float = key(
+        1.0,
+        "MOON weight mu of the model-contrastive loss (local-objective moon; "
+        "the paper: 5 on CIFAR-10, 1 on CIFAR-100)",
+        at_least(0),
+    )
+    moon_tau: float = key(
+        0.5, "MOON temperature tau of the model-contrastive loss", above(0)
+    )
     dyn_alpha: float = key(
         0.1, "FedDyn alpha, client regulariser and server state", above(0)
     )

@@ -503,6 +503,7 @@ SUITE = [
     ("fedavgm", "fedbn", "mlp-bn", "aggregator='fednova'"),
     ("ditto", "fedper", "mlp-bn", "head-epochs=1"),  # Ditto beside FedRep
     ("lg-fedavg", "lg", "mlp-bn", ""),
+    ("moon", "fedbn", "mlp-bn", ""),
     ("fedbabu", "fedper", "mlp-bn", "fine-tune-epochs=1"),
 ]
 

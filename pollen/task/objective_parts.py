@@ -10,7 +10,7 @@ runs) without the seconds torch's import takes; the terms, which need
 torch, are named by import path and loaded by the client that trains.
 
 A plug-in objective is one such class (its term may live beside it):
-`sam`, `term`, `keeps_state`, `server_control`, `synchronous_only`,
+`sam`, `term`, `batch_term`, `keeps_state`, `server_control`, `synchronous_only`,
 `mean_only` and `problem` as below.
 """
 
@@ -19,6 +19,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, ClassVar
 
 from ..catalog import LOCAL_OBJECTIVES
+from ..extensions import model_info
 
 if TYPE_CHECKING:
     from ..settings import Settings
@@ -35,6 +36,9 @@ class Plain:
     # the regulariser's class ("module:attribute", built by its
     # `from_settings`), or "" for none
     term: ClassVar[str] = ""
+    # a term of each batch's loss (`pollen.task.objectives.BatchTerm`, named
+    # the same way), or "" for none
+    batch_term: ClassVar[str] = ""
     # the client keeps state between rounds (FedDyn's h_k, SCAFFOLD's c_k),
     # which only a run that checkpoints saves for a resume
     keeps_state: ClassVar[bool] = False
@@ -128,3 +132,36 @@ class ScaffoldSam(Scaffold):
     """SCAFFOLD's correction, the data gradient at SAM's point."""
 
     sam = True
+
+
+class Moon(Plain):
+    """MOON's model-contrastive loss on each batch; the client keeps its
+    previous model. Its representation is the input of the model's last
+    `nn.Linear`; it needs the whole batch's features, which DP-SGD's
+    per-sample clipping and a vectorised cohort do not give it."""
+
+    batch_term = "pollen.task.moon:ModelContrast"
+    keeps_state = True
+
+    @classmethod
+    def problem(cls, settings: Settings) -> str | None:
+        info = model_info(settings.model, settings.data_set)
+        if not info.linear or info.lora:
+            return (
+                f"local-objective='moon' with model={settings.model!r}: MOON's "
+                "representation is the input of the model's classifier, an "
+                "nn.Linear (not a LoRA head); allowed: a model with one"
+            )
+        given = (
+            "dp=true" if settings.dp
+            else "client-execution='cohort'" if settings.client_execution == "cohort"
+            else ""
+        )  # fmt: skip
+        if given:
+            return (
+                f"local-objective='moon' with {given}: its loss compares the "
+                "batch's features under three models, which DP-SGD's per-sample "
+                "clipping and a vectorised cohort do not give it; allowed with "
+                "moon: dp=false and client-execution='sequential'"
+            )
+        return None

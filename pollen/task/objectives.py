@@ -24,6 +24,11 @@ regulariser around the received model, its anchor:
   optimiser is plain SGD, the part's default; with a momentum rho set, K is
   FedNova's effective steps a(K, rho), so (theta^t - theta_k) / (eta a)
   stays the mean gradient of the round (with rho = 0, a = K).
+- `moon` (MOON, Li et al. 2021, eq. 3-4): a term of the batch, mu l_con,
+  the model-contrastive loss of the representations by the trained, the
+  received and the client's previous model (`pollen.task.moon`); unlike the
+  regularisers it depends on the examples, so it is added to the batch's
+  loss before the backward pass (`BatchTerm`).
 - `-sam` (FedSAM, Qu et al. 2022, Caldarola et al. 2022): the data gradient
   is taken at the worst point of a rho-ball, theta + eps with
   eps = rho g / ||g||, g = grad F_k(theta) (Foret et al. 2021); `sam` alone
@@ -85,6 +90,31 @@ class Regularizer(Protocol):
 
     def reply_records(self) -> dict[str, ArrayRecord]:
         """Array records the reply carries for the server (after `save`)."""
+
+
+class BatchTerm(Protocol):
+    """A term of the loss on each batch (MOON's contrastive loss), added to
+    the data loss before the backward pass, so that its gradient flows
+    through the trained model's same forward pass."""
+
+    def load(
+        self,
+        context: Context,
+        client: int,
+        model: nn.Module,
+        new_model: Callable[[], nn.Module],
+    ) -> None:
+        """Before training: the received `model` (to be trained), the
+        client's state, and `new_model` (the run's initial model)."""
+
+    def loss(self, inputs: torch.Tensor) -> torch.Tensor:
+        """The term on the batch `inputs` the model has just seen."""
+
+    def save(self, context: Context, client: int, model: nn.Module) -> None:
+        """After training: keep the client's state."""
+
+    def close(self) -> None:
+        """Let go of what `load` attached to the model (after training)."""
 
 
 @dataclass(frozen=True)
@@ -365,22 +395,27 @@ class LocalObjective:
     """One client's objective for one round: SAM's radius (0: no SAM) and
     its regulariser, anchored at the received model by `load`.
 
-    The training loop calls two hooks per step: `data_gradient` after the
-    clean backward pass (SAM takes the gradient again at theta + eps) and
-    `add_regularizer_gradient` just before the step (after DP-SGD's clipping
-    and noise: the term touches no example, so it costs no privacy).
+    The training loop calls three hooks per step: `batch_loss`, added to
+    the data loss of the forward pass (MOON's term; None for the others),
+    `data_gradient` after the clean backward pass (SAM takes the gradient
+    again at theta + eps) and `add_regularizer_gradient` just before the
+    step (after DP-SGD's clipping and noise: the term touches no example, so
+    it costs no privacy).
     """
 
     sam_rho: float = 0.0
     regularizer: Regularizer | None = None
+    batch_term: BatchTerm | None = None
 
     @classmethod
     def from_settings(cls, settings: Settings) -> LocalObjective:
         """The objective `local-objective` names: its part says whether SAM
-        takes the data gradient and which term (if any) it adds."""
+        takes the data gradient and which terms (if any) it adds."""
         part = extensions.part("local-objective", settings.local_objective).load()
         term = load(part.term).from_settings(settings) if part.term else None
-        return cls(settings.sam_rho if part.sam else 0.0, term)
+        batch_term = getattr(part, "batch_term", "")
+        on_batch = load(batch_term).from_settings(settings) if batch_term else None
+        return cls(settings.sam_rho if part.sam else 0.0, term, on_batch)
 
     def load(
         self,
@@ -389,10 +424,16 @@ class LocalObjective:
         model: nn.Module,
         sharing: Sharing,
         content: RecordDict,
+        new_model: Callable[[], nn.Module] | None = None,
     ) -> None:
         """Anchor the regulariser at `model` as received (before training)
         and read the state the client kept for it and what the training
-        message's `content` carries for it."""
+        message's `content` carries for it; a batch term also gets the
+        run's initial model from `new_model`."""
+        if self.batch_term is not None:
+            if new_model is None:
+                raise ValueError("a batch term needs the run's initial model")
+            self.batch_term.load(context, client, model, new_model)
         if self.regularizer is None:
             return
         names = sharing.trained_shared(exclude_bn=self.regularizer.exclude_bn)
@@ -409,8 +450,17 @@ class LocalObjective:
         training); not after a training that `diverged`: the server drops
         that reply, and state computed from it (FedDyn's h_k, SCAFFOLD's c_k)
         would make every later round of the client non-finite too."""
+        if self.batch_term is not None:
+            if not diverged(model):
+                self.batch_term.save(context, client, model)
+            self.batch_term.close()
         if self.regularizer is not None and not diverged(model):
             self.regularizer.save(context, client, dict(model.named_parameters()))
+
+    def batch_loss(self, inputs: torch.Tensor) -> torch.Tensor | None:
+        """The batch term on `inputs`, just after the model's forward pass of
+        them; None without one."""
+        return None if self.batch_term is None else self.batch_term.loss(inputs)
 
     def data_gradient(
         self, model: nn.Module, params: list[nn.Parameter], regrade: Callable[[], None]

@@ -257,20 +257,29 @@ class OptimizerStep:
 
 
 def _backward(
-    network: nn.Module, inputs: torch.Tensor, targets: torch.Tensor
+    network: nn.Module,
+    inputs: torch.Tensor,
+    targets: torch.Tensor,
+    objective: LocalObjective,
 ) -> torch.Tensor:
-    """Cross-entropy on a batch, backpropagated into the gradients."""
+    """Cross-entropy on a batch, plus the objective's batch term where it has
+    one, backpropagated into the gradients; the cross-entropy returned."""
     loss = F.cross_entropy(network(inputs), targets)
-    loss.backward()
+    term = objective.batch_loss(inputs)
+    (loss if term is None else loss + term).backward()
     return loss
 
 
 def _regrade(
-    rule: StepRule, network: nn.Module, inputs: torch.Tensor, targets: torch.Tensor
+    rule: StepRule,
+    network: nn.Module,
+    inputs: torch.Tensor,
+    targets: torch.Tensor,
+    objective: LocalObjective,
 ) -> None:
     """The batch's gradient again, from zero, at the parameters as they are now."""
     rule.zero_grad()
-    _backward(network, inputs, targets)
+    _backward(network, inputs, targets, objective)
 
 
 def train_loop(
@@ -282,7 +291,8 @@ def train_loop(
 ) -> TrainResult:
     """The local training loop, for every objective, with or without DP-SGD.
 
-    Per batch: the clean pass gives g = grad F_k(theta) on the batch;
+    Per batch: the clean pass gives g = grad F_k(theta) on the batch (with
+    the objective's batch term, MOON's, in the same backward pass);
     `objective.data_gradient` may take it again elsewhere (SAM); `rule.ready`
     finishes it (DP-SGD: per-sample clipping and noise) or skips the step;
     the objective's regulariser adds its gradient; `rule.step` clips and
@@ -299,8 +309,8 @@ def train_loop(
         for inputs, targets in batch_iter:
             rule.zero_grad()
             if len(targets):
-                loss = _backward(network, inputs, targets)
-                again = partial(_regrade, rule, network, inputs, targets)
+                loss = _backward(network, inputs, targets, objective)
+                again = partial(_regrade, rule, network, inputs, targets, objective)
                 objective.data_gradient(model, params, again)
                 total += loss.detach()
             if rule.ready(len(targets)):
