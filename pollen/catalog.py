@@ -353,7 +353,7 @@ HEAD_SHARING = ("fedper", "lg")
 LORA_SHARING = ("lora-a", "lora")
 SHARING_POLICIES = (*BN_POLICIES, *SHARING[1:])
 # what sharing, FedRep's schedule, FedBABU's frozen head and fine-tuning and
-# Ditto's personal model refuse
+# Ditto's and APFL's personal models refuse
 PERSONAL_RULES = "pollen.task.personal_rules:personal_problem"
 
 # A strategy preset is a default combination of parts (explicit keys win):
@@ -376,6 +376,7 @@ PRESETS: dict[str, dict[str, Scalar]] = {
     "fedper": {"server-update": "fedavg", "local-objective": "plain", "sharing": "fedper"},
     "lg-fedavg": {"server-update": "fedavg", "local-objective": "plain", "sharing": "lg"},
     "ditto": {"server-update": "fedavg", "local-objective": "plain", "ditto-lambda": 0.1},
+    "apfl": {"server-update": "fedavg", "local-objective": "plain", "apfl-alpha": 0.5},
     "fedbabu": {
         "server-update": "fedavg", "local-objective": "plain", "sharing": "fedper",
         "freeze-head": True, "fine-tune-epochs": 5,

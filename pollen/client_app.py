@@ -74,7 +74,7 @@ from .protocol import (
     local_entries_key,
 )
 from .settings import Settings
-from .task import client_state
+from .task import apfl, client_state
 from .task.attacks import poisoning_mod, trained_labels
 from .task.client_clip import clipping_mod
 from .task.data import Dataset
@@ -443,7 +443,8 @@ def _load_optimizer_modules(name: str) -> None:
 @app.evaluate(mods=[straggler_mod(EVAL_SECONDS)])
 def evaluate_personal(msg: Message, context: Context) -> Message:
     """This client's model (shared + local entries, or under Ditto its
-    personal model; with `fine-tune-epochs`, that model fine-tuned on its
+    personal model, under APFL its mixture of its personal model with the
+    received one; with `fine-tune-epochs`, that model fine-tuned on its
     training shard first, not kept) on the global test set and on its own
     test shard; NaN for either where the node has none (a node with its own
     data file and no copy of the data set has no global one), and for the
@@ -454,10 +455,12 @@ def evaluate_personal(msg: Message, context: Context) -> Message:
     v_k = personal_state(context, cm.client)
     if s.ditto_lambda and v_k is not None:
         cm.model.load_state_dict(v_k)
+    if s.apfl_alpha and (personal := apfl.kept(context, cm.client)) is not None:
+        cm.model.load_state_dict(apfl.mixed_state(cm.model, *personal))
     started = time.perf_counter()
     if s.fine_tune_epochs:
         fine_tuned(cm.local_run(float(msg.content[CONFIG][LR])), s.fine_tune_epochs)
-    keeps_own = bool(cm.sharing.local) or s.ditto_lambda > 0 or s.fine_tune_epochs > 0
+    keeps_own = bool(cm.sharing.local) or s.personal_model or s.fine_tune_epochs > 0
     global_test = cm.data.global_test(cm.device) if keeps_own else None
     g_loss, g_acc = cm.loss_and_accuracy("test", global_test)
     own = cm.data.test_shard(cm.client, cm.device)

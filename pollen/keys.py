@@ -83,6 +83,11 @@ def in_range(low: float, high: float) -> Rule:
     return Rule(lambda v: low < v <= high, f"in ({low:g}, {high:g}]")
 
 
+def unit_interval() -> Rule:
+    """A weight from 0 to 1, both included (a mixture's)."""
+    return Rule(lambda v: 0 <= v <= 1, "in [0, 1]")
+
+
 def fraction() -> Rule:
     """A share that may be 0 and stays below 1 (a decay, a dropout)."""
     return Rule(lambda v: 0 <= v < 1, "in [0, 1)")

@@ -96,6 +96,17 @@ def feddyn_state_key(client: int) -> str:
     return f"feddyn-h-{client}"
 
 
+def apfl_state_key(client: int) -> str:
+    """APFL's personal model v_i (every state-dict entry) and, beside it
+    (`apfl_alpha_key`), its mixing weight alpha_i."""
+    return f"apfl-v-{client}"
+
+
+def apfl_alpha_key(client: int) -> str:
+    """APFL's mixing weight alpha_i (a config record, key "alpha")."""
+    return f"apfl-alpha-{client}"
+
+
 def moon_state_key(client: int) -> str:
     """MOON's previous local model w_k^{t-1} (every state-dict entry)."""
     return f"moon-{client}"

@@ -83,6 +83,7 @@ from .keys import (
     part_of,
     part_rule,
     tracking_uri_rule,
+    unit_interval,
     webhook_rule,
 )
 from .network_profile import NetworkProfile, ProfileError
@@ -221,6 +222,14 @@ class Settings:
         "lambda/2 ||v - w||^2 towards the received global model, and is "
         "evaluated on it (auto: 0 = off, ditto: 0.1)",
         at_least(0),
+        float,
+    )
+    apfl_alpha: float = key(
+        AUTO,
+        "APFL: each client also keeps a personal model v mixed with the global "
+        "one as alpha v + (1 - alpha) w, learns alpha from this start, and is "
+        "evaluated on the mixture (auto: 0 = off, apfl: 0.5)",
+        unit_interval(),
         float,
     )
     freeze_head: bool = key(
@@ -619,7 +628,12 @@ class Settings:
     @property
     def keeps_own_model(self) -> bool:
         """Clients keep entries or a model of their own (`keeps_own_model`)."""
-        return keeps_own_model(self.sharing_policy, self.ditto_lambda)
+        return keeps_own_model(self.sharing_policy, self.personal_model)
+
+    @property
+    def personal_model(self) -> bool:
+        """Clients keep a whole personal model (Ditto's v_k, APFL's v_i)."""
+        return self.ditto_lambda > 0 or self.apfl_alpha > 0
 
     @property
     def clients_keep_state(self) -> bool:

@@ -9,7 +9,7 @@ computation cannot reproduce exactly:
 - dropout (a model's own, as MobileNetV2's classifier, or LoRA's
   `lora-dropout`): `vmap` draws one mask tensor for the cohort, so no client
   would see the masks its sequential training draws;
-- DP-SGD, FedRep's two phases and Ditto's personal model: trainings of more
+- DP-SGD, FedRep's two phases, Ditto's and APFL's personal models: trainings of more
   than one pass per round, each built around one client's model; FedBABU's
   frozen head, which the cohort's plain epochs would train;
 - asynchronous FedBuff: clients start one at a time as the buffer asks, so
@@ -53,13 +53,15 @@ def cohort_problem(s: Settings) -> str | None:
         (f"head-epochs={s.head_epochs}", s.head_epochs, "head-epochs=0"),
         (f"ditto-lambda={s.ditto_lambda:g}", s.ditto_lambda, "ditto-lambda=0"),
         ("freeze-head=true", s.freeze_head, "freeze-head=false"),
+        (f"apfl-alpha={s.apfl_alpha:g}", s.apfl_alpha, "apfl-alpha=0"),
     ]
     for given, on, off in trainings:
         if on:
             return (
                 f"client-execution='cohort' with {given}: that training works on "
                 "one client's model at a time (DP-SGD's per-sample clipping, "
-                "FedRep's phases, Ditto's personal model, FedBABU's frozen head), "
+                "FedRep's phases, Ditto's and APFL's personal models, FedBABU's "
+                "frozen head), "
                 "and a cohort trains its clients' models together in plain local "
                 "epochs; allowed: "
                 f"{off}, or {ALLOWED}"

@@ -27,7 +27,7 @@ from ..settings import Settings
 from .cohort import check_steps, cohort_problem, train_cohort
 from .objectives import LocalObjective
 from .sharing import Sharing
-from .train import ClientOptimizer, TrainResult, Transform, train_local
+from .train import BatchHook, ClientOptimizer, TrainResult, Transform, train_local
 
 Outcome = tuple[TrainResult, dict[str, float]]  # the result, its own metrics
 
@@ -47,6 +47,7 @@ class LocalRun:
     optimizer: ClientOptimizer
     prep: Transform
     seed: int
+    on_batch: BatchHook | None = None  # sees each batch first (APFL)
 
     def epochs(
         self,
@@ -62,6 +63,7 @@ class LocalRun:
             epochs=epochs, batch_size=s.batch_size, optimizer=self.optimizer,
             preprocess=self.prep, seed=self.seed + seed_offset,
             max_grad_norm=s.max_grad_norm, objective=objective,
+            on_batch=self.on_batch,
         )  # fmt: skip
 
     def check_steps(self) -> None:

@@ -16,6 +16,10 @@
   head phase would train it; fine-tuning before a personal evaluation trains
   the whole model without DP-SGD, and Ditto's personal model is already the
   one a client tests (`pollen.task.fedbabu`).
+- APFL's personal model (Deng et al. 2020, https://arxiv.org/abs/2003.13461)
+  steps beside each batch of one training pass, without DP-SGD, and is what
+  its client tests: refused with DP-SGD, LoRA sharings, FedRep's phases,
+  Ditto and fine-tuning (`pollen.task.apfl`).
 """
 
 from __future__ import annotations
@@ -53,7 +57,29 @@ def personal_problem(s: Settings) -> str | None:
             "head-epochs with dp=true: DP-SGD's budget is planned for one "
             "training pass per round; set head-epochs=0"
         )
-    return _fedbabu_problem(s)
+    return _fedbabu_problem(s) or _apfl_problem(s)
+
+
+def _apfl_problem(s: Settings) -> str | None:
+    """Why `s`'s APFL cannot run, or None: its personal model trains the
+    whole model without DP-SGD on each batch of the global model's training."""
+    if not s.apfl_alpha:
+        return None
+    given = [
+        (s.dp, "dp=true", "dp=false"),
+        (s.sharing in LORA_SHARING, f"sharing={s.sharing!r}", "sharing all or fedper"),
+        (s.ditto_lambda > 0, "ditto-lambda", "ditto-lambda=0"),
+        (s.head_epochs > 0, "head-epochs", "head-epochs=0"),
+        (s.fine_tune_epochs > 0, "fine-tune-epochs", "fine-tune-epochs=0"),
+    ]
+    for on, what, allowed in given:
+        if on:
+            return (
+                f"apfl-alpha with {what}: APFL's personal model trains the whole "
+                "model without DP-SGD beside each batch of one training pass, "
+                "and is itself the model a client tests; allowed with apfl: " + allowed
+            )
+    return None
 
 
 def _fedbabu_problem(s: Settings) -> str | None:

@@ -4,7 +4,8 @@ DP-SGD (`dp`, `pollen.task.privacy`), FedRep's two phases (`head-epochs`,
 `pollen.task.fedrep`) or plain epochs (`pollen.task.local_run`), the last
 with FedBABU's classifier frozen (`freeze-head`, `pollen.task.fedbabu`);
 under Ditto (`ditto-lambda`, `pollen.task.ditto`) the personal model's step
-follows whichever it is. The settings refuse DP-SGD with any of the
+follows whichever it is, and under APFL (`apfl-alpha`, `pollen.task.apfl`)
+its personal model steps beside each of its batches. The settings refuse DP-SGD with any of the
 others. FedPer and LG-FedAvg need no schedule: their sharing policies keep
 a part of the model on the client (`pollen.task.sharing`).
 """
@@ -14,6 +15,7 @@ from __future__ import annotations
 from functools import partial
 
 from ..settings import Settings
+from .apfl import Apfl
 from .data import Dataset
 from .ditto import Ditto
 from .fedbabu import FrozenHead
@@ -32,7 +34,9 @@ def local_training(settings: Settings, dataset: Dataset) -> Training:
         training = FedRep(settings.head_epochs)
     elif settings.freeze_head:
         training = FrozenHead(plain)
+    new_model = partial(settings_model, settings, dataset)
     if settings.ditto_lambda:
-        new_model = partial(settings_model, settings, dataset)
         return Ditto(settings.ditto_lambda, training, new_model)
+    if settings.apfl_alpha:
+        return Apfl(settings.apfl_alpha, training, new_model)
     return training

@@ -127,6 +127,8 @@ class ClientOptimizer:
 
 
 Batch = tuple[torch.Tensor, torch.Tensor]  # model inputs, targets
+# what sees each batch before the model's step (APFL's personal model)
+BatchHook = Callable[[torch.Tensor, torch.Tensor], None]
 
 
 def trainable(model: nn.Module) -> dict[str, nn.Parameter]:
@@ -288,6 +290,7 @@ def train_loop(
     rule: StepRule,
     objective: LocalObjective,
     after_epoch: Callable[[int], None] | None = None,
+    on_batch: BatchHook | None = None,
 ) -> TrainResult:
     """The local training loop, for every objective, with or without DP-SGD.
 
@@ -296,7 +299,9 @@ def train_loop(
     `objective.data_gradient` may take it again elsewhere (SAM); `rule.ready`
     finishes it (DP-SGD: per-sample clipping and noise) or skips the step;
     the objective's regulariser adds its gradient; `rule.step` clips and
-    steps. `after_epoch(epoch)` is called after each epoch (the centralised
+    steps. `on_batch(inputs, targets)` sees each batch first, at the
+    parameters before its step (APFL trains its personal model on it);
+    `after_epoch(epoch)` is called after each epoch (the centralised
     baseline evaluates there). The loss reported is the mean clean-pass loss
     over the steps taken.
     """
@@ -308,6 +313,8 @@ def train_loop(
     for epoch, batch_iter in enumerate(batches.epochs(), start=1):
         for inputs, targets in batch_iter:
             rule.zero_grad()
+            if len(targets) and on_batch is not None:
+                on_batch(inputs, targets)
             if len(targets):
                 loss = _backward(network, inputs, targets, objective)
                 again = partial(_regrade, rule, network, inputs, targets, objective)
@@ -351,6 +358,7 @@ def train_local(
     max_grad_norm: float = 0.0,
     objective: LocalObjective | None = None,
     after_epoch: Callable[[int], None] | None = None,
+    on_batch: BatchHook | None = None,
 ) -> TrainResult:
     """Local training over `epochs` of a shard (`train_loop` on shuffled
     batches with plain optimiser steps) for `objective` (default: plain).
@@ -365,7 +373,9 @@ def train_local(
         skip_single=has_batch_norm(model),
     )  # fmt: skip
     torch.manual_seed(seed + 2)
-    return train_loop(model, batches, rule, objective or LocalObjective(), after_epoch)
+    return train_loop(
+        model, batches, rule, objective or LocalObjective(), after_epoch, on_batch
+    )
 
 
 @torch.no_grad()

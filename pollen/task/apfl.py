@@ -1,0 +1,127 @@
+"""APFL: a personal model mixed with the global one, by a weight each client learns.
+
+APFL (Deng, Kamani and Mahdavi 2020, "Adaptive Personalized Federated
+Learning", https://arxiv.org/abs/2003.13461, Algorithm 1) keeps on client i
+a personal model v_i and a mixing weight alpha_i, and uses the mixture
+
+    v_bar_i = alpha_i v_i + (1 - alpha_i) w_i
+
+with w_i the client's copy of the global model. At each local step t, on
+the same batch xi, beside the global model's own step (FedAvg's, whose
+reply is exactly FedAvg's):
+
+    v_i     <- v_i - eta grad_v f_i(v_bar_i; xi) = v_i - eta alpha_i grad f_i(v_bar_i; xi)
+    alpha_i <- alpha_i - eta grad_alpha f_i(v_bar_i; xi)
+             = alpha_i - eta <v_i - w_i, grad f_i(v_bar_i; xi)>,   clipped to [0, 1]
+
+all at the parameters before the step. The server averages the w_i as
+FedAvg does; v_i and alpha_i never travel, and the client's personal
+evaluation tests v_bar_i with the received global model as w_i. The mixture
+mixes parameters; its BatchNorm statistics are v_i's own, updated by the
+mixed model's passes. v_i starts at the received model in the client's
+first round, alpha_i at `apfl-alpha` (preset `apfl`: 0.5). PFLlib trains
+v_i on its own outputs and mixes once a round, with an L2 term on alpha
+(after FedTorch); pollen follows the paper's per-step gradients.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+
+import torch
+import torch.nn.functional as F
+from flwr.app import ArrayRecord, ConfigRecord, Context
+from torch import nn
+from torch.func import functional_call
+
+from ..protocol import apfl_alpha_key, apfl_state_key
+from .local_run import LocalRun, Outcome, Training
+from .objectives import LocalObjective
+from .train import ClientOptimizer
+
+ALPHA = "alpha"  # the config record's key
+
+
+def kept(context: Context, client: int) -> tuple[dict[str, torch.Tensor], float] | None:
+    """The client's v_i and alpha_i as kept; None before its first round."""
+    stored = context.state.get(apfl_state_key(client))
+    weight = context.state.get(apfl_alpha_key(client))
+    if not isinstance(stored, ArrayRecord) or not isinstance(weight, ConfigRecord):
+        return None
+    return stored.to_torch_state_dict(), float(weight[ALPHA])
+
+
+def mixed_state(
+    global_model: nn.Module, personal: dict[str, torch.Tensor], alpha: float
+) -> dict[str, torch.Tensor]:
+    """v_bar's state dict: alpha v + (1 - alpha) w for every parameter,
+    v's own entries for the buffers (BatchNorm's statistics)."""
+    params = dict(global_model.named_parameters())
+    return {
+        name: alpha * value + (1 - alpha) * params[name].detach()
+        if name in params
+        else value
+        for name, value in personal.items()
+    }
+
+
+class PersonalMixture:
+    """v_i and alpha_i of one client for one round, stepped on each batch the
+    global model sees (`step`, a `LocalRun.on_batch`)."""
+
+    def __init__(
+        self,
+        global_model: nn.Module,
+        personal: nn.Module,
+        alpha: float,
+        optimizer: ClientOptimizer,
+    ) -> None:
+        self.global_model = global_model
+        self.personal = personal.train()
+        self.alpha = alpha
+        self.lr = optimizer.lr
+        self.params = dict(personal.named_parameters())
+        self.optimizer = optimizer.build(list(self.params.values()))
+
+    def step(self, inputs: torch.Tensor, targets: torch.Tensor) -> None:
+        """One step of v_i and alpha_i on the batch, at the global model's
+        parameters before its step."""
+        w = {n: p.detach() for n, p in self.global_model.named_parameters()}
+        alpha = torch.tensor(self.alpha, device=inputs.device, requires_grad=True)
+        mixed = {n: alpha * v + (1 - alpha) * w[n] for n, v in self.params.items()}
+        buffers = dict(self.personal.named_buffers())
+        logits = functional_call(self.personal, {**mixed, **buffers}, (inputs,))
+        loss = F.cross_entropy(logits, targets)
+        *grads, grad_alpha = torch.autograd.grad(loss, [*self.params.values(), alpha])
+        self.optimizer.zero_grad(set_to_none=True)
+        for param, grad in zip(self.params.values(), grads, strict=True):
+            param.grad = grad
+        self.optimizer.step()
+        self.alpha = min(max(self.alpha - self.lr * float(grad_alpha), 0.0), 1.0)
+
+
+@dataclass(frozen=True)
+class Apfl:
+    """The global model's `training`, with v_i and alpha_i stepped on each of
+    its batches (`new_model` builds v_i's network); both kept after it."""
+
+    alpha: float
+    training: Training
+    new_model: Callable[[], nn.Module]
+
+    def __call__(
+        self, run: LocalRun, objective: LocalObjective, context: Context
+    ) -> Outcome:
+        personal = self.new_model()
+        start = kept(context, run.client)
+        personal.load_state_dict(run.model.state_dict() if start is None else start[0])
+        alpha = self.alpha if start is None else start[1]
+        mixture = PersonalMixture(
+            run.model, personal.to(run.device), alpha, run.optimizer
+        )
+        outcome = self.training(replace(run, on_batch=mixture.step), objective, context)
+        state = {k: v.detach().cpu() for k, v in personal.state_dict().items()}
+        context.state[apfl_state_key(run.client)] = ArrayRecord(state)
+        context.state[apfl_alpha_key(run.client)] = ConfigRecord({ALPHA: mixture.alpha})
+        return outcome
