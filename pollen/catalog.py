@@ -99,6 +99,7 @@ class ModelInfo:
     # a frozen backbone whose features `cache-features` computes once
     frozen_backbone: bool = False
     linear: bool = True  # has an nn.Linear layer: FedPer's local classifier
+    body: bool = True  # has trained layers below its classifier (logreg: none)
 
     def input_problem(self, channels: int, side: int) -> str | None:
         """Why this model cannot take `channels` x `side` x `side` images, or None."""
@@ -249,7 +250,11 @@ DATA_SETS: dict[str, DataSetInfo] = _by_name(
 
 MODELS: dict[str, ModelInfo] = _by_name(
     ModelInfo("mlp", "two hidden layers"),
-    ModelInfo("logreg", "softmax regression, one linear layer (FedProx's synthetic)"),
+    ModelInfo(
+        "logreg",
+        "softmax regression, one linear layer (FedProx's synthetic)",
+        body=False,
+    ),
     ModelInfo("mlp-bn", "the mlp with BatchNorm", batchnorm=True),
     ModelInfo("cnn", "small CNN with BatchNorm", batchnorm=True, min_side=4),
     ModelInfo("cnn-gn", "the cnn with GroupNorm (DP-SGD's choice)", min_side=4),
@@ -352,8 +357,8 @@ SHARING = ("all", "lora-a", "lora", "fedper", "lg")
 HEAD_SHARING = ("fedper", "lg")
 LORA_SHARING = ("lora-a", "lora")
 SHARING_POLICIES = (*BN_POLICIES, *SHARING[1:])
-# what sharing, FedRep's schedule, FedBABU's frozen head and fine-tuning and
-# Ditto's and APFL's personal models refuse
+# what sharing, fine-tuning and the personal schedules (FedRep, FedBABU,
+# Ditto, APFL, FedALA, Per-FedAvg) refuse
 PERSONAL_RULES = "pollen.task.personal_rules:personal_problem"
 
 # A strategy preset is a default combination of parts (explicit keys win):
@@ -377,6 +382,10 @@ PRESETS: dict[str, dict[str, Scalar]] = {
     "lg-fedavg": {"server-update": "fedavg", "local-objective": "plain", "sharing": "lg"},
     "ditto": {"server-update": "fedavg", "local-objective": "plain", "ditto-lambda": 0.1},
     "apfl": {"server-update": "fedavg", "local-objective": "plain", "apfl-alpha": 0.5},
+    "per-fedavg": {
+        "server-update": "fedavg", "local-objective": "plain", "per-fedavg-beta": 0.005,
+    },
+    "fedala": {"server-update": "fedavg", "local-objective": "plain", "ala-layers": 2},
     "fedbabu": {
         "server-update": "fedavg", "local-objective": "plain", "sharing": "fedper",
         "freeze-head": True, "fine-tune-epochs": 5,

@@ -74,7 +74,7 @@ from .protocol import (
     local_entries_key,
 )
 from .settings import Settings
-from .task import apfl, client_state
+from .task import apfl, client_state, fedala, per_fedavg
 from .task.attacks import poisoning_mod, trained_labels
 from .task.client_clip import clipping_mod
 from .task.data import Dataset
@@ -444,7 +444,9 @@ def _load_optimizer_modules(name: str) -> None:
 def evaluate_personal(msg: Message, context: Context) -> Message:
     """This client's model (shared + local entries, or under Ditto its
     personal model, under APFL its mixture of its personal model with the
-    received one; with `fine-tune-epochs`, that model fine-tuned on its
+    received one, under FedALA its adaptive mix of the received model with
+    its last trained one; under Per-FedAvg after its one personalising step; with
+    `fine-tune-epochs`, that model fine-tuned on its
     training shard first, not kept) on the global test set and on its own
     test shard; NaN for either where the node has none (a node with its own
     data file and no copy of the data set has no global one), and for the
@@ -457,10 +459,20 @@ def evaluate_personal(msg: Message, context: Context) -> Message:
         cm.model.load_state_dict(v_k)
     if s.apfl_alpha and (personal := apfl.kept(context, cm.client)) is not None:
         cm.model.load_state_dict(apfl.mixed_state(cm.model, *personal))
+    if s.ala_layers and (ala := fedala.kept(context, cm.client)) is not None:
+        previous, weights = ala
+        if weights is not None:  # learned from the client's second round on
+            fedala.mix(cm.model, previous, weights)
+    adapts = s.fine_tune_epochs > 0 or s.per_fedavg_beta > 0
+    if adapts:  # its shard and optimiser ready first, as `train` has them
+        run = cm.local_run(float(msg.content[CONFIG][LR]))
+        _load_optimizer_modules(s.client_optimizer)
     started = time.perf_counter()
     if s.fine_tune_epochs:
-        fine_tuned(cm.local_run(float(msg.content[CONFIG][LR])), s.fine_tune_epochs)
-    keeps_own = bool(cm.sharing.local) or s.personal_model or s.fine_tune_epochs > 0
+        fine_tuned(run, s.fine_tune_epochs)
+    if s.per_fedavg_beta:
+        per_fedavg.adapted(run)
+    keeps_own = bool(cm.sharing.local) or s.personal_model or adapts
     global_test = cm.data.global_test(cm.device) if keeps_own else None
     g_loss, g_acc = cm.loss_and_accuracy("test", global_test)
     own = cm.data.test_shard(cm.client, cm.device)

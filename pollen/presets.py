@@ -4,7 +4,8 @@ assumptions of the parts it combines, the data set's defaults.
 A key declared with the default "auto" (`pollen.settings`) takes its value
 here, in this order: the strategy preset names the server update and the
 local objective (and FedAvgM's momentum, FedSA's and FedPer's sharing,
-FedBuff's mode, FedRep's head epochs, Ditto's lambda, APFL's alpha, FedBABU's frozen
+FedBuff's mode, FedRep's head epochs, Ditto's lambda, APFL's alpha,
+Per-FedAvg's beta, FedALA's layers, FedBABU's frozen
 head and fine-tuning); the parts the run
 then combines state the client hyper-parameters their algorithm assumes
 (`catalog.Part.training`: SCAFFOLD's plain SGD); the data set fills the
@@ -29,7 +30,7 @@ from .keys import AUTO
 
 def keeps_own_model(sharing_policy: str, personal_model: bool) -> bool:
     """Whether clients keep entries of their own (a sharing policy other
-    than shared) or a personal model (Ditto, APFL): then the global model
+    than shared) or a personal model (Ditto, APFL, FedALA): then the global model
     alone is not what a client uses."""
     return sharing_policy != "shared" or personal_model
 
@@ -71,15 +72,22 @@ def resolve_auto(values: Mapping[str, Scalar]) -> dict[str, Scalar]:
     fill("head-epochs", int(preset.get("head-epochs", 0)))
     fill("ditto-lambda", float(preset.get("ditto-lambda", 0.0)))
     fill("apfl-alpha", float(preset.get("apfl-alpha", 0.0)))
+    fill("per-fedavg-beta", float(preset.get("per-fedavg-beta", 0.0)))
+    fill("ala-layers", int(preset.get("ala-layers", 0)))
     fill("freeze-head", bool(preset.get("freeze-head", False)))
     fill("fine-tune-epochs", int(preset.get("fine-tune-epochs", 0)))
     sharing = resolved["sharing"]
     policy = resolved["bn-policy"] if sharing == "all" else sharing
     personal_model = (
-        float(resolved["ditto-lambda"]) > 0 or float(resolved["apfl-alpha"]) > 0
+        float(resolved["ditto-lambda"]) > 0
+        or float(resolved["apfl-alpha"]) > 0
+        or int(resolved["ala-layers"]) > 0
     )
     own = keeps_own_model(str(policy), personal_model)
-    fill("personal-eval-every", int(own or int(resolved["fine-tune-epochs"]) > 0))
+    adapts = (
+        int(resolved["fine-tune-epochs"]) > 0 or float(resolved["per-fedavg-beta"]) > 0
+    )
+    fill("personal-eval-every", int(own or adapts))
     if resolved["server-lr"] == AUTO:  # the server update's own default
         update = part("server-update", str(resolved["server-update"])).load()
         resolved["server-lr"] = update.auto_server_lr

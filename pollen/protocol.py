@@ -107,6 +107,16 @@ def apfl_alpha_key(client: int) -> str:
     return f"apfl-alpha-{client}"
 
 
+def fedala_state_key(client: int) -> str:
+    """FedALA's previous model theta_i (every state-dict entry)."""
+    return f"fedala-model-{client}"
+
+
+def fedala_weights_key(client: int) -> str:
+    """FedALA's aggregation weights W_i (one tensor per higher parameter)."""
+    return f"fedala-weights-{client}"
+
+
 def moon_state_key(client: int) -> str:
     """MOON's previous local model w_k^{t-1} (every state-dict entry)."""
     return f"moon-{client}"

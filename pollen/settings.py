@@ -232,6 +232,26 @@ class Settings:
         unit_interval(),
         float,
     )
+    per_fedavg_beta: float = key(
+        AUTO,
+        "Per-FedAvg: each local step is w <- w - beta grad f(w - lr grad f(w; D); "
+        "D') on two batches (first-order MAML), and a personal evaluation first "
+        "takes one step of rate lr (auto: 0 = off, per-fedavg: 0.005)",
+        at_least(0),
+        float,
+    )
+    ala_layers: int = key(
+        AUTO,
+        "FedALA: each client starts its round from theta_i + (theta - theta_i) * W "
+        "in its last N parameter tensors, W learned element-wise on its data, "
+        "theta below (auto: 0 = off, fedala: 2, the classifier)",
+        at_least(0),
+        int,
+    )
+    ala_sample: float = key(
+        0.8, "FedALA: share of a client's examples W is learned on", in_range(0, 1)
+    )
+    ala_eta: float = key(1.0, "FedALA: learning rate of W", above(0))
     freeze_head: bool = key(
         AUTO,
         "FedBABU: the classifier (the last nn.Linear) is never trained and "
@@ -632,8 +652,9 @@ class Settings:
 
     @property
     def personal_model(self) -> bool:
-        """Clients keep a whole personal model (Ditto's v_k, APFL's v_i)."""
-        return self.ditto_lambda > 0 or self.apfl_alpha > 0
+        """Clients keep a whole personal model (Ditto's v_k, APFL's v_i,
+        FedALA's theta_i)."""
+        return self.ditto_lambda > 0 or self.apfl_alpha > 0 or self.ala_layers > 0
 
     @property
     def clients_keep_state(self) -> bool:
@@ -734,6 +755,7 @@ def _part_problems(s: Settings) -> Iterator[str | None]:
     objective = part("local-objective", s.local_objective).load()
     if s.local_objective not in PART_KEYS["local-objective"][0]:  # a user's
         yield _term_problem(s.local_objective, objective.term)
+        yield _term_problem(s.local_objective, getattr(objective, "batch_term", ""))
     yield objective.problem(s)
     if s.krum_select and s.aggregator != "multi-krum":
         yield (
@@ -749,8 +771,8 @@ def _part_problems(s: Settings) -> Iterator[str | None]:
 
 
 def _term_problem(name: str, term: str | None) -> str | None:
-    """Why a user's local objective's regulariser `term` ("module:Class")
-    cannot be imported, or None: found here, not in every client after
+    """Why a user's local objective's term (its regulariser or batch term,
+    "module:Class") cannot be imported, or None: found here, not in every client after
     start-up (pollen's own terms import torch, which validation spares)."""
     if not term:
         return None

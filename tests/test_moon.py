@@ -15,6 +15,7 @@ from torch import nn
 from pollen import client_app
 from pollen.protocol import moon_state_key
 from pollen.settings import Settings, SettingsError
+from pollen.task.cohort import cohort_problem
 from pollen.task.models import build_model
 from pollen.task.moon import ModelContrast, contrastive_loss
 from pollen.task.objectives import LocalObjective
@@ -153,19 +154,49 @@ def test_batchnorm_statistics_move_once_per_batch_as_without_moon() -> None:
 
 
 def test_two_rounds_keep_the_trained_model_as_the_next_previous_one() -> None:
+    """Round 1 keeps the trained model; round 2, sent a moved aggregate,
+    contrasts with it: the same round 2 without the kept model (the initial
+    one as previous) replies otherwise."""
     settings = run_config(strategy="moon")
     model = build_model("mlp-bn", (1, 8, 8), 10, settings["seed"])
     sharing = Sharing.of("shared", model)
     context = Context(1, 1, {}, RecordDict(), settings)
-    sent = ArrayRecord(model.state_dict())
-    for rnd in (1, 2):
-        reply = client_app.train(message("train", sent, 1, rnd), context)
-        arrays = reply.content["arrays"]
-        assert set(arrays) == set(sharing.shared)
-        kept = context.state[moon_state_key(1)]
-        for name in sharing.shared:
-            assert np.array_equal(kept[name].numpy(), arrays[name].numpy())
-        sent = arrays
+    reply = client_app.train(
+        message("train", ArrayRecord(model.state_dict()), 1, 1), context
+    )
+    arrays = reply.content["arrays"]
+    kept = context.state[moon_state_key(1)]
+    for name in sharing.shared:
+        assert np.array_equal(kept[name].numpy(), arrays[name].numpy())
+    state = arrays.to_torch_state_dict()
+    moved = ArrayRecord(
+        {k: v * 0.5 if v.is_floating_point() else v for k, v in state.items()}
+    )
+    replies = []
+    for keep in (True, False):
+        again = copy.deepcopy(context)
+        if not keep:
+            del again.state[moon_state_key(1)]
+        second = client_app.train(message("train", moved, 1, 2), again)
+        replies.append(second.content["arrays"]["1.weight"].numpy())
+    assert not np.allclose(*replies)
+
+
+def test_a_cohort_refuses_a_batch_term_at_run_time_too() -> None:
+    model = tiny_model(0)
+    term, _ = loaded_term(model, None)
+    problem = cohort_problem(model, LocalObjective(batch_term=term), ClientOptimizer())
+    assert problem is not None and "term on each batch (ModelContrast)" in problem
+
+
+def test_the_fixed_models_are_in_evaluation_mode() -> None:
+    """As in the authors' code: their running statistics, no dropout."""
+    model = tiny_model(0)
+    term, _ = loaded_term(model, tiny_model(1))
+    assert all(not seen.model.training for seen in term.fixed)
+    assert all(
+        not p.requires_grad for seen in term.fixed for p in seen.model.parameters()
+    )
 
 
 @pytest.mark.parametrize(
@@ -175,6 +206,8 @@ def test_two_rounds_keep_the_trained_model_as_the_next_previous_one() -> None:
         ({"dp": True, "model": "cnn-gn"}, "'moon' with dp=true"),
         ({"client-execution": "cohort"}, "client-execution='cohort'"),
         ({"moon-tau": 0}, "moon-tau"),
+        ({"model": "logreg", "data-set": "synthetic"}, "allowed: mlp"),
+        ({"sharing": "lg"}, "the term is constant"),
     ],
 )
 def test_what_moon_refuses(overrides: dict, message: str) -> None:

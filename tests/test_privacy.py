@@ -28,6 +28,7 @@ from pollen.protocol import (
 from pollen.settings import Settings
 from pollen.task import train as train_module
 from pollen.task.models import build_model
+from pollen.task.moon import ModelContrast
 from pollen.task.objectives import LocalObjective, ProxTerm
 from pollen.task.privacy import (
     PrivacyLedger,
@@ -145,6 +146,17 @@ def test_sam_is_refused_under_dp() -> None:
         train_private(
             tiny_linear(), x, y, plan=plan(1.0, 0.5, 1.0), optimizer=PLAIN_SGD,
             preprocess=no_preprocess, seed=0, objective=LocalObjective(sam_rho=0.05),
+        )  # fmt: skip
+
+
+def test_a_batch_term_is_refused_under_dp() -> None:
+    """MOON's term would join the loss outside the per-sample clipping."""
+    x, y = torch.randn(4, 4), torch.randint(0, 3, (4,))
+    with pytest.raises(ValueError, match="batch term"):
+        train_private(
+            tiny_linear(), x, y, plan=plan(1.0, 0.5, 1.0), optimizer=PLAIN_SGD,
+            preprocess=no_preprocess, seed=0,
+            objective=LocalObjective(batch_term=ModelContrast(1.0, 0.5)),
         )  # fmt: skip
 
 

@@ -505,6 +505,8 @@ SUITE = [
     ("lg-fedavg", "lg", "mlp-bn", ""),
     ("moon", "fedbn", "mlp-bn", ""),
     ("apfl", "shared", "mlp-bn", ""),
+    ("per-fedavg", "shared", "mlp-bn", ""),
+    ("fedala", "shared", "mlp-bn", ""),
     ("fedbabu", "fedper", "mlp-bn", "fine-tune-epochs=1"),
 ]
 
@@ -554,7 +556,7 @@ def test_every_strategy_runs_end_to_end(
         assert set(own) == trained
         assert all(v["global-accuracy"] is None for v in own.values())
         assert all(0 <= v["local-accuracy"] <= 1 for v in own.values())
-    elif policy == "shared" and strategy != "apfl":  # no model of their own
+    elif policy == "shared" and strategy not in ("apfl", "per-fedavg", "fedala"):
         assert "personal models" not in run.stdout and not rows[-1]["personal"]
     else:
         assert run.stdout.count("personal models") == 2

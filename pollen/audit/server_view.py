@@ -107,6 +107,9 @@ def audit_problem(settings: Settings) -> str | None:
                         "head-epochs=0"),
         "freeze-head": (s.freeze_head, "FedBABU trains the body alone; the "
                         "attacks replay every parameter", "freeze-head=false"),
+        "per-fedavg-beta": (s.per_fedavg_beta > 0, "Per-FedAvg's steps look one "
+                            "step ahead on another batch; the attacks replay "
+                            "plain steps", "per-fedavg-beta=0"),
         "lora-dropout": (info.lora and s.lora_dropout > 0, "dropout draws masks "
                          "the server cannot replay", "lora-dropout=0"),
         "model": (info.dropout, "dropout draws masks the server cannot replay",

@@ -114,6 +114,12 @@ def cohort_problem(
         return (
             f"client-execution='cohort': client-optimizer={optimizer.name!r}{refused}"
         )
+    if objective.batch_term is not None:
+        return (
+            "client-execution='cohort': the local objective's term on each batch "
+            f"({type(objective.batch_term).__name__}) needs one client's forward "
+            "pass" + refused
+        )
     term = objective.regularizer
     if term is not None and not callable(getattr(term, "affine", None)):
         return (

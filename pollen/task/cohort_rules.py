@@ -12,6 +12,8 @@ computation cannot reproduce exactly:
 - DP-SGD, FedRep's two phases, Ditto's and APFL's personal models: trainings of more
   than one pass per round, each built around one client's model; FedBABU's
   frozen head, which the cohort's plain epochs would train;
+- a local objective's term on each batch (MOON's), which its part refuses
+  with cohorts (`pollen.task.objective_parts`);
 - asynchronous FedBuff: clients start one at a time as the buffer asks, so
   a round has no cohort to train together.
 
@@ -54,14 +56,17 @@ def cohort_problem(s: Settings) -> str | None:
         (f"ditto-lambda={s.ditto_lambda:g}", s.ditto_lambda, "ditto-lambda=0"),
         ("freeze-head=true", s.freeze_head, "freeze-head=false"),
         (f"apfl-alpha={s.apfl_alpha:g}", s.apfl_alpha, "apfl-alpha=0"),
-    ]
+        (f"per-fedavg-beta={s.per_fedavg_beta:g}", s.per_fedavg_beta,
+         "per-fedavg-beta=0"),
+        (f"ala-layers={s.ala_layers}", s.ala_layers, "ala-layers=0"),
+    ]  # fmt: skip
     for given, on, off in trainings:
         if on:
             return (
                 f"client-execution='cohort' with {given}: that training works on "
                 "one client's model at a time (DP-SGD's per-sample clipping, "
                 "FedRep's phases, Ditto's and APFL's personal models, FedBABU's "
-                "frozen head), "
+                "frozen head, Per-FedAvg's two-batch steps, FedALA's mix), "
                 "and a cohort trains its clients' models together in plain local "
                 "epochs; allowed: "
                 f"{off}, or {ALLOWED}"

@@ -27,11 +27,9 @@ from dataclasses import dataclass
 
 from flwr.app import Context
 
-from .local_run import LocalRun, Outcome, Training
+from .local_run import ADAPT_SEED_OFFSET, LocalRun, Outcome, Training
 from .objectives import LocalObjective
-from .train import TrainResult, training_only
-
-FINE_TUNE_SEED_OFFSET = 9  # after the seeds of the round's passes (0, 3, 6)
+from .train import training_only
 
 
 @dataclass(frozen=True)
@@ -49,7 +47,7 @@ class FrozenHead:
             return self.training(run, objective, context)
 
 
-def fine_tuned(run: LocalRun, epochs: int) -> TrainResult:
+def fine_tuned(run: LocalRun, epochs: int) -> None:
     """`epochs` of the whole model on the client's training examples, for
     the plain cross-entropy, before a personal evaluation (FedBABU's tau_f)."""
-    return run.epochs(run.model, epochs, LocalObjective(), FINE_TUNE_SEED_OFFSET)
+    run.epochs(run.model, epochs, LocalObjective(), ADAPT_SEED_OFFSET)

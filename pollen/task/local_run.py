@@ -30,6 +30,9 @@ from .sharing import Sharing
 from .train import BatchHook, ClientOptimizer, TrainResult, Transform, train_local
 
 Outcome = tuple[TrainResult, dict[str, float]]  # the result, its own metrics
+# the seed offset of what a personal evaluation trains first (FedBABU's
+# fine-tuning, Per-FedAvg's step): after the round's passes (0, 3, 6)
+ADAPT_SEED_OFFSET = 9
 
 
 @dataclass

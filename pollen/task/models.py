@@ -28,6 +28,7 @@ from ..extensions import (
 )
 from .data import user_dataset
 from .lora import FrozenBackboneClassifier, LoRALinear, lora_head
+from .sharing import TRAINED, entry_kinds
 
 Shape = tuple[int, int, int]
 
@@ -376,6 +377,7 @@ def user_model_info(name: str, data_set: str) -> ModelInfo:
         batchnorm=any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in modules),
         lora=any(isinstance(m, LoRALinear) for m in modules),
         linear=any(isinstance(m, nn.Linear) for m in modules),
+        body=any(kind in TRAINED - {"head"} for kind in entry_kinds(model).values()),
         dropout=any(
             isinstance(m, nn.modules.dropout._DropoutNd) and m.p > 0 for m in modules
         ),

@@ -16,15 +16,16 @@ of x by the model being trained, by the global model the round received
 fixed). The representation is the input of the model's classifier, its
 last `nn.Linear`, as PFLlib takes it (the model's body); the paper adds a
 projection head, which pollen's catalogue models do not have. Before a
-client's first round its previous model is the common initialisation, as
-in the authors' code. The previous model is the client's state
+client's first round its previous model is the common initialisation (in
+the authors' code a party's own initial model, the same after round 0,
+which trains without the term). The previous model is the client's state
 (`pollen.protocol.moon_state_key`), every state-dict entry.
 
 The term's gradient flows through the same forward pass as the data loss
-(`pollen.task.train.train_loop` adds `loss` before the backward pass), so
-BatchNorm's running statistics move once per batch; the two fixed models run
-on copies in training mode (batch statistics, as z is computed), whose
-statistics are thrown away.
+(`pollen.task.train._backward` adds `loss` before the backward pass), so
+BatchNorm's running statistics move once per batch; the two fixed models
+run in evaluation mode, as in the authors' code (their running statistics,
+no dropout).
 """
 
 from __future__ import annotations
@@ -40,18 +41,19 @@ from flwr.app import ArrayRecord, Context
 from torch import nn
 
 from ..protocol import moon_state_key
+from .sharing import classifier_name
 
 if TYPE_CHECKING:
     from ..settings import Settings
 
 
-def classifier(model: nn.Module) -> nn.Linear:
+def classifier(model: nn.Module) -> nn.Module:
     """The model's classifier: its last `nn.Linear` (the `head` of
     `pollen.task.sharing`), whose input is the representation."""
-    linears = [m for m in model.modules() if isinstance(m, nn.Linear)]
-    if not linears:
+    name = classifier_name(model)
+    if name is None:
         raise ValueError("MOON needs a model whose classifier is an nn.Linear")
-    return linears[-1]
+    return model.get_submodule(name)
 
 
 class Representation:
@@ -120,7 +122,7 @@ class ModelContrast:
         device = next(model.parameters()).device
         for fixed in (copy.deepcopy(model), previous.to(device)):
             fixed.requires_grad_(False)
-            fixed.train()
+            fixed.eval()
             self.fixed.append(Representation(fixed))
         self.live = Representation(model)
 

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, ClassVar
 
-from ..catalog import LOCAL_OBJECTIVES
+from ..catalog import LOCAL_OBJECTIVES, MODELS
 from ..extensions import model_info
 
 if TYPE_CHECKING:
@@ -54,14 +54,24 @@ class Plain:
     def problem(cls, settings: Settings) -> str | None:
         """Why this objective cannot train as `settings` ask, or None (its
         modes and aggregators `Settings` reads from the two attributes):
-        SAM's second pass cannot be clipped per sample (DP-SGD)."""
+        SAM's second pass cannot be clipped per sample (DP-SGD), and a batch
+        term needs the whole batch's pass, which neither DP-SGD's per-sample
+        clipping nor a vectorised cohort gives it."""
+        name = settings.local_objective
+        if cls.batch_term and (settings.dp or settings.client_execution == "cohort"):
+            given = "dp=true" if settings.dp else "client-execution='cohort'"
+            return (
+                f"local-objective={name!r} with {given}: its term on each batch "
+                "needs the batch's own forward pass, which DP-SGD's per-sample "
+                "clipping and a vectorised cohort do not give it; allowed with "
+                f"{name}: dp=false and client-execution='sequential'"
+            )
         if not (cls.sam and settings.dp):
             return None
-        plain = [name for name, part in LOCAL_OBJECTIVES.items() if not part.load().sam]
+        plain = [n for n, part in LOCAL_OBJECTIVES.items() if not part.load().sam]
         return (
-            f"dp=true with local-objective={settings.local_objective!r}: SAM's "
-            "second pass has no per-sample clipping; allowed with dp: "
-            + ", ".join(plain)
+            f"dp=true with local-objective={name!r}: SAM's second pass has no "
+            "per-sample clipping; allowed with dp: " + ", ".join(plain)
         )
 
 
@@ -137,31 +147,33 @@ class ScaffoldSam(Scaffold):
 class Moon(Plain):
     """MOON's model-contrastive loss on each batch; the client keeps its
     previous model. Its representation is the input of the model's last
-    `nn.Linear`; it needs the whole batch's features, which DP-SGD's
-    per-sample clipping and a vectorised cohort do not give it."""
+    `nn.Linear`, so the model needs trained layers below that classifier,
+    and those layers must travel (under `lg` they stay on the client, the
+    received ones are the previous ones, and the term is a constant)."""
 
     batch_term = "pollen.task.moon:ModelContrast"
     keeps_state = True
 
     @classmethod
     def problem(cls, settings: Settings) -> str | None:
+        if problem := super().problem(settings):
+            return problem
         info = model_info(settings.model, settings.data_set)
-        if not info.linear or info.lora:
+        if not (info.linear and info.body) or info.lora:
+            allowed = [
+                name for name, m in MODELS.items() if m.linear and m.body and not m.lora
+            ]
             return (
-                f"local-objective='moon' with model={settings.model!r}: MOON's "
-                "representation is the input of the model's classifier, an "
-                "nn.Linear (not a LoRA head); allowed: a model with one"
+                f"local-objective='moon' with model={settings.model!r}: MOON "
+                "contrasts the input of the model's classifier (its last "
+                "nn.Linear, not a LoRA head), which trained layers below it must "
+                "compute; allowed: " + ", ".join(allowed)
             )
-        given = (
-            "dp=true" if settings.dp
-            else "client-execution='cohort'" if settings.client_execution == "cohort"
-            else ""
-        )  # fmt: skip
-        if given:
+        if settings.sharing == "lg":
             return (
-                f"local-objective='moon' with {given}: its loss compares the "
-                "batch's features under three models, which DP-SGD's per-sample "
-                "clipping and a vectorised cohort do not give it; allowed with "
-                "moon: dp=false and client-execution='sequential'"
+                "local-objective='moon' with sharing='lg': the layers below the "
+                "classifier stay on each client, so the received model's "
+                "representation is the previous model's and the term is constant; "
+                "allowed with moon: any other sharing"
             )
         return None

@@ -97,6 +97,10 @@ class BatchTerm(Protocol):
     the data loss before the backward pass, so that its gradient flows
     through the trained model's same forward pass."""
 
+    @classmethod
+    def from_settings(cls, settings: Settings) -> BatchTerm:
+        """The term with the run's settings (its keys)."""
+
     def load(
         self,
         context: Context,

@@ -1,5 +1,6 @@
 """What clients that keep something of their own refuse, asked by
-`Settings` before anything starts (torch-free: it reads the settings only).
+`Settings` before anything starts (torch-free: it reads the settings and
+the catalogue).
 
 - `bn-policy` decides BatchNorm's entries only under `sharing = "all"`;
   every other sharing policy decides each entry itself (`pollen.task.sharing`).
@@ -20,6 +21,15 @@
   steps beside each batch of one training pass, without DP-SGD, and is what
   its client tests: refused with DP-SGD, LoRA sharings, FedRep's phases,
   Ditto and fine-tuning (`pollen.task.apfl`).
+- Per-FedAvg (Fallah et al. 2020, https://arxiv.org/abs/2002.07948) trains
+  in its own loop of the plain loss, two batches a step, and personalises
+  by one step before testing: refused with DP-SGD, another local objective,
+  FedRep's and FedBABU's schedules, personal models and fine-tuning
+  (`pollen.task.per_fedavg`).
+- FedALA (Zhang et al. 2023, https://arxiv.org/abs/2212.01197) mixes the
+  whole received model with the client's previous one: refused with DP-SGD,
+  a sharing other than all, other personal models, Per-FedAvg and FedBABU's
+  frozen head (`pollen.task.fedala`).
 """
 
 from __future__ import annotations
@@ -27,6 +37,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from ..catalog import LORA_SHARING
+from ..extensions import model_info
 
 if TYPE_CHECKING:
     from ..settings import Settings
@@ -57,7 +68,64 @@ def personal_problem(s: Settings) -> str | None:
             "head-epochs with dp=true: DP-SGD's budget is planned for one "
             "training pass per round; set head-epochs=0"
         )
-    return _fedbabu_problem(s) or _apfl_problem(s)
+    return (
+        _fedbabu_problem(s)
+        or _apfl_problem(s)
+        or _per_fedavg_problem(s)
+        or _fedala_problem(s)
+    )
+
+
+def _fedala_problem(s: Settings) -> str | None:
+    """Why `s`'s FedALA cannot run, or None: its mix is of whole models the
+    client trains without DP-SGD, and is the model a client tests."""
+    if not s.ala_layers:
+        return None
+    given = [
+        (s.dp, "dp=true", "dp=false"),
+        (s.sharing != "all", f"sharing={s.sharing!r}", "sharing='all'"),
+        (s.ditto_lambda > 0 or s.apfl_alpha > 0,
+         "another personal model (ditto-lambda, apfl-alpha)",
+         "ditto-lambda=0 and apfl-alpha=0"),
+        (s.per_fedavg_beta > 0, "per-fedavg-beta", "per-fedavg-beta=0"),
+        (s.freeze_head, "freeze-head", "freeze-head=false"),
+    ]  # fmt: skip
+    for on, what, allowed in given:
+        if on:
+            return (
+                f"ala-layers with {what}: FedALA mixes the whole received model "
+                "with the client's previous one, trains from the mix without "
+                "DP-SGD, and the mix is what a client tests; allowed with fedala: "
+                + allowed
+            )
+    return None
+
+
+def _per_fedavg_problem(s: Settings) -> str | None:
+    """Why `s`'s Per-FedAvg cannot run, or None: its steps are its own loop
+    of the plain loss, and its one-step personalisation is the model a
+    client tests."""
+    if not s.per_fedavg_beta:
+        return None
+    given = [
+        (s.dp, "dp=true", "dp=false"),
+        (s.local_objective != "plain", f"local-objective={s.local_objective!r}",
+         "local-objective='plain'"),
+        (s.head_epochs > 0, "head-epochs", "head-epochs=0"),
+        (s.freeze_head, "freeze-head", "freeze-head=false"),
+        (s.personal_model, "a personal model (ditto-lambda, apfl-alpha)",
+         "ditto-lambda=0 and apfl-alpha=0"),
+        (s.fine_tune_epochs > 0, "fine-tune-epochs", "fine-tune-epochs=0"),
+    ]  # fmt: skip
+    for on, what, allowed in given:
+        if on:
+            return (
+                f"per-fedavg-beta with {what}: Per-FedAvg's steps are its own "
+                "two-batch loop of the plain loss without DP-SGD, and its one-step "
+                "personalisation is what a client tests; allowed with per-fedavg: "
+                + allowed
+            )
+    return None
 
 
 def _apfl_problem(s: Settings) -> str | None:
@@ -84,6 +152,18 @@ def _apfl_problem(s: Settings) -> str | None:
 
 def _fedbabu_problem(s: Settings) -> str | None:
     """Why `s`'s frozen head or fine-tuning cannot run, or None."""
+    if s.freeze_head and not model_info(s.model, s.data_set).body:
+        return (
+            f"freeze-head with model={s.model!r}: its classifier is all it "
+            "trains, so nothing would train; allowed: a model with layers below "
+            "its classifier"
+        )
+    if s.fine_tune_epochs and not s.personal_eval_every:
+        return (
+            f"fine-tune-epochs={s.fine_tune_epochs} with personal-eval-every=0: "
+            "fine-tuning runs before a personal evaluation, and none is asked "
+            "for; set personal-eval-every to 1 or more (auto: 1)"
+        )
     if s.freeze_head and s.sharing != "fedper":
         return (
             f"freeze-head with sharing={s.sharing!r}: the frozen classifier "

@@ -221,11 +221,14 @@ def train_private(
 
     A data-independent regulariser gradient (FedProx, FedDyn) is added after
     the noise: it touches no example, so it costs no privacy. SAM's second
-    pass has no per-sample clipping (settings refuse dp with SAM).
+    pass has no per-sample clipping, nor has a batch term (MOON's): settings
+    refuse dp with either.
     """
     objective = objective or LocalObjective()
     if objective.sam_rho > 0:
         raise ValueError("DP-SGD cannot take SAM steps: its second pass is not private")
+    if objective.batch_term is not None:
+        raise ValueError("DP-SGD cannot add a batch term: it is not clipped per sample")
     rule = PrivateStep(model, optimizer, plan, len(y), x.device)
     batches = PoissonBatches(x, y, preprocess, plan=plan, seed=seed)
     return train_loop(model, batches, rule, objective)

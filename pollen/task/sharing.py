@@ -25,7 +25,8 @@ its own; FedRep, on the same policy, adds one: `pollen.task.fedrep`); `lg`
 is its mirror, LG-FedAvg (Liang et al. 2020, https://arxiv.org/abs/2001.01523,
 Algorithm 1): only the classifier travels, so each client keeps its own
 representation (every layer below the classifier, BatchNorm included) and
-the federation learns one global classifier over them.
+the federation learns one global classifier over them (the authors keep
+the top few layers global; one is PFLlib's form).
 """
 
 from __future__ import annotations
@@ -55,6 +56,17 @@ POLICIES: dict[str, frozenset[Kind]] = {
 }
 
 
+def classifier_name(model: nn.Module) -> str | None:
+    """The module name of `model`'s classifier, its last `nn.Linear` ("" for
+    a model that is one), or None without one."""
+    linears = [
+        p
+        for p, m in model.named_modules(remove_duplicate=False)
+        if isinstance(m, nn.Linear)
+    ]
+    return linears[-1] if linears else None
+
+
 def entry_kinds(model: nn.Module) -> dict[str, Kind]:
     """The kind of every state-dict entry of `model`, in state-dict order."""
     kinds: dict[str, Kind] = {}
@@ -68,13 +80,9 @@ def entry_kinds(model: nn.Module) -> dict[str, Kind]:
                 kinds[dot + name] = "bn-affine" if is_bn else "weight"
         for name, _ in module.named_buffers(recurse=False):
             kinds[dot + name] = "bn-stat" if is_bn else "buffer"
-    linears = [
-        p
-        for p, m in model.named_modules(remove_duplicate=False)
-        if isinstance(m, nn.Linear)
-    ]
-    if linears:
-        dot = f"{linears[-1]}." if linears[-1] else ""
+    head = classifier_name(model)
+    if head is not None:
+        dot = f"{head}." if head else ""
         for name in ("weight", "bias"):
             if kinds.get(dot + name) == "weight":
                 kinds[dot + name] = "head"
