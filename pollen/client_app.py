@@ -6,7 +6,8 @@ The handlers only assemble: the model from the message's shared entries and
 the entries the client keeps (`context.state`), the round's examples
 (`pollen.task.node_data`), one training call or evaluation, the reply. What
 the round trains is `pollen.task.schedule`'s choice (plain epochs, DP-SGD,
-FedRep's phases, Ditto's personal model); the local objective
+FedRep's phases, FedBABU's body alone, Per-FedAvg's steps, Ditto's and
+APFL's personal models, FedALA's adaptive start); the local objective
 (`pollen.task.objectives`) loads and saves its own state. What wraps the
 training and evaluation handlers are ClientApp mods: central DP's clipping
 on the client (`pollen.task.client_clip`), model poisoning
@@ -16,9 +17,10 @@ on the client (`pollen.task.client_clip`), model poisoning
 
 What a client keeps between rounds lives in `context.state`, per client: the
 model entries its sharing policy keeps local (FedBN's BatchNorm, FedSA's
-LoRA B matrices, FedPer's classifier), its objective's state (FedDyn's h_k),
-Ditto's personal model and, under DP-SGD, the steps its privacy accountant
-has counted. When the run checkpoints, that state is also written to the
+LoRA B matrices, FedPer's classifier, LG-FedAvg's body), its objective's
+state (FedDyn's h_k, MOON's previous model), the personal models of Ditto,
+APFL and FedALA and, under DP-SGD, the steps its privacy accountant has
+counted. When the run checkpoints, that state is also written to the
 client's disk after each round it trains and read back by a resumed run
 (`pollen.task.client_state`). Only shared entries are accepted from the
 server and only shared entries are sent back.

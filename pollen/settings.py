@@ -236,7 +236,8 @@ class Settings:
         AUTO,
         "Per-FedAvg: each local step is w <- w - beta grad f(w - lr grad f(w; D); "
         "D') on two batches (first-order MAML), and a personal evaluation first "
-        "takes one step of rate lr (auto: 0 = off, per-fedavg: 0.005)",
+        "takes one step of rate lr; beta stays fixed where the lr schedule lowers "
+        "lr (auto: 0 = off, per-fedavg: 0.005)",
         at_least(0),
         float,
     )

@@ -4,6 +4,8 @@ what APFL refuses."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 from flwr.app import ArrayRecord, ConfigRecord, Context, RecordDict
@@ -62,14 +64,32 @@ def test_one_step_of_v_alpha_and_w_by_hand() -> None:
 
 
 def test_the_first_round_starts_v_at_the_received_model_and_alpha_as_set() -> None:
-    """v = w: the mixture is w whatever alpha is, and alpha's gradient
-    <v - w, g> is 0, so alpha stays at its start after the first step."""
-    recorded = local_run(settings(**{"batch-size": 8}))
+    """At lr 0 nothing moves: v is kept as it started, the received model,
+    and alpha at `apfl-alpha` (with v = w, alpha's gradient is 0 anyway)."""
+    run = local_run(settings(**{"batch-size": 8})).run
+    run = replace(run, optimizer=ClientOptimizer("sgd", 0.0, 0.0))
+    received = {k: v.detach().clone() for k, v in run.model.state_dict().items()}
     context = Context(1, 1, {}, RecordDict(), {})
-    Apfl(0.4, plain, tiny_model)(recorded.run, LocalObjective(), context)
+    Apfl(0.4, plain, tiny_model)(run, LocalObjective(), context)
     v1, alpha1 = kept(context, 1)
     assert alpha1 == pytest.approx(0.4)
-    assert not torch.equal(v1["0.weight"], tiny_model()[0].weight)
+    for name, value in received.items():
+        assert torch.equal(v1[name], value)
+
+
+def test_frozen_parameters_pass_through_the_mixture() -> None:
+    """A frozen layer (a LoRA backbone's) is the same in v and w: only the
+    trained parameters are mixed and stepped."""
+    global_model, personal = tiny_model(), tiny_model()
+    for model in (global_model, personal):
+        model[0].requires_grad_(False)
+    frozen = personal[0].weight.detach().clone()
+    mixture = PersonalMixture(
+        global_model, personal, 0.5, ClientOptimizer("sgd", 0.1, 0.0)
+    )
+    mixture.step(torch.linspace(-1, 1, 24).reshape(8, 3), torch.arange(8) % 2)
+    assert torch.equal(personal[0].weight, frozen)
+    assert not torch.equal(personal[2].weight, tiny_model()[2].weight)
 
 
 def test_alpha_stays_within_zero_and_one() -> None:

@@ -68,9 +68,20 @@ def test_the_first_weights_start_at_ones_and_stay_within_zero_and_one() -> None:
     run = ala_run(**{"batch-size": 2})
     theta = {k: v.detach().clone() for k, v in run.model.state_dict().items()}
     previous = {k: v * 3.0 for k, v in theta.items()}
+    unmoved = learned_weights(run, previous, None, sample=0.8, eta=0.0)
+    assert all(torch.all(w == 1) for w in unmoved.values())
     weights = learned_weights(run, previous, None, sample=0.8, eta=1.0)
     for w in weights.values():
         assert float(w.min()) >= 0 and float(w.max()) <= 1
+    assert any(not torch.all(w == 1) for w in weights.values())
+
+
+def test_a_sample_smaller_than_a_batch_still_learns() -> None:
+    """6 sampled examples, batch 8: one smaller batch, not none."""
+    run = ala_run()
+    theta = {k: v.detach().clone() for k, v in run.model.state_dict().items()}
+    previous = {k: v * 3.0 for k, v in theta.items()}
+    weights = learned_weights(run, previous, None, sample=0.8, eta=1.0)
     assert any(not torch.all(w == 1) for w in weights.values())
 
 
@@ -85,9 +96,21 @@ def test_rounds_keep_the_model_and_learn_the_weights_from_the_second() -> None:
     assert weights is None
     assert torch.equal(previous["0.weight"], run.model.state_dict()["0.weight"])
     second = ala_run()  # the "global" model: tiny_model again
-    training(second, LocalObjective(), context)
+    theta = {k: v.detach().clone() for k, v in second.model.state_dict().items()}
+    starts = []
+    recording = FedAla(0.8, 1.0, lambda run, objective, context: (
+        starts.append({k: v.clone() for k, v in run.model.state_dict().items()})
+        or plain(run, objective, context)
+    ))  # fmt: skip
+    recording(second, LocalObjective(), context)
     _, weights = kept(context, 1)
     assert weights is not None and set(weights) == set(TOP)
+    assert any(not torch.all(w == 1) for w in weights.values())
+    [start] = starts
+    assert torch.equal(start["0.weight"], theta["0.weight"])  # lower: theta
+    for k in TOP:
+        want = previous[k] + (theta[k] - previous[k]) * weights[k]
+        torch.testing.assert_close(start[k], want)
 
 
 def test_a_client_tests_its_mix_once_it_has_weights() -> None:

@@ -4,6 +4,7 @@ hand, the personalising step a client tests after, and what it refuses."""
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import pytest
 import torch
@@ -52,13 +53,32 @@ def test_one_step_by_hand() -> None:
         torch.testing.assert_close(run.model.state_dict()[k], w[k] - 0.02 * g_next[k])
 
 
-def test_an_odd_batch_out_gives_no_step_and_a_shard_without_a_pair_fails() -> None:
+def test_batches_pair_across_epochs_and_one_batch_steps_on_its_halves() -> None:
+    """8 examples in batches of 3 over 2 epochs: 6 batches, 3 steps; one
+    batch of 8 in one epoch: one step on its halves; one example: none."""
     recorded = local_run(settings(**{"batch-size": 3, "local-epochs": 2}))
     result, _ = PerFedAvg(0.02)(recorded.run, LocalObjective(), context())
-    assert result.steps == 2  # 3 batches an epoch (3, 3, 2): one pair each
-    alone = local_run(settings(**{"batch-size": 8}))
+    assert result.steps == 3
+    whole = local_run(settings(**{"batch-size": 8})).run
+    result, _ = PerFedAvg(0.02)(whole, LocalObjective(), context())
+    assert result.steps == 1 and result.num_examples == 8
+    alone = replace(whole, x=whole.x[:1], y=whole.y[:1])
     with pytest.raises(ValueError, match="no Per-FedAvg step"):
-        PerFedAvg(0.02)(alone.run, LocalObjective(), context())
+        PerFedAvg(0.02)(alone, LocalObjective(), context())
+
+
+def test_the_halves_of_one_batch_by_hand() -> None:
+    """One batch of 8 (order: the seeded permutation) split 4 | 4."""
+    run = local_run(settings(**{"batch-size": 8})).run
+    w = {k: v.detach().clone() for k, v in run.model.state_dict().items()}
+    order = torch.randperm(8, generator=torch.Generator().manual_seed(7))
+    first, second = order[:4], order[4:]
+    g = gradient(w, run.x[first], run.y[first])
+    w_tmp = {k: w[k] - 0.1 * g[k] for k in w}
+    g_next = gradient(w_tmp, run.x[second], run.y[second])
+    PerFedAvg(0.02)(run, LocalObjective(), context())
+    for k in w:
+        torch.testing.assert_close(run.model.state_dict()[k], w[k] - 0.02 * g_next[k])
 
 
 def test_the_personalising_step_by_hand() -> None:

@@ -602,7 +602,8 @@ def report_interrupted(run_dir: Path, settings: Settings, command: str) -> int |
     )
     if settings.clients_keep_state and not settings.checkpoint_every:
         print(
-            "pollen: the clients' own state (local entries, h_k, c_k) is saved "
+            "pollen: the clients' own state (local entries, h_k, c_k, personal "
+            "models) is saved "
             "only with checkpoint-every; the resumed run starts it afresh",
             file=sys.stderr,
         )

@@ -15,17 +15,22 @@ reply is exactly FedAvg's):
              = alpha_i - eta <v_i - w_i, grad f_i(v_bar_i; xi)>,   clipped to [0, 1]
 
 all at the parameters before the step. The server averages the w_i as
-FedAvg does; v_i and alpha_i never travel, and the client's personal
-evaluation tests v_bar_i with the received global model as w_i. The mixture
-mixes parameters; its BatchNorm statistics are v_i's own, updated by the
-mixed model's passes. v_i starts at the received model in the client's
-first round, alpha_i at `apfl-alpha` (preset `apfl`: 0.5). PFLlib trains
-v_i on its own outputs and mixes once a round, with an L2 term on alpha
-(after FedTorch); pollen follows the paper's per-step gradients.
+FedAvg does (the reply is FedAvg's for a model without dropout, whose
+masks the extra pass would shift); v_i and alpha_i never travel, and the
+client's personal evaluation tests v_bar_i with the received global model
+as w_i. The mixture mixes the trained parameters (frozen ones are the
+same in both); its BatchNorm statistics are v_i's own, updated by the
+mixed model's passes. v_i's steps are not clipped (`max-grad-norm` clips
+w's). v_i starts at the received model in the client's first round,
+alpha_i at `apfl-alpha` (preset `apfl`: 0.5); a round whose training
+diverged keeps the state it started from. PFLlib trains v_i on its own
+outputs and mixes once a round, with an L2 term on alpha (after FedTorch);
+pollen follows the paper's per-step gradients.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 
@@ -37,8 +42,8 @@ from torch.func import functional_call
 
 from ..protocol import apfl_alpha_key, apfl_state_key
 from .local_run import LocalRun, Outcome, Training
-from .objectives import LocalObjective
-from .train import ClientOptimizer
+from .objectives import LocalObjective, diverged
+from .train import ClientOptimizer, trainable
 
 ALPHA = "alpha"  # the config record's key
 
@@ -55,13 +60,15 @@ def kept(context: Context, client: int) -> tuple[dict[str, torch.Tensor], float]
 def mixed_state(
     global_model: nn.Module, personal: dict[str, torch.Tensor], alpha: float
 ) -> dict[str, torch.Tensor]:
-    """v_bar's state dict: alpha v + (1 - alpha) w for every parameter,
-    v's own entries for the buffers (BatchNorm's statistics)."""
+    """v_bar's state dict, on `global_model`'s device: alpha v + (1 - alpha)
+    w for every parameter, v's own entries for the buffers (BatchNorm's
+    statistics)."""
     params = dict(global_model.named_parameters())
+    device = next(iter(params.values())).device
     return {
-        name: alpha * value + (1 - alpha) * params[name].detach()
+        name: alpha * value.to(device) + (1 - alpha) * params[name].detach()
         if name in params
-        else value
+        else value.to(device)
         for name, value in personal.items()
     }
 
@@ -79,26 +86,31 @@ class PersonalMixture:
     ) -> None:
         self.global_model = global_model
         self.personal = personal.train()
-        self.alpha = alpha
         self.lr = optimizer.lr
-        self.params = dict(personal.named_parameters())
+        self.params = trainable(personal)
         self.optimizer = optimizer.build(list(self.params.values()))
+        device = next(iter(self.params.values())).device
+        self._alpha = torch.tensor(float(alpha), device=device)
+
+    @property
+    def alpha(self) -> float:
+        """alpha_i now (read once a round: no device sync per step)."""
+        return float(self._alpha)
 
     def step(self, inputs: torch.Tensor, targets: torch.Tensor) -> None:
         """One step of v_i and alpha_i on the batch, at the global model's
         parameters before its step."""
         w = {n: p.detach() for n, p in self.global_model.named_parameters()}
-        alpha = torch.tensor(self.alpha, device=inputs.device, requires_grad=True)
+        alpha = self._alpha.clone().requires_grad_()
         mixed = {n: alpha * v + (1 - alpha) * w[n] for n, v in self.params.items()}
-        buffers = dict(self.personal.named_buffers())
-        logits = functional_call(self.personal, {**mixed, **buffers}, (inputs,))
+        logits = functional_call(self.personal, mixed, (inputs,), strict=False)
         loss = F.cross_entropy(logits, targets)
         *grads, grad_alpha = torch.autograd.grad(loss, [*self.params.values(), alpha])
         self.optimizer.zero_grad(set_to_none=True)
         for param, grad in zip(self.params.values(), grads, strict=True):
             param.grad = grad
         self.optimizer.step()
-        self.alpha = min(max(self.alpha - self.lr * float(grad_alpha), 0.0), 1.0)
+        self._alpha = (self._alpha - self.lr * grad_alpha).clamp(0.0, 1.0)
 
 
 @dataclass(frozen=True)
@@ -121,7 +133,10 @@ class Apfl:
             run.model, personal.to(run.device), alpha, run.optimizer
         )
         outcome = self.training(replace(run, on_batch=mixture.step), objective, context)
+        alpha = mixture.alpha
+        if diverged(run.model) or diverged(personal) or not math.isfinite(alpha):
+            return outcome  # the server drops the reply; the state stays
         state = {k: v.detach().cpu() for k, v in personal.state_dict().items()}
         context.state[apfl_state_key(run.client)] = ArrayRecord(state)
-        context.state[apfl_alpha_key(run.client)] = ConfigRecord({ALPHA: mixture.alpha})
+        context.state[apfl_alpha_key(run.client)] = ConfigRecord({ALPHA: alpha})
         return outcome

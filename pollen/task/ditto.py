@@ -20,7 +20,7 @@ from torch import nn
 
 from ..protocol import ditto_state_key
 from .local_run import LocalRun, Outcome, Training
-from .objectives import LocalObjective, ProxTerm
+from .objectives import LocalObjective, ProxTerm, diverged
 
 
 def personal_state(context: Context, client: int) -> dict[str, torch.Tensor] | None:
@@ -63,5 +63,7 @@ class Ditto:
         run.epochs(
             personal, run.settings.local_epochs, LocalObjective(regularizer=pull), 6
         )
+        if diverged(personal):  # a non-finite v_k would stay so: keep the last
+            return
         state = {k: v.detach().cpu() for k, v in personal.state_dict().items()}
         context.state[ditto_state_key(run.client)] = ArrayRecord(state)

@@ -20,11 +20,13 @@ The client's first aggregation learns W_i until the standard deviation of
 the last 10 epochs' losses is below 0.1 (at most `START_EPOCHS` epochs),
 each later one for one epoch; a client's first round has no theta_i and
 starts from theta. Training then runs from theta_hat as usual and the reply
-is its model (FedAvg's aggregation). A personal evaluation tests the mix of
-the newest global model and the client's last trained one with its learned
-W_i (no learning). pollen samples the share at random (PFLlib: a random
-contiguous slice) and mixes parameters only (BatchNorm statistics: the
-global model's). Keys: `ala-layers` p (preset `fedala`: 2, the classifier's
+is its model (FedAvg's aggregation); a round whose training diverged keeps
+the state it started from. A personal evaluation tests the mix of the
+newest global model and the client's last trained one with the W_i it
+learned last (against the previous global model; PFLlib learns one more
+epoch first). pollen samples the share at random (PFLlib: a random
+contiguous slice, full batches only; pollen keeps the last, smaller one)
+and mixes parameters only (BatchNorm statistics: the global model's). Keys: `ala-layers` p (preset `fedala`: 2, the classifier's
 weight and bias), `ala-sample` s (0.8) and `ala-eta` (1.0).
 """
 
@@ -41,7 +43,8 @@ from torch.func import functional_call
 
 from ..protocol import fedala_state_key, fedala_weights_key
 from .local_run import LocalRun, Outcome, Training
-from .objectives import LocalObjective
+from .objectives import LocalObjective, diverged
+from .train import has_batch_norm
 
 START_EPOCHS = 50  # the first aggregation's cap (the paper's loop has none)
 STABLE_LOSSES = 10  # the first aggregation stops once the last 10 epochs' losses
@@ -76,12 +79,13 @@ def mix(
     weights: dict[str, torch.Tensor],
 ) -> None:
     """theta_hat = theta_i + (theta - theta_i) * W in place, for the tensors
-    `weights` names; `model` holds theta."""
+    `weights` names; `model` holds theta (on its device, where the mix is)."""
     params = dict(model.named_parameters())
     with torch.no_grad():
         for name, w in weights.items():
-            local = previous[name].to(w.device)
-            params[name].copy_(local + (params[name] - local) * w)
+            param = params[name]
+            local = previous[name].to(param.device)
+            param.copy_(local + (param - local) * w.to(param.device))
 
 
 def learned_weights(
@@ -106,7 +110,8 @@ def learned_weights(
     generator = torch.Generator().manual_seed(run.seed + SAMPLE_SEED_OFFSET)
     count = max(int(sample * len(run.y)), 1)
     chosen = torch.randperm(len(run.y), generator=generator)[:count].to(run.device)
-    batches = [idx for idx in chosen.split(s.batch_size) if len(idx) == s.batch_size]
+    smallest = 2 if has_batch_norm(model) else 1  # BatchNorm cannot take one
+    batches = [idx for idx in chosen.split(s.batch_size) if len(idx) >= smallest]
     losses: list[float] = []  # the last batch's, each epoch (as PFLlib keeps them)
     model.train()
     for _ in range(START_EPOCHS if weights is None and batches else 1):
@@ -148,6 +153,8 @@ class FedAla:
             weights = learned_weights(run, previous, start, self.sample, self.eta)
             mix(run.model, previous, weights)
         outcome = self.training(run, objective, context)
+        if diverged(run.model):  # the server drops the reply; the state stays
+            return outcome
         model = {k: v.detach().cpu() for k, v in run.model.state_dict().items()}
         context.state[fedala_state_key(run.client)] = ArrayRecord(model)
         if weights is not None:

@@ -7,10 +7,11 @@ every schedule is made of (`pollen.task.train.train_local`).
 
 A `Training` is what the round runs on it: `plain` epochs here, FedRep's
 head-then-body phases (`pollen.task.fedrep`), DP-SGD (`pollen.task.privacy`),
-Ditto's personal model after the global one (`pollen.task.ditto`);
-`pollen.task.schedule` picks one from the settings. Each pass draws from its
-own seeds (`seed`, `seed + 3`, `seed + 6`: `train_local` uses three from
-its seed).
+Ditto's personal model after the global one (`pollen.task.ditto`) and the
+other personal schedules; `pollen.task.schedule` picks one from the
+settings. Each pass draws from its own seeds (`seed`, `seed + 3`, `seed + 6`:
+`train_local` uses three from its seed; `seed + 9` what a personal
+evaluation trains first, `seed + 12` FedALA's sample).
 """
 
 from __future__ import annotations

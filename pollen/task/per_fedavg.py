@@ -11,18 +11,22 @@ Each local step takes two batches D and D' and moves
     w     <- w - beta grad f_i(w_tmp; D')
 
 (the first-order approximation drops the Hessian term of the exact
-meta-gradient). alpha is the client's `lr`, beta `per-fedavg-beta` (preset
-`per-fedavg`: 0.005), applied by the client's optimiser (its momentum,
-weight decay and `max-grad-norm`). An epoch of n batches gives n // 2
-steps; both passes move BatchNorm's statistics, as in PFLlib. The server
-averages as FedAvg does. A personal evaluation first takes the one step
-the method is trained for, w - alpha grad f_i(w; D) on a batch of the
-client's training shard (`adapted`); PFLlib takes that batch from the test
-set, pollen from the training shard, as the paper does.
+meta-gradient). alpha is the client's `lr` (which the server's schedule
+lowers), beta `per-fedavg-beta` (preset `per-fedavg`: 0.005, fixed),
+applied by the client's optimiser (its momentum, weight decay and
+`max-grad-norm`). Consecutive batches pair up across the round's epochs,
+so `local-epochs` x n batches give that many // 2 steps; a shard of one
+batch steps once on its two halves. Both passes move BatchNorm's
+statistics, as in PFLlib. The server averages as FedAvg does. A personal
+evaluation first takes the one step the method is trained for, w - alpha
+grad f_i(w; D) on a batch of the client's training shard (`adapted`), as
+the paper does; PFLlib takes an alpha step on a test batch, then a beta
+step on a training batch.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass, replace
 
 import torch
@@ -33,12 +37,34 @@ from ..protocol import TRAIN_LOSS
 from .local_run import ADAPT_SEED_OFFSET, LocalRun, Outcome
 from .objectives import LocalObjective
 from .train import (
+    Batch,
     OptimizerStep,
     ShuffledBatches,
     TrainResult,
     has_batch_norm,
     trainable,
 )
+
+
+def _pairs(stream: Iterator[Batch], smallest: int) -> Iterator[tuple[Batch, Batch]]:
+    """Consecutive batches of `stream` two by two (an odd last one left out);
+    a stream of one batch gives its two halves, each of `smallest`+ examples."""
+    batches = iter(stream)
+    first, second = next(batches, None), next(batches, None)
+    if first is not None and second is None:
+        x, y = first
+        half = len(y) // 2
+        if half >= smallest and len(y) - half >= smallest:
+            yield (x[:half], y[:half]), (x[half:], y[half:])
+        return
+    if first is None or second is None:
+        return
+    yield first, second
+    for batch in batches:
+        following = next(batches, None)
+        if following is None:
+            return
+        yield batch, following
 
 
 def _inner_step(
@@ -72,23 +98,23 @@ class PerFedAvg:
         torch.manual_seed(run.seed + 2)
         model.train()
         total, steps = torch.zeros((), device=run.device), 0
-        for epoch in batches.epochs():
-            pairs = iter(epoch)
-            for (x, y), (x_next, y_next) in zip(pairs, pairs, strict=False):
-                start = [p.detach().clone() for p in params]
-                _inner_step(params, F.cross_entropy(model(x), y), run.optimizer.lr)
-                outer.zero_grad()
-                loss = F.cross_entropy(model(x_next), y_next)
-                loss.backward()
-                with torch.no_grad():
-                    torch._foreach_copy_(params, start)
-                outer.step()
-                total += loss.detach()
-                steps += 1
+        stream = (batch for epoch in batches.epochs() for batch in epoch)
+        smallest = 2 if has_batch_norm(model) else 1
+        for (x, y), (x_next, y_next) in _pairs(stream, smallest):
+            start = [p.detach().clone() for p in params]
+            _inner_step(params, F.cross_entropy(model(x), y), run.optimizer.lr)
+            outer.zero_grad()
+            loss = F.cross_entropy(model(x_next), y_next)
+            loss.backward()
+            with torch.no_grad():
+                torch._foreach_copy_(params, start)
+            outer.step()
+            total += loss.detach()
+            steps += 1
         if steps == 0:
             raise ValueError(
-                f"a shard of {len(run.y)} samples gives no Per-FedAvg step (each "
-                "takes two batches); lower batch-size or raise local-epochs"
+                f"a shard of {len(run.y)} samples gives no Per-FedAvg step: each "
+                f"takes two batches, or one batch's halves of {smallest}+ examples"
             )
         result = TrainResult(float(total) / steps, len(run.y), steps)
         return result, {TRAIN_LOSS: result.loss}

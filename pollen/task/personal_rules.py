@@ -76,80 +76,6 @@ def personal_problem(s: Settings) -> str | None:
     )
 
 
-def _fedala_problem(s: Settings) -> str | None:
-    """Why `s`'s FedALA cannot run, or None: its mix is of whole models the
-    client trains without DP-SGD, and is the model a client tests."""
-    if not s.ala_layers:
-        return None
-    given = [
-        (s.dp, "dp=true", "dp=false"),
-        (s.sharing != "all", f"sharing={s.sharing!r}", "sharing='all'"),
-        (s.ditto_lambda > 0 or s.apfl_alpha > 0,
-         "another personal model (ditto-lambda, apfl-alpha)",
-         "ditto-lambda=0 and apfl-alpha=0"),
-        (s.per_fedavg_beta > 0, "per-fedavg-beta", "per-fedavg-beta=0"),
-        (s.freeze_head, "freeze-head", "freeze-head=false"),
-    ]  # fmt: skip
-    for on, what, allowed in given:
-        if on:
-            return (
-                f"ala-layers with {what}: FedALA mixes the whole received model "
-                "with the client's previous one, trains from the mix without "
-                "DP-SGD, and the mix is what a client tests; allowed with fedala: "
-                + allowed
-            )
-    return None
-
-
-def _per_fedavg_problem(s: Settings) -> str | None:
-    """Why `s`'s Per-FedAvg cannot run, or None: its steps are its own loop
-    of the plain loss, and its one-step personalisation is the model a
-    client tests."""
-    if not s.per_fedavg_beta:
-        return None
-    given = [
-        (s.dp, "dp=true", "dp=false"),
-        (s.local_objective != "plain", f"local-objective={s.local_objective!r}",
-         "local-objective='plain'"),
-        (s.head_epochs > 0, "head-epochs", "head-epochs=0"),
-        (s.freeze_head, "freeze-head", "freeze-head=false"),
-        (s.personal_model, "a personal model (ditto-lambda, apfl-alpha)",
-         "ditto-lambda=0 and apfl-alpha=0"),
-        (s.fine_tune_epochs > 0, "fine-tune-epochs", "fine-tune-epochs=0"),
-    ]  # fmt: skip
-    for on, what, allowed in given:
-        if on:
-            return (
-                f"per-fedavg-beta with {what}: Per-FedAvg's steps are its own "
-                "two-batch loop of the plain loss without DP-SGD, and its one-step "
-                "personalisation is what a client tests; allowed with per-fedavg: "
-                + allowed
-            )
-    return None
-
-
-def _apfl_problem(s: Settings) -> str | None:
-    """Why `s`'s APFL cannot run, or None: its personal model trains the
-    whole model without DP-SGD on each batch of the global model's training."""
-    if not s.apfl_alpha:
-        return None
-    given = [
-        (s.dp, "dp=true", "dp=false"),
-        (s.sharing in LORA_SHARING, f"sharing={s.sharing!r}", "sharing all or fedper"),
-        (s.ditto_lambda > 0, "ditto-lambda", "ditto-lambda=0"),
-        (s.head_epochs > 0, "head-epochs", "head-epochs=0"),
-        (s.fine_tune_epochs > 0, "fine-tune-epochs", "fine-tune-epochs=0"),
-    ]
-    for on, what, allowed in given:
-        if on:
-            return (
-                f"apfl-alpha with {what}: APFL's personal model trains the whole "
-                "model without DP-SGD beside each batch of one training pass, "
-                "and is itself the model a client tests; allowed with apfl: " + allowed
-            )
-    return None
-
-
 def _fedbabu_problem(s: Settings) -> str | None:
     """Why `s`'s frozen head or fine-tuning cannot run, or None."""
     if s.freeze_head and not model_info(s.model, s.data_set).body:
@@ -186,3 +112,93 @@ def _fedbabu_problem(s: Settings) -> str | None:
             "dp=false and ditto-lambda=0"
         )
     return None
+
+
+def _first_refusal(
+    key: str, why: str, preset: str, given: list[tuple[bool, str, str]]
+) -> str | None:
+    """The refusal of `key` for the first of `given` (on, what is set, what
+    is allowed) that is on, or None: "key with what: why; allowed with
+    preset: allowed"."""
+    for on, what, allowed in given:
+        if on:
+            return f"{key} with {what}: {why}; allowed with {preset}: {allowed}"
+    return None
+
+
+def _apfl_problem(s: Settings) -> str | None:
+    """Why `s`'s APFL cannot run, or None: its personal model trains the
+    whole model without DP-SGD beside each batch of the global model's
+    training, and is what the client tests."""
+    if not s.apfl_alpha:
+        return None
+    return _first_refusal(
+        "apfl-alpha",
+        "APFL's personal model trains the whole model without DP-SGD beside "
+        "each batch of one training pass, and is itself the model a client tests",
+        "apfl",
+        [
+            (s.dp, "dp=true", "dp=false"),
+            (s.sharing in LORA_SHARING, f"sharing={s.sharing!r}",
+             "sharing all or fedper"),
+            (s.ditto_lambda > 0, "ditto-lambda", "ditto-lambda=0"),
+            (s.head_epochs > 0, "head-epochs", "head-epochs=0"),
+            (s.freeze_head, "freeze-head", "freeze-head=false"),
+            (s.fine_tune_epochs > 0, "fine-tune-epochs", "fine-tune-epochs=0"),
+        ],
+    )  # fmt: skip
+
+
+def _per_fedavg_problem(s: Settings) -> str | None:
+    """Why `s`'s Per-FedAvg cannot run, or None: its steps are its own loop
+    of the plain loss, and its one-step personalisation is the model a
+    client tests."""
+    if not s.per_fedavg_beta:
+        return None
+    return _first_refusal(
+        "per-fedavg-beta",
+        "Per-FedAvg's steps are its own two-batch loop of the plain loss "
+        "without DP-SGD, and its one-step personalisation is what a client tests",
+        "per-fedavg",
+        [
+            (s.dp, "dp=true", "dp=false"),
+            (s.local_objective != "plain", f"local-objective={s.local_objective!r}",
+             "local-objective='plain'"),
+            (s.head_epochs > 0, "head-epochs", "head-epochs=0"),
+            (s.freeze_head, "freeze-head", "freeze-head=false"),
+            (s.personal_model, "a personal model (ditto-lambda, apfl-alpha, "
+             "ala-layers)", "ditto-lambda=0, apfl-alpha=0 and ala-layers=0"),
+            (s.fine_tune_epochs > 0, "fine-tune-epochs", "fine-tune-epochs=0"),
+        ],
+    )  # fmt: skip
+
+
+def _fedala_problem(s: Settings) -> str | None:
+    """Why `s`'s FedALA cannot run, or None: its mix is of whole models the
+    client trains without DP-SGD and is what a client tests, and a term
+    anchored at the received model, or FedNova's step count, would read the
+    mix's jump as training."""
+    if not s.ala_layers:
+        return None
+    return _first_refusal(
+        "ala-layers",
+        "FedALA starts training from a learned mix of the whole received model "
+        "with the client's previous one, without DP-SGD, and that mix is what a "
+        "client tests",
+        "fedala",
+        [
+            (s.dp, "dp=true", "dp=false"),
+            (s.sharing != "all", f"sharing={s.sharing!r}", "sharing='all'"),
+            (s.local_objective != "plain", f"local-objective={s.local_objective!r}",
+             "local-objective='plain' (a term anchored at the received model "
+             "would count the mix as training)"),
+            (s.aggregator == "fednova", "aggregator='fednova'",
+             "another aggregator (FedNova would count the mix as steps)"),
+            (s.ditto_lambda > 0 or s.apfl_alpha > 0,
+             "another personal model (ditto-lambda, apfl-alpha)",
+             "ditto-lambda=0 and apfl-alpha=0"),
+            (s.per_fedavg_beta > 0, "per-fedavg-beta", "per-fedavg-beta=0"),
+            (s.freeze_head, "freeze-head", "freeze-head=false"),
+            (s.fine_tune_epochs > 0, "fine-tune-epochs", "fine-tune-epochs=0"),
+        ],
+    )  # fmt: skip

@@ -7,8 +7,8 @@ Per-FedAvg's two-batch steps (`per-fedavg-beta`, `pollen.task.per_fedavg`);
 under Ditto (`ditto-lambda`, `pollen.task.ditto`) the personal model's step
 follows whichever it is, and under APFL (`apfl-alpha`, `pollen.task.apfl`)
 its personal model steps beside each of its batches; under FedALA
-(`ala-layers`, `pollen.task.fedala`) it starts from its adaptive mix. The settings refuse DP-SGD with any of the
-others. FedPer and LG-FedAvg need no schedule: their sharing policies keep
+(`ala-layers`, `pollen.task.fedala`) it starts from its adaptive mix. The
+settings refuse DP-SGD with any of the others. FedPer and LG-FedAvg need no schedule: their sharing policies keep
 a part of the model on the client (`pollen.task.sharing`).
 """
 
