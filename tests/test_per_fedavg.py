@@ -32,10 +32,12 @@ def gradient(params: dict[str, torch.Tensor], x: torch.Tensor, y: torch.Tensor) 
     return dict(zip(live, torch.autograd.grad(loss, list(live.values())), strict=True))
 
 
-def test_one_step_by_hand() -> None:
-    """8 examples in batches of 4, seed 7: D and D' are the two halves of the
-    seeded order; w_tmp = w - 0.1 grad f(w; D), w <- w - 0.02 grad f(w_tmp; D')."""
-    recorded = local_run(settings(**{"batch-size": 4}))
+@pytest.mark.parametrize("batch_size", [4, 8])
+def test_one_step_by_hand(batch_size: int) -> None:
+    """8 examples, seed 7: D and D' are the two halves of the seeded order,
+    as two batches of 4 or as one batch of 8 split in two; w_tmp = w - 0.1
+    grad f(w; D), w <- w - 0.02 grad f(w_tmp; D')."""
+    recorded = local_run(settings(**{"batch-size": batch_size}))
     run = recorded.run
     w = {k: v.detach().clone() for k, v in run.model.state_dict().items()}
     order = torch.randperm(8, generator=torch.Generator().manual_seed(7))
@@ -65,20 +67,6 @@ def test_batches_pair_across_epochs_and_one_batch_steps_on_its_halves() -> None:
     alone = replace(whole, x=whole.x[:1], y=whole.y[:1])
     with pytest.raises(ValueError, match="no Per-FedAvg step"):
         PerFedAvg(0.02)(alone, LocalObjective(), context())
-
-
-def test_the_halves_of_one_batch_by_hand() -> None:
-    """One batch of 8 (order: the seeded permutation) split 4 | 4."""
-    run = local_run(settings(**{"batch-size": 8})).run
-    w = {k: v.detach().clone() for k, v in run.model.state_dict().items()}
-    order = torch.randperm(8, generator=torch.Generator().manual_seed(7))
-    first, second = order[:4], order[4:]
-    g = gradient(w, run.x[first], run.y[first])
-    w_tmp = {k: w[k] - 0.1 * g[k] for k in w}
-    g_next = gradient(w_tmp, run.x[second], run.y[second])
-    PerFedAvg(0.02)(run, LocalObjective(), context())
-    for k in w:
-        torch.testing.assert_close(run.model.state_dict()[k], w[k] - 0.02 * g_next[k])
 
 
 def test_the_personalising_step_by_hand() -> None:
