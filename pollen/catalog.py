@@ -358,7 +358,7 @@ HEAD_SHARING = ("fedper", "lg")
 LORA_SHARING = ("lora-a", "lora")
 SHARING_POLICIES = (*BN_POLICIES, *SHARING[1:])
 # what sharing, fine-tuning and the personal schedules (FedRep, FedBABU,
-# Ditto, APFL, FedALA, Per-FedAvg) refuse
+# Ditto, APFL, FedALA, FedRoD, Per-FedAvg) refuse
 PERSONAL_RULES = "pollen.task.personal_rules:personal_problem"
 
 # A strategy preset is a default combination of parts (explicit keys win):
@@ -386,6 +386,9 @@ PRESETS: dict[str, dict[str, Scalar]] = {
         "server-update": "fedavg", "local-objective": "plain", "per-fedavg-beta": 0.005,
     },
     "fedala": {"server-update": "fedavg", "local-objective": "plain", "ala-layers": 2},
+    "fedrod": {
+        "server-update": "fedavg", "local-objective": "plain", "personal-head": True,
+    },
     "fedbabu": {
         "server-update": "fedavg", "local-objective": "plain", "sharing": "fedper",
         "freeze-head": True, "fine-tune-epochs": 5,

@@ -7,7 +7,8 @@ the entries the client keeps (`context.state`), the round's examples
 (`pollen.task.node_data`), one training call or evaluation, the reply. What
 the round trains is `pollen.task.schedule`'s choice (plain epochs, DP-SGD,
 FedRep's phases, FedBABU's body alone, Per-FedAvg's steps, Ditto's and
-APFL's personal models, FedALA's adaptive start); the local objective
+APFL's personal models, FedALA's adaptive start, FedRoD's personal head),
+and what a personal evaluation tests its choice too; the local objective
 (`pollen.task.objectives`) loads and saves its own state. What wraps the
 training and evaluation handlers are ClientApp mods: central DP's clipping
 on the client (`pollen.task.client_clip`), model poisoning
@@ -19,7 +20,7 @@ What a client keeps between rounds lives in `context.state`, per client: the
 model entries its sharing policy keeps local (FedBN's BatchNorm, FedSA's
 LoRA B matrices, FedPer's classifier, LG-FedAvg's body), its objective's
 state (FedDyn's h_k, MOON's previous model), the personal models of Ditto,
-APFL and FedALA and, under DP-SGD, the steps its privacy accountant has
+APFL and FedALA, FedRoD's personal head and, under DP-SGD, the steps its privacy accountant has
 counted. When the run checkpoints, that state is also written to the
 client's disk after each round it trains and read back by a resumed run
 (`pollen.task.client_state`). Only shared entries are accepted from the
@@ -76,17 +77,15 @@ from .protocol import (
     local_entries_key,
 )
 from .settings import Settings
-from .task import apfl, client_state, fedala, per_fedavg
+from .task import client_state
 from .task.attacks import poisoning_mod, trained_labels
 from .task.client_clip import clipping_mod
 from .task.data import Dataset
-from .task.ditto import personal_state
-from .task.fedbabu import fine_tuned
 from .task.inputs import model_inputs, settings_model
 from .task.local_run import LocalRun, cohort_epochs
 from .task.node_data import NodeData, node_data, node_partition
 from .task.objectives import LocalObjective, diverged
-from .task.schedule import local_training
+from .task.schedule import local_training, personal_test
 from .task.secagg_client import (
     advertise_keys,
     reveal_shares,
@@ -444,37 +443,27 @@ def _load_optimizer_modules(name: str) -> None:
 
 @app.evaluate(mods=[straggler_mod(EVAL_SECONDS)])
 def evaluate_personal(msg: Message, context: Context) -> Message:
-    """This client's model (shared + local entries, or under Ditto its
-    personal model, under APFL its mixture of its personal model with the
-    received one, under FedALA its adaptive mix of the received model with
-    its last trained one; under Per-FedAvg after its one personalising step; with
-    `fine-tune-epochs`, that model fine-tuned on its
-    training shard first, not kept) on the global test set and on its own
-    test shard; NaN for either where the node has none (a node with its own
-    data file and no copy of the data set has no global one), and for the
-    global test where the client's model is the global one (the server
-    evaluates that on the set already)."""
+    """This client's model (shared + local entries, or the personal model it
+    keeps: `pollen.task.schedule.personal_test`), trained first on its
+    shard where the settings say so (not kept), on the global test set and
+    on its own test shard; NaN for either where the node has none (a node
+    with its own data file and no copy of the data set has no global one),
+    and for the global test where the client's model is the global one (the
+    server evaluates that on the set already)."""
     cm = ClientModel.assemble(msg, context)
     s = cm.settings
-    v_k = personal_state(context, cm.client)
-    if s.ditto_lambda and v_k is not None:
-        cm.model.load_state_dict(v_k)
-    if s.apfl_alpha and (personal := apfl.kept(context, cm.client)) is not None:
-        cm.model.load_state_dict(apfl.mixed_state(cm.model, *personal))
-    if s.ala_layers and (ala := fedala.kept(context, cm.client)) is not None:
-        previous, weights = ala
-        if weights is not None:  # learned from the client's second round on
-            fedala.mix(cm.model, previous, weights)
-    adapts = s.fine_tune_epochs > 0 or s.per_fedavg_beta > 0
-    if adapts:  # its shard and optimiser ready first, as `train` has them
+    test = personal_test(s)
+    if test.personal is not None:
+        cm.model = test.personal(cm.model, context, cm.client)
+    if (
+        test.adapt is not None
+    ):  # its shard and optimiser ready first, as `train` has them
         run = cm.local_run(float(msg.content[CONFIG][LR]))
         _load_optimizer_modules(s.client_optimizer)
     started = time.perf_counter()
-    if s.fine_tune_epochs:
-        fine_tuned(run, s.fine_tune_epochs)
-    if s.per_fedavg_beta:
-        per_fedavg.adapted(run)
-    keeps_own = bool(cm.sharing.local) or s.personal_model or adapts
+    if test.adapt is not None:
+        test.adapt(run)
+    keeps_own = bool(cm.sharing.local) or s.personal_model or s.adapts
     global_test = cm.data.global_test(cm.device) if keeps_own else None
     g_loss, g_acc = cm.loss_and_accuracy("test", global_test)
     own = cm.data.test_shard(cm.client, cm.device)

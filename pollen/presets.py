@@ -5,8 +5,8 @@ A key declared with the default "auto" (`pollen.settings`) takes its value
 here, in this order: the strategy preset names the server update and the
 local objective (and FedAvgM's momentum, FedSA's and FedPer's sharing,
 FedBuff's mode, FedRep's head epochs, Ditto's lambda, APFL's alpha,
-Per-FedAvg's beta, FedALA's layers, FedBABU's frozen
-head and fine-tuning); the parts the run
+Per-FedAvg's beta, FedALA's layers, FedRoD's personal head, FedBABU's
+frozen head and fine-tuning); the parts the run
 then combines state the client hyper-parameters their algorithm assumes
 (`catalog.Part.training`: SCAFFOLD's plain SGD); the data set fills the
 rest with its measured defaults for the client optimiser. A value the user
@@ -27,11 +27,28 @@ from .catalog import PRESETS, TRAINING_KEYS, Part, Scalar, assumed_training
 from .extensions import data_set_info, part
 from .keys import AUTO
 
+# The keys whose positive value gives each client a whole model of its own,
+# the one its personal evaluation tests (Ditto, APFL, FedALA, FedRoD), and
+# those whose positive value trains a client's model just before it is tested
+# (fine-tuning, Per-FedAvg's step).
+PERSONAL_MODEL_KEYS = ("ditto-lambda", "apfl-alpha", "ala-layers", "personal-head")
+ADAPTING_KEYS = ("fine-tune-epochs", "per-fedavg-beta")
+
+
+def personal_model(values: Mapping[str, Scalar]) -> bool:
+    """Whether the resolved `values` give each client a personal model."""
+    return any(float(values[name]) > 0 for name in PERSONAL_MODEL_KEYS)
+
+
+def adapts(values: Mapping[str, Scalar]) -> bool:
+    """Whether the resolved `values` train a client's model before its test."""
+    return any(float(values[name]) > 0 for name in ADAPTING_KEYS)
+
 
 def keeps_own_model(sharing_policy: str, personal_model: bool) -> bool:
     """Whether clients keep entries of their own (a sharing policy other
-    than shared) or a personal model (Ditto, APFL, FedALA): then the global model
-    alone is not what a client uses."""
+    than shared) or a personal model: then the global model alone is not
+    what a client uses."""
     return sharing_policy != "shared" or personal_model
 
 
@@ -74,20 +91,13 @@ def resolve_auto(values: Mapping[str, Scalar]) -> dict[str, Scalar]:
     fill("apfl-alpha", float(preset.get("apfl-alpha", 0.0)))
     fill("per-fedavg-beta", float(preset.get("per-fedavg-beta", 0.0)))
     fill("ala-layers", int(preset.get("ala-layers", 0)))
+    fill("personal-head", bool(preset.get("personal-head", False)))
     fill("freeze-head", bool(preset.get("freeze-head", False)))
     fill("fine-tune-epochs", int(preset.get("fine-tune-epochs", 0)))
     sharing = resolved["sharing"]
     policy = resolved["bn-policy"] if sharing == "all" else sharing
-    personal_model = (
-        float(resolved["ditto-lambda"]) > 0
-        or float(resolved["apfl-alpha"]) > 0
-        or int(resolved["ala-layers"]) > 0
-    )
-    own = keeps_own_model(str(policy), personal_model)
-    adapts = (
-        int(resolved["fine-tune-epochs"]) > 0 or float(resolved["per-fedavg-beta"]) > 0
-    )
-    fill("personal-eval-every", int(own or adapts))
+    own = keeps_own_model(str(policy), personal_model(resolved))
+    fill("personal-eval-every", int(own or adapts(resolved)))
     if resolved["server-lr"] == AUTO:  # the server update's own default
         update = part("server-update", str(resolved["server-update"])).load()
         resolved["server-lr"] = update.auto_server_lr

@@ -117,6 +117,11 @@ def fedala_weights_key(client: int) -> str:
     return f"fedala-weights-{client}"
 
 
+def fedrod_head_key(client: int) -> str:
+    """FedRoD's personal head h_P (the classifier's entries: weight, bias)."""
+    return f"fedrod-head-{client}"
+
+
 def moon_state_key(client: int) -> str:
     """MOON's previous local model w_k^{t-1} (every state-dict entry)."""
     return f"moon-{client}"

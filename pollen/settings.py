@@ -87,7 +87,7 @@ from .keys import (
     webhook_rule,
 )
 from .network_profile import NetworkProfile, ProfileError
-from .presets import keeps_own_model, resolve_auto
+from .presets import adapts, keeps_own_model, personal_model, resolve_auto
 
 STRATEGIES = tuple(PRESETS)
 # Keys that name one invocation of a run, not what it computes: a resume or a
@@ -253,6 +253,14 @@ class Settings:
         0.8, "FedALA: share of a client's examples W is learned on", in_range(0, 1)
     )
     ala_eta: float = key(1.0, "FedALA: learning rate of W", above(0))
+    personal_head: bool = key(
+        AUTO,
+        "FedRoD: each client keeps a second classifier of its own, trained on "
+        "the shared classifier's logits plus its own, while the shared model "
+        "trains on the balanced softmax of the client's label counts; a client "
+        "tests both heads summed (auto: false, fedrod: true)",
+        kind=bool,
+    )
     freeze_head: bool = key(
         AUTO,
         "FedBABU: the classifier (the last nn.Linear) is never trained and "
@@ -654,8 +662,14 @@ class Settings:
     @property
     def personal_model(self) -> bool:
         """Clients keep a whole personal model (Ditto's v_k, APFL's v_i,
-        FedALA's theta_i)."""
-        return self.ditto_lambda > 0 or self.apfl_alpha > 0 or self.ala_layers > 0
+        FedALA's theta_i, FedRoD's second head): `presets.personal_model`."""
+        return personal_model(self.to_run_config())
+
+    @property
+    def adapts(self) -> bool:
+        """A client's model trains before its personal test (fine-tuning,
+        Per-FedAvg's step): `presets.adapts`."""
+        return adapts(self.to_run_config())
 
     @property
     def clients_keep_state(self) -> bool:

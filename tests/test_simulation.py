@@ -507,6 +507,7 @@ SUITE = [
     ("apfl", "shared", "mlp-bn", ""),
     ("per-fedavg", "shared", "mlp-bn", ""),
     ("fedala", "shared", "mlp-bn", ""),
+    ("fedrod", "fedbn", "mlp-bn", "local-objective='prox'"),  # BSM under FedProx
     ("fedbabu", "fedper", "mlp-bn", "fine-tune-epochs=1"),
 ]
 

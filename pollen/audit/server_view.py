@@ -110,6 +110,10 @@ def audit_problem(settings: Settings) -> str | None:
         "per-fedavg-beta": (s.per_fedavg_beta > 0, "Per-FedAvg's steps look one "
                             "step ahead on another batch; the attacks replay "
                             "plain steps", "per-fedavg-beta=0"),
+        "personal-head": (s.personal_head, "FedRoD trains the shared model on "
+                          "the balanced softmax of the client's label counts; "
+                          "the attacks replay the plain cross-entropy",
+                          "personal-head=false"),
         "lora-dropout": (info.lora and s.lora_dropout > 0, "dropout draws masks "
                          "the server cannot replay", "lora-dropout=0"),
         "model": (info.dropout, "dropout draws masks the server cannot replay",

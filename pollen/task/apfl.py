@@ -73,6 +73,15 @@ def mixed_state(
     }
 
 
+def tested(model: nn.Module, context: Context, client: int) -> nn.Module:
+    """What the client's personal evaluation tests: v_bar_i, with the
+    received global model (`model`) as w_i; `model` itself before the
+    client's first round."""
+    if (personal := kept(context, client)) is not None:
+        model.load_state_dict(mixed_state(model, *personal))
+    return model
+
+
 class PersonalMixture:
     """v_i and alpha_i of one client for one round, stepped on each batch the
     global model sees (`step`, a `LocalRun.on_batch`)."""

@@ -9,9 +9,10 @@ computation cannot reproduce exactly:
 - dropout (a model's own, as MobileNetV2's classifier, or LoRA's
   `lora-dropout`): `vmap` draws one mask tensor for the cohort, so no client
   would see the masks its sequential training draws;
-- DP-SGD, FedRep's two phases, Ditto's and APFL's personal models: trainings of more
-  than one pass per round, each built around one client's model; FedBABU's
-  frozen head, which the cohort's plain epochs would train;
+- DP-SGD, FedRep's two phases, Ditto's and APFL's personal models,
+  Per-FedAvg's steps, FedALA's mix and FedRoD's heads: trainings built
+  around one client's model; FedBABU's frozen head, which the cohort's
+  plain epochs would train;
 - a local objective's term on each batch (MOON's), which its part refuses
   with cohorts (`pollen.task.objective_parts`);
 - asynchronous FedBuff: clients start one at a time as the buffer asks, so
@@ -59,6 +60,7 @@ def cohort_problem(s: Settings) -> str | None:
         (f"per-fedavg-beta={s.per_fedavg_beta:g}", s.per_fedavg_beta,
          "per-fedavg-beta=0"),
         (f"ala-layers={s.ala_layers}", s.ala_layers, "ala-layers=0"),
+        ("personal-head=true", s.personal_head, "personal-head=false"),
     ]  # fmt: skip
     for given, on, off in trainings:
         if on:
@@ -66,7 +68,8 @@ def cohort_problem(s: Settings) -> str | None:
                 f"client-execution='cohort' with {given}: that training works on "
                 "one client's model at a time (DP-SGD's per-sample clipping, "
                 "FedRep's phases, Ditto's and APFL's personal models, FedBABU's "
-                "frozen head, Per-FedAvg's two-batch steps, FedALA's mix), "
+                "frozen head, Per-FedAvg's two-batch steps, FedALA's mix, "
+                "FedRoD's balanced loss and personal head), "
                 "and a cohort trains its clients' models together in plain local "
                 "epochs; allowed: "
                 f"{off}, or {ALLOWED}"

@@ -29,6 +29,14 @@ def personal_state(context: Context, client: int) -> dict[str, torch.Tensor] | N
     return stored.to_torch_state_dict() if isinstance(stored, ArrayRecord) else None
 
 
+def tested(model: nn.Module, context: Context, client: int) -> nn.Module:
+    """What the client's personal evaluation tests: v_k (the assembled
+    `model` before the client's first round)."""
+    if (v_k := personal_state(context, client)) is not None:
+        model.load_state_dict(v_k)
+    return model
+
+
 @dataclass(frozen=True)
 class Ditto:
     """The global model's `training`, then the personal model's step with

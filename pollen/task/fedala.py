@@ -67,6 +67,16 @@ def kept(
     return model.to_torch_state_dict(), learned
 
 
+def tested(model: nn.Module, context: Context, client: int) -> nn.Module:
+    """What the client's personal evaluation tests: the received model
+    (`model`) mixed with the client's last trained one by its last W_i (as
+    its next round would start, with no new W); `model` until W_i is
+    learned, from the client's second round on."""
+    if (ala := kept(context, client)) is not None and ala[1] is not None:
+        mix(model, *ala)
+    return model
+
+
 def higher(model: nn.Module, layers: int) -> list[str]:
     """The names of `model`'s last `layers` trainable parameter tensors."""
     names = [n for n, p in model.named_parameters() if p.requires_grad]

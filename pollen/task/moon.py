@@ -41,41 +41,10 @@ from flwr.app import ArrayRecord, Context
 from torch import nn
 
 from ..protocol import moon_state_key
-from .sharing import classifier_name
+from .representation import Representation
 
 if TYPE_CHECKING:
     from ..settings import Settings
-
-
-def classifier(model: nn.Module) -> nn.Module:
-    """The model's classifier: its last `nn.Linear` (the `head` of
-    `pollen.task.sharing`), whose input is the representation."""
-    name = classifier_name(model)
-    if name is None:
-        raise ValueError("MOON needs a model whose classifier is an nn.Linear")
-    return model.get_submodule(name)
-
-
-class Representation:
-    """The input of `model`'s classifier at its latest forward pass, flattened."""
-
-    def __init__(self, model: nn.Module) -> None:
-        self.model = model
-        self.value: torch.Tensor | None = None
-        self._hook = classifier(model).register_forward_hook(self._keep)
-
-    def _keep(self, module: nn.Module, args: tuple, output: torch.Tensor) -> None:
-        self.value = args[0].flatten(1)
-
-    def __call__(self, inputs: torch.Tensor) -> torch.Tensor:
-        """The model's representation of `inputs` (a forward pass)."""
-        self.model(inputs)
-        if self.value is None:
-            raise RuntimeError("the model's forward pass skipped its classifier")
-        return self.value
-
-    def close(self) -> None:
-        self._hook.remove()
 
 
 def contrastive_loss(
@@ -123,8 +92,8 @@ class ModelContrast:
         for fixed in (copy.deepcopy(model), previous.to(device)):
             fixed.requires_grad_(False)
             fixed.eval()
-            self.fixed.append(Representation(fixed))
-        self.live = Representation(model)
+            self.fixed.append(Representation(fixed, "MOON"))
+        self.live = Representation(model, "MOON")
 
     def loss(self, inputs: torch.Tensor) -> torch.Tensor:
         """mu * l_con of the batch `inputs` the trained model has just seen."""

@@ -51,6 +51,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, ClassVar, Protocol
 
 import torch
+import torch.nn.functional as F
 from flwr.app import ArrayRecord, Context, RecordDict
 from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
@@ -410,6 +411,8 @@ class LocalObjective:
     sam_rho: float = 0.0
     regularizer: Regularizer | None = None
     batch_term: BatchTerm | None = None
+    # log n_c per class: the data loss is the balanced softmax (FedRoD's)
+    log_label_counts: torch.Tensor | None = None
 
     @classmethod
     def from_settings(cls, settings: Settings) -> LocalObjective:
@@ -460,6 +463,16 @@ class LocalObjective:
             self.batch_term.close()
         if self.regularizer is not None and not diverged(model):
             self.regularizer.save(context, client, dict(model.named_parameters()))
+
+    def data_loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """The batch's mean data loss: the cross-entropy, or with
+        `log_label_counts` the balanced softmax (Ren et al. 2020,
+        https://arxiv.org/abs/2007.10740), the cross-entropy of
+        logits + log n_c, whose minimiser under the client's label shift is
+        the class-balanced one."""
+        if self.log_label_counts is not None:
+            logits = logits + self.log_label_counts
+        return F.cross_entropy(logits, targets)
 
     def batch_loss(self, inputs: torch.Tensor) -> torch.Tensor | None:
         """The batch term on `inputs`, just after the model's forward pass of

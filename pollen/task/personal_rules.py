@@ -30,6 +30,11 @@ the catalogue).
   whole received model with the client's previous one: refused with DP-SGD,
   a sharing other than all, other personal models, Per-FedAvg and FedBABU's
   frozen head (`pollen.task.fedala`).
+- FedRoD (Chen and Chao 2022, https://arxiv.org/abs/2107.00778) trains the
+  shared model on the balanced softmax and a personal head beside the
+  shared classifier, which must travel: refused with DP-SGD, a sharing
+  other than all, a model without an `nn.Linear` classifier (or a LoRA
+  one), the other personal schedules and fine-tuning (`pollen.task.fedrod`).
 """
 
 from __future__ import annotations
@@ -44,7 +49,8 @@ if TYPE_CHECKING:
 
 
 def personal_problem(s: Settings) -> str | None:
-    """Why `s`'s sharing, FedRep schedule or Ditto model cannot run, or None."""
+    """Why `s`'s sharing, or what its clients keep or adapt of their own,
+    cannot run, or None."""
     if s.sharing != "all" and s.bn_policy != "shared":
         return (
             f"bn-policy={s.bn_policy!r} with sharing={s.sharing!r}: a sharing "
@@ -73,6 +79,7 @@ def personal_problem(s: Settings) -> str | None:
         or _apfl_problem(s)
         or _per_fedavg_problem(s)
         or _fedala_problem(s)
+        or _fedrod_problem(s)
     )
 
 
@@ -167,7 +174,8 @@ def _per_fedavg_problem(s: Settings) -> str | None:
             (s.head_epochs > 0, "head-epochs", "head-epochs=0"),
             (s.freeze_head, "freeze-head", "freeze-head=false"),
             (s.personal_model, "a personal model (ditto-lambda, apfl-alpha, "
-             "ala-layers)", "ditto-lambda=0, apfl-alpha=0 and ala-layers=0"),
+             "ala-layers, personal-head)",
+             "ditto-lambda=0, apfl-alpha=0, ala-layers=0 and personal-head=false"),
             (s.fine_tune_epochs > 0, "fine-tune-epochs", "fine-tune-epochs=0"),
         ],
     )  # fmt: skip
@@ -199,6 +207,35 @@ def _fedala_problem(s: Settings) -> str | None:
              "ditto-lambda=0 and apfl-alpha=0"),
             (s.per_fedavg_beta > 0, "per-fedavg-beta", "per-fedavg-beta=0"),
             (s.freeze_head, "freeze-head", "freeze-head=false"),
+            (s.fine_tune_epochs > 0, "fine-tune-epochs", "fine-tune-epochs=0"),
+        ],
+    )  # fmt: skip
+
+
+def _fedrod_problem(s: Settings) -> str | None:
+    """Why `s`'s FedRoD cannot run, or None: its personal head sits beside a
+    shared `nn.Linear` classifier, its losses are not DP-SGD's, and the
+    two heads summed are what a client tests."""
+    if not s.personal_head:
+        return None
+    info = model_info(s.model, s.data_set)
+    return _first_refusal(
+        "personal-head",
+        "FedRoD trains the shared model on the balanced softmax without DP-SGD "
+        "and a personal head beside its shared nn.Linear classifier, and the "
+        "two heads summed are what a client tests",
+        "fedrod",
+        [
+            (s.dp, "dp=true", "dp=false"),
+            (not info.linear or info.lora, f"model={s.model!r}",
+             "a model whose classifier is an nn.Linear (not a LoRA head)"),
+            (s.sharing != "all", f"sharing={s.sharing!r}", "sharing='all'"),
+            (s.head_epochs > 0, "head-epochs", "head-epochs=0"),
+            (s.freeze_head, "freeze-head", "freeze-head=false"),
+            (s.ditto_lambda > 0 or s.apfl_alpha > 0 or s.ala_layers > 0,
+             "another personal model (ditto-lambda, apfl-alpha, ala-layers)",
+             "ditto-lambda=0, apfl-alpha=0 and ala-layers=0"),
+            (s.per_fedavg_beta > 0, "per-fedavg-beta", "per-fedavg-beta=0"),
             (s.fine_tune_epochs > 0, "fine-tune-epochs", "fine-tune-epochs=0"),
         ],
     )  # fmt: skip

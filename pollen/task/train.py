@@ -264,9 +264,10 @@ def _backward(
     targets: torch.Tensor,
     objective: LocalObjective,
 ) -> torch.Tensor:
-    """Cross-entropy on a batch, plus the objective's batch term where it has
-    one, backpropagated into the gradients; the cross-entropy returned."""
-    loss = F.cross_entropy(network(inputs), targets)
+    """The objective's data loss on a batch (the cross-entropy, or FedRoD's
+    balanced softmax), plus its batch term where it has one, backpropagated
+    into the gradients; the data loss returned."""
+    loss = objective.data_loss(network(inputs), targets)
     term = objective.batch_loss(inputs)
     (loss if term is None else loss + term).backward()
     return loss
