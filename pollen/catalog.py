@@ -336,6 +336,8 @@ LOCAL_OBJECTIVES: dict[str, Part] = _by_name(
     Part("prox-sam", "FedProx's term with SAM", f"{OBJECTIVES}:ProxSam"),
     Part("moon", "MOON's model-contrastive loss (global vs previous model)",
          f"{OBJECTIVES}:Moon"),
+    Part("fedproto", "FedProto's pull of each representation to its class's "
+         "global prototype; the prototypes travel", f"{OBJECTIVES}:FedProto"),
     Part("scaffold", "SCAFFOLD's control-variate correction c - c_k",
          f"{OBJECTIVES}:Scaffold", training=SCAFFOLD_TRAINING,
          training_reason=SCAFFOLD_REASON),
@@ -352,7 +354,7 @@ CENTRAL_DP_STEP = "pollen.strategies.central_dp:CentralDP"
 # Which model entries travel (pollen.task.sharing): BatchNorm policies
 # under `sharing = all`, and the LoRA policies of FedSA.
 BN_POLICIES = ("shared", "fedbn", "silobn")
-SHARING = ("all", "lora-a", "lora", "fedper", "lg")
+SHARING = ("all", "lora-a", "lora", "fedper", "lg", "local")
 # the sharings whose classifier, the last nn.Linear, is their own part
 HEAD_SHARING = ("fedper", "lg")
 LORA_SHARING = ("lora-a", "lora")
@@ -386,6 +388,9 @@ PRESETS: dict[str, dict[str, Scalar]] = {
         "server-update": "fedavg", "local-objective": "plain", "per-fedavg-beta": 0.005,
     },
     "fedala": {"server-update": "fedavg", "local-objective": "plain", "ala-layers": 2},
+    "fedproto": {
+        "server-update": "fedavg", "local-objective": "fedproto", "sharing": "local",
+    },
     "fedrod": {
         "server-update": "fedavg", "local-objective": "plain", "personal-head": True,
     },

@@ -20,6 +20,15 @@ CLIENT_RECORD = "client"  # ConfigRecord {CLIENT: k} in a reply
 # SCAFFOLD's control variates (ArrayRecord over the trained shared entries):
 # the server's c in a training message, the client's change Delta c_k in its reply
 CONTROL = "control"
+# FedProto's prototypes (ArrayRecord): in a training message the server's
+# global ones (PROTOTYPE_CENTERS, one row per class, and PROTOTYPE_KNOWN, 1
+# for a class some client has reported), in its reply the client's per-class
+# sums and counts of its representations (PROTOTYPE_SUMS, PROTOTYPE_COUNTS)
+PROTOTYPES = "prototypes"
+PROTOTYPE_CENTERS = "centers"
+PROTOTYPE_KNOWN = "known"
+PROTOTYPE_SUMS = "sums"
+PROTOTYPE_COUNTS = "counts"
 NODE_RECORD = "node"  # ConfigRecord: a node's answer to the start-up query
 # secure aggregation (pollen.common.secagg): the protocol's own values in every
 # stage's message and reply, and the masked vector of a secure training reply

@@ -205,7 +205,8 @@ class Settings:
         AUTO,
         "what travels: all (per bn-policy), lora-a (A matrices only; auto: fedsa), "
         "lora (A and B), fedper (all but the classifier; auto: fedper), lg (the "
-        "classifier only; auto: lg-fedavg)",
+        "classifier only; auto: lg-fedavg), local (nothing of the model: local "
+        "training alone, or FedProto's prototypes; auto: fedproto)",
         one_of(AUTO, *SHARING),
     )
     head_epochs: int = key(
@@ -298,6 +299,13 @@ class Settings:
     )
     moon_tau: float = key(
         0.5, "MOON temperature tau of the model-contrastive loss", above(0)
+    )
+    proto_lambda: float = key(
+        1.0,
+        "FedProto weight lambda of the distance of each representation to its "
+        "class's global prototype (local-objective fedproto; the paper: 1 on "
+        "MNIST and FEMNIST, 0.1 on CIFAR-10)",
+        at_least(0),
     )
     dyn_alpha: float = key(
         0.1, "FedDyn alpha, client regulariser and server state", above(0)

@@ -167,7 +167,9 @@ def test_state_survives_a_checkpoint() -> None:
     [
         ({"aggregator": "median"}, r"leave aggregator at mean"),
         ({"strategy": "fedbuff"}, r"use mode='sync'"),
-        ({"strategy": "scaffold"}, r"Delta c_k would leave"),
+        ({"strategy": "scaffold"}, r"Delta c_k, FedProto.s prototypes. would leave"),
+        ({"local-objective": "fedproto"}, r"FedProto.s prototypes. would leave"),
+        ({"strategy": "fedproto"}, r"sharing='local' with central-dp"),
         ({"dp": True, "model": "cnn-gn"}, r"not both"),
         (
             {"central-dp": "adaptive", "central-noise-multiplier": 2.0},

@@ -176,7 +176,7 @@ def test_the_strategy_sends_c_counts_its_bytes_and_needs_delta_c_back() -> None:
     roster = Roster.from_nodes({101: (0, 2), 202: (1, 2)}, 2)
     control = ServerControl({"w": np.zeros(3, np.float32)}, num_clients=2)
     strategy = fedavg(
-        roster=roster, num_clients=2, client_frac=1.0, seed=0, control=control
+        roster=roster, num_clients=2, client_frac=1.0, seed=0, server_state=control
     )
     model = ArrayRecord({"w": Array(np.zeros(3, np.float32))})
     messages = strategy.configure_train(1, model, ConfigRecord({"lr": 0.1}))

@@ -193,7 +193,7 @@ def secure_round(
     owner = {c: 100 + c % 2 for c in range(count)}  # two nodes serve them
     strategy = Strategy(
         num_clients=count, client_frac=1.0, seed=7, server_update=FedAvgUpdate(),
-        control=control, secure=SecureAggregation(params, 7, uniform),
+        server_state=control, secure=SecureAggregation(params, 7, uniform),
     )  # fmt: skip
     participants = Participants(Roster(owner), {c: 40 for c in range(count)})
     arrays = ArrayRecord({k: Array(v) for k, v in GLOBAL.items()})

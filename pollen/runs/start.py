@@ -62,8 +62,9 @@ def load_model(settings: Settings, dataset: Dataset) -> torch.nn.Module:
     model = settings_model(settings, dataset)
     print(_model_line(settings, model), flush=True)
     if settings.sharing != "all":
+        kept = "every" if settings.sharing == "local" else "every other"
         print(
-            f"pollen: sharing {settings.sharing} keeps every other trained entry on "
+            f"pollen: sharing {settings.sharing} keeps {kept} trained entry on "
             "the clients; the global model's accuracy below uses their initial "
             "values, the personal-model lines are the ones to read",
             flush=True,

@@ -160,9 +160,11 @@ class CentralDP(Rule):
                            "aggregator at mean"),
             "mode": (settings.mode == "async", "FedBuff's buffer changes the sum's "
                      "sensitivity; use mode='sync'"),
-            "local-objective": (objective.server_control,
-                                "SCAFFOLD's Delta c_k would leave the clients "
-                                "without noise; use another local objective"),
+            "local-objective": (bool(objective.server_state),
+                                "the records its server state reads (SCAFFOLD's "
+                                "Delta c_k, FedProto's prototypes) would leave "
+                                "the clients without noise; use another local "
+                                "objective"),
             "dp": (settings.dp, "choose example-level DP-SGD (dp=true) or "
                    "user-level central DP, not both"),
             "update-norm-bound": (bool(settings.update_norm_bound), "a bound "

@@ -13,9 +13,8 @@ from ..extensions import part
 from ..settings import Settings
 from ..task.sharing import Sharing
 from .personal import PersonalEvaluation
-from .scaffold import ServerControl
 from .secure_round import SecureAggregation
-from .strategy import Strategy
+from .strategy import ServerState, Strategy
 
 
 def build_strategy(
@@ -43,7 +42,7 @@ def build_strategy(
         min_train_nodes=settings.min_train_nodes,
         norm_bound=settings.update_norm_bound,
         norm_action=settings.update_norm_action,
-        control=_control(settings, model, sharing),
+        server_state=_server_state(settings, model, sharing),
         secure=(
             SecureAggregation.from_settings(settings, update.uniform_mean)
             if settings.secure_aggregation != "off"
@@ -54,14 +53,11 @@ def build_strategy(
     return strategy, personal
 
 
-def _control(
+def _server_state(
     settings: Settings, model: nn.Module, sharing: Sharing
-) -> ServerControl | None:
-    """SCAFFOLD's server control variate over the trained shared entries
-    (None where the local objective's part keeps none)."""
-    if not part("local-objective", settings.local_objective).load().server_control:
-        return None
-    state = model.state_dict()
-    trained = sharing.trained_shared(exclude_bn=False)
-    like = {name: state[name].detach().cpu().numpy() for name in trained}
-    return ServerControl(like, settings.num_clients)
+) -> ServerState | None:
+    """What the server keeps for the local objective beside the model
+    (SCAFFOLD's control variate, FedProto's prototypes), as its part names
+    it; None for most."""
+    path = part("local-objective", settings.local_objective).load().server_state
+    return load(path).from_settings(settings, model, sharing) if path else None

@@ -20,6 +20,7 @@ and are counted in the round's traffic.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING
 
 import numpy as np
 from flwr.app import Array, ArrayRecord
@@ -28,13 +29,31 @@ from ..protocol import CONTROL
 from .aggregation import Arrays, ClientUpdate
 from .server_update import prefixed, unprefixed
 
+if TYPE_CHECKING:
+    from torch import nn
+
+    from ..settings import Settings
+    from ..task.sharing import Sharing
+
 
 class ServerControl:
     """c over the trained shared entries, and its update from the replies."""
 
+    record_name = CONTROL
+
     def __init__(self, like: Arrays, num_clients: int) -> None:
         self.c = {key: np.zeros_like(value) for key, value in like.items()}
         self.num_clients = num_clients
+
+    @classmethod
+    def from_settings(
+        cls, settings: Settings, model: nn.Module, sharing: Sharing
+    ) -> ServerControl:
+        """c at zero over the model's trained shared entries."""
+        state = model.state_dict()
+        trained = sharing.trained_shared(exclude_bn=False)
+        like = {name: state[name].detach().cpu().numpy() for name in trained}
+        return cls(like, settings.num_clients)
 
     def record(self) -> ArrayRecord:
         """c as the `control` record of a training message."""

@@ -193,7 +193,7 @@ class _SecureRun:
         self.entries = sorted(
             k for k, v in current.items() if np.issubdtype(v.dtype, np.floating)
         )
-        control = strategy.control
+        control = strategy.server_state  # SCAFFOLD's c: FedProto refuses SecAgg+
         self.control_entries = sorted(control.c) if control else []
         self.scale = 0  # S, the round's largest shard (0: a uniform mean)
 
@@ -496,8 +496,10 @@ class _SecureRun:
         mean = {k: v.astype(np.float64) for k, v in current.items()}
         for key in self.entries:
             mean[key] = mean[key] + factor * next(sums)
-        if self.strategy.control:
-            self.strategy.control.add({key: next(sums) for key in self.control_entries})
+        if self.strategy.server_state:
+            self.strategy.server_state.add(
+                {key: next(sums) for key in self.control_entries}
+            )
         report = {
             **self.stages.report(),
             "secagg-survivors": count,
@@ -621,8 +623,10 @@ class _SecureRun:
         """The shapes of the values a vector carries: the entries, then the
         control entries."""
         shapes = [self.request.current[k].shape for k in self.entries]
-        if self.strategy.control:
-            shapes += [self.strategy.control.c[k].shape for k in self.control_entries]
+        if self.strategy.server_state:
+            shapes += [
+                self.strategy.server_state.c[k].shape for k in self.control_entries
+            ]
         return shapes
 
     def _length(self) -> int:

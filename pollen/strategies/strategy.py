@@ -60,7 +60,6 @@ from .replies import (
     reply_failures,
 )
 from .sampling import Participants, sample_clients
-from .scaffold import ServerControl
 from .server_update import ServerUpdate
 
 
@@ -164,6 +163,29 @@ class SecureTraining(Protocol):
     ) -> TrainOutcome: ...
 
 
+class ServerState(Protocol):
+    """What the server keeps for a local objective beside the model, sent
+    with every training message and moved by the replies' own records
+    (SCAFFOLD's control variate c: `scaffold.ServerControl`; FedProto's
+    global prototypes: `prototypes.ServerPrototypes`). Checkpointed with
+    the model."""
+
+    record_name: str  # the message record that carries it
+
+    def record(self) -> ArrayRecord:
+        """The state as a training message's record."""
+
+    def expected(self) -> dict[str, Arrays]:
+        """The records every reply must carry for it (name -> entries)."""
+
+    def update(self, updates: Sequence[ClientUpdate]) -> None:
+        """After a round: moved by the accepted updates' records."""
+
+    def state_arrays(self) -> dict[str, np.ndarray]: ...
+
+    def load_state_arrays(self, state: Mapping[str, np.ndarray]) -> None: ...
+
+
 class Strategy:
     """Seeded sampling, checked replies, an aggregation step and a server update."""
 
@@ -180,7 +202,7 @@ class Strategy:
         min_train_nodes: int = 1,
         norm_bound: float = 0.0,
         norm_action: str = "clip",
-        control: ServerControl | None = None,
+        server_state: ServerState | None = None,
         secure: SecureTraining | None = None,
     ) -> None:
         self.num_clients = num_clients
@@ -193,7 +215,7 @@ class Strategy:
         self.min_train_nodes = min_train_nodes
         self.norm_bound = norm_bound
         self.norm_action = norm_action
-        self.control = control
+        self.server_state = server_state  # SCAFFOLD's c, FedProto's prototypes
         self.secure = secure  # SecAgg+: the round learns only the sum
 
     @property
@@ -205,19 +227,19 @@ class Strategy:
 
     def state_arrays(self) -> dict[str, np.ndarray]:
         """Server state beyond the global model that a resumed run needs."""
-        control = self.control.state_arrays() if self.control else {}
+        state = self.server_state.state_arrays() if self.server_state else {}
         return {
             **self.server_update.state_arrays(),
             **self.aggregator.state_arrays(),
-            **control,
+            **state,
         }
 
     def load_state_arrays(self, state: Mapping[str, np.ndarray]) -> None:
         """Restore what `state_arrays` returned."""
         self.server_update.load_state_arrays(state)
         self.aggregator.load_state_arrays(state)
-        if self.control:
-            self.control.load_state_arrays(state)
+        if self.server_state:
+            self.server_state.load_state_arrays(state)
 
     # ---- what travels -------------------------------------------------------
 
@@ -243,7 +265,8 @@ class Strategy:
         clients = self.sampled(server_round, participants)
         payload = self.outgoing(arrays)
         config = ConfigRecord({**config, **self.aggregator.train_config()})
-        records = {protocol.CONTROL: self.control.record()} if self.control else {}
+        state = self.server_state
+        records = {state.record_name: state.record()} if state else {}
         messages = addressed(
             MessageType.TRAIN, clients, payload, config, server_round, owner, records
         )
@@ -305,8 +328,8 @@ class Strategy:
         """`outcome` with its updates aggregated and the server update stepped
         into its arrays, or as it is (skipped) with fewer than `min_replies`
         or than the aggregation step is defined for."""
-        if self.control:  # the clients kept their c_k^+: c follows, skipped or not
-            self.control.update(outcome.updates)
+        if self.server_state:  # c follows the clients' c_k^+, skipped or not
+            self.server_state.update(outcome.updates)
         needed = self.min_updates
         if len(outcome.updates) < needed:
             log(WARNING, "pollen: round %d skipped, the model is unchanged: %d valid "
@@ -364,7 +387,7 @@ class Strategy:
             sampled=frozenset(request.clients),
             max_examples=request.participants.max_examples,
             required_metrics=self.aggregator.required_metrics,
-            records=self.control.expected() if self.control else {},
+            records=self.server_state.expected() if self.server_state else {},
         )
         accepted: list[ClientUpdate] = []
         failures: list[str] = []

@@ -37,7 +37,7 @@ from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
-from flwr.app import ArrayRecord, Context
+from flwr.app import ArrayRecord, Context, RecordDict
 from torch import nn
 
 from ..protocol import moon_state_key
@@ -81,9 +81,11 @@ class ModelContrast:
         client: int,
         model: nn.Module,
         new_model: Callable[[], nn.Module],
+        content: RecordDict | None = None,
     ) -> None:
         """Fix copies of the received model (global) and of the client's
-        previous one (the common initialisation before its first round)."""
+        previous one (the common initialisation before its first round);
+        the message carries nothing for the term."""
         previous = new_model()
         kept = context.state.get(moon_state_key(client))
         if isinstance(kept, ArrayRecord):
@@ -95,8 +97,11 @@ class ModelContrast:
             self.fixed.append(Representation(fixed, "MOON"))
         self.live = Representation(model, "MOON")
 
-    def loss(self, inputs: torch.Tensor) -> torch.Tensor:
-        """mu * l_con of the batch `inputs` the trained model has just seen."""
+    def loss(
+        self, inputs: torch.Tensor, targets: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """mu * l_con of the batch `inputs` the trained model has just seen
+        (the labels play no part)."""
         if self.live is None or self.live.value is None:
             raise RuntimeError("MOON's term: no forward pass of the trained model")
         with torch.no_grad():
@@ -108,6 +113,10 @@ class ModelContrast:
         state = {k: v.detach().cpu() for k, v in model.state_dict().items()}
         context.state[moon_state_key(client)] = ArrayRecord(state)
         self.close()
+
+    def reply_records(self) -> dict[str, ArrayRecord]:
+        """Nothing beside the model."""
+        return {}
 
     def close(self) -> None:
         """Remove the hooks and the fixed models."""

@@ -10,7 +10,7 @@ runs) without the seconds torch's import takes; the terms, which need
 torch, are named by import path and loaded by the client that trains.
 
 A plug-in objective is one such class (its term may live beside it):
-`sam`, `term`, `batch_term`, `keeps_state`, `server_control`, `synchronous_only`,
+`sam`, `term`, `batch_term`, `keeps_state`, `server_state`, `synchronous_only`,
 `mean_only` and `problem` as below.
 """
 
@@ -42,9 +42,11 @@ class Plain:
     # the client keeps state between rounds (FedDyn's h_k, SCAFFOLD's c_k),
     # which only a run that checkpoints saves for a resume
     keeps_state: ClassVar[bool] = False
-    # the server keeps a control variate the replies move
-    # (pollen.strategies.scaffold)
-    server_control: ClassVar[bool] = False
+    # what the server keeps beside the model, sent with each training message
+    # and moved by the replies' records ("module:attribute" of a class with
+    # `from_settings(settings, model, sharing)`: SCAFFOLD's control variate,
+    # FedProto's prototypes; `pollen.strategies.strategy.ServerState`), or ""
+    server_state: ClassVar[str] = ""
     # why it needs synchronous rounds of one model version ("": async too)
     synchronous_only: ClassVar[str] = ""
     # why it needs the mean as the aggregator, and what is allowed ("": any)
@@ -113,7 +115,7 @@ class Scaffold(Plain):
 
     term = f"{TERMS}:ControlTerm"
     keeps_state = True
-    server_control = True
+    server_state = "pollen.strategies.scaffold:ServerControl"
     synchronous_only = (
         "SCAFFOLD's control variates are defined for synchronous rounds of one "
         "model version"
@@ -175,5 +177,44 @@ class Moon(Plain):
                 "classifier stay on each client, so the received model's "
                 "representation is the previous model's and the term is constant; "
                 "allowed with moon: any other sharing"
+            )
+        return None
+
+
+class FedProto(Plain):
+    """FedProto's pull of each representation to its class's global
+    prototype (`pollen.task.fedproto`); the server keeps the global
+    prototypes (`pollen.strategies.prototypes`) and each reply carries the
+    client's. The representation is the input of the model's last
+    `nn.Linear`; the prototypes travel as they are, so neither SecAgg+ nor
+    central DP would cover them."""
+
+    batch_term = "pollen.task.fedproto:PrototypeDistance"
+    server_state = "pollen.strategies.prototypes:ServerPrototypes"
+    synchronous_only = (
+        "FedProto's global prototypes are the mean of one round's replies"
+    )
+    mean_only = (
+        "FedProto's prototypes are averaged over every accepted reply while "
+        "the model would follow another rule; allowed with fedproto: mean"
+    )
+
+    @classmethod
+    def problem(cls, settings: Settings) -> str | None:
+        if problem := super().problem(settings):
+            return problem
+        info = model_info(settings.model, settings.data_set)
+        if not info.linear or info.lora:
+            allowed = [name for name, m in MODELS.items() if m.linear and not m.lora]
+            return (
+                f"local-objective='fedproto' with model={settings.model!r}: a "
+                "prototype is the mean input of the model's classifier (its "
+                "last nn.Linear, not a LoRA head); allowed: " + ", ".join(allowed)
+            )
+        if settings.secure_aggregation != "off":
+            return (
+                "local-objective='fedproto' with secure-aggregation: each reply's "
+                "prototypes would reach the server unmasked beside the masked "
+                "model; allowed with fedproto: secure-aggregation='off'"
             )
         return None

@@ -94,9 +94,9 @@ class Regularizer(Protocol):
 
 
 class BatchTerm(Protocol):
-    """A term of the loss on each batch (MOON's contrastive loss), added to
-    the data loss before the backward pass, so that its gradient flows
-    through the trained model's same forward pass."""
+    """A term of the loss on each batch (MOON's contrastive loss, FedProto's
+    prototype distance), added to the data loss before the backward pass, so
+    that its gradient flows through the trained model's same forward pass."""
 
     @classmethod
     def from_settings(cls, settings: Settings) -> BatchTerm:
@@ -108,15 +108,20 @@ class BatchTerm(Protocol):
         client: int,
         model: nn.Module,
         new_model: Callable[[], nn.Module],
+        content: RecordDict,
     ) -> None:
         """Before training: the received `model` (to be trained), the
-        client's state, and `new_model` (the run's initial model)."""
+        client's state, `new_model` (the run's initial model) and what the
+        training message's `content` carries for the term."""
 
-    def loss(self, inputs: torch.Tensor) -> torch.Tensor:
-        """The term on the batch `inputs` the model has just seen."""
+    def loss(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """The term on the batch (`inputs`, `targets`) the model has just seen."""
 
     def save(self, context: Context, client: int, model: nn.Module) -> None:
         """After training: keep the client's state."""
+
+    def reply_records(self) -> dict[str, ArrayRecord]:
+        """Array records the reply carries for the server (after `save`)."""
 
     def close(self) -> None:
         """Let go of what `load` attached to the model (after training)."""
@@ -440,7 +445,7 @@ class LocalObjective:
         if self.batch_term is not None:
             if new_model is None:
                 raise ValueError("a batch term needs the run's initial model")
-            self.batch_term.load(context, client, model, new_model)
+            self.batch_term.load(context, client, model, new_model, content)
         if self.regularizer is None:
             return
         names = sharing.trained_shared(exclude_bn=self.regularizer.exclude_bn)
@@ -450,7 +455,10 @@ class LocalObjective:
 
     def reply_records(self) -> dict[str, ArrayRecord]:
         """What the reply carries for the server beside the model (after `save`)."""
-        return self.regularizer.reply_records() if self.regularizer else {}
+        return {
+            **(self.regularizer.reply_records() if self.regularizer else {}),
+            **(self.batch_term.reply_records() if self.batch_term else {}),
+        }
 
     def save(self, context: Context, client: int, model: nn.Module) -> None:
         """Keep the regulariser's state for the client's next round (after
@@ -474,10 +482,14 @@ class LocalObjective:
             logits = logits + self.log_label_counts
         return F.cross_entropy(logits, targets)
 
-    def batch_loss(self, inputs: torch.Tensor) -> torch.Tensor | None:
-        """The batch term on `inputs`, just after the model's forward pass of
-        them; None without one."""
-        return None if self.batch_term is None else self.batch_term.loss(inputs)
+    def batch_loss(
+        self, inputs: torch.Tensor, targets: torch.Tensor
+    ) -> torch.Tensor | None:
+        """The batch term on (`inputs`, `targets`), just after the model's
+        forward pass of them; None without one."""
+        if self.batch_term is None:
+            return None
+        return self.batch_term.loss(inputs, targets)
 
     def data_gradient(
         self, model: nn.Module, params: list[nn.Parameter], regrade: Callable[[], None]

@@ -3,7 +3,9 @@
 the catalogue).
 
 - `bn-policy` decides BatchNorm's entries only under `sharing = "all"`;
-  every other sharing policy decides each entry itself (`pollen.task.sharing`).
+  every other sharing policy decides each entry itself (`pollen.task.sharing`);
+  under `local` nothing of the model travels, so secure aggregation and
+  central DP have nothing to protect.
 - FedRep (Collins et al. 2021, https://arxiv.org/abs/2102.07078) trains the
   client's own classifier first, so the classifier must stay local
   (`sharing = "fedper"`), and its two passes a round do not fit DP-SGD's
@@ -56,6 +58,15 @@ def personal_problem(s: Settings) -> str | None:
             f"bn-policy={s.bn_policy!r} with sharing={s.sharing!r}: a sharing "
             "other than all decides every entry itself (BatchNorm included); "
             "leave bn-policy at shared"
+        )
+    if s.sharing == "local" and (
+        s.secure_aggregation != "off" or s.central_dp != "off"
+    ):
+        given = "secure-aggregation" if s.secure_aggregation != "off" else "central-dp"
+        return (
+            f"sharing='local' with {given}: nothing of the model travels, so "
+            "there is no update to sum securely or to clip and noise; allowed "
+            f"with sharing local: {given}='off'"
         )
     if s.head_epochs and s.sharing != "fedper":
         return (

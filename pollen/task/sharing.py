@@ -26,7 +26,10 @@ is its mirror, LG-FedAvg (Liang et al. 2020, https://arxiv.org/abs/2001.01523,
 Algorithm 1): only the classifier travels, so each client keeps its own
 representation (every layer below the classifier, BatchNorm included) and
 the federation learns one global classifier over them (the authors keep
-the top few layers global; one is PFLlib's form).
+the top few layers global; one is PFLlib's form). `local` sends nothing of
+the model: each client trains its own alone (the local-training baseline),
+or shares only what its local objective sends beside the model (FedProto's
+prototypes, `pollen.task.fedproto`).
 """
 
 from __future__ import annotations
@@ -53,6 +56,7 @@ POLICIES: dict[str, frozenset[Kind]] = {
     "lora": LORA,
     "fedper": frozenset({"weight", "bn-affine", "bn-stat", "buffer"}),
     "lg": frozenset({"head"}),
+    "local": frozenset(),
 }
 
 

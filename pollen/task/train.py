@@ -268,7 +268,7 @@ def _backward(
     balanced softmax), plus its batch term where it has one, backpropagated
     into the gradients; the data loss returned."""
     loss = objective.data_loss(network(inputs), targets)
-    term = objective.batch_loss(inputs)
+    term = objective.batch_loss(inputs, targets)
     (loss if term is None else loss + term).backward()
     return loss
 
