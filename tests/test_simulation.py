@@ -27,12 +27,13 @@ from typing import ClassVar
 
 import numpy as np
 import pytest
-from flwr.app import ArrayRecord
+from flwr.app import Array, ArrayRecord
 
 from pollen.deployment.processes import descendants, free_port
+from pollen.strategies.prototypes import ServerPrototypes
 from pollen.task.client_state import SPILLED_LINE
 from pollen.task.models import build_model
-from pollen.task.sharing import Sharing
+from pollen.task.sharing import Sharing, classifier_name
 from tests.conftest import PROJECT, WORKER
 from tests.user_package import PACKAGE, write_user_package
 
@@ -508,6 +509,7 @@ SUITE = [
     ("per-fedavg", "shared", "mlp-bn", ""),
     ("fedala", "shared", "mlp-bn", ""),
     ("fedrod", "fedbn", "mlp-bn", "local-objective='prox'"),  # BSM under FedProx
+    ("fedproto", "local", "mlp-bn", ""),  # prototypes alone travel
     ("fedbabu", "fedper", "mlp-bn", "fine-tune-epochs=1"),
 ]
 
@@ -535,8 +537,18 @@ def test_every_strategy_runs_end_to_end(
     if strategy == "scaffold":  # c down, Delta c_k up: the trained shared entries
         trained = Sharing.of(policy, reference).trained_shared(exclude_bn=False)
         per_client += ArrayRecord({k: state[k] for k in trained}).count_bytes()
+    down = up = per_client
+    if strategy == "fedproto":  # the prototypes down, each client's sums and counts up
+        head = reference.get_submodule(classifier_name(reference))
+        prototypes = ServerPrototypes(head.out_features, head.in_features)
+        down += prototypes.record().count_bytes()
+        up += sum(
+            ArrayRecord({k: Array(v) for k, v in expected.items()}).count_bytes()
+            for expected in prototypes.expected().values()
+        )
     for r in rows:  # exactly the shared entries travelled, both ways
-        assert r["bytes-down"] == r["bytes-up"] == per_client * len(r["clients"])
+        assert r["bytes-down"] == down * len(r["clients"])
+        assert r["bytes-up"] == up * len(r["clients"])
     if "update-norm-bound=1" in extra:  # of 2 updates, the larger is cut to the median
         assert [len(r["clipped"]) for r in rows] == [1, 1]
         assert "1 update clipped (history.json says why)" in run.stdout

@@ -1,0 +1,208 @@
+"""FedProto (Tan et al. 2022): the client's pull to the global prototypes and
+its prototypes by hand, the server's mean of them, what travels, and what
+FedProto refuses."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from flwr.app import Array, ArrayRecord, ConfigRecord, Context, MetricRecord, RecordDict
+from torch import nn
+
+from pollen.protocol import (
+    CLIENT,
+    PROTOTYPE_CENTERS,
+    PROTOTYPE_COUNTS,
+    PROTOTYPE_KNOWN,
+    PROTOTYPE_SUMS,
+    PROTOTYPES,
+)
+from pollen.settings import Settings, SettingsError
+from pollen.strategies.prototypes import ServerPrototypes
+from pollen.strategies.sampling import Roster
+from pollen.task.fedproto import PrototypeDistance
+from pollen.task.objectives import LocalObjective
+from pollen.task.train import ClientOptimizer, no_preprocess, train_local
+from tests.conftest import client_update, reply_from
+from tests.rounds import fedavg
+from tests.test_schedule import tiny_model
+
+X = torch.linspace(-1, 1, 24).reshape(8, 3)
+Y = torch.tensor([0, 1, 1, 0, 1, 0, 0, 1])
+
+
+def representation(model: nn.Sequential, x: torch.Tensor) -> torch.Tensor:
+    """tiny_model's body, written out: the input of its classifier."""
+    return model[1](model[0](x))
+
+
+def loaded(
+    model: nn.Module, centers: torch.Tensor, known: list[float]
+) -> PrototypeDistance:
+    term = PrototypeDistance(2.0)
+    sent = ArrayRecord(
+        {PROTOTYPE_CENTERS: centers, PROTOTYPE_KNOWN: torch.tensor(known)}
+    )
+    context = Context(1, 1, {}, RecordDict(), {})
+    term.load(context, 0, model, tiny_model, RecordDict({PROTOTYPES: sent}))
+    return term
+
+
+def test_one_step_follows_the_data_loss_plus_lambda_times_the_pull() -> None:
+    """One full-batch SGD step (lr 0.1, lambda 2): the parameters move by
+    -lr times the gradient of CE + 2 mean((z - C_bar[y])^2), with class 1's
+    examples pulled nowhere (no global prototype for it yet); the client's
+    prototypes are the sums and counts of z per class, before the step."""
+    model = tiny_model()
+    centers = torch.tensor([[0.5, -0.5, 1.0, 0.0], [9.0, 9.0, 9.0, 9.0]])
+    z = representation(model, X)
+    goal = torch.where((Y == 0).unsqueeze(1), centers[Y], z.detach())
+    loss = nn.functional.cross_entropy(model(X), Y) + 2.0 * ((z - goal) ** 2).mean()
+    grads = torch.autograd.grad(loss, list(model.parameters()))
+    expected = [
+        p.detach() - 0.1 * g for p, g in zip(model.parameters(), grads, strict=True)
+    ]
+    sums = torch.stack([z[Y.eq(c)].sum(0) for c in (0, 1)]).detach()
+
+    term = loaded(model, centers, [1.0, 0.0])
+    train_local(
+        model, X, Y, epochs=1, batch_size=8, preprocess=no_preprocess, seed=0,
+        optimizer=ClientOptimizer("sgd", 0.1, 0.0),
+        objective=LocalObjective(batch_term=term),
+    )  # fmt: skip
+    for param, want in zip(model.parameters(), expected, strict=True):
+        torch.testing.assert_close(param.detach(), want)
+    reply = term.reply_records()[PROTOTYPES].to_torch_state_dict()
+    torch.testing.assert_close(reply[PROTOTYPE_SUMS], sums)
+    assert reply[PROTOTYPE_COUNTS].tolist() == [4.0, 4.0]
+
+
+def test_no_global_prototype_adds_nothing() -> None:
+    """Before the first round's prototypes the term is 0 with no gradient:
+    the clients train on the data loss alone."""
+    model = tiny_model()
+    term = loaded(model, torch.zeros(2, 4), [0.0, 0.0])
+    model(X)
+    loss = term.loss(X, Y)
+    assert float(loss.detach()) == 0.0
+    grads = torch.autograd.grad(loss, list(model.parameters()), allow_unused=True)
+    assert all(g is None or not g.any() for g in grads)
+    term.close()
+
+
+def prototype_reply(sums: list[list[float]], counts: list[float]) -> dict:
+    return {
+        PROTOTYPES: {
+            PROTOTYPE_SUMS: np.array(sums, np.float32),
+            PROTOTYPE_COUNTS: np.array(counts, np.float32),
+        }
+    }
+
+
+def test_the_server_weighs_each_client_by_its_examples_of_the_class() -> None:
+    """Class 0: sums (2, 2) over 2 and (4, 0) over 1 give (6, 2) / 3; class
+    1: (3, 3) over 3 gives (1, 1); a later round without class 1 keeps it,
+    and a count below 1 (a bad reply's -5) adds nothing."""
+    server = ServerPrototypes(classes=3, width=2)
+    updates = [
+        client_update(
+            0, {}, records=prototype_reply([[2, 2], [0, 0], [0, 0]], [2, 0, 0])
+        ),
+        client_update(
+            1, {}, records=prototype_reply([[4, 0], [3, 3], [0, 0]], [1, 3, 0])
+        ),
+    ]
+    server.update(updates)
+    np.testing.assert_allclose(server.centers, [[2, 2 / 3], [1, 1], [0, 0]], rtol=1e-6)
+    assert server.known.tolist() == [1.0, 1.0, 0.0]
+    bad = prototype_reply([[1, 1], [100, 100], [0, 0]], [1, -5, 0])
+    server.update([client_update(0, {}, records=bad)])
+    np.testing.assert_allclose(server.centers, [[1, 1], [1, 1], [0, 0]], rtol=1e-6)
+
+
+def test_the_prototypes_checkpoint_and_refuse_a_foreign_state() -> None:
+    server = ServerPrototypes(classes=2, width=3)
+    server.centers[1] = [1.0, 2.0, 3.0]
+    server.known[1] = 1.0
+    again = ServerPrototypes(classes=2, width=3)
+    again.load_state_arrays({"m/w": np.zeros(2), **server.state_arrays()})
+    np.testing.assert_array_equal(again.centers, server.centers)
+    np.testing.assert_array_equal(again.known, [0.0, 1.0])
+    with pytest.raises(ValueError, match="no FedProto prototypes"):
+        again.load_state_arrays({"scaffold-c/w": np.zeros(2)})
+    with pytest.raises(ValueError, match=r"\(2, 3\)"):
+        ServerPrototypes(classes=2, width=4).load_state_arrays(server.state_arrays())
+
+
+@pytest.mark.usefixtures("task_identity")
+def test_the_strategy_sends_prototypes_and_needs_them_back() -> None:
+    """The global prototypes travel with every training message and each
+    reply's with it, both counted; a reply without them is rejected; they
+    move by the accepted one."""
+    roster = Roster.from_nodes({101: (0, 2), 202: (1, 2)}, 2)
+    server = ServerPrototypes(classes=2, width=3)
+    strategy = fedavg(
+        roster=roster, num_clients=2, client_frac=1.0, seed=0, server_state=server
+    )
+    model = ArrayRecord({"w": Array(np.zeros(3, np.float32))})
+    messages = strategy.configure_train(1, model, ConfigRecord({"lr": 0.1}))
+    assert all(
+        set(m.content[PROTOTYPES]) == {PROTOTYPE_CENTERS, PROTOTYPE_KNOWN}
+        for m in messages
+    )
+    size = model.count_bytes() + server.record().count_bytes()
+    assert strategy.sent[1].bytes_down == 2 * size
+
+    def reply(client: int, node: int, with_prototypes: bool) -> object:
+        records = {
+            "arrays": ArrayRecord({"w": Array(np.ones(3, np.float32))}),
+            "metrics": MetricRecord({"num-examples": 1}),
+            "client": ConfigRecord({CLIENT: client}),
+        }
+        if with_prototypes:
+            records[PROTOTYPES] = ArrayRecord(
+                {
+                    PROTOTYPE_SUMS: Array(np.full((2, 3), 4.0, np.float32)),
+                    PROTOTYPE_COUNTS: Array(np.array([2.0, 0.0], np.float32)),
+                }
+            )
+        return reply_from(node, RecordDict(records))
+
+    strategy.aggregate_train(1, [reply(0, 101, True), reply(1, 202, False)])
+    outcome = strategy.traffic[1]
+    assert [u.client for u in outcome.updates] == [0]
+    assert "lacks its 'prototypes' record" in outcome.failures[0]
+    np.testing.assert_allclose(server.centers, [[2, 2, 2], [0, 0, 0]])
+    assert server.known.tolist() == [1.0, 0.0]
+
+
+def test_the_preset_shares_prototypes_only() -> None:
+    s = Settings.from_run_config({"strategy": "fedproto"})
+    assert (s.local_objective, s.sharing, s.proto_lambda) == ("fedproto", "local", 1.0)
+    assert s.personal_eval_every == 1
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        ({"aggregator": "median"}, r"allowed with fedproto: mean"),
+        ({"mode": "async"}, r"the mean of one round's replies"),
+        ({"dp": True, "model": "cnn-gn"}, r"local-objective='fedproto' with dp=true"),
+        ({"client-execution": "cohort"}, r"client-execution='cohort'"),
+        (
+            {"model": "vgg16-lora", "data-set": "cifar10", "cache-features": False},
+            r"not a LoRA head",
+        ),
+        (
+            {"sharing": "all", "secure-aggregation": "secagg+"},
+            r"'fedproto' with secure-aggregation",
+        ),
+        ({"secure-aggregation": "secagg+"}, r"sharing='local' with secure-aggregation"),
+    ],
+)
+def test_refused_combinations_name_the_reason(overrides: dict, message: str) -> None:
+    with pytest.raises(SettingsError, match=message):
+        Settings.from_run_config(
+            {"num-clients": 10, "client-frac": 1.0, "strategy": "fedproto", **overrides}
+        )
