@@ -116,7 +116,8 @@ def test_evaluate_counts_correct_predictions() -> None:
 def test_models_fit_their_inputs() -> None:
     for name, shape in [("mlp", (1, 28, 28)), ("mlp-bn", (1, 8, 8)), ("cnn", (1, 28, 28)),
                         ("cnn", (3, 32, 32)), ("mobilenet", (3, 32, 32)),
-                        ("simple-cnn", (1, 28, 28)), ("simple-cnn", (3, 32, 32))]:  # fmt: skip
+                        ("simple-cnn", (1, 28, 28)), ("simple-cnn", (3, 32, 32)),
+                        ("fedavg-cnn", (1, 28, 28)), ("fedavg-cnn", (3, 32, 32))]:  # fmt: skip
         model = build_model(name, shape, 10, seed=0).eval()
         assert model(torch.zeros(2, *shape)).shape == (2, 10), name
 
@@ -133,3 +134,19 @@ def test_simple_cnn_has_niid_benchs_layer_sizes() -> None:
     assert expected == 62006  # LeNet-5 on CIFAR-10, as published
     with pytest.raises(ValueError, match="at least 16x16"):
         build_model("simple-cnn", (1, 8, 8), 10, seed=0)
+
+
+def test_fedavg_cnn_has_pfllibs_layer_sizes() -> None:
+    """Parameter counts by hand: unpadded 5x5 convs (c -> 32 -> 64), then
+    64*4*4 = 1024 (28x28: PFLlib's dim for MNIST) or 64*5*5 = 1600 (32x32:
+    its dim for CIFAR-10) features into 512 and the classes."""
+    counts = {}
+    for shape, features in [((1, 28, 28), 1024), ((3, 32, 32), 1600)]:
+        model = build_model("fedavg-cnn", shape, 10, seed=0)
+        convs = shape[0] * 32 * 25 + 32 + 32 * 64 * 25 + 64
+        expected = convs + features * 512 + 512 + 512 * 10 + 10
+        counts[shape] = sum(p.numel() for p in model.parameters())
+        assert counts[shape] == expected
+    assert counts[(1, 28, 28)] == 582026
+    with pytest.raises(ValueError, match="at least 14x14"):
+        build_model("fedavg-cnn", (1, 8, 8), 10, seed=0)

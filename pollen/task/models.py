@@ -130,6 +130,27 @@ def simple_cnn(input_shape: Shape, num_classes: int) -> nn.Module:
     )  # fmt: skip
 
 
+def fedavg_cnn(input_shape: Shape, num_classes: int) -> nn.Module:
+    """The CNN of FedAvg (McMahan et al. 2017, https://arxiv.org/abs/1602.05629,
+    Section 3), as PFLlib's `FedAvgCNN` builds it, the model its leaderboard
+    and personalised baselines use: 5x5 convolutions with 32 and 64 channels,
+    unpadded, each ReLU and 2x2 max-pool, then a 512-unit ReLU layer and the
+    classifier. No normalisation, no dropout: 582,026 parameters on 28x28 grey
+    images and 10 classes (the paper pads its convolutions; PFLlib does not).
+    """
+    c, h, w = input_shape
+    if problem := CATALOG["fedavg-cnn"].input_problem(c, min(h, w)):
+        raise ValueError(problem)
+    side_h, side_w = ((h - 4) // 2 - 4) // 2, ((w - 4) // 2 - 4) // 2
+    return nn.Sequential(
+        nn.Conv2d(c, 32, 5), nn.ReLU(), nn.MaxPool2d(2),
+        nn.Conv2d(32, 64, 5), nn.ReLU(), nn.MaxPool2d(2),
+        nn.Flatten(),
+        nn.Linear(64 * side_h * side_w, 512), nn.ReLU(),
+        nn.Linear(512, num_classes),
+    )  # fmt: skip
+
+
 def cnn_lora(input_shape: Shape, num_classes: int, options: ModelOptions) -> nn.Module:
     """`cnn` whose two-layer classifier is LoRA-adapted (trained, not frozen, body)."""
     body, features = _cnn_body(input_shape)
@@ -238,6 +259,7 @@ MODELS = {
     "cnn": cnn,
     "cnn-gn": cnn_gn,
     "simple-cnn": simple_cnn,
+    "fedavg-cnn": fedavg_cnn,
     "mobilenet": mobilenet,
 }
 LORA_MODELS = {"cnn-lora": cnn_lora, "vgg16-lora": vgg16_lora}
