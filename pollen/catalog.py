@@ -259,7 +259,7 @@ MODELS: dict[str, ModelInfo] = _by_name(
     ModelInfo("cnn", "small CNN with BatchNorm", batchnorm=True, min_side=4),
     ModelInfo("cnn-gn", "the cnn with GroupNorm (DP-SGD's choice)", min_side=4),
     ModelInfo("simple-cnn", "LeNet-style CNN of NIID-Bench", min_side=16),
-    ModelInfo("fedavg-cnn", "FedAvg's CNN as PFLlib builds it", min_side=14),
+    ModelInfo("fedavg-cnn", "FedAvg's CNN as PFLlib builds it", min_side=16),
     ModelInfo(
         "cnn-lora", "the cnn with a LoRA head", batchnorm=True, lora=True, min_side=4
     ),

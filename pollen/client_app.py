@@ -455,9 +455,8 @@ def evaluate_personal(msg: Message, context: Context) -> Message:
     test = personal_test(s)
     if test.personal is not None:
         cm.model = test.personal(cm.model, context, cm.client)
-    if (
-        test.adapt is not None
-    ):  # its shard and optimiser ready first, as `train` has them
+    if test.adapt is not None:
+        # its shard and optimiser ready first, as `train` has them
         run = cm.local_run(float(msg.content[CONFIG][LR]))
         _load_optimizer_modules(s.client_optimizer)
     started = time.perf_counter()

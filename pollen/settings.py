@@ -663,6 +663,12 @@ class Settings:
         return self.bn_policy if self.sharing == "all" else self.sharing
 
     @property
+    def shares_model(self) -> bool:
+        """Some entry of the model travels (every sharing but `local`, under
+        which the server's model never changes)."""
+        return self.sharing != "local"
+
+    @property
     def keeps_own_model(self) -> bool:
         """Clients keep entries or a model of their own (`keeps_own_model`)."""
         return keeps_own_model(self.sharing_policy, self.personal_model)

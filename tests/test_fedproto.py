@@ -10,6 +10,7 @@ import torch
 from flwr.app import Array, ArrayRecord, ConfigRecord, Context, MetricRecord, RecordDict
 from torch import nn
 
+from pollen import client_app
 from pollen.protocol import (
     CLIENT,
     PROTOTYPE_CENTERS,
@@ -22,11 +23,14 @@ from pollen.settings import Settings, SettingsError
 from pollen.strategies.prototypes import ServerPrototypes
 from pollen.strategies.sampling import Roster
 from pollen.task.fedproto import PrototypeDistance
+from pollen.task.models import build_model
+from pollen.task.node_data import NodeData
 from pollen.task.objectives import LocalObjective
 from pollen.task.train import ClientOptimizer, no_preprocess, train_local
 from tests.conftest import client_update, reply_from
 from tests.rounds import fedavg
 from tests.test_schedule import tiny_model
+from tests.test_sharing import message, run_config
 
 X = torch.linspace(-1, 1, 24).reshape(8, 3)
 Y = torch.tensor([0, 1, 1, 0, 1, 0, 0, 1])
@@ -91,6 +95,44 @@ def test_no_global_prototype_adds_nothing() -> None:
     term.close()
 
 
+def test_a_message_without_prototypes_is_refused() -> None:
+    term = PrototypeDistance(1.0)
+    context = Context(1, 1, {}, RecordDict(), {})
+    with pytest.raises(ValueError, match="carries no 'prototypes' record"):
+        term.load(context, 0, tiny_model(), tiny_model, RecordDict())
+
+
+@pytest.mark.usefixtures("task_identity")
+def test_the_client_app_replies_its_prototypes_and_no_model() -> None:
+    """Through the ClientApp under the preset: no model entry travels, and
+    the reply's prototypes count every training example once per epoch,
+    by class, as the shard's labels do."""
+    config = run_config(strategy="fedproto", **{"local-epochs": 2})
+    width = build_model("mlp-bn", (1, 8, 8), 10, config["seed"])[-1].in_features
+    msg = message("train", ArrayRecord(), 1, 1)
+    msg.content[PROTOTYPES] = ServerPrototypes(10, width).record()
+    reply = client_app.train(msg, Context(1, 1, {}, RecordDict(), config))
+    assert len(reply.content["arrays"]) == 0
+    prototypes = reply.content[PROTOTYPES]
+    _, labels = NodeData(Settings.from_run_config(config)).train_shard(
+        1, torch.device("cpu")
+    )
+    np.testing.assert_array_equal(
+        prototypes[PROTOTYPE_COUNTS].numpy(),
+        2 * np.bincount(labels.numpy(), minlength=10),
+    )
+    assert prototypes[PROTOTYPE_SUMS].numpy().shape == (10, width)
+
+
+def test_a_reply_claiming_more_examples_than_it_trained_is_not_counted() -> None:
+    server = ServerPrototypes(classes=2, width=1, local_epochs=2)
+    honest = client_update(0, {}, 3.0, records=prototype_reply([[6], [0]], [6, 0]))
+    inflated = client_update(1, {}, 3.0, records=prototype_reply([[0], [70]], [0, 7]))
+    server.update([honest, inflated])
+    np.testing.assert_allclose(server.centers, [[1], [0]])
+    assert server.known.tolist() == [1.0, 0.0]
+
+
 def prototype_reply(sums: list[list[float]], counts: list[float]) -> dict:
     return {
         PROTOTYPES: {
@@ -107,17 +149,17 @@ def test_the_server_weighs_each_client_by_its_examples_of_the_class() -> None:
     server = ServerPrototypes(classes=3, width=2)
     updates = [
         client_update(
-            0, {}, records=prototype_reply([[2, 2], [0, 0], [0, 0]], [2, 0, 0])
+            0, {}, 2.0, records=prototype_reply([[2, 2], [0] * 2, [0] * 2], [2, 0, 0])
         ),
         client_update(
-            1, {}, records=prototype_reply([[4, 0], [3, 3], [0, 0]], [1, 3, 0])
+            1, {}, 4.0, records=prototype_reply([[4, 0], [3, 3], [0] * 2], [1, 3, 0])
         ),
     ]
     server.update(updates)
     np.testing.assert_allclose(server.centers, [[2, 2 / 3], [1, 1], [0, 0]], rtol=1e-6)
     assert server.known.tolist() == [1.0, 1.0, 0.0]
     bad = prototype_reply([[1, 1], [100, 100], [0, 0]], [1, -5, 0])
-    server.update([client_update(0, {}, records=bad)])
+    server.update([client_update(0, {}, 1.0, records=bad)])
     np.testing.assert_allclose(server.centers, [[1, 1], [1, 1], [0, 0]], rtol=1e-6)
 
 
@@ -157,7 +199,7 @@ def test_the_strategy_sends_prototypes_and_needs_them_back() -> None:
     def reply(client: int, node: int, with_prototypes: bool) -> object:
         records = {
             "arrays": ArrayRecord({"w": Array(np.ones(3, np.float32))}),
-            "metrics": MetricRecord({"num-examples": 1}),
+            "metrics": MetricRecord({"num-examples": 2}),
             "client": ConfigRecord({CLIENT: client}),
         }
         if with_prototypes:
@@ -186,7 +228,7 @@ def test_the_preset_shares_prototypes_only() -> None:
 @pytest.mark.parametrize(
     ("overrides", "message"),
     [
-        ({"aggregator": "median"}, r"allowed with fedproto: mean"),
+        ({"aggregator": "median", "sharing": "all"}, r"allowed with fedproto: mean"),
         ({"mode": "async"}, r"the mean of one round's replies"),
         ({"dp": True, "model": "cnn-gn"}, r"local-objective='fedproto' with dp=true"),
         ({"client-execution": "cohort"}, r"client-execution='cohort'"),
@@ -199,6 +241,7 @@ def test_the_preset_shares_prototypes_only() -> None:
             r"'fedproto' with secure-aggregation",
         ),
         ({"secure-aggregation": "secagg+"}, r"sharing='local' with secure-aggregation"),
+        ({"model": "logreg"}, r"trained layers below it"),
     ],
 )
 def test_refused_combinations_name_the_reason(overrides: dict, message: str) -> None:
@@ -206,3 +249,23 @@ def test_refused_combinations_name_the_reason(overrides: dict, message: str) -> 
         Settings.from_run_config(
             {"num-clients": 10, "client-frac": 1.0, "strategy": "fedproto", **overrides}
         )
+
+
+@pytest.mark.parametrize(
+    ("overrides", "refused"),
+    [
+        ({"server-update": "adam"}, "server-update='adam'"),
+        ({"aggregator": "median"}, "aggregator='median'"),
+        ({"update-norm-bound": 2.0}, "update-norm-bound"),
+        ({"local-objective": "scaffold"}, "local-objective='scaffold'"),
+        ({"local-objective": "moon"}, "local-objective='moon'"),
+        ({"attack": "sign-flip", "attackers": 0.2}, "attack='sign-flip'"),
+        ({"central-dp": "fixed"}, "central-dp"),
+    ],
+)
+def test_nothing_that_acts_on_the_shared_model_runs_with_sharing_local(
+    overrides: dict, refused: str
+) -> None:
+    with pytest.raises(SettingsError, match=f"sharing='local' with {refused}"):
+        Settings.from_run_config({"sharing": "local", **overrides})
+    Settings.from_run_config({"sharing": "local"})  # local training alone runs

@@ -19,6 +19,7 @@ from pollen.task.fedrod import FedRod, PersonalPrediction, log_label_counts
 from pollen.task.local_run import plain
 from pollen.task.models import build_model
 from pollen.task.objectives import LocalObjective
+from pollen.task.representation import Representation
 from pollen.task.schedule import local_training, personal_test
 from pollen.task.train import ClientOptimizer
 from tests.test_schedule import local_run, settings, tiny_model
@@ -112,6 +113,17 @@ def test_the_head_is_kept_from_round_to_round() -> None:
         assert torch.equal(kept[name], value)
 
 
+def test_the_personal_head_is_a_new_module_without_the_classifiers_hooks() -> None:
+    """Beside MOON (whose term hooks the classifier) h_P copies the
+    classifier's weights, not its hooks nor, through them, the model."""
+    model = tiny_model()
+    seen = Representation(model, "MOON")
+    head = fedrod.personal_head(model, Context(1, 1, {}, RecordDict(), {}), 1)
+    assert not head._forward_hooks and head is not model[2]
+    assert torch.equal(head.weight, model[2].weight)
+    seen.close()
+
+
 def test_the_personal_prediction_sums_both_heads() -> None:
     model, head = tiny_model(), nn.Linear(4, 2)
     x = torch.linspace(-1, 1, 24).reshape(8, 3)
@@ -163,6 +175,7 @@ def test_the_preset_and_the_schedule() -> None:
         ({"model": "vgg16-lora", "data-set": "cifar10"}, "model='vgg16-lora'"),
         ({"client-execution": "cohort"}, "personal-head=true"),
         ({"per-fedavg-beta": 0.01}, "per-fedavg-beta with a personal model"),
+        ({"apfl-alpha": 0.5}, "personal-head with another personal model"),
     ],
 )
 def test_what_fedrod_refuses(overrides: dict, message: str) -> None:

@@ -90,6 +90,17 @@ def test_a_finished_round_is_a_new_progress_recorded_with_the_lr_it_trained_with
     assert saved.extra[ELAPSED] == 1.5
 
 
+def test_a_model_nothing_of_which_travels_keeps_its_lr(tmp_path: Path) -> None:
+    """Under sharing local the server's model (so its test loss) never
+    changes: that is no plateau, and the rate stays as it started."""
+    loop = make_loop({**PLATEAU, "rounds": 3, "sharing": "local"}, tmp_path)
+    progress = start(loop)
+    for server_round in (1, 2, 3):
+        progress = finish_round(loop, server_round, outcome(model(0.0)), progress)
+    assert [r.lr for r in loop.records.recorder.history] == [0.1, 0.1, 0.1]
+    assert loop.parts.schedule.lr == 0.1
+
+
 def test_ctrl_c_checkpoints_the_last_finished_round(tmp_path: Path) -> None:
     """Round 2 is interrupted: round 1's model and state are checkpointed,
     as they were when round 1 was recorded."""

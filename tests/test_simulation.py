@@ -508,7 +508,7 @@ SUITE = [
     ("apfl", "shared", "mlp-bn", ""),
     ("per-fedavg", "shared", "mlp-bn", ""),
     ("fedala", "shared", "mlp-bn", ""),
-    ("fedrod", "fedbn", "mlp-bn", "local-objective='prox'"),  # BSM under FedProx
+    ("fedrod", "shared", "mlp-bn", "local-objective='prox'"),  # BSM under FedProx
     ("fedproto", "local", "mlp-bn", ""),  # prototypes alone travel
     ("fedbabu", "fedper", "mlp-bn", "fine-tune-epochs=1"),
 ]
@@ -549,6 +549,8 @@ def test_every_strategy_runs_end_to_end(
     for r in rows:  # exactly the shared entries travelled, both ways
         assert r["bytes-down"] == down * len(r["clients"])
         assert r["bytes-up"] == up * len(r["clients"])
+    if policy == "local":  # the server's model never changes
+        assert rows[0]["loss"] == rows[1]["loss"]
     if "update-norm-bound=1" in extra:  # of 2 updates, the larger is cut to the median
         assert [len(r["clipped"]) for r in rows] == [1, 1]
         assert "1 update clipped (history.json says why)" in run.stdout
@@ -569,7 +571,12 @@ def test_every_strategy_runs_end_to_end(
         assert set(own) == trained
         assert all(v["global-accuracy"] is None for v in own.values())
         assert all(0 <= v["local-accuracy"] <= 1 for v in own.values())
-    elif policy == "shared" and strategy not in ("apfl", "per-fedavg", "fedala"):
+    elif policy == "shared" and strategy not in (
+        "apfl",
+        "per-fedavg",
+        "fedala",
+        "fedrod",
+    ):
         assert "personal models" not in run.stdout and not rows[-1]["personal"]
     else:
         assert run.stdout.count("personal models") == 2

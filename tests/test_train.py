@@ -148,5 +148,8 @@ def test_fedavg_cnn_has_pfllibs_layer_sizes() -> None:
         counts[shape] = sum(p.numel() for p in model.parameters())
         assert counts[shape] == expected
     assert counts[(1, 28, 28)] == 582026
-    with pytest.raises(ValueError, match="at least 14x14"):
-        build_model("fedavg-cnn", (1, 8, 8), 10, seed=0)
+    with pytest.raises(ValueError, match="at least 16x16"):
+        build_model("fedavg-cnn", (1, 15, 15), 10, seed=0)
+    assert build_model("fedavg-cnn", (1, 16, 16), 10, seed=0)(
+        torch.zeros(1, 1, 16, 16)
+    ).shape == (1, 10)

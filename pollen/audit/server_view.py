@@ -110,6 +110,8 @@ def audit_problem(settings: Settings) -> str | None:
         "per-fedavg-beta": (s.per_fedavg_beta > 0, "Per-FedAvg's steps look one "
                             "step ahead on another batch; the attacks replay "
                             "plain steps", "per-fedavg-beta=0"),
+        "sharing": (s.sharing == "local", "nothing of the model travels: there "
+                    "is no update to attack", "another sharing"),
         "personal-head": (s.personal_head, "FedRoD trains the shared model on "
                           "the balanced softmax of the client's label counts; "
                           "the attacks replay the plain cross-entropy",

@@ -223,7 +223,8 @@ def finish_round(
         server_seconds = time.monotonic() - evaluating
         outcome = replace(outcome, sim_seconds=outcome.sim_seconds + server_seconds)
     records.recorder.record(server_round, outcome, loss, accuracy, schedule.lr)
-    schedule.step(loss)
+    if settings.shares_model:  # else the model, so its loss, never changes
+        schedule.step(loss)
     progress = replace(
         progress,
         round=server_round,

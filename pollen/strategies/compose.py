@@ -14,7 +14,7 @@ from ..settings import Settings
 from ..task.sharing import Sharing
 from .personal import PersonalEvaluation
 from .secure_round import SecureAggregation
-from .strategy import ServerState, Strategy
+from .strategy import ObjectiveState, Strategy
 
 
 def build_strategy(
@@ -55,7 +55,7 @@ def build_strategy(
 
 def _server_state(
     settings: Settings, model: nn.Module, sharing: Sharing
-) -> ServerState | None:
+) -> ObjectiveState | None:
     """What the server keeps for the local objective beside the model
     (SCAFFOLD's control variate, FedProto's prototypes), as its part names
     it; None for most."""

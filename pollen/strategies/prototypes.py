@@ -22,10 +22,12 @@ round's traffic.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from logging import WARNING
 from typing import TYPE_CHECKING
 
 import numpy as np
 from flwr.app import Array, ArrayRecord
+from flwr.common.logger import log
 
 from ..protocol import (
     PROTOTYPE_CENTERS,
@@ -52,9 +54,10 @@ class ServerPrototypes:
 
     record_name = PROTOTYPES
 
-    def __init__(self, classes: int, width: int) -> None:
+    def __init__(self, classes: int, width: int, local_epochs: int = 1) -> None:
         self.centers = np.zeros((classes, width), np.float32)
         self.known = np.zeros(classes, np.float32)
+        self.local_epochs = local_epochs  # a reply counts each example this often
 
     @classmethod
     def from_settings(
@@ -66,7 +69,7 @@ class ServerPrototypes:
         if name is None:
             raise ValueError("FedProto needs a model whose classifier is an nn.Linear")
         head = model.get_submodule(name)
-        return cls(head.out_features, head.in_features)
+        return cls(head.out_features, head.in_features, settings.local_epochs)
 
     def record(self) -> ArrayRecord:
         """C_bar and its known classes as a training message's record."""
@@ -89,11 +92,19 @@ class ServerPrototypes:
     def update(self, updates: Sequence[ClientUpdate]) -> None:
         """C_bar^(j) <- (sum of the replies' sums) / (sum of their counts) for
         each class some accepted reply holds, in float64; a reply's class
-        with a count below 1 (none, or a bad client's) adds nothing."""
+        with a count below 1 adds nothing, and a reply whose counts add up to
+        more than its examples times the local epochs (a bad client's claim
+        to weigh more) is not counted."""
         sums = np.zeros(self.centers.shape)
         counts = np.zeros(self.known.shape)
         for update in updates:
             reply = update.records[PROTOTYPES]
+            claimed = float(np.clip(reply[PROTOTYPE_COUNTS], 0, None).sum())
+            if claimed > update.num_examples * self.local_epochs:
+                log(WARNING, "pollen: client %d's prototypes count %g examples, "
+                    "more than its %g x %d epochs: not counted", update.client,
+                    claimed, update.num_examples, self.local_epochs)  # fmt: skip
+                continue
             held = reply[PROTOTYPE_COUNTS] >= 1
             sums[held] += reply[PROTOTYPE_SUMS][held]
             counts[held] += reply[PROTOTYPE_COUNTS][held]
@@ -115,10 +126,10 @@ class ServerPrototypes:
                 "(was it written by another local objective?)"
             )
         centers = np.asarray(stored[PROTOTYPE_CENTERS], np.float32)
-        if centers.shape != self.centers.shape:
+        known = np.asarray(stored[PROTOTYPE_KNOWN], np.float32)
+        if centers.shape != self.centers.shape or known.shape != self.known.shape:
             raise ValueError(
                 f"the checkpoint's prototypes are {centers.shape}, this model's "
                 f"{self.centers.shape}"
             )
-        self.centers = centers
-        self.known = np.asarray(stored[PROTOTYPE_KNOWN], np.float32)
+        self.centers, self.known = centers, known

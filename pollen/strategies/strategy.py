@@ -163,7 +163,7 @@ class SecureTraining(Protocol):
     ) -> TrainOutcome: ...
 
 
-class ServerState(Protocol):
+class ObjectiveState(Protocol):
     """What the server keeps for a local objective beside the model, sent
     with every training message and moved by the replies' own records
     (SCAFFOLD's control variate c: `scaffold.ServerControl`; FedProto's
@@ -202,7 +202,7 @@ class Strategy:
         min_train_nodes: int = 1,
         norm_bound: float = 0.0,
         norm_action: str = "clip",
-        server_state: ServerState | None = None,
+        server_state: ObjectiveState | None = None,
         secure: SecureTraining | None = None,
     ) -> None:
         self.num_clients = num_clients

@@ -13,7 +13,7 @@ computation cannot reproduce exactly:
   Per-FedAvg's steps, FedALA's mix and FedRoD's heads: trainings built
   around one client's model; FedBABU's frozen head, which the cohort's
   plain epochs would train;
-- a local objective's term on each batch (MOON's), which its part refuses
+- a local objective's term on each batch (MOON's, FedProto's), which its part refuses
   with cohorts (`pollen.task.objective_parts`);
 - asynchronous FedBuff: clients start one at a time as the buffer asks, so
   a round has no cohort to train together.

@@ -17,9 +17,11 @@ with C_bar the global prototypes the server sends (`pollen.strategies.
 prototypes`). As the authors' code and PFLlib do, L_R is the mean squared
 error between each example's representation and its class's global
 prototype, over the batch and the representation's width, an example whose
-class has no global prototype yet contributing 0; and a client's prototypes
-are the means of the representations its round's training passes computed
-(PFLlib takes them in a pass in evaluation mode after training). The reply
+class has no global prototype yet contributing 0. A client's prototypes are
+the means of the representations its round's training passes computed, all
+its local epochs' (the authors' code keeps the last epoch's, PFLlib takes
+them in a pass in evaluation mode after training; at one local epoch the
+first two are the same). The reply
 carries, per class, their sum and count (`pollen.protocol.PROTOTYPES`), so
 the server's mean weighs each client by its examples of the class. Chosen
 by `local-objective = "fedproto"` with `proto-lambda` (preset `fedproto`:
@@ -102,10 +104,10 @@ class PrototypeDistance:
         if self.live is None or self.live.value is None or self.centers is None:
             raise RuntimeError("FedProto's term: no forward pass of the trained model")
         z = self.live.value
-        self.sums.index_add_(0, targets, z.detach())
-        self.counts += torch.bincount(targets, minlength=len(self.counts))
+        self.sums.index_add_(0, targets, z.detach().to(self.sums.dtype))
+        self.counts.index_add_(0, targets, torch.ones_like(self.counts[targets]))
         pulled = self.known[targets].unsqueeze(1)
-        goal = torch.where(pulled, self.centers[targets], z.detach())
+        goal = torch.where(pulled, self.centers[targets].to(z.dtype), z.detach())
         return self.lam * F.mse_loss(z, goal)
 
     def save(self, context: Context, client: int, model: nn.Module) -> None:

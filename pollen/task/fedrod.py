@@ -29,7 +29,6 @@ training diverged keeps the head it started from. Chosen by
 
 from __future__ import annotations
 
-import copy
 from dataclasses import dataclass, replace
 
 import torch
@@ -54,12 +53,16 @@ def log_label_counts(y: torch.Tensor, classes: int) -> torch.Tensor:
 
 def personal_head(model: nn.Module, context: Context, client: int) -> nn.Linear:
     """The client's h_P as kept, on `model`'s device; a copy of `model`'s
-    classifier before the client's first round."""
-    head = copy.deepcopy(classifier(model, METHOD))
+    classifier's weights before the client's first round (a new module: a
+    deep copy would carry the hooks other terms hold on the classifier)."""
+    shared = classifier(model, METHOD)
+    head = nn.Linear(
+        shared.in_features, shared.out_features, bias=shared.bias is not None,
+        device=shared.weight.device, dtype=shared.weight.dtype,
+    )  # fmt: skip
     kept = context.state.get(fedrod_head_key(client))
-    if isinstance(kept, ArrayRecord):
-        head.load_state_dict(kept.to_torch_state_dict())
-    head.requires_grad_(True)
+    start = kept.to_torch_state_dict() if isinstance(kept, ArrayRecord) else None
+    head.load_state_dict(shared.state_dict() if start is None else start)
     return head
 
 

@@ -25,6 +25,8 @@ if TYPE_CHECKING:
     from ..settings import Settings
 
 TERMS = "pollen.task.objectives"
+# SCAFFOLD's server control variate, the one server state SecAgg+ sums
+CONTROL_VARIATE = "pollen.strategies.scaffold:ServerControl"
 
 
 class Plain:
@@ -45,7 +47,7 @@ class Plain:
     # what the server keeps beside the model, sent with each training message
     # and moved by the replies' records ("module:attribute" of a class with
     # `from_settings(settings, model, sharing)`: SCAFFOLD's control variate,
-    # FedProto's prototypes; `pollen.strategies.strategy.ServerState`), or ""
+    # FedProto's prototypes; `pollen.strategies.strategy.ObjectiveState`), or ""
     server_state: ClassVar[str] = ""
     # why it needs synchronous rounds of one model version ("": async too)
     synchronous_only: ClassVar[str] = ""
@@ -56,10 +58,14 @@ class Plain:
     def problem(cls, settings: Settings) -> str | None:
         """Why this objective cannot train as `settings` ask, or None (its
         modes and aggregators `Settings` reads from the two attributes):
-        SAM's second pass cannot be clipped per sample (DP-SGD), and a batch
+        SAM's second pass cannot be clipped per sample (DP-SGD), a batch
         term needs the whole batch's pass, which neither DP-SGD's per-sample
-        clipping nor a vectorised cohort gives it."""
+        clipping nor a vectorised cohort gives it, and a server state moves
+        with a synchronous round's replies, masked by SecAgg+ only where it
+        is SCAFFOLD's control variate."""
         name = settings.local_objective
+        if problem := cls._server_state_problem(settings):
+            return problem
         if cls.batch_term and (settings.dp or settings.client_execution == "cohort"):
             given = "dp=true" if settings.dp else "client-execution='cohort'"
             return (
@@ -75,6 +81,30 @@ class Plain:
             f"dp=true with local-objective={name!r}: SAM's second pass has no "
             "per-sample clipping; allowed with dp: " + ", ".join(plain)
         )
+
+    @classmethod
+    def _server_state_problem(cls, settings: Settings) -> str | None:
+        """Why the server state this objective keeps cannot move as `settings`
+        run, or None (a part that says it is `synchronous_only` is refused
+        under FedBuff with its own reason)."""
+        name = settings.local_objective
+        if cls.server_state and not cls.synchronous_only and settings.mode == "async":
+            return (
+                f"mode='async' with local-objective={name!r}: its server state "
+                "moves with a synchronous round's replies, which FedBuff's buffer "
+                "never gives it; allowed with it: mode='sync'"
+            )
+        if settings.secure_aggregation != "off" and cls.server_state not in (
+            "",
+            CONTROL_VARIATE,
+        ):
+            return (
+                f"local-objective={name!r} with secure-aggregation: SecAgg+ masks "
+                "the model and SCAFFOLD's control variate only, so the records "
+                "its server state reads would reach the server unmasked; allowed "
+                f"with {name}: secure-aggregation='off'"
+            )
+        return None
 
 
 class Sam(Plain):
@@ -115,7 +145,7 @@ class Scaffold(Plain):
 
     term = f"{TERMS}:ControlTerm"
     keeps_state = True
-    server_state = "pollen.strategies.scaffold:ServerControl"
+    server_state = CONTROL_VARIATE
     synchronous_only = (
         "SCAFFOLD's control variates are defined for synchronous rounds of one "
         "model version"
@@ -204,17 +234,15 @@ class FedProto(Plain):
         if problem := super().problem(settings):
             return problem
         info = model_info(settings.model, settings.data_set)
-        if not info.linear or info.lora:
-            allowed = [name for name, m in MODELS.items() if m.linear and not m.lora]
+        if not (info.linear and info.body) or info.lora:
+            allowed = [
+                name for name, m in MODELS.items() if m.linear and m.body and not m.lora
+            ]
             return (
                 f"local-objective='fedproto' with model={settings.model!r}: a "
                 "prototype is the mean input of the model's classifier (its "
-                "last nn.Linear, not a LoRA head); allowed: " + ", ".join(allowed)
-            )
-        if settings.secure_aggregation != "off":
-            return (
-                "local-objective='fedproto' with secure-aggregation: each reply's "
-                "prototypes would reach the server unmasked beside the masked "
-                "model; allowed with fedproto: secure-aggregation='off'"
+                "last nn.Linear, not a LoRA head), which trained layers below "
+                "it must compute (else it is the raw input, sent in the "
+                "clear); allowed: " + ", ".join(allowed)
             )
         return None

@@ -406,7 +406,7 @@ class LocalObjective:
     its regulariser, anchored at the received model by `load`.
 
     The training loop calls three hooks per step: `batch_loss`, added to
-    the data loss of the forward pass (MOON's term; None for the others),
+    the data loss of the forward pass (MOON's and FedProto's terms; None for the others),
     `data_gradient` after the clean backward pass (SAM takes the gradient
     again at theta + eps) and `add_regularizer_gradient` just before the
     step (after DP-SGD's clipping and noise: the term touches no example, so

@@ -4,8 +4,10 @@ the catalogue).
 
 - `bn-policy` decides BatchNorm's entries only under `sharing = "all"`;
   every other sharing policy decides each entry itself (`pollen.task.sharing`);
-  under `local` nothing of the model travels, so secure aggregation and
-  central DP have nothing to protect.
+  under `local` nothing of the model travels, so the parts that act on the
+  shared entries or the updates (SecAgg+, central DP, server optimisers,
+  robust aggregators, the norm bound, SCAFFOLD's and MOON's terms, attacks)
+  would do nothing and are refused.
 - FedRep (Collins et al. 2021, https://arxiv.org/abs/2102.07078) trains the
   client's own classifier first, so the classifier must stay local
   (`sharing = "fedper"`), and its two passes a round do not fit DP-SGD's
@@ -59,15 +61,8 @@ def personal_problem(s: Settings) -> str | None:
             "other than all decides every entry itself (BatchNorm included); "
             "leave bn-policy at shared"
         )
-    if s.sharing == "local" and (
-        s.secure_aggregation != "off" or s.central_dp != "off"
-    ):
-        given = "secure-aggregation" if s.secure_aggregation != "off" else "central-dp"
-        return (
-            f"sharing='local' with {given}: nothing of the model travels, so "
-            "there is no update to sum securely or to clip and noise; allowed "
-            f"with sharing local: {given}='off'"
-        )
+    if problem := _local_problem(s):
+        return problem
     if s.head_epochs and s.sharing != "fedper":
         return (
             f"head-epochs={s.head_epochs} with sharing={s.sharing!r}: FedRep "
@@ -130,6 +125,38 @@ def _fedbabu_problem(s: Settings) -> str | None:
             "dp=false and ditto-lambda=0"
         )
     return None
+
+
+# local objectives whose term reads what the server sends of the model
+# (SCAFFOLD's c, FedDyn's server-tracked h, MOON's global representation)
+READS_THE_SERVER = ("scaffold", "scaffold-sam", "feddyn", "feddyn-sam", "moon")
+
+
+def _local_problem(s: Settings) -> str | None:
+    """Why `s`'s `sharing = "local"` cannot run, or None: nothing of the model
+    travels, so every part that acts on the shared entries or on the
+    updates would silently do nothing."""
+    if s.sharing != "local":
+        return None
+    return _first_refusal(
+        "sharing='local'",
+        "nothing of the model travels, so it would silently do nothing",
+        "sharing local",
+        [
+            (s.secure_aggregation != "off", "secure-aggregation",
+             "secure-aggregation='off'"),
+            (s.central_dp != "off", "central-dp", "central-dp='off'"),
+            (s.server_update != "fedavg", f"server-update={s.server_update!r}",
+             "server-update='fedavg'"),
+            (s.aggregator != "mean", f"aggregator={s.aggregator!r}",
+             "aggregator='mean'"),
+            (s.update_norm_bound > 0, "update-norm-bound", "update-norm-bound=0"),
+            (s.local_objective in READS_THE_SERVER,
+             f"local-objective={s.local_objective!r} (its term reads what the "
+             "server sends)", "plain, sam, prox, prox-sam or fedproto"),
+            (s.attack != "none", f"attack={s.attack!r}", "attack='none'"),
+        ],
+    )  # fmt: skip
 
 
 def _first_refusal(

@@ -2,9 +2,9 @@
 
 The classifier is the model's last `nn.Linear` (the `head` of
 `pollen.task.sharing`); what it takes in is what personalised methods call
-the representation (MOON's z, FedRoD's shared features): the output of the
-model's body, flattened. A forward hook reads it off the model's own
-forward pass, so no model needs a `features` method.
+the representation (MOON's z, FedProto's and FedRoD's features): the
+output of the model's body, flattened. A forward hook reads it off the
+model's own forward pass, so no model needs a `features` method.
 """
 
 from __future__ import annotations

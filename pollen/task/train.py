@@ -296,7 +296,8 @@ def train_loop(
     """The local training loop, for every objective, with or without DP-SGD.
 
     Per batch: the clean pass gives g = grad F_k(theta) on the batch (with
-    the objective's batch term, MOON's, in the same backward pass);
+    the objective's batch term, MOON's or FedProto's, in the same backward
+    pass);
     `objective.data_gradient` may take it again elsewhere (SAM); `rule.ready`
     finishes it (DP-SGD: per-sample clipping and noise) or skips the step;
     the objective's regulariser adds its gradient; `rule.step` clips and
