@@ -84,7 +84,7 @@ def test_pyproject_declares_every_key_with_the_same_type() -> None:
         (
             "model",
             "resnet",
-            "one of mlp, logreg, mlp-bn, cnn, cnn-gn, simple-cnn, cnn-lora, mobilenet, "
+            "one of mlp, logreg, mlp-bn, cnn, cnn-gn, simple-cnn, fedavg-cnn, cnn-lora, mobilenet, "
             "vgg16-lora",
         ),
         (

@@ -1,0 +1,327 @@
+"""pollen and PFLlib side by side: the same personalised methods on the same clients' data.
+
+    .venv/bin/python benchmarks/pfllib_side_by_side.py [--methods fedavg,local]
+        [--rounds 10] [--repeats 3] [--out bench-out/pfllib]
+        [--pfllib ~/.cache/pollen-bench/PFLlib] [--pfllib-origin URL]
+        [--pfllib-venv ~/.cache/pollen-bench/pfllib-venv] [-c "key=value ..."]
+
+PFLlib (Zhang et al., JMLR 2025, https://github.com/TsingZ0/PFLlib) is run
+from its own repository at `PFLLIB_COMMIT`, checked out into `--pfllib`
+(cloned from `--pfllib-origin` where it is missing) and run by the Python
+of an environment of its own, `--pfllib-venv`, made on first use with uv:
+torch and torchvision pinned to pollen's, and the packages its `main.py`
+imports. Nothing of PFLlib's is copied into pollen.
+
+The workload is PFLlib's practical scenario as pollen partitions it:
+Fashion-MNIST split by Dirichlet(0.1) over 20 clients, every client in
+every round, FedAvg's CNN (pollen's `fedavg-cnn`, PFLlib's `FedAvgCNN`),
+plain SGD (no momentum, no weight decay, no gradient clipping, a constant
+rate: PFLlib's client), each client's own model tested on its own test
+examples after every round. `write_dataset` writes pollen's shards in
+PFLlib's file layout (`dataset/<name>/train/<client>.npz`, a pickled
+{"x", "y"} per client, as PFLlib's own generators write), normalised as
+pollen normalises them, so both frameworks train and test on the same
+clients' same examples: pollen's training shards, and each client's own
+test shard (test examples of its classes in proportion to its training
+labels).
+
+Each method is a pollen run config and a PFLlib `main.py` command
+(`METHODS`). Reported per method and framework: the mean over repeats of
+the example-weighted accuracy over clients after the last round (PFLlib's
+"Averaged Test Accuracy"), its standard deviation over repeats, the
+standard deviation over clients (PFLlib's "Std Test Accuracy") and the
+seconds of a round (rounds 2.. of each run, evaluation included). pollen
+repeats with seeds 1.. `--repeats`; PFLlib has no seed option (it seeds
+torch with 0 at import) and repeats within one process (`-t`), each
+repeat drawing on from where the last left off. Every finished run is
+kept in `--out`/runs.json at once, so a cut-short invocation resumes with
+the runs it lacks.
+
+Where the two differ by design: PFLlib's training loader drops each
+epoch's last partial batch, pollen's trains on it; PFLlib evaluates at the
+start of each round and trains one round more than it evaluates.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.metadata
+import json
+import os
+import re
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+from measure import PROJECT, run_pollen, settings_of
+
+from pollen.settings import Settings
+from pollen.task.node_data import NodeData
+from pollen.task.train import Preprocess
+
+PFLLIB_COMMIT = "d832e76f6a23b833038949ec1e4fdefe63a4d350"  # 2025-11-29
+PFLLIB_ORIGIN = "https://github.com/TsingZ0/PFLlib"
+CACHE = Path.home() / ".cache" / "pollen-bench"
+# what PFLlib's main.py imports beside torch (its environment file's list,
+# less what no imported module needs)
+PFLLIB_PACKAGES = ("numpy<2", "scikit-learn", "h5py", "calmsize", "ujson",
+                   "matplotlib", "cvxpy", "pandas")  # fmt: skip
+# PFLlib picks FedAvgCNN's 1024 features for any data set named *MNIST*
+DATASET = "FashionMNIST-pollen"
+BASE = (
+    "data-set='fashion-mnist' download=false model='fedavg-cnn' partition='niid' "
+    "alpha=0.1 num-clients=20 client-frac=1.0 local-epochs=1 batch-size=10 "
+    "lr=0.005 momentum=0 weight-decay=0 max-grad-norm=0 lr-patience=100000 "
+    "personal-eval-every=1"
+)
+
+
+@dataclass(frozen=True)
+class Method:
+    """One method in both frameworks: pollen's run-config overrides and
+    PFLlib's `main.py` algorithm and arguments."""
+
+    pollen: str
+    algorithm: str
+    arguments: tuple[str, ...] = ()
+
+
+METHODS = {
+    # the global model on each client's own test examples, in both
+    "fedavg": Method("strategy='fedavg'", "FedAvg"),
+    # each client alone: nothing travels
+    "local": Method("strategy='fedavg' sharing='local'", "Local"),
+}
+
+
+@dataclass(frozen=True)
+class Run:
+    """One finished run of a method in one framework."""
+
+    framework: str
+    method: str
+    repeat: int
+    accuracy: float  # example-weighted over clients, after the last round
+    client_std: float  # over clients, after the last round
+    curve: list[float]  # the weighted accuracy after each round
+    round_seconds: list[float]
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--methods", default=",".join(METHODS))
+    parser.add_argument("--rounds", type=int, default=10)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--out", type=Path, default=PROJECT / "bench-out" / "pfllib")
+    parser.add_argument("--pfllib", type=Path, default=CACHE / "PFLlib")
+    parser.add_argument("--pfllib-origin", default=PFLLIB_ORIGIN)
+    parser.add_argument("--pfllib-venv", type=Path, default=CACHE / "pfllib-venv")
+    parser.add_argument(
+        "-c", "--config", default="",
+        help="further pollen run-config values (data-root=..., alpha=...)",
+    )  # fmt: skip
+    args = parser.parse_args()
+    unknown = set(args.methods.split(",")) - set(METHODS)
+    if unknown:
+        parser.error(
+            f"unknown methods {sorted(unknown)}; allowed: {', '.join(METHODS)}"
+        )
+    return args
+
+
+def pfllib_checkout(path: Path, origin: str) -> Path:
+    """PFLlib's repository at `PFLLIB_COMMIT` in `path`, cloned from
+    `origin` where it is missing: its code alone (`system/`; the data sets
+    it ships are hundreds of MB, and this harness writes its own)."""
+    git = ["git", "-C", str(path)]
+    if not (path / ".git").exists():
+        subprocess.run(["git", "clone", "--quiet", "--no-checkout", origin, str(path)],
+                       check=True)  # fmt: skip
+        subprocess.run([*git, "sparse-checkout", "set", "system"], check=True)
+    subprocess.run([*git, "checkout", "--quiet", "--detach", PFLLIB_COMMIT], check=True)
+    return path
+
+
+def pfllib_python(venv: Path) -> Path:
+    """The Python of PFLlib's environment `venv`, made with uv where it
+    cannot import what PFLlib's main.py needs."""
+    python = venv / "bin" / "python"
+    imports = "import torch, torchvision, sklearn, h5py, calmsize, ujson, cvxpy"
+    ready = python.is_file() and (
+        subprocess.run([str(python), "-c", imports], capture_output=True).returncode
+        == 0
+    )
+    if not ready:
+        uv = shutil.which("uv") or str(Path(sys.executable).with_name("uv"))
+        pins = [
+            f"{name}=={importlib.metadata.version(name)}"
+            for name in ("torch", "torchvision")
+        ]
+        print(f"making PFLlib's environment {venv}: {', '.join(pins)}", flush=True)
+        version = f"{sys.version_info.major}.{sys.version_info.minor}"
+        subprocess.run([uv, "venv", "--python", version, str(venv)], check=True)
+        subprocess.run(
+            [uv, "pip", "install", "--compile-bytecode", "--python", str(python),
+             *pins, *PFLLIB_PACKAGES],
+            check=True,
+        )  # fmt: skip
+    return python
+
+
+def client_examples(
+    settings: Settings, client: int, split: str
+) -> tuple[np.ndarray, np.ndarray]:
+    """`client`'s training shard or own test shard as pollen's model sees it:
+    float32 [N, C, H, W] normalised by the data set's statistics, int64 labels."""
+    data = NodeData(settings)
+    shard = data.train_shard if split == "train" else data.test_shard
+    images, labels = shard(client, torch.device("cpu"))
+    dataset = data.dataset()
+    prep = Preprocess(dataset.mean, dataset.std, normalize=settings.normalize)
+    return prep(images, None).numpy(), labels.numpy().astype(np.int64)
+
+
+def write_dataset(settings: Settings, root: Path) -> list[int]:
+    """pollen's shards in PFLlib's layout under `root` (its `dataset/<name>`):
+    `train/<client>.npz` and `test/<client>.npz`, each a pickled {"x", "y"}
+    as PFLlib reads it, and `config.json`. Returns each client's test size."""
+    test_sizes = []
+    for split in ("train", "test"):
+        (root / split).mkdir(parents=True, exist_ok=True)
+        for client in range(settings.num_clients):
+            x, y = client_examples(settings, client, split)
+            with open(root / split / f"{client}.npz", "wb") as f:
+                np.savez_compressed(f, data={"x": x, "y": y})
+            if split == "test":
+                test_sizes.append(len(y))
+    config = {
+        "num_clients": settings.num_clients,
+        "num_classes": 10,
+        "written by": "pollen benchmarks/pfllib_side_by_side.py",
+        "pollen settings": {k: str(v) for k, v in settings.to_run_config().items()},
+    }
+    (root / "config.json").write_text(json.dumps(config, indent=1))
+    return test_sizes
+
+
+def pollen_runs(
+    method: str, config: str, repeat: int, out: Path, test_sizes: list[int]
+) -> Run:
+    """One `pollen run` of `method` with seed `repeat`: its row."""
+    name = f"{method}-seed-{repeat}"
+    result = run_pollen([config, f"{METHODS[method].pollen} seed={repeat}"], out, name)
+    history = json.loads((out / name / "history.json").read_text())
+    curve = []
+    for row in history:
+        accuracies = [
+            row["personal"][str(c)]["local-accuracy"] for c in range(len(test_sizes))
+        ]
+        curve.append(float(np.average(accuracies, weights=test_sizes)))
+    return Run(
+        "pollen", method, repeat, curve[-1], float(np.std(accuracies)), curve,
+        result["rounds"],
+    )  # fmt: skip
+
+
+ACCURACY = re.compile(r"Averaged Test Accuracy: ([0-9.]+)")
+SPREAD = re.compile(r"Std Test Accuracy: ([0-9.]+)")
+SECONDS = re.compile(r"-+ time cost -+ ([0-9.]+)")
+REPEAT = re.compile(r"=+ Running time: (\d+)th =+")
+
+
+def pfllib_runs(
+    method: str, settings: Settings, repeats: int, python: Path, checkout: Path
+) -> list[Run]:
+    """PFLlib's `main.py` for `method`, `repeats` times in one process (`-t`),
+    on the data `write_dataset` wrote: a row per repeat."""
+    spec = METHODS[method]
+    args = [
+        str(python), "-u", "main.py", "-data", DATASET, "-m", "CNN",
+        "-algo", spec.algorithm, "-gr", str(settings.rounds),
+        "-ls", str(settings.local_epochs), "-lbs", str(settings.batch_size),
+        "-lr", str(settings.lr), "-nc", str(settings.num_clients),
+        "-jr", str(settings.client_frac), "-ncl", "10", "-dev", "cpu",
+        "-eg", "1", "-t", str(repeats), *spec.arguments,
+    ]  # fmt: skip
+    env = {
+        k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")
+    }
+    done = subprocess.run(args, cwd=checkout / "system", env=env, capture_output=True,
+                          text=True)  # fmt: skip
+    if done.returncode != 0:
+        raise SystemExit(
+            f"PFLlib's {method} failed:\n{done.stdout[-3000:]}{done.stderr[-3000:]}"
+        )
+    runs = []
+    for part in REPEAT.split(done.stdout)[2::2]:  # the text of each repeat
+        curve = [float(a) for a in ACCURACY.findall(part)]
+        spreads = [float(s) for s in SPREAD.findall(part)]
+        seconds = [float(s) for s in SECONDS.findall(part)]
+        # evaluation i is at the start of round i: the last is after all rounds
+        runs.append(Run("pfllib", method, len(runs) + 1, curve[-1], spreads[-1],
+                        curve[1:], seconds))  # fmt: skip
+    return runs
+
+
+def mean_round(run: Run) -> float:
+    later = run.round_seconds[1:] or run.round_seconds
+    return sum(later) / len(later)
+
+
+def print_table(runs: list[Run], methods: list[str]) -> None:
+    print("| method | framework | runs | accuracy (%), mean ± std over runs "
+          "| std over clients (pts) | s a round |")  # fmt: skip
+    print("|---|---|---|---|---|---|")
+    for method in methods:
+        for framework in ("pollen", "pfllib"):
+            rows = [r for r in runs if (r.method, r.framework) == (method, framework)]
+            if not rows:
+                continue
+            accuracy = [100 * r.accuracy for r in rows]
+            spread = statistics.stdev(accuracy) if len(rows) > 1 else 0.0
+            print(
+                f"| {method} | {framework} | {len(rows)} "
+                f"| {statistics.mean(accuracy):.2f} ± {spread:.2f} "
+                f"| {statistics.mean(100 * r.client_std for r in rows):.2f} "
+                f"| {statistics.mean(mean_round(r) for r in rows):.1f} |"
+            )
+
+
+def main() -> None:
+    args = parse_args()
+    config = f"{BASE} rounds={args.rounds} {args.config}"
+    settings = settings_of(config)
+    methods = args.methods.split(",")
+    args.out.mkdir(parents=True, exist_ok=True)
+    record = args.out / "runs.json"
+    runs = [Run(**r) for r in json.loads(record.read_text())] if record.exists() else []
+
+    def keep(new: list[Run]) -> None:
+        runs.extend(new)
+        record.write_text(json.dumps([asdict(r) for r in runs], indent=1))
+
+    checkout = pfllib_checkout(args.pfllib.expanduser(), args.pfllib_origin)
+    python = pfllib_python(args.pfllib_venv.expanduser())
+    started = time.monotonic()
+    test_sizes = write_dataset(settings, checkout / "dataset" / DATASET)
+    print(f"pollen's shards written for PFLlib in {time.monotonic() - started:.0f} s")
+    for method in methods:
+        done = {(r.framework, r.repeat) for r in runs if r.method == method}
+        for repeat in range(1, args.repeats + 1):
+            if ("pollen", repeat) not in done:
+                keep([pollen_runs(method, config, repeat, args.out, test_sizes)])
+        if not any(framework == "pfllib" for framework, _ in done):
+            keep(pfllib_runs(method, settings, args.repeats, python, checkout))
+    print(f"pollen {importlib.metadata.version('pollen-fl')}, PFLlib {PFLLIB_COMMIT[:12]}, "
+          f"torch {torch.__version__}; {settings.rounds} rounds")  # fmt: skip
+    print_table(runs, methods)
+
+
+if __name__ == "__main__":
+    main()
