@@ -97,6 +97,22 @@ def test_a_personal_evaluation_takes_the_step_first() -> None:
     assert math.isfinite(results["per-fedavg"]["global-accuracy"])
 
 
+def test_the_client_app_trains_per_fedavgs_steps() -> None:
+    """The same training message to a FedAvg client and a Per-FedAvg one:
+    the ClientApp runs Per-FedAvg's schedule, whose reply differs, finite."""
+    replies = {}
+    for strategy in ("fedavg", "per-fedavg"):
+        config = run_config(strategy=strategy)
+        model = build_model("mlp-bn", (1, 8, 8), 10, config["seed"])
+        sent = ArrayRecord(model.state_dict())
+        context = Context(1, 1, {}, RecordDict(), config)
+        reply = client_app.train(message("train", sent, 1, 1), context)
+        replies[strategy] = reply.content["arrays"].to_torch_state_dict()
+    weight = next(k for k in replies["fedavg"] if k.endswith("weight"))
+    assert torch.isfinite(replies["per-fedavg"][weight]).all()
+    assert not torch.equal(replies["fedavg"][weight], replies["per-fedavg"][weight])
+
+
 def test_the_preset_and_the_schedule() -> None:
     s = Settings.from_run_config({"strategy": "per-fedavg"})
     assert s.per_fedavg_beta == 0.005 and s.personal_eval_every == 1
