@@ -30,12 +30,16 @@ Each method is a pollen run config and a PFLlib `main.py` command
 the example-weighted accuracy over clients after the last round (PFLlib's
 "Averaged Test Accuracy"), its standard deviation over repeats, the
 standard deviation over clients (PFLlib's "Std Test Accuracy") and the
-seconds of a round (rounds 2.. of each run, evaluation included). pollen
-repeats with seeds 1.. `--repeats`; PFLlib has no seed option (it seeds
-torch with 0 at import) and repeats within one process (`-t`), each
-repeat drawing on from where the last left off. Every finished run is
-kept in `--out`/runs.json at once, so a cut-short invocation resumes with
-the runs it lacks.
+seconds of a round (rounds 2.. of each run, evaluation included). Repeat
+r is pollen's seed r: its partition, written for PFLlib as a data set of
+its own (`<name>-s<r>`), its initial model and batches. PFLlib has no seed
+option: each of its clients seeds torch with 0 when it is made, and numpy
+is never seeded, so which client draws which shuffle is not reproducible;
+its repeats differ by that and by the partition. Both run on the CPU.
+Every finished run is kept in `--out`/runs.json at once, with the settings
+it ran with, so a cut-short invocation resumes with the runs it lacks (a
+pollen run cut short is started again), and another invocation's settings
+are refused there.
 
 Where the two differ by design: PFLlib's training loader drops each
 epoch's last partial batch, pollen's trains on it; PFLlib evaluates at the
@@ -54,7 +58,7 @@ import statistics
 import subprocess
 import sys
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -78,7 +82,7 @@ BASE = (
     "data-set='fashion-mnist' download=false model='fedavg-cnn' partition='niid' "
     "alpha=0.1 num-clients=20 client-frac=1.0 local-epochs=1 batch-size=10 "
     "lr=0.005 momentum=0 weight-decay=0 max-grad-norm=0 lr-patience=100000 "
-    "personal-eval-every=1"
+    "personal-eval-every=1 device='cpu'"
 )
 
 
@@ -210,21 +214,23 @@ def write_dataset(settings: Settings, root: Path) -> list[int]:
     return test_sizes
 
 
-def pollen_runs(
+def pollen_run(
     method: str, config: str, repeat: int, out: Path, test_sizes: list[int]
 ) -> Run:
-    """One `pollen run` of `method` with seed `repeat`: its row."""
+    """One `pollen run` of `method` with seed `repeat` (whose clients' test
+    shards hold `test_sizes` examples): its row. A run directory a cut-short
+    invocation left is removed first (pollen never reuses one)."""
     name = f"{method}-seed-{repeat}"
+    shutil.rmtree(out / name, ignore_errors=True)
     result = run_pollen([config, f"{METHODS[method].pollen} seed={repeat}"], out, name)
     history = json.loads((out / name / "history.json").read_text())
-    curve = []
-    for row in history:
-        accuracies = [
-            row["personal"][str(c)]["local-accuracy"] for c in range(len(test_sizes))
-        ]
-        curve.append(float(np.average(accuracies, weights=test_sizes)))
+    clients = [str(c) for c in range(len(test_sizes))]
+    per_round = [
+        [row["personal"][c]["local-accuracy"] for c in clients] for row in history
+    ]
+    curve = [float(np.average(acc, weights=test_sizes)) for acc in per_round]
     return Run(
-        "pollen", method, repeat, curve[-1], float(np.std(accuracies)), curve,
+        "pollen", method, repeat, curve[-1], float(np.std(per_round[-1])), curve,
         result["rounds"],
     )  # fmt: skip
 
@@ -232,22 +238,21 @@ def pollen_runs(
 ACCURACY = re.compile(r"Averaged Test Accuracy: ([0-9.]+)")
 SPREAD = re.compile(r"Std Test Accuracy: ([0-9.]+)")
 SECONDS = re.compile(r"-+ time cost -+ ([0-9.]+)")
-REPEAT = re.compile(r"=+ Running time: (\d+)th =+")
 
 
-def pfllib_runs(
-    method: str, settings: Settings, repeats: int, python: Path, checkout: Path
-) -> list[Run]:
-    """PFLlib's `main.py` for `method`, `repeats` times in one process (`-t`),
-    on the data `write_dataset` wrote: a row per repeat."""
+def pfllib_run(
+    method: str, settings: Settings, repeat: int, python: Path, checkout: Path
+) -> Run:
+    """PFLlib's `main.py` for `method` on repeat `repeat`'s data set (what
+    `write_dataset` wrote for seed `repeat`): its row."""
     spec = METHODS[method]
     args = [
-        str(python), "-u", "main.py", "-data", DATASET, "-m", "CNN",
+        str(python), "-u", "main.py", "-data", f"{DATASET}-s{repeat}", "-m", "CNN",
         "-algo", spec.algorithm, "-gr", str(settings.rounds),
         "-ls", str(settings.local_epochs), "-lbs", str(settings.batch_size),
         "-lr", str(settings.lr), "-nc", str(settings.num_clients),
         "-jr", str(settings.client_frac), "-ncl", "10", "-dev", "cpu",
-        "-eg", "1", "-t", str(repeats), *spec.arguments,
+        "-eg", "1", "-t", "1", *spec.arguments,
     ]  # fmt: skip
     env = {
         k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")
@@ -258,15 +263,19 @@ def pfllib_runs(
         raise SystemExit(
             f"PFLlib's {method} failed:\n{done.stdout[-3000:]}{done.stderr[-3000:]}"
         )
-    runs = []
-    for part in REPEAT.split(done.stdout)[2::2]:  # the text of each repeat
-        curve = [float(a) for a in ACCURACY.findall(part)]
-        spreads = [float(s) for s in SPREAD.findall(part)]
-        seconds = [float(s) for s in SECONDS.findall(part)]
-        # evaluation i is at the start of round i: the last is after all rounds
-        runs.append(Run("pfllib", method, len(runs) + 1, curve[-1], spreads[-1],
-                        curve[1:], seconds))  # fmt: skip
-    return runs
+    curve = [float(a) for a in ACCURACY.findall(done.stdout)]
+    spreads = [float(s) for s in SPREAD.findall(done.stdout)]
+    seconds = [float(s) for s in SECONDS.findall(done.stdout)]
+    # PFLlib evaluates at the start of rounds 0..R and trains R + 1 rounds;
+    # another server's prints (several evaluations a round, no "time cost")
+    # need their own reading before their method is listed
+    expected = settings.rounds + 1
+    if not len(curve) == len(spreads) == len(seconds) == expected:
+        raise SystemExit(
+            f"PFLlib's {method}: {len(curve)} accuracies, {len(spreads)} spreads "
+            f"and {len(seconds)} round times in its output, {expected} expected"
+        )
+    return Run("pfllib", method, repeat, curve[-1], spreads[-1], curve[1:], seconds)
 
 
 def mean_round(run: Run) -> float:
@@ -300,24 +309,38 @@ def main() -> None:
     methods = args.methods.split(",")
     args.out.mkdir(parents=True, exist_ok=True)
     record = args.out / "runs.json"
-    runs = [Run(**r) for r in json.loads(record.read_text())] if record.exists() else []
+    kept = json.loads(record.read_text()) if record.exists() else {"config": config}
+    if kept["config"] != config:
+        raise SystemExit(
+            f"{record} holds runs of other settings ({kept['config']!r}); "
+            "choose another --out"
+        )
+    runs = [Run(**r) for r in kept.get("runs", [])]
 
-    def keep(new: list[Run]) -> None:
-        runs.extend(new)
-        record.write_text(json.dumps([asdict(r) for r in runs], indent=1))
+    def keep(run: Run) -> None:
+        runs.append(run)
+        record.write_text(
+            json.dumps({"config": config, "runs": [asdict(r) for r in runs]}, indent=1)
+        )
 
     checkout = pfllib_checkout(args.pfllib.expanduser(), args.pfllib_origin)
     python = pfllib_python(args.pfllib_venv.expanduser())
-    started = time.monotonic()
-    test_sizes = write_dataset(settings, checkout / "dataset" / DATASET)
-    print(f"pollen's shards written for PFLlib in {time.monotonic() - started:.0f} s")
-    for method in methods:
-        done = {(r.framework, r.repeat) for r in runs if r.method == method}
-        for repeat in range(1, args.repeats + 1):
-            if ("pollen", repeat) not in done:
-                keep([pollen_runs(method, config, repeat, args.out, test_sizes)])
-        if not any(framework == "pfllib" for framework, _ in done):
-            keep(pfllib_runs(method, settings, args.repeats, python, checkout))
+    for repeat in range(1, args.repeats + 1):
+        seeded = replace(settings, seed=repeat)
+        started = time.monotonic()
+        test_sizes = write_dataset(
+            seeded, checkout / "dataset" / f"{DATASET}-s{repeat}"
+        )
+        print(f"seed {repeat}: pollen's shards written for PFLlib in "
+              f"{time.monotonic() - started:.0f} s")  # fmt: skip
+        for method in methods:
+            done = {
+                r.framework for r in runs if (r.method, r.repeat) == (method, repeat)
+            }
+            if "pollen" not in done:
+                keep(pollen_run(method, config, repeat, args.out, test_sizes))
+            if "pfllib" not in done:
+                keep(pfllib_run(method, seeded, repeat, python, checkout))
     print(f"pollen {importlib.metadata.version('pollen-fl')}, PFLlib {PFLLIB_COMMIT[:12]}, "
           f"torch {torch.__version__}; {settings.rounds} rounds")  # fmt: skip
     print_table(runs, methods)

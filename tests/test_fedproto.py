@@ -110,7 +110,7 @@ def test_the_client_app_replies_its_prototypes_and_no_model() -> None:
     config = run_config(strategy="fedproto", **{"local-epochs": 2})
     width = build_model("mlp-bn", (1, 8, 8), 10, config["seed"])[-1].in_features
     msg = message("train", ArrayRecord(), 1, 1)
-    msg.content[PROTOTYPES] = ServerPrototypes(10, width).record()
+    msg.content[PROTOTYPES] = ServerPrototypes(10, width, 2).record()
     reply = client_app.train(msg, Context(1, 1, {}, RecordDict(), config))
     assert len(reply.content["arrays"]) == 0
     prototypes = reply.content[PROTOTYPES]
@@ -146,7 +146,7 @@ def test_the_server_weighs_each_client_by_its_examples_of_the_class() -> None:
     """Class 0: sums (2, 2) over 2 and (4, 0) over 1 give (6, 2) / 3; class
     1: (3, 3) over 3 gives (1, 1); a later round without class 1 keeps it,
     and a count below 1 (a bad reply's -5) adds nothing."""
-    server = ServerPrototypes(classes=3, width=2)
+    server = ServerPrototypes(classes=3, width=2, local_epochs=1)
     updates = [
         client_update(
             0, {}, 2.0, records=prototype_reply([[2, 2], [0] * 2, [0] * 2], [2, 0, 0])
@@ -164,17 +164,19 @@ def test_the_server_weighs_each_client_by_its_examples_of_the_class() -> None:
 
 
 def test_the_prototypes_checkpoint_and_refuse_a_foreign_state() -> None:
-    server = ServerPrototypes(classes=2, width=3)
+    server = ServerPrototypes(classes=2, width=3, local_epochs=1)
     server.centers[1] = [1.0, 2.0, 3.0]
     server.known[1] = 1.0
-    again = ServerPrototypes(classes=2, width=3)
+    again = ServerPrototypes(classes=2, width=3, local_epochs=1)
     again.load_state_arrays({"m/w": np.zeros(2), **server.state_arrays()})
     np.testing.assert_array_equal(again.centers, server.centers)
     np.testing.assert_array_equal(again.known, [0.0, 1.0])
     with pytest.raises(ValueError, match="no FedProto prototypes"):
         again.load_state_arrays({"scaffold-c/w": np.zeros(2)})
     with pytest.raises(ValueError, match=r"\(2, 3\)"):
-        ServerPrototypes(classes=2, width=4).load_state_arrays(server.state_arrays())
+        ServerPrototypes(classes=2, width=4, local_epochs=1).load_state_arrays(
+            server.state_arrays()
+        )
 
 
 @pytest.mark.usefixtures("task_identity")
@@ -183,7 +185,7 @@ def test_the_strategy_sends_prototypes_and_needs_them_back() -> None:
     reply's with it, both counted; a reply without them is rejected; they
     move by the accepted one."""
     roster = Roster.from_nodes({101: (0, 2), 202: (1, 2)}, 2)
-    server = ServerPrototypes(classes=2, width=3)
+    server = ServerPrototypes(classes=2, width=3, local_epochs=1)
     strategy = fedavg(
         roster=roster, num_clients=2, client_frac=1.0, seed=0, server_state=server
     )
@@ -230,7 +232,10 @@ def test_the_preset_shares_prototypes_only() -> None:
     [
         ({"aggregator": "median", "sharing": "all"}, r"allowed with fedproto: mean"),
         ({"mode": "async"}, r"the mean of one round's replies"),
-        ({"dp": True, "model": "cnn-gn"}, r"local-objective='fedproto' with dp=true"),
+        (
+            {"dp": True, "model": "cnn-gn", "sharing": "all"},
+            r"local-objective='fedproto' with dp=true",
+        ),
         ({"client-execution": "cohort"}, r"client-execution='cohort'"),
         (
             {"model": "vgg16-lora", "data-set": "cifar10", "cache-features": False},
@@ -261,6 +266,9 @@ def test_refused_combinations_name_the_reason(overrides: dict, message: str) -> 
         ({"local-objective": "moon"}, "local-objective='moon'"),
         ({"attack": "sign-flip", "attackers": 0.2}, "attack='sign-flip'"),
         ({"central-dp": "fixed"}, "central-dp"),
+        ({"dp": True, "model": "cnn-gn"}, "dp=true"),
+        ({"strategy": "ditto"}, "a personal model beside the global one"),
+        ({"personal-eval-every": 0}, "personal-eval-every=0"),
     ],
 )
 def test_nothing_that_acts_on_the_shared_model_runs_with_sharing_local(

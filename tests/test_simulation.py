@@ -541,7 +541,7 @@ def test_every_strategy_runs_end_to_end(
     down = up = per_client
     if strategy == "fedproto":  # the prototypes down, each client's sums and counts up
         head = reference.get_submodule(classifier_name(reference))
-        prototypes = ServerPrototypes(head.out_features, head.in_features)
+        prototypes = ServerPrototypes(head.out_features, head.in_features, 1)
         down += prototypes.record().count_bytes()
         up += sum(
             ArrayRecord({k: Array(v) for k, v in expected.items()}).count_bytes()

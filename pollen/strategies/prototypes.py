@@ -54,7 +54,7 @@ class ServerPrototypes:
 
     record_name = PROTOTYPES
 
-    def __init__(self, classes: int, width: int, local_epochs: int = 1) -> None:
+    def __init__(self, classes: int, width: int, local_epochs: int) -> None:
         self.centers = np.zeros((classes, width), np.float32)
         self.known = np.zeros(classes, np.float32)
         self.local_epochs = local_epochs  # a reply counts each example this often

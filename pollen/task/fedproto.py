@@ -19,9 +19,8 @@ error between each example's representation and its class's global
 prototype, over the batch and the representation's width, an example whose
 class has no global prototype yet contributing 0. A client's prototypes are
 the means of the representations its round's training passes computed, all
-its local epochs' (the authors' code keeps the last epoch's, PFLlib takes
-them in a pass in evaluation mode after training; at one local epoch the
-first two are the same). The reply
+its local epochs', as PFLlib's `clientproto` averages them (the authors'
+code keeps the last epoch's; at one local epoch all three agree). The reply
 carries, per class, their sum and count (`pollen.protocol.PROTOTYPES`), so
 the server's mean weighs each client by its examples of the class. Chosen
 by `local-objective = "fedproto"` with `proto-lambda` (preset `fedproto`:

@@ -35,6 +35,7 @@ import torch
 import torch.nn.functional as F
 from flwr.app import ArrayRecord, Context
 from torch import nn
+from torch.nn.utils import skip_init
 
 from ..protocol import fedrod_head_key
 from .local_run import LocalRun, Outcome, Training
@@ -56,9 +57,10 @@ def personal_head(model: nn.Module, context: Context, client: int) -> nn.Linear:
     classifier's weights before the client's first round (a new module: a
     deep copy would carry the hooks other terms hold on the classifier)."""
     shared = classifier(model, METHOD)
-    head = nn.Linear(
-        shared.in_features, shared.out_features, bias=shared.bias is not None,
-        device=shared.weight.device, dtype=shared.weight.dtype,
+    head = skip_init(  # no draw from torch's global generator: it is overwritten
+        nn.Linear, shared.in_features, shared.out_features,
+        bias=shared.bias is not None, device=shared.weight.device,
+        dtype=shared.weight.dtype,
     )  # fmt: skip
     kept = context.state.get(fedrod_head_key(client))
     start = kept.to_torch_state_dict() if isinstance(kept, ArrayRecord) else None

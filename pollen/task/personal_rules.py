@@ -5,9 +5,10 @@ the catalogue).
 - `bn-policy` decides BatchNorm's entries only under `sharing = "all"`;
   every other sharing policy decides each entry itself (`pollen.task.sharing`);
   under `local` nothing of the model travels, so the parts that act on the
-  shared entries or the updates (SecAgg+, central DP, server optimisers,
-  robust aggregators, the norm bound, SCAFFOLD's and MOON's terms, attacks)
-  would do nothing and are refused.
+  shared entries or the updates (SecAgg+, central DP, DP-SGD, server
+  optimisers, robust aggregators, the norm bound, SCAFFOLD's, FedDyn's and
+  MOON's terms, attacks, a global model beside a personal one) would do
+  nothing and are refused, and so is a run that tests no client's model.
 - FedRep (Collins et al. 2021, https://arxiv.org/abs/2102.07078) trains the
   client's own classifier first, so the classifier must stay local
   (`sharing = "fedper"`), and its two passes a round do not fit DP-SGD's
@@ -155,6 +156,13 @@ def _local_problem(s: Settings) -> str | None:
              f"local-objective={s.local_objective!r} (its term reads what the "
              "server sends)", "plain, sam, prox, prox-sam or fedproto"),
             (s.attack != "none", f"attack={s.attack!r}", "attack='none'"),
+            (s.dp, "dp=true (no update leaves the client to protect)", "dp=false"),
+            (s.ditto_lambda > 0 or s.apfl_alpha > 0 or s.per_fedavg_beta > 0,
+             "a personal model beside the global one (ditto-lambda, apfl-alpha, "
+             "per-fedavg-beta: the global one would be local too)",
+             "ditto-lambda=0, apfl-alpha=0 and per-fedavg-beta=0"),
+            (not s.personal_eval_every, "personal-eval-every=0 (the clients' "
+             "models are all there is to test)", "personal-eval-every=1 or more"),
         ],
     )  # fmt: skip
 
