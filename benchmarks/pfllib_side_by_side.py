@@ -25,8 +25,17 @@ clients' same examples: pollen's training shards, and each client's own
 test shard (test examples of its classes in proportion to its training
 labels).
 
-Each method is a pollen run config and a PFLlib `main.py` command
-(`METHODS`). Reported per method and framework: the mean over repeats of
+Each method is a pollen preset and a PFLlib `main.py` command (`METHODS`):
+FedAvg, each client alone, FedPer, FedRep, LG-FedAvg, Ditto, APFL, MOON,
+Per-FedAvg, FedALA, FedRoD, FedProto and FedBABU. PFLlib's arguments are
+set to pollen's preset where their defaults differ (Ditto's and MOON's mu
+are 0 in PFLlib: off). FedBN is not listed: FedAvg's CNN has no BatchNorm,
+so it is FedAvg in both. PFLlib's output is kept per run
+(`pfllib-METHOD-seed-R.log`) and read for the evaluation of the clients'
+own models: Ditto's second of two a round, FedBABU's one after its
+fine-tuning (pollen's FedBABU then evaluates, fine-tuning, after its last
+round only, and that round's time is left out as PFLlib leaves its
+fine-tuning out). Reported per method and framework: the mean over repeats of
 the example-weighted accuracy over clients after the last round (PFLlib's
 "Averaged Test Accuracy"), its standard deviation over repeats, the
 standard deviation over clients (PFLlib's "Std Test Accuracy") and the
@@ -43,7 +52,15 @@ are refused there.
 
 Where the two differ by design: PFLlib's training loader drops each
 epoch's last partial batch, pollen's trains on it; PFLlib evaluates at the
-start of each round and trains one round more than it evaluates.
+start of each round and trains one round more than it evaluates (FedBABU
+fine-tunes after that round). Per method (docs/results.md says which
+difference moves which number): PFLlib's APFL steps v on v's own loss and
+mixes with the client's own trained w, pollen's on the mixture's gradient
+with the received one (the paper's); PFLlib's FedALA tests the adaptively
+aggregated model at once, pollen's learns W during the next training;
+PFLlib's FedProto tests each client by its nearest global prototype,
+pollen's by the client's model; PFLlib's Per-FedAvg trains twice a round
+(pollen: two local epochs) at beta = lr.
 """
 
 from __future__ import annotations
@@ -88,12 +105,19 @@ BASE = (
 
 @dataclass(frozen=True)
 class Method:
-    """One method in both frameworks: pollen's run-config overrides and
-    PFLlib's `main.py` algorithm and arguments."""
+    """One method in both frameworks: pollen's run-config overrides, PFLlib's
+    `main.py` algorithm and arguments (set to pollen's preset where its
+    defaults differ), and which of PFLlib's printed evaluations tests the
+    clients' own models: each round's `personal`-th of its `evaluations`,
+    or (`after_training`) one more after the rounds (FedBABU's fine-tuned
+    models), which pollen then evaluates after its last round only."""
 
     pollen: str
     algorithm: str
     arguments: tuple[str, ...] = ()
+    evaluations: int = 1
+    personal: int = 0
+    after_training: bool = False
 
 
 METHODS = {
@@ -101,6 +125,25 @@ METHODS = {
     "fedavg": Method("strategy='fedavg'", "FedAvg"),
     # each client alone: nothing travels
     "local": Method("strategy='fedavg' sharing='local'", "Local"),
+    "fedper": Method("strategy='fedper'", "FedPer"),
+    "fedrep": Method("strategy='fedrep'", "FedRep", ("-pls", "2")),
+    "lg-fedavg": Method("strategy='lg-fedavg'", "LG-FedAvg"),
+    # PFLlib evaluates the global models, then the personal ones
+    "ditto": Method("strategy='ditto'", "Ditto", ("-mu", "0.1", "-pls", "1"), 2, 1),
+    "apfl": Method("strategy='apfl'", "APFL", ("-al", "0.5")),
+    "moon": Method("strategy='moon'", "MOON", ("-mu", "1", "-tau", "0.5")),
+    # PFLlib's client trains twice a round, each step on two batches, at
+    # beta = lr (its -bt is not read)
+    "per-fedavg": Method("strategy='per-fedavg' local-epochs=2", "PerAvg"),
+    "fedala": Method(
+        "strategy='fedala'", "FedALA", ("-et", "1", "-s", "80", "-p", "2")
+    ),
+    "fedrod": Method("strategy='fedrod'", "FedROD"),
+    # PFLlib tests each client by its nearest global prototype
+    "fedproto": Method("strategy='fedproto'", "FedProto", ("-lam", "1")),
+    "fedbabu": Method(
+        "strategy='fedbabu'", "FedBABU", ("-fte", "5"), after_training=True
+    ),
 }
 
 
@@ -113,7 +156,7 @@ class Run:
     repeat: int
     accuracy: float  # example-weighted over clients, after the last round
     client_std: float  # over clients, after the last round
-    curve: list[float]  # the weighted accuracy after each round
+    curve: list[float]  # the weighted accuracy after each round evaluated
     round_seconds: list[float]
 
 
@@ -220,62 +263,100 @@ def pollen_run(
     """One `pollen run` of `method` with seed `repeat` (whose clients' test
     shards hold `test_sizes` examples): its row. A run directory a cut-short
     invocation left is removed first (pollen never reuses one)."""
+    spec = METHODS[method]
     name = f"{method}-seed-{repeat}"
     shutil.rmtree(out / name, ignore_errors=True)
-    result = run_pollen([config, f"{METHODS[method].pollen} seed={repeat}"], out, name)
+    overrides = f"{spec.pollen} seed={repeat}"
+    if spec.after_training:
+        overrides += f" personal-eval-every={settings_of(config).rounds}"
+    result = run_pollen([config, overrides], out, name)
     history = json.loads((out / name / "history.json").read_text())
     clients = [str(c) for c in range(len(test_sizes))]
     per_round = [
-        [row["personal"][c]["local-accuracy"] for c in clients] for row in history
+        [row["personal"][c]["local-accuracy"] for c in clients]
+        for row in history
+        if row["personal"]
     ]
     curve = [float(np.average(acc, weights=test_sizes)) for acc in per_round]
+    # an evaluation after training only is PFLlib's, outside its rounds' time
+    seconds = result["rounds"][:-1] if spec.after_training else result["rounds"]
     return Run(
         "pollen", method, repeat, curve[-1], float(np.std(per_round[-1])), curve,
-        result["rounds"],
+        seconds,
     )  # fmt: skip
 
 
-ACCURACY = re.compile(r"Averaged Test Accuracy: ([0-9.]+)")
-SPREAD = re.compile(r"Std Test Accuracy: ([0-9.]+)")
-SECONDS = re.compile(r"-+ time cost -+ ([0-9.]+)")
+ACCURACY = re.compile(r"^Averaged Test Accuracy: ([0-9.]+)$", re.M)
+SPREAD = re.compile(r"^Std Test Accuracy: ([0-9.]+)$", re.M)
+# "---- time cost ---- 41.2", or "---- 41.2" (MOON's and FedProto's servers)
+SECONDS = re.compile(r"^-+(?: time cost -+)? ([0-9.]+(?:e-?[0-9]+)?)$", re.M)
+
+
+def pfllib_results(
+    output: str, spec: Method, rounds: int
+) -> tuple[list[float], list[float], list[float]]:
+    """What PFLlib's `output` for `spec` over `rounds` says: the weighted
+    accuracy of the clients' own models after each round evaluated, their
+    spread over clients, and each round's seconds. PFLlib evaluates at the
+    start of rounds 0..R (`spec.evaluations` times each) and trains R + 1
+    rounds, each timed with its evaluation."""
+    accuracy = [float(a) for a in ACCURACY.findall(output)]
+    spread = [float(s) for s in SPREAD.findall(output)]
+    seconds = [float(s) for s in SECONDS.findall(output)]
+    evaluated = spec.evaluations * (rounds + 1)
+    expected = evaluated + spec.after_training
+    if not len(accuracy) == len(spread) == expected or len(seconds) != rounds + 1:
+        raise ValueError(
+            f"{len(accuracy)} accuracies, {len(spread)} spreads and "
+            f"{len(seconds)} round times in PFLlib's output; {expected}, "
+            f"{expected} and {rounds + 1} expected"
+        )
+    if spec.after_training:
+        return accuracy[evaluated:], spread[evaluated:], seconds
+    personal = slice(spec.evaluations + spec.personal, evaluated, spec.evaluations)
+    return accuracy[personal], spread[personal], seconds
+
+
+class RunFailed(Exception):
+    """A run that ended without a row (what went wrong, and where its output is)."""
 
 
 def pfllib_run(
-    method: str, settings: Settings, repeat: int, python: Path, checkout: Path
-) -> Run:
+    method: str, settings: Settings, repeat: int, python: Path, checkout: Path,
+    out: Path,
+) -> Run:  # fmt: skip
     """PFLlib's `main.py` for `method` on repeat `repeat`'s data set (what
-    `write_dataset` wrote for seed `repeat`): its row."""
+    `write_dataset` wrote for seed `repeat`): its row. Its output is kept in
+    `out`/pfllib-METHOD-seed-R.log once it has run to the end, and read
+    from there on a later invocation (where a fixed reading is all it needs)."""
     spec = METHODS[method]
-    args = [
-        str(python), "-u", "main.py", "-data", f"{DATASET}-s{repeat}", "-m", "CNN",
-        "-algo", spec.algorithm, "-gr", str(settings.rounds),
-        "-ls", str(settings.local_epochs), "-lbs", str(settings.batch_size),
-        "-lr", str(settings.lr), "-nc", str(settings.num_clients),
-        "-jr", str(settings.client_frac), "-ncl", "10", "-dev", "cpu",
-        "-eg", "1", "-t", "1", *spec.arguments,
-    ]  # fmt: skip
-    env = {
-        k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")
-    }
-    done = subprocess.run(args, cwd=checkout / "system", env=env, capture_output=True,
-                          text=True)  # fmt: skip
-    if done.returncode != 0:
-        raise SystemExit(
-            f"PFLlib's {method} failed:\n{done.stdout[-3000:]}{done.stderr[-3000:]}"
-        )
-    curve = [float(a) for a in ACCURACY.findall(done.stdout)]
-    spreads = [float(s) for s in SPREAD.findall(done.stdout)]
-    seconds = [float(s) for s in SECONDS.findall(done.stdout)]
-    # PFLlib evaluates at the start of rounds 0..R and trains R + 1 rounds;
-    # another server's prints (several evaluations a round, no "time cost")
-    # need their own reading before their method is listed
-    expected = settings.rounds + 1
-    if not len(curve) == len(spreads) == len(seconds) == expected:
-        raise SystemExit(
-            f"PFLlib's {method}: {len(curve)} accuracies, {len(spreads)} spreads "
-            f"and {len(seconds)} round times in its output, {expected} expected"
-        )
-    return Run("pfllib", method, repeat, curve[-1], spreads[-1], curve[1:], seconds)
+    log = out / f"pfllib-{method}-seed-{repeat}.log"
+    if not log.exists():
+        args = [
+            str(python), "-u", "main.py", "-data", f"{DATASET}-s{repeat}", "-m", "CNN",
+            "-algo", spec.algorithm, "-gr", str(settings.rounds),
+            "-ls", str(settings.local_epochs), "-lbs", str(settings.batch_size),
+            "-lr", str(settings.lr), "-nc", str(settings.num_clients),
+            "-jr", str(settings.client_frac), "-ncl", "10", "-dev", "cpu",
+            "-eg", "1", "-t", "1", *spec.arguments,
+        ]  # fmt: skip
+        env = {
+            k: v
+            for k, v in os.environ.items()
+            if k not in ("PYTHONPATH", "VIRTUAL_ENV")
+        }
+        partial = log.with_suffix(".part")
+        with open(partial, "w") as output:
+            done = subprocess.run(args, cwd=checkout / "system", env=env,
+                                  stdout=output, stderr=subprocess.STDOUT)  # fmt: skip
+        if done.returncode != 0:
+            raise RunFailed(f"PFLlib's {method} failed: its output is in {partial}")
+        partial.rename(log)
+    try:
+        curve, spreads, seconds = pfllib_results(log.read_text(), spec, settings.rounds)
+    except ValueError as error:
+        raise RunFailed(f"PFLlib's {method} ({log}): {error}") from None
+    return Run("pfllib", method, repeat, curve[-1], spreads[-1], curve, seconds)
 
 
 def mean_round(run: Run) -> float:
@@ -325,6 +406,7 @@ def main() -> None:
 
     checkout = pfllib_checkout(args.pfllib.expanduser(), args.pfllib_origin)
     python = pfllib_python(args.pfllib_venv.expanduser())
+    failed: list[str] = []
     for repeat in range(1, args.repeats + 1):
         seeded = replace(settings, seed=repeat)
         started = time.monotonic()
@@ -340,10 +422,16 @@ def main() -> None:
             if "pollen" not in done:
                 keep(pollen_run(method, config, repeat, args.out, test_sizes))
             if "pfllib" not in done:
-                keep(pfllib_run(method, seeded, repeat, python, checkout))
+                try:
+                    keep(pfllib_run(method, seeded, repeat, python, checkout, args.out))
+                except RunFailed as failure:  # the other methods still run
+                    print(failure, file=sys.stderr, flush=True)
+                    failed.append(str(failure))
     print(f"pollen {importlib.metadata.version('pollen-fl')}, PFLlib {PFLLIB_COMMIT[:12]}, "
           f"torch {torch.__version__}; {settings.rounds} rounds")  # fmt: skip
     print_table(runs, methods)
+    if failed:
+        raise SystemExit("runs that failed:\n" + "\n".join(failed))
 
 
 if __name__ == "__main__":

@@ -47,3 +47,64 @@ def test_pollens_shards_read_back_as_pfllib_reads_them(
     config = json.loads((tmp_path / "config.json").read_text())
     assert config["num_clients"] == 3
     assert config["pollen settings"]["partition"] == "niid"
+
+
+def pfllib_round(
+    number: int, evaluations: list[tuple[float, float]], seconds: str
+) -> str:
+    """What a PFLlib server prints for one round: its heading, each
+    evaluation as `serverbase.evaluate` prints it, and its time line."""
+    lines = [f"\n-------------Round number: {number}-------------", "\nEvaluate"]
+    for accuracy, spread in evaluations:
+        lines += [
+            "Averaged Train Loss: 0.5000",
+            f"Averaged Test Accuracy: {accuracy:.4f}",
+            "Averaged Test AUC: 0.9000",
+            f"Std Test Accuracy: {spread:.4f}",
+            "Std Test AUC: 0.0100",
+        ]
+    return "\n".join([*lines, seconds])
+
+
+def test_pfllib_output_is_read_for_the_clients_own_models(harness: ModuleType) -> None:
+    timed = "------------------------- time cost ------------------------- {}"
+    plain = "\n".join(
+        pfllib_round(r, [(0.1 * r, 0.01 * r)], timed.format(40 + r)) for r in range(3)
+    )
+    fedavg = harness.METHODS["fedavg"]
+    assert harness.pfllib_results(plain, fedavg, 2) == ([0.1, 0.2], [0.01, 0.02],
+                                                        [40, 41, 42])  # fmt: skip
+    # Ditto: the global models first, then the personal ones, every round
+    ditto = "\n".join(
+        pfllib_round(r, [(0.1 * r, 0.01), (0.5 + 0.1 * r, 0.02 * r)], timed.format(9))
+        for r in range(3)
+    )
+    assert harness.pfllib_results(ditto, harness.METHODS["ditto"], 2)[:2] == (
+        [0.6, 0.7], [0.02, 0.04],
+    )  # fmt: skip
+    # MOON's and FedProto's servers print their round's time after dashes alone
+    untitled = "\n".join(
+        pfllib_round(r, [(0.3, 0.1)], "-" * 50 + " 1.5e-05") for r in range(3)
+    )
+    assert (
+        harness.pfllib_results(untitled, harness.METHODS["moon"], 2)[2] == [1.5e-05] * 3
+    )
+    # FedBABU: the fine-tuned models are tested once, after the rounds
+    babu = plain + "\n\nBest accuracy.\n0.2\n" + pfllib_round(9, [(0.8, 0.05)], "")
+    assert harness.pfllib_results(babu, harness.METHODS["fedbabu"], 2)[:2] == (
+        [0.8], [0.05],
+    )  # fmt: skip
+    with pytest.raises(
+        ValueError,
+        match=r"3 accuracies, 3 spreads and 3 round times .*; 2, 2 and 2 expected",
+    ):
+        harness.pfllib_results(plain, fedavg, 1)
+
+
+def test_every_method_is_a_valid_pollen_run(harness: ModuleType) -> None:
+    from pollen.deployment.run_config import resolve_settings
+
+    base = f"{harness.BASE} rounds=2"
+    for name, method in harness.METHODS.items():
+        settings = resolve_settings(PROJECT, [base, method.pollen])
+        assert settings.model == "fedavg-cnn" and settings.num_clients == 20, name

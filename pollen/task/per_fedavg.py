@@ -20,8 +20,8 @@ batch steps once on its two halves. Both passes move BatchNorm's
 statistics, as in PFLlib. The server averages as FedAvg does. A personal
 evaluation first takes the one step the method is trained for, w - alpha
 grad f_i(w; D) on a batch of the client's training shard (`adapted`), as
-the paper does; PFLlib takes an alpha step on a test batch, then a beta
-step on a training batch.
+the paper and PFLlib (at the commit `benchmarks/pfllib_side_by_side.py`
+records) do.
 """
 
 from __future__ import annotations
