@@ -58,9 +58,10 @@ difference moves which number): PFLlib's APFL steps v on v's own loss and
 mixes with the client's own trained w, pollen's on the mixture's gradient
 with the received one (the paper's); PFLlib's FedALA tests the adaptively
 aggregated model at once, pollen's learns W during the next training;
-PFLlib's FedProto tests each client by its nearest global prototype,
-pollen's by the client's model; PFLlib's Per-FedAvg trains twice a round
-(pollen: two local epochs) at beta = lr.
+PFLlib's FedProto weighs each client's prototype equally, pollen's by its
+examples of the class (both test by the nearest global prototype);
+PFLlib's Per-FedAvg trains twice a round (pollen: two local epochs) at
+beta = lr.
 """
 
 from __future__ import annotations
@@ -139,7 +140,7 @@ METHODS = {
         "strategy='fedala'", "FedALA", ("-et", "1", "-s", "80", "-p", "2")
     ),
     "fedrod": Method("strategy='fedrod'", "FedROD"),
-    # PFLlib tests each client by its nearest global prototype
+    # both test each client by its nearest global prototype
     "fedproto": Method("strategy='fedproto'", "FedProto", ("-lam", "1")),
     "fedbabu": Method(
         "strategy='fedbabu'", "FedBABU", ("-fte", "5"), after_training=True

@@ -426,6 +426,8 @@ def assumed_training(*parts: Part) -> dict[str, Scalar]:
 # how the server drives training: synchronous rounds, or FedBuff's buffered
 # asynchronous aggregation (pollen.strategies.asynchronous)
 MODES = ("sync", "async")
+# what a FedProto client's personal evaluation predicts by (pollen.task.fedproto)
+PROTO_INFERENCE = ("classifier", "prototypes")
 ASYNC_RULES = "pollen.strategies.async_rules:async_problem"
 # the keys whose parts may need the mean aggregator or synchronous rounds
 # (their `mean_only` and `synchronous_only`)

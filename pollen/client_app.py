@@ -448,8 +448,8 @@ def evaluate_personal(msg: Message, context: Context) -> Message:
     shard where the settings say so (not kept), on the global test set and
     on its own test shard; NaN for either where the node has none (a node
     with its own data file and no copy of the data set has no global one),
-    and for the global test where the client's model is the global one (the
-    server evaluates that on the set already)."""
+    and for the global test where what the client tests is the global model
+    (the server evaluates that on the set already)."""
     cm = ClientModel.assemble(msg, context)
     s = cm.settings
     test = personal_test(s)
@@ -462,8 +462,11 @@ def evaluate_personal(msg: Message, context: Context) -> Message:
     started = time.perf_counter()
     if test.adapt is not None:
         test.adapt(run)
-    keeps_own = bool(cm.sharing.local) or s.personal_model or s.adapts
-    global_test = cm.data.global_test(cm.device) if keeps_own else None
+    if test.predicts is not None:
+        cm.model = test.predicts(cm.model, msg.content)
+    own_model = bool(cm.sharing.local) or s.personal_model or s.adapts
+    tested_as_global = not own_model and test.predicts is None
+    global_test = None if tested_as_global else cm.data.global_test(cm.device)
     g_loss, g_acc = cm.loss_and_accuracy("test", global_test)
     own = cm.data.test_shard(cm.client, cm.device)
     l_loss, l_acc = cm.loss_and_accuracy(cm.data.split_key("test", cm.client), own)

@@ -94,10 +94,13 @@ def resolve_auto(values: Mapping[str, Scalar]) -> dict[str, Scalar]:
     fill("personal-head", bool(preset.get("personal-head", False)))
     fill("freeze-head", bool(preset.get("freeze-head", False)))
     fill("fine-tune-epochs", int(preset.get("fine-tune-epochs", 0)))
+    prototypes = resolved["local-objective"] == "fedproto"
+    fill("proto-inference", "prototypes" if prototypes else "classifier")
     sharing = resolved["sharing"]
     policy = resolved["bn-policy"] if sharing == "all" else sharing
     own = keeps_own_model(str(policy), personal_model(resolved))
-    fill("personal-eval-every", int(own or adapts(resolved)))
+    by_prototypes = resolved["proto-inference"] == "prototypes"
+    fill("personal-eval-every", int(own or adapts(resolved) or by_prototypes))
     if resolved["server-lr"] == AUTO:  # the server update's own default
         update = part("server-update", str(resolved["server-update"])).load()
         resolved["server-lr"] = update.auto_server_lr

@@ -44,6 +44,7 @@ from .catalog import (
     PARTITIONS,
     PERSONAL_RULES,
     PRESETS,
+    PROTO_INFERENCE,
     SECAGG_RULES,
     SECURE_AGGREGATIONS,
     SHARING,
@@ -306,6 +307,14 @@ class Settings:
         "class's global prototype (local-objective fedproto; the paper: 1 on "
         "MNIST and FEMNIST, 0.1 on CIFAR-10)",
         at_least(0),
+    )
+    proto_inference: str = key(
+        AUTO,
+        "FedProto: what a personal evaluation predicts by: the client's model "
+        "(classifier), or the global prototype nearest each example's "
+        "representation (prototypes: the paper's inference, PFLlib's test; "
+        "auto: prototypes with local-objective fedproto, else classifier)",
+        one_of(AUTO, *PROTO_INFERENCE),
     )
     dyn_alpha: float = key(
         0.1, "FedDyn alpha, client regulariser and server state", above(0)

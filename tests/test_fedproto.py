@@ -20,12 +20,14 @@ from pollen.protocol import (
     PROTOTYPES,
 )
 from pollen.settings import Settings, SettingsError
+from pollen.strategies.personal import PersonalEvaluation
 from pollen.strategies.prototypes import ServerPrototypes
-from pollen.strategies.sampling import Roster
-from pollen.task.fedproto import PrototypeDistance
+from pollen.strategies.sampling import Participants, Roster
+from pollen.task.fedproto import NearestPrototype, PrototypeDistance, nearest_prototype
 from pollen.task.models import build_model
 from pollen.task.node_data import NodeData
 from pollen.task.objectives import LocalObjective
+from pollen.task.sharing import Sharing
 from pollen.task.train import ClientOptimizer, no_preprocess, train_local
 from tests.conftest import client_update, reply_from
 from tests.rounds import fedavg
@@ -221,10 +223,90 @@ def test_the_strategy_sends_prototypes_and_needs_them_back() -> None:
     assert server.known.tolist() == [1.0, 0.0]
 
 
+@pytest.mark.usefixtures("task_identity")
+def test_a_personal_evaluation_carries_the_prototypes_where_they_predict() -> None:
+    """The evaluation messages carry the global prototypes (counted) beside
+    the shared entries when clients predict by them, and nothing else when
+    not."""
+    roster = Roster.from_nodes({101: (0, 2), 202: (1, 2)}, 2)
+    server = ServerPrototypes(classes=2, width=3, local_epochs=1)
+    model = ArrayRecord({"w": Array(np.zeros(3, np.float32))})
+    for predicts_by in (server, None):
+        personal = PersonalEvaluation(Sharing.of("local", tiny_model()), 1, predicts_by)
+        personal.record_trained([0, 1])
+        asked = personal.configure(1, model, ConfigRecord(), Participants(roster))
+        carried = [set(m.content) - {"arrays", "config"} for m in asked.messages]
+        sent = server.record().count_bytes() if predicts_by else 0
+        assert carried == [{PROTOTYPES} if predicts_by else set()] * 2
+        assert asked.bytes_down == 2 * sent
+
+
 def test_the_preset_shares_prototypes_only() -> None:
     s = Settings.from_run_config({"strategy": "fedproto"})
     assert (s.local_objective, s.sharing, s.proto_lambda) == ("fedproto", "local", 1.0)
-    assert s.personal_eval_every == 1
+    assert (s.personal_eval_every, s.proto_inference) == (1, "prototypes")
+
+
+def test_fedproto_infers_by_prototypes_unless_told_and_nothing_else_does() -> None:
+    shared = Settings.from_run_config({"local-objective": "fedproto"})
+    # the global model is what the server tests; the prototypes' reading of
+    # it is the clients' to report
+    assert (shared.proto_inference, shared.personal_eval_every) == ("prototypes", 1)
+    told = Settings.from_run_config(
+        {"strategy": "fedproto", "proto-inference": "classifier"}
+    )
+    assert told.proto_inference == "classifier"
+    assert Settings.from_run_config({}).proto_inference == "classifier"
+    with pytest.raises(SettingsError, match=r"with local-objective='plain'.*allowed"):
+        Settings.from_run_config({"proto-inference": "prototypes"})
+    with pytest.raises(SettingsError, match=r"prototypes.* with a personal model"):
+        Settings.from_run_config({"local-objective": "fedproto", "ditto-lambda": 0.1})
+
+
+def test_the_nearest_global_prototype_is_the_prediction() -> None:
+    """logit_j = -||z - C_bar^(j)||^2 by hand for two examples; a class with
+    no global prototype is never predicted, however near its row."""
+    model = tiny_model()
+    x = X[:2]
+    z = representation(model, x).detach()
+    centers = torch.stack([z[1], z[0], z[0] + 0.01])
+    known = torch.tensor([True, True, False])
+    logits = NearestPrototype(model, centers, known)(x).detach()
+    by_hand = -torch.tensor(
+        [[((z[i] - centers[j]) ** 2).sum() for j in range(2)] for i in range(2)]
+    )
+    torch.testing.assert_close(logits[:, :2], by_hand)
+    assert logits[:, 2].eq(float("-inf")).all()
+    assert logits.argmax(1).tolist() == [1, 0]
+
+
+def test_an_evaluation_without_prototypes_is_refused() -> None:
+    with pytest.raises(ValueError, match="evaluation message carries no 'prototypes'"):
+        nearest_prototype(tiny_model(), RecordDict())
+
+
+@pytest.mark.usefixtures("task_identity")
+def test_the_client_app_tests_its_model_by_the_prototypes_it_is_sent() -> None:
+    """A personal evaluation under the preset: the client's own-shard
+    accuracy is that of the nearest sent prototype to its model's
+    representations (here every class's prototype is far away but that of
+    the shard's most common class, so that class is every prediction)."""
+    config = run_config(strategy="fedproto")
+    _, labels = NodeData(Settings.from_run_config(config)).test_shard(
+        1, torch.device("cpu")
+    )
+    common = int(labels.mode().values)
+    width = build_model("mlp-bn", (1, 8, 8), 10, config["seed"])[-1].in_features
+    server = ServerPrototypes(10, width, 1)
+    server.centers[:] = 1e3
+    server.centers[common] = 0.0
+    server.known[:] = 1.0
+    msg = message("evaluate", ArrayRecord(), 1, 1)
+    msg.content[PROTOTYPES] = server.record()
+    reply = client_app.evaluate_personal(msg, Context(1, 1, {}, RecordDict(), config))
+    share = float(labels.eq(common).float().mean())
+    assert 0 < share < 1
+    assert reply.content["metrics"]["local-accuracy"] == pytest.approx(share)
 
 
 @pytest.mark.parametrize(

@@ -31,6 +31,7 @@ def build_strategy(
         if settings.central_dp != "off"
         else part("aggregator", settings.aggregator).load()
     )
+    server_state = _server_state(settings, model, sharing)
     strategy = Strategy(
         num_clients=settings.num_clients,
         client_frac=settings.client_frac,
@@ -42,14 +43,17 @@ def build_strategy(
         min_train_nodes=settings.min_train_nodes,
         norm_bound=settings.update_norm_bound,
         norm_action=settings.update_norm_action,
-        server_state=_server_state(settings, model, sharing),
+        server_state=server_state,
         secure=(
             SecureAggregation.from_settings(settings, update.uniform_mean)
             if settings.secure_aggregation != "off"
             else None
         ),
     )
-    personal = PersonalEvaluation(sharing, settings.personal_eval_every)
+    by_prototypes = settings.proto_inference == "prototypes"
+    personal = PersonalEvaluation(
+        sharing, settings.personal_eval_every, server_state if by_prototypes else None
+    )
     return strategy, personal
 
 

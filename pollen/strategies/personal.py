@@ -26,7 +26,7 @@ from ..protocol import EVAL_SECONDS, METRICS
 from ..task.sharing import Sharing
 from .replies import ReplyError, checked_personal_reply, reported_seconds
 from .sampling import Participants
-from .strategy import addressed, rejected
+from .strategy import ObjectiveState, addressed, rejected
 
 TRAINED_CLIENTS = "trained-clients"  # checkpoint state key
 
@@ -53,11 +53,19 @@ class PersonalOutcome:
 
 
 class PersonalEvaluation:
-    """Every `every` rounds, every client that has trained evaluates its own model."""
+    """Every `every` rounds, every client that has trained evaluates its own
+    model; with the record of `predicts_by` beside it where the client
+    predicts by that state (FedProto's global prototypes)."""
 
-    def __init__(self, sharing: Sharing | None, every: int) -> None:
+    def __init__(
+        self,
+        sharing: Sharing | None,
+        every: int,
+        predicts_by: ObjectiveState | None = None,
+    ) -> None:
         self.sharing = sharing
         self.every = every
+        self.predicts_by = predicts_by
         self.trained_clients: set[int] = set()
 
     def state_arrays(self) -> dict[str, np.ndarray]:
@@ -92,13 +100,15 @@ class PersonalEvaluation:
             return None
         owner = participants.roster.owner
         payload = ArrayRecord({key: arrays[key] for key in self.sharing.shared})
+        state = self.predicts_by
+        records = {state.record_name: state.record()} if state else {}
         clients = sorted(self.trained_clients & set(owner))
         messages = addressed(
-            MessageType.EVALUATE, clients, payload, config, server_round, owner
-        )
-        return EvaluateRequest(
-            messages, clients, owner, payload.count_bytes() * len(clients)
-        )
+            MessageType.EVALUATE, clients, payload, config, server_round, owner,
+            records,
+        )  # fmt: skip
+        size = payload.count_bytes() + sum(r.count_bytes() for r in records.values())
+        return EvaluateRequest(messages, clients, owner, size * len(clients))
 
     def run(
         self,

@@ -25,6 +25,15 @@ carries, per class, their sum and count (`pollen.protocol.PROTOTYPES`), so
 the server's mean weighs each client by its examples of the class. Chosen
 by `local-objective = "fedproto"` with `proto-lambda` (preset `fedproto`:
 1, with `sharing = "local"`, so that only prototypes travel).
+
+A personal evaluation predicts, by default under FedProto, as the paper's
+Section 3 ("Prototype-based model inference") does and PFLlib tests:
+
+    y_hat = argmin_j ||f_i(x) - C_bar^(j)||_2
+
+over the classes that have a global prototype (`NearestPrototype`; the
+evaluation message carries the prototypes); `proto-inference =
+"classifier"` tests the client's model instead.
 """
 
 from __future__ import annotations
@@ -82,18 +91,12 @@ class PrototypeDistance:
     ) -> None:
         """The global prototypes the message carries, on the model's device;
         the client keeps nothing between rounds."""
-        record = content.get(PROTOTYPES)
-        if not isinstance(record, ArrayRecord):
-            raise ValueError(
-                f"the training message carries no {PROTOTYPES!r} record "
-                "(same local-objective on both sides?)"
-            )
-        device = next(model.parameters()).device
-        sent = record.to_torch_state_dict()
-        self.centers = sent[PROTOTYPE_CENTERS].to(device)
-        self.known = sent[PROTOTYPE_KNOWN].to(device) > 0
+        record = _prototypes_record(content, "training")
+        self.centers, self.known = global_prototypes(
+            record, next(model.parameters()).device
+        )
         self.sums = torch.zeros_like(self.centers)
-        self.counts = torch.zeros(len(self.centers), device=device)
+        self.counts = torch.zeros(len(self.centers), device=self.centers.device)
         self.live = Representation(model, METHOD)
 
     def loss(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -131,3 +134,52 @@ class PrototypeDistance:
         if self.live is not None:
             self.live.close()
             self.live = None
+
+
+def _prototypes_record(content: RecordDict, kind: str) -> ArrayRecord:
+    """The global prototypes' record of a `kind` message's `content`."""
+    record = content.get(PROTOTYPES)
+    if not isinstance(record, ArrayRecord):
+        raise ValueError(
+            f"the {kind} message carries no {PROTOTYPES!r} record "
+            "(same local-objective and proto-inference on both sides?)"
+        )
+    return record
+
+
+def global_prototypes(
+    record: ArrayRecord, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The server's prototypes (`pollen.strategies.prototypes`) on `device`:
+    C_bar, one row per class, and which classes it holds."""
+    sent = record.to_torch_state_dict()
+    return sent[PROTOTYPE_CENTERS].to(device), sent[PROTOTYPE_KNOWN].to(device) > 0
+
+
+class NearestPrototype(nn.Module):
+    """`model` read as FedProto's paper infers: the logit of class j is
+    -||z - C_bar^(j)||^2 for the representation z (the input of the model's
+    classifier), -inf for a class without a global prototype, so the
+    prediction is the nearest prototype and the loss the cross-entropy of
+    the softmax over negative squared distances."""
+
+    def __init__(
+        self, model: nn.Module, centers: torch.Tensor, known: torch.Tensor
+    ) -> None:
+        super().__init__()
+        self.model, self.centers, self.known = model, centers, known
+        self.representation = Representation(model, METHOD)
+
+    def forward(self, inputs: torch.Tensor) -> torch.Tensor:
+        z = self.representation(inputs)
+        distances = torch.cdist(z, self.centers.to(z.dtype)).square()
+        return (-distances).masked_fill(~self.known, float("-inf"))
+
+
+def nearest_prototype(model: nn.Module, content: RecordDict) -> nn.Module:
+    """What a personal evaluation under `proto-inference = "prototypes"`
+    tests: `model` predicting by the global prototypes its message carries."""
+    record = _prototypes_record(content, "evaluation")
+    return NearestPrototype(
+        model, *global_prototypes(record, next(model.parameters()).device)
+    )

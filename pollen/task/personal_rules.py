@@ -87,6 +87,7 @@ def personal_problem(s: Settings) -> str | None:
         or _per_fedavg_problem(s)
         or _fedala_problem(s)
         or _fedrod_problem(s)
+        or _proto_inference_problem(s)
     )
 
 
@@ -283,5 +284,29 @@ def _fedrod_problem(s: Settings) -> str | None:
              "ditto-lambda=0, apfl-alpha=0 and ala-layers=0"),
             (s.per_fedavg_beta > 0, "per-fedavg-beta", "per-fedavg-beta=0"),
             (s.fine_tune_epochs > 0, "fine-tune-epochs", "fine-tune-epochs=0"),
+        ],
+    )  # fmt: skip
+
+
+def _proto_inference_problem(s: Settings) -> str | None:
+    """Why `s`'s nearest-prototype inference cannot run, or None: the global
+    prototypes are FedProto's, and what a client tests is its own model's
+    representation against them, read in a personal evaluation."""
+    if s.proto_inference != "prototypes":
+        return None
+    return _first_refusal(
+        "proto-inference='prototypes'",
+        "a client predicts by the global prototype nearest its own model's "
+        "representation, in a personal evaluation",
+        "fedproto",
+        [
+            (s.local_objective != "fedproto",
+             f"local-objective={s.local_objective!r}", "local-objective='fedproto'"),
+            (s.personal_model or s.adapts,
+             "a personal model or an adaptation before the test (ditto-lambda, "
+             "apfl-alpha, ala-layers, personal-head, fine-tune-epochs, "
+             "per-fedavg-beta)", "none of them"),
+            (not s.personal_eval_every, "personal-eval-every=0",
+             "personal-eval-every 1 or more"),
         ],
     )  # fmt: skip

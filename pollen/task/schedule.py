@@ -18,7 +18,8 @@ their sharing policies keep a part of the model on the client
 
 A personal evaluation (`personal_test`) tests the client's personal model
 where it keeps one, then trains it first where the settings say so
-(`fine-tune-epochs`, Per-FedAvg's step).
+(`fine-tune-epochs`, Per-FedAvg's step), and reads its predictions off
+the global prototypes under FedProto's inference (`proto-inference`).
 """
 
 from __future__ import annotations
@@ -27,11 +28,11 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
 
-from flwr.app import Context
+from flwr.app import Context, RecordDict
 from torch import nn
 
 from ..settings import Settings
-from . import apfl, ditto, fedala, fedrod, per_fedavg
+from . import apfl, ditto, fedala, fedproto, fedrod, per_fedavg
 from .apfl import Apfl
 from .data import Dataset
 from .ditto import Ditto
@@ -76,10 +77,13 @@ def local_training(settings: Settings, dataset: Dataset) -> Training:
 class PersonalTest:
     """What a personal evaluation tests: the client's personal model where
     it keeps one (`personal`), trained first on its shard where the
-    settings say so (`adapt`, on a run of that model)."""
+    settings say so (`adapt`, on a run of that model), read by what the
+    evaluation message carries where it predicts by that (`predicts`:
+    FedProto's nearest global prototype)."""
 
     personal: PersonalModel | None = None
     adapt: Callable[[LocalRun], None] | None = None
+    predicts: Callable[[nn.Module, RecordDict], nn.Module] | None = None
 
 
 def personal_test(settings: Settings) -> PersonalTest:
@@ -99,4 +103,7 @@ def personal_test(settings: Settings) -> PersonalTest:
         adapt = partial(fine_tuned, epochs=settings.fine_tune_epochs)
     elif settings.per_fedavg_beta:
         adapt = per_fedavg.adapted
-    return PersonalTest(personal, adapt)
+    predicts = (
+        fedproto.nearest_prototype if settings.proto_inference == "prototypes" else None
+    )
+    return PersonalTest(personal, adapt, predicts)
