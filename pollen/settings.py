@@ -88,7 +88,14 @@ from .keys import (
     webhook_rule,
 )
 from .network_profile import NetworkProfile, ProfileError
-from .presets import adapts, keeps_own_model, personal_model, resolve_auto
+from .presets import (
+    ADAPTING_KEYS,
+    PERSONAL_MODEL_KEYS,
+    adapts,
+    keeps_own_model,
+    personal_model,
+    resolve_auto,
+)
 
 STRATEGIES = tuple(PRESETS)
 # Keys that name one invocation of a run, not what it computes: a resume or a
@@ -686,13 +693,17 @@ class Settings:
     def personal_model(self) -> bool:
         """Clients keep a whole personal model (Ditto's v_k, APFL's v_i,
         FedALA's theta_i, FedRoD's second head): `presets.personal_model`."""
-        return personal_model(self.to_run_config())
+        return personal_model(self._values(PERSONAL_MODEL_KEYS))
 
     @property
     def adapts(self) -> bool:
         """A client's model trains before its personal test (fine-tuning,
         Per-FedAvg's step): `presets.adapts`."""
-        return adapts(self.to_run_config())
+        return adapts(self._values(ADAPTING_KEYS))
+
+    def _values(self, names: tuple[str, ...]) -> dict[str, Scalar]:
+        """The values of the keys `names` (run-config spelling)."""
+        return {name: getattr(self, name.replace("-", "_")) for name in names}
 
     @property
     def clients_keep_state(self) -> bool:

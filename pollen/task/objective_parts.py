@@ -176,6 +176,22 @@ class ScaffoldSam(Scaffold):
     sam = True
 
 
+def _representation_problem(settings: Settings, why: str) -> str | None:
+    """Why `settings`' model has no representation for its local objective
+    (`pollen.task.representation`: the input of its last `nn.Linear`, not a
+    LoRA head, computed by trained layers below it), or None; `why` says
+    what the objective does with it."""
+    info = model_info(settings.model, settings.data_set)
+    if info.linear and info.body and not info.lora:
+        return None
+    allowed = [name for name, m in MODELS.items() if m.linear and m.body and not m.lora]
+    return (
+        f"local-objective={settings.local_objective!r} with model="
+        f"{settings.model!r}: {why} (its last nn.Linear, not a LoRA head), which "
+        "trained layers below it must compute; allowed: " + ", ".join(allowed)
+    )
+
+
 class Moon(Plain):
     """MOON's model-contrastive loss on each batch; the client keeps its
     previous model. Its representation is the input of the model's last
@@ -190,17 +206,10 @@ class Moon(Plain):
     def problem(cls, settings: Settings) -> str | None:
         if problem := super().problem(settings):
             return problem
-        info = model_info(settings.model, settings.data_set)
-        if not (info.linear and info.body) or info.lora:
-            allowed = [
-                name for name, m in MODELS.items() if m.linear and m.body and not m.lora
-            ]
-            return (
-                f"local-objective='moon' with model={settings.model!r}: MOON "
-                "contrasts the input of the model's classifier (its last "
-                "nn.Linear, not a LoRA head), which trained layers below it must "
-                "compute; allowed: " + ", ".join(allowed)
-            )
+        if problem := _representation_problem(
+            settings, "MOON contrasts the input of the model's classifier"
+        ):
+            return problem
         if settings.sharing == "lg":
             return (
                 "local-objective='moon' with sharing='lg': the layers below the "
@@ -233,16 +242,8 @@ class FedProto(Plain):
     def problem(cls, settings: Settings) -> str | None:
         if problem := super().problem(settings):
             return problem
-        info = model_info(settings.model, settings.data_set)
-        if not (info.linear and info.body) or info.lora:
-            allowed = [
-                name for name, m in MODELS.items() if m.linear and m.body and not m.lora
-            ]
-            return (
-                f"local-objective='fedproto' with model={settings.model!r}: a "
-                "prototype is the mean input of the model's classifier (its "
-                "last nn.Linear, not a LoRA head), which trained layers below "
-                "it must compute (else it is the raw input, sent in the "
-                "clear); allowed: " + ", ".join(allowed)
-            )
-        return None
+        return _representation_problem(
+            settings,
+            "a prototype is the mean input of the model's classifier (else the "
+            "raw input, sent in the clear)",
+        )
