@@ -26,6 +26,7 @@ from pollen.strategies.sampling import Participants, Roster
 from pollen.task.fedproto import NearestPrototype, PrototypeDistance, nearest_prototype
 from pollen.task.models import build_model
 from pollen.task.node_data import NodeData
+from pollen.task.objective_parts import Plain
 from pollen.task.objectives import LocalObjective
 from pollen.task.sharing import Sharing
 from pollen.task.train import ClientOptimizer, no_preprocess, train_local
@@ -41,6 +42,12 @@ Y = torch.tensor([0, 1, 1, 0, 1, 0, 0, 1])
 def representation(model: nn.Sequential, x: torch.Tensor) -> torch.Tensor:
     """tiny_model's body, written out: the input of its classifier."""
     return model[1](model[0](x))
+
+
+class ReadsTheServer(Plain):
+    """A user's objective whose term would read the received model."""
+
+    reads_the_server = True
 
 
 def loaded(
@@ -313,7 +320,7 @@ def test_the_client_app_tests_its_model_by_the_prototypes_it_is_sent() -> None:
     ("overrides", "message"),
     [
         ({"aggregator": "median", "sharing": "all"}, r"allowed with fedproto: mean"),
-        ({"mode": "async"}, r"the mean of one round's replies"),
+        ({"mode": "async", "sharing": "all"}, r"the mean of one round's replies"),
         (
             {"dp": True, "model": "cnn-gn", "sharing": "all"},
             r"local-objective='fedproto' with dp=true",
@@ -351,8 +358,12 @@ def test_refused_combinations_name_the_reason(overrides: dict, message: str) -> 
         ({"dp": True, "model": "cnn-gn"}, "dp=true"),
         ({"strategy": "ditto"}, "a personal model beside the global one"),
         ({"personal-eval-every": 0}, "personal-eval-every=0"),
+        ({"strategy": "fedbuff"}, "mode='async'"),
+        # a user's objective says so itself
+        ({"local-objective": "tests.test_fedproto:ReadsTheServer"},
+         "local-objective='tests.test_fedproto:ReadsTheServer'"),
     ],
-)
+)  # fmt: skip
 def test_nothing_that_acts_on_the_shared_model_runs_with_sharing_local(
     overrides: dict, refused: str
 ) -> None:

@@ -49,6 +49,10 @@ class Plain:
     # `from_settings(settings, model, sharing)`: SCAFFOLD's control variate,
     # FedProto's prototypes; `pollen.strategies.strategy.ObjectiveState`), or ""
     server_state: ClassVar[str] = ""
+    # its term reads what the server sends of the model (FedDyn's and
+    # SCAFFOLD's server state, MOON's global representation): under sharing
+    # "local", where nothing travels, it would act on a model that never moves
+    reads_the_server: ClassVar[bool] = False
     # why it needs synchronous rounds of one model version ("": async too)
     synchronous_only: ClassVar[str] = ""
     # why it needs the mean as the aggregator, and what is allowed ("": any)
@@ -130,6 +134,7 @@ class FedDyn(Plain):
 
     term = f"{TERMS}:DynTerm"
     keeps_state = True
+    reads_the_server = True
 
 
 class FedDynSam(FedDyn):
@@ -145,6 +150,7 @@ class Scaffold(Plain):
 
     term = f"{TERMS}:ControlTerm"
     keeps_state = True
+    reads_the_server = True
     server_state = CONTROL_VARIATE
     synchronous_only = (
         "SCAFFOLD's control variates are defined for synchronous rounds of one "
@@ -201,6 +207,7 @@ class Moon(Plain):
 
     batch_term = "pollen.task.moon:ModelContrast"
     keeps_state = True
+    reads_the_server = True
 
     @classmethod
     def problem(cls, settings: Settings) -> str | None:

@@ -47,7 +47,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from ..catalog import LORA_SHARING
-from ..extensions import model_info
+from ..extensions import model_info, part
 
 if TYPE_CHECKING:
     from ..settings import Settings
@@ -129,11 +129,6 @@ def _fedbabu_problem(s: Settings) -> str | None:
     return None
 
 
-# local objectives whose term reads what the server sends of the model
-# (SCAFFOLD's c, FedDyn's server-tracked h, MOON's global representation)
-READS_THE_SERVER = ("scaffold", "scaffold-sam", "feddyn", "feddyn-sam", "moon")
-
-
 def _local_problem(s: Settings) -> str | None:
     """Why `s`'s `sharing = "local"` cannot run, or None: nothing of the model
     travels, so every part that acts on the shared entries or on the
@@ -147,13 +142,15 @@ def _local_problem(s: Settings) -> str | None:
         [
             (s.secure_aggregation != "off", "secure-aggregation",
              "secure-aggregation='off'"),
+            (s.mode == "async", "mode='async' (FedBuff's server steps by the "
+             "updates)", "mode='sync'"),
             (s.central_dp != "off", "central-dp", "central-dp='off'"),
             (s.server_update != "fedavg", f"server-update={s.server_update!r}",
              "server-update='fedavg'"),
             (s.aggregator != "mean", f"aggregator={s.aggregator!r}",
              "aggregator='mean'"),
             (s.update_norm_bound > 0, "update-norm-bound", "update-norm-bound=0"),
-            (s.local_objective in READS_THE_SERVER,
+            (part("local-objective", s.local_objective).load().reads_the_server,
              f"local-objective={s.local_objective!r} (its term reads what the "
              "server sends)", "plain, sam, prox, prox-sam or fedproto"),
             (s.attack != "none", f"attack={s.attack!r}", "attack='none'"),
