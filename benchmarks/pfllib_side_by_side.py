@@ -365,23 +365,63 @@ def mean_round(run: Run) -> float:
     return sum(later) / len(later)
 
 
+@dataclass(frozen=True)
+class Summary:
+    """A method's runs in one framework: their accuracy's mean and standard
+    deviation over runs (None for one), mean spread over clients and mean
+    seconds a round."""
+
+    runs: int
+    accuracy: float
+    spread: float | None
+    client_std: float
+    seconds: float
+
+    @classmethod
+    def of(cls, runs: list[Run]) -> Summary:
+        accuracy = [100 * r.accuracy for r in runs]
+        return cls(
+            len(runs),
+            statistics.mean(accuracy),
+            statistics.stdev(accuracy) if len(runs) > 1 else None,
+            statistics.mean(100 * r.client_std for r in runs),
+            statistics.mean(mean_round(r) for r in runs),
+        )
+
+    def cell(self) -> str:
+        spread = "" if self.spread is None else f" ± {self.spread:.2f}"
+        return f"{self.accuracy:.2f}{spread}"
+
+
 def print_table(runs: list[Run], methods: list[str]) -> None:
-    print("| method | framework | runs | accuracy (%), mean ± std over runs "
-          "| std over clients (pts) | s a round |")  # fmt: skip
-    print("|---|---|---|---|---|---|")
+    """One row per method with runs in both frameworks: accuracy (mean ±
+    std over runs), pollen's lead, the two runs' combined standard
+    deviation (where each has several), spread over clients, and seconds a
+    round with their ratio."""
+    print("| method | runs | pollen (%) | PFLlib (%) | pollen - PFLlib (pts) "
+          "| combined std (pts) | std over clients, pollen / PFLlib (pts) "
+          "| s a round, pollen / PFLlib | ratio |")  # fmt: skip
+    print("|---|---|---|---|---|---|---|---|---|")
     for method in methods:
-        for framework in ("pollen", "pfllib"):
-            rows = [r for r in runs if (r.method, r.framework) == (method, framework)]
-            if not rows:
-                continue
-            accuracy = [100 * r.accuracy for r in rows]
-            spread = statistics.stdev(accuracy) if len(rows) > 1 else 0.0
-            print(
-                f"| {method} | {framework} | {len(rows)} "
-                f"| {statistics.mean(accuracy):.2f} ± {spread:.2f} "
-                f"| {statistics.mean(100 * r.client_std for r in rows):.2f} "
-                f"| {statistics.mean(mean_round(r) for r in rows):.1f} |"
-            )
+        pollen, pfllib = (
+            [r for r in runs if (r.method, r.framework) == (method, framework)]
+            for framework in ("pollen", "pfllib")
+        )
+        if not (pollen and pfllib):
+            continue
+        ours, theirs = Summary.of(pollen), Summary.of(pfllib)
+        combined = (
+            "-"
+            if ours.spread is None or theirs.spread is None
+            else f"{(ours.spread**2 + theirs.spread**2) ** 0.5:.2f}"
+        )
+        print(
+            f"| {method} | {min(ours.runs, theirs.runs)} | {ours.cell()} "
+            f"| {theirs.cell()} | {ours.accuracy - theirs.accuracy:+.2f} | {combined} "
+            f"| {ours.client_std:.2f} / {theirs.client_std:.2f} "
+            f"| {ours.seconds:.1f} / {theirs.seconds:.1f} "
+            f"| {ours.seconds / theirs.seconds:.2f} |"
+        )
 
 
 def main() -> None:

@@ -108,3 +108,22 @@ def test_every_method_is_a_valid_pollen_run(harness: ModuleType) -> None:
     for name, method in harness.METHODS.items():
         settings = resolve_settings(PROJECT, [base, method.pollen])
         assert settings.model == "fedavg-cnn" and settings.num_clients == 20, name
+
+
+def test_the_table_sets_the_frameworks_side_by_side(
+    harness: ModuleType, capsys: pytest.CaptureFixture
+) -> None:
+    def run(framework: str, repeat: int, accuracy: float, seconds: float) -> object:
+        return harness.Run(framework, "fedavg", repeat, accuracy, 0.1, [accuracy],
+                           [99.0, seconds, seconds])  # fmt: skip
+
+    runs = [run("pollen", 1, 0.80, 20.0), run("pollen", 2, 0.84, 22.0),
+            run("pfllib", 1, 0.81, 40.0), run("pfllib", 2, 0.81, 44.0)]  # fmt: skip
+    harness.print_table(runs, ["fedavg", "local"])
+    row = capsys.readouterr().out.splitlines()[-1]
+    # 82 ± 2.83 against 81 ± 0; combined sqrt(8); 21 s against 42 s a round
+    # (each run's first round left out)
+    assert row == (
+        "| fedavg | 2 | 82.00 ± 2.83 | 81.00 ± 0.00 | +1.00 | 2.83 "
+        "| 10.00 / 10.00 | 21.0 / 42.0 | 0.50 |"
+    )
