@@ -114,8 +114,8 @@ class FedRod:
     ) -> Outcome:
         head = personal_head(run.model, context, run.client)
         learner = HeadLearner(run.model, head, run.optimizer)
-        classes = classifier(run.model, METHOD).out_features
-        balanced = replace(objective, log_label_counts=log_label_counts(run.y, classes))
+        counts = log_label_counts(run.y, head.out_features)  # h_P's classes: g's
+        balanced = replace(objective, log_label_counts=counts)
         try:
             outcome = self.training(
                 replace(run, on_batch=learner.see), balanced, context
