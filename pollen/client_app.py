@@ -449,7 +449,8 @@ def evaluate_personal(msg: Message, context: Context) -> Message:
     on its own test shard; NaN for either where the node has none (a node
     with its own data file and no copy of the data set has no global one),
     and for the global test where what the client tests is the global model
-    (the server evaluates that on the set already)."""
+    (the server evaluates that on the set already) or where the settings
+    leave it out (`personal-global-test`)."""
     cm = ClientModel.assemble(msg, context)
     s = cm.settings
     test = personal_test(s)
@@ -466,7 +467,11 @@ def evaluate_personal(msg: Message, context: Context) -> Message:
         cm.model = test.predicts(cm.model, msg.content)
     own_model = bool(cm.sharing.local) or s.personal_model or s.adapts
     tested_as_global = not own_model and test.predicts is None
-    global_test = None if tested_as_global else cm.data.global_test(cm.device)
+    global_test = (
+        cm.data.global_test(cm.device)
+        if s.personal_global_test and not tested_as_global
+        else None
+    )
     g_loss, g_acc = cm.loss_and_accuracy("test", global_test)
     own = cm.data.test_shard(cm.client, cm.device)
     l_loss, l_acc = cm.loss_and_accuracy(cm.data.split_key("test", cm.client), own)

@@ -362,6 +362,12 @@ class Settings:
         at_least(0),
         int,
     )
+    personal_global_test: bool = key(
+        True,
+        "a personal evaluation also tests each client's own model on the whole "
+        "global test set (one pass over it per client: with many clients the "
+        "larger part of the evaluation); false: its own test shard only",
+    )
     # LoRA heads and the frozen VGG16 backbone (models cnn-lora, vgg16-lora)
     lora_rank: int = key(
         8,

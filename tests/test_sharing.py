@@ -132,6 +132,28 @@ def test_a_client_that_keeps_nothing_tests_the_global_model_on_its_own_shard():
     assert 0.5 < metrics["local-accuracy"] <= 1 and metrics["num-examples"] > 0
 
 
+def test_a_personal_evaluation_tests_on_the_global_set_unless_told_not_to():
+    """Under FedPer a client's own model is not the global one: it is tested
+    on the global test set too, unless `personal-global-test` is false; its
+    own-shard numbers are the same either way."""
+    metrics = []
+    for whole in (True, False):
+        settings = run_config(strategy="fedper", **{"personal-global-test": whole})
+        model = build_model("mlp-bn", (1, 8, 8), 10, settings["seed"])
+        sharing = Sharing.of("fedper", model)
+        context = Context(1, 1, {}, RecordDict(), settings)
+        sent = ArrayRecord({k: model.state_dict()[k] for k in sharing.shared})
+        sent = client_app.train(message("train", sent, 1, 1), context).content["arrays"]
+        reply = client_app.evaluate_personal(message("evaluate", sent, 1, 2), context)
+        metrics.append(dict(reply.content["metrics"]))
+    assert 0 <= metrics[0]["global-accuracy"] <= 1
+    assert np.isnan(metrics[1]["global-accuracy"]) and np.isnan(
+        metrics[1]["global-loss"]
+    )
+    assert metrics[0]["local-accuracy"] == metrics[1]["local-accuracy"]
+    assert metrics[0]["local-loss"] == metrics[1]["local-loss"]
+
+
 def test_client_refuses_entries_its_policy_keeps_local() -> None:
     settings = run_config(**{"bn-policy": "fedbn"})
     model, _ = global_model(settings)
