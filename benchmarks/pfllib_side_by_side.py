@@ -100,7 +100,7 @@ BASE = (
     "data-set='fashion-mnist' download=false model='fedavg-cnn' partition='niid' "
     "alpha=0.1 num-clients=20 client-frac=1.0 local-epochs=1 batch-size=10 "
     "lr=0.005 momentum=0 weight-decay=0 max-grad-norm=0 lr-patience=100000 "
-    "personal-eval-every=1 device='cpu'"
+    "personal-eval-every=1 personal-global-test=false device='cpu'"
 )
 
 
