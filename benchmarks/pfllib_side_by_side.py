@@ -17,7 +17,9 @@ Fashion-MNIST split by Dirichlet(0.1) over 20 clients, every client in
 every round, FedAvg's CNN (pollen's `fedavg-cnn`, PFLlib's `FedAvgCNN`),
 plain SGD (no momentum, no weight decay, no gradient clipping, a constant
 rate: PFLlib's client), each client's own model tested on its own test
-examples after every round. `write_dataset` writes pollen's shards in
+examples after every round (and not on the whole test set:
+`personal-global-test = false`; PFLlib computes its training loss over
+every shard instead). `write_dataset` writes pollen's shards in
 PFLlib's file layout (`dataset/<name>/train/<client>.npz`, a pickled
 {"x", "y"} per client, as PFLlib's own generators write), normalised as
 pollen normalises them, so both frameworks train and test on the same
