@@ -55,7 +55,8 @@ are refused there.
 Where the two differ by design: PFLlib's training loader drops each
 epoch's last partial batch, pollen's trains on it; PFLlib evaluates at the
 start of each round and trains one round more than it evaluates (FedBABU
-fine-tunes after that round). Per method (docs/results.md says which
+fine-tunes after that round, each client from its own trained model,
+where pollen's fine-tunes from the aggregated one). Per method (docs/results.md says which
 difference moves which number): PFLlib's APFL steps v on v's own loss and
 mixes with the client's own trained w, pollen's on the mixture's gradient
 with the received one (the paper's); PFLlib's FedALA tests the adaptively
@@ -331,7 +332,7 @@ def pfllib_run(
     """PFLlib's `main.py` for `method` on repeat `repeat`'s data set (what
     `write_dataset` wrote for seed `repeat`): its row. Its output is kept in
     `out`/pfllib-METHOD-seed-R.log once it has run to the end, and read
-    from there on a later invocation (where a fixed reading is all it needs)."""
+    from there on a later invocation instead of running again."""
     spec = METHODS[method]
     log = out / f"pfllib-{method}-seed-{repeat}.log"
     if not log.exists():
@@ -363,8 +364,9 @@ def pfllib_run(
 
 
 def mean_round(run: Run) -> float:
-    later = run.round_seconds[1:] or run.round_seconds
-    return sum(later) / len(later)
+    """The mean seconds of `run`'s rounds after its first (NaN for none)."""
+    later = run.round_seconds[1:]
+    return sum(later) / len(later) if later else float("nan")
 
 
 @dataclass(frozen=True)
@@ -463,7 +465,11 @@ def main() -> None:
                 r.framework for r in runs if (r.method, r.repeat) == (method, repeat)
             }
             if "pollen" not in done:
-                keep(pollen_run(method, config, repeat, args.out, test_sizes))
+                try:
+                    keep(pollen_run(method, config, repeat, args.out, test_sizes))
+                except RuntimeError as failure:  # `measure`'s: the others still run
+                    print(failure, file=sys.stderr, flush=True)
+                    failed.append(f"pollen's {method}: {str(failure)[:300]}")
             if "pfllib" not in done:
                 try:
                     keep(pfllib_run(method, seeded, repeat, python, checkout, args.out))

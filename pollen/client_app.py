@@ -448,9 +448,11 @@ def evaluate_personal(msg: Message, context: Context) -> Message:
     shard where the settings say so (not kept), on the global test set and
     on its own test shard; NaN for either where the node has none (a node
     with its own data file and no copy of the data set has no global one),
-    and for the global test where what the client tests is the global model
-    (the server evaluates that on the set already) or where the settings
-    leave it out (`personal-global-test`)."""
+    and for the global test where the client's model is the global one
+    (every client would read the set alike, FedProto's prototypes too; the
+    server evaluates it there already) or where the settings leave it out
+    (`personal-global-test`). Under FedProto's inference the client
+    predicts by the global prototypes its message carries."""
     cm = ClientModel.assemble(msg, context)
     s = cm.settings
     test = personal_test(s)
@@ -466,11 +468,8 @@ def evaluate_personal(msg: Message, context: Context) -> Message:
     if test.predicts is not None:
         cm.model = test.predicts(cm.model, msg.content)
     own_model = bool(cm.sharing.local) or s.personal_model or s.adapts
-    tested_as_global = not own_model and test.predicts is None
     global_test = (
-        cm.data.global_test(cm.device)
-        if s.personal_global_test and not tested_as_global
-        else None
+        cm.data.global_test(cm.device) if s.personal_global_test and own_model else None
     )
     g_loss, g_acc = cm.loss_and_accuracy("test", global_test)
     own = cm.data.test_shard(cm.client, cm.device)

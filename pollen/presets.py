@@ -94,7 +94,13 @@ def resolve_auto(values: Mapping[str, Scalar]) -> dict[str, Scalar]:
     fill("personal-head", bool(preset.get("personal-head", False)))
     fill("freeze-head", bool(preset.get("freeze-head", False)))
     fill("fine-tune-epochs", int(preset.get("fine-tune-epochs", 0)))
-    prototypes = resolved["local-objective"] == "fedproto"
+    # the paper's inference where a personal evaluation can read it: the
+    # client's own model, neither replaced nor trained first, evaluated
+    prototypes = (
+        resolved["local-objective"] == "fedproto"
+        and not (personal_model(resolved) or adapts(resolved))
+        and resolved["personal-eval-every"] != 0
+    )
     fill("proto-inference", "prototypes" if prototypes else "classifier")
     sharing = resolved["sharing"]
     policy = resolved["bn-policy"] if sharing == "all" else sharing

@@ -320,7 +320,8 @@ class Settings:
         "FedProto: what a personal evaluation predicts by: the client's model "
         "(classifier), or the global prototype nearest each example's "
         "representation (prototypes: the paper's inference, PFLlib's test; "
-        "auto: prototypes with local-objective fedproto, else classifier)",
+        "auto: prototypes with local-objective fedproto and no personal model, "
+        "adaptation or personal-eval-every=0, else classifier)",
         one_of(AUTO, *PROTO_INFERENCE),
     )
     dyn_alpha: float = key(
@@ -358,7 +359,7 @@ class Settings:
         "evaluate each client's own model (its local entries or Ditto's personal "
         "model; the global model where it keeps none) on its own test shard every "
         "N rounds (0: never; auto: 1 where clients keep entries or a personal "
-        "model or fine-tune, else 0)",
+        "model, fine-tune or predict by FedProto's prototypes, else 0)",
         at_least(0),
         int,
     )

@@ -266,8 +266,19 @@ def test_fedproto_infers_by_prototypes_unless_told_and_nothing_else_does() -> No
     assert Settings.from_run_config({}).proto_inference == "classifier"
     with pytest.raises(SettingsError, match=r"with local-objective='plain'.*allowed"):
         Settings.from_run_config({"proto-inference": "prototypes"})
+    # where a personal evaluation could not read them, auto reads the classifier
+    for beside in ({"ditto-lambda": 0.1}, {"personal-eval-every": 0},
+                   {"sharing": "fedper", "fine-tune-epochs": 1}):  # fmt: skip
+        settings = Settings.from_run_config({"local-objective": "fedproto", **beside})
+        assert settings.proto_inference == "classifier", beside
     with pytest.raises(SettingsError, match=r"prototypes.* with a personal model"):
-        Settings.from_run_config({"local-objective": "fedproto", "ditto-lambda": 0.1})
+        Settings.from_run_config(
+            {
+                "local-objective": "fedproto",
+                "ditto-lambda": 0.1,
+                "proto-inference": "prototypes",
+            }
+        )
 
 
 def test_the_nearest_global_prototype_is_the_prediction() -> None:
@@ -290,6 +301,9 @@ def test_the_nearest_global_prototype_is_the_prediction() -> None:
 def test_an_evaluation_without_prototypes_is_refused() -> None:
     with pytest.raises(ValueError, match="evaluation message carries no 'prototypes'"):
         nearest_prototype(tiny_model(), RecordDict())
+    none_yet = ServerPrototypes(classes=2, width=4, local_epochs=1).record()
+    with pytest.raises(ValueError, match="no class has a global prototype yet"):
+        nearest_prototype(tiny_model(), RecordDict({PROTOTYPES: none_yet}))
 
 
 @pytest.mark.usefixtures("task_identity")

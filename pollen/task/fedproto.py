@@ -161,7 +161,9 @@ class NearestPrototype(nn.Module):
     -||z - C_bar^(j)||^2 for the representation z (the input of the model's
     classifier), -inf for a class without a global prototype, so the
     prediction is the nearest prototype and the loss the cross-entropy of
-    the softmax over negative squared distances."""
+    the softmax over negative squared distances (an example of a class
+    without a prototype is never predicted right, and its loss is infinite,
+    which history.json writes as null)."""
 
     def __init__(
         self, model: nn.Module, centers: torch.Tensor, known: torch.Tensor
@@ -180,6 +182,11 @@ def nearest_prototype(model: nn.Module, content: RecordDict) -> nn.Module:
     """What a personal evaluation under `proto-inference = "prototypes"`
     tests: `model` predicting by the global prototypes its message carries."""
     record = _prototypes_record(content, "evaluation")
-    return NearestPrototype(
-        model, *global_prototypes(record, next(model.parameters()).device)
-    )
+    centers, known = global_prototypes(record, next(model.parameters()).device)
+    if not known.any():
+        raise ValueError(
+            "no class has a global prototype yet (no accepted reply carried "
+            "one): nothing to predict by; proto-inference='classifier' tests "
+            "the client's model instead"
+        )
+    return NearestPrototype(model, centers, known)

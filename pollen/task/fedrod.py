@@ -114,7 +114,7 @@ class FedRod:
     ) -> Outcome:
         head = personal_head(run.model, context, run.client)
         learner = HeadLearner(run.model, head, run.optimizer)
-        counts = log_label_counts(run.y, head.out_features)  # h_P's classes: g's
+        counts = log_label_counts(run.y, head.out_features)  # the classifier's classes
         balanced = replace(objective, log_label_counts=counts)
         try:
             outcome = self.training(

@@ -250,7 +250,5 @@ class FedProto(Plain):
         if problem := super().problem(settings):
             return problem
         return _representation_problem(
-            settings,
-            "a prototype is the mean input of the model's classifier (else the "
-            "raw input, sent in the clear)",
+            settings, "a prototype is the mean input of the model's classifier"
         )
