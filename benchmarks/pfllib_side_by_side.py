@@ -1,7 +1,7 @@
 """pollen and PFLlib side by side: the same personalised methods on the same clients' data.
 
     .venv/bin/python benchmarks/pfllib_side_by_side.py [--methods fedavg,local]
-        [--rounds 10] [--repeats 3] [--out bench-out/pfllib]
+        [--rounds 10] [--repeats 3] [--frameworks pollen,pfllib] [--out bench-out/pfllib]
         [--pfllib ~/.cache/pollen-bench/PFLlib] [--pfllib-origin URL]
         [--pfllib-venv ~/.cache/pollen-bench/pfllib-venv] [-c "key=value ..."]
 
@@ -169,6 +169,10 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--methods", default=",".join(METHODS))
     parser.add_argument("--rounds", type=int, default=10)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument(
+        "--frameworks", default="pollen,pfllib",
+        help="which frameworks' missing runs to run (the table reads every kept run)",
+    )  # fmt: skip
     parser.add_argument("--out", type=Path, default=PROJECT / "bench-out" / "pfllib")
     parser.add_argument("--pfllib", type=Path, default=CACHE / "PFLlib")
     parser.add_argument("--pfllib-origin", default=PFLLIB_ORIGIN)
@@ -183,6 +187,9 @@ def parse_args() -> argparse.Namespace:
         parser.error(
             f"unknown methods {sorted(unknown)}; allowed: {', '.join(METHODS)}"
         )
+    frameworks = set(args.frameworks.split(","))
+    if not frameworks or frameworks - {"pollen", "pfllib"}:
+        parser.error(f"--frameworks {args.frameworks!r}; allowed: pollen, pfllib, both")
     return args
 
 
@@ -433,6 +440,7 @@ def main() -> None:
     config = f"{BASE} rounds={args.rounds} {args.config}"
     settings = settings_of(config)
     methods = args.methods.split(",")
+    frameworks = set(args.frameworks.split(","))
     args.out.mkdir(parents=True, exist_ok=True)
     record = args.out / "runs.json"
     kept = json.loads(record.read_text()) if record.exists() else {"config": config}
@@ -464,13 +472,13 @@ def main() -> None:
             done = {
                 r.framework for r in runs if (r.method, r.repeat) == (method, repeat)
             }
-            if "pollen" not in done:
+            if "pollen" in frameworks - done:
                 try:
                     keep(pollen_run(method, config, repeat, args.out, test_sizes))
                 except RuntimeError as failure:  # `measure`'s: the others still run
                     print(failure, file=sys.stderr, flush=True)
                     failed.append(f"pollen's {method}: {str(failure)[:300]}")
-            if "pfllib" not in done:
+            if "pfllib" in frameworks - done:
                 try:
                     keep(pfllib_run(method, seeded, repeat, python, checkout, args.out))
                 except RunFailed as failure:  # the other methods still run
