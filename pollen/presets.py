@@ -97,7 +97,7 @@ def resolve_auto(values: Mapping[str, Scalar]) -> dict[str, Scalar]:
     # the paper's inference where a personal evaluation can read it: the
     # client's own model, neither replaced nor trained first, evaluated
     prototypes = (
-        resolved["local-objective"] == "fedproto"
+        part("local-objective", str(resolved["local-objective"])).load().prototypes
         and not (personal_model(resolved) or adapts(resolved))
         and resolved["personal-eval-every"] != 0
     )

@@ -26,7 +26,7 @@ from pollen.strategies.sampling import Participants, Roster
 from pollen.task.fedproto import NearestPrototype, PrototypeDistance, nearest_prototype
 from pollen.task.models import build_model
 from pollen.task.node_data import NodeData
-from pollen.task.objective_parts import Plain
+from pollen.task.objective_parts import FedProto, Plain
 from pollen.task.objectives import LocalObjective
 from pollen.task.sharing import Sharing
 from pollen.task.train import ClientOptimizer, no_preprocess, train_local
@@ -48,6 +48,10 @@ class ReadsTheServer(Plain):
     """A user's objective whose term would read the received model."""
 
     reads_the_server = True
+
+
+class UsersFedProto(FedProto):
+    """A user's variant of FedProto: its server still keeps prototypes."""
 
 
 def loaded(
@@ -264,6 +268,11 @@ def test_fedproto_infers_by_prototypes_unless_told_and_nothing_else_does() -> No
     )
     assert told.proto_inference == "classifier"
     assert Settings.from_run_config({}).proto_inference == "classifier"
+    # the part says so, not its name: a user's FedProto infers as the paper's
+    users = Settings.from_run_config(
+        {"local-objective": "tests.test_fedproto:UsersFedProto", "sharing": "local"}
+    )
+    assert users.proto_inference == "prototypes"
     with pytest.raises(SettingsError, match=r"with local-objective='plain'.*allowed"):
         Settings.from_run_config({"proto-inference": "prototypes"})
     # where a personal evaluation could not read them, auto reads the classifier

@@ -53,6 +53,9 @@ class Plain:
     # SCAFFOLD's server state, MOON's global representation): under sharing
     # "local", where nothing travels, it would act on a model that never moves
     reads_the_server: ClassVar[bool] = False
+    # its server keeps global class prototypes, by which a client can predict
+    # (FedProto's inference, `proto-inference`)
+    prototypes: ClassVar[bool] = False
     # why it needs synchronous rounds of one model version ("": async too)
     synchronous_only: ClassVar[str] = ""
     # why it needs the mean as the aggregator, and what is allowed ("": any)
@@ -237,6 +240,7 @@ class FedProto(Plain):
 
     batch_term = "pollen.task.fedproto:PrototypeDistance"
     server_state = "pollen.strategies.prototypes:ServerPrototypes"
+    prototypes = True
     synchronous_only = (
         "FedProto's global prototypes are the mean of one round's replies"
     )

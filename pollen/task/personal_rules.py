@@ -47,7 +47,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from ..catalog import LORA_SHARING
-from ..extensions import model_info, part
+from ..extensions import PART_KEYS, model_info, part
 
 if TYPE_CHECKING:
     from ..settings import Settings
@@ -152,7 +152,7 @@ def _local_problem(s: Settings) -> str | None:
             (s.update_norm_bound > 0, "update-norm-bound", "update-norm-bound=0"),
             (part("local-objective", s.local_objective).load().reads_the_server,
              f"local-objective={s.local_objective!r} (its term reads what the "
-             "server sends)", "plain, sam, prox, prox-sam or fedproto"),
+             "server sends)", _objectives_reading_nothing_sent()),
             (s.attack != "none", f"attack={s.attack!r}", "attack='none'"),
             (s.dp, "dp=true (no update leaves the client to protect)", "dp=false"),
             (s.ditto_lambda > 0 or s.apfl_alpha > 0 or s.per_fedavg_beta > 0,
@@ -163,6 +163,15 @@ def _local_problem(s: Settings) -> str | None:
              "models are all there is to test)", "personal-eval-every=1 or more"),
         ],
     )  # fmt: skip
+
+
+def _objectives_reading_nothing_sent() -> str:
+    """The catalogue's local objectives whose terms read nothing the server
+    sends, as a refusal lists them."""
+    objectives, _ = PART_KEYS["local-objective"]
+    return ", ".join(
+        name for name, p in objectives.items() if not p.load().reads_the_server
+    )
 
 
 def _first_refusal(
@@ -297,8 +306,9 @@ def _proto_inference_problem(s: Settings) -> str | None:
         "representation, in a personal evaluation",
         "fedproto",
         [
-            (s.local_objective != "fedproto",
-             f"local-objective={s.local_objective!r}", "local-objective='fedproto'"),
+            (not part("local-objective", s.local_objective).load().prototypes,
+             f"local-objective={s.local_objective!r} (its server keeps no "
+             "prototypes)", "local-objective='fedproto'"),
             (s.personal_model or s.adapts,
              "a personal model or an adaptation before the test (ditto-lambda, "
              "apfl-alpha, ala-layers, personal-head, fine-tune-epochs, "
