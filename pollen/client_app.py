@@ -102,6 +102,7 @@ from .task.train import (
     client_seed,
     evaluate,
     pick_device,
+    placed,
 )
 
 # Under pollen's warm executor, each message leaves the parent a hint of what
@@ -199,7 +200,7 @@ class ClientModel:
         model.load_state_dict(state)
         device = pick_device(settings.device)
         return cls(
-            data, client, int(config[SERVER_ROUND]), dataset, model.to(device),
+            data, client, int(config[SERVER_ROUND]), dataset, placed(model, device),
             sharing, device,
         )  # fmt: skip
 

@@ -63,7 +63,7 @@ from .strategies.membership import Membership
 from .strategies.sampling import OneMessagePerNode, reply_clock
 from .task import client_state
 from .task.shards import ServerData, shard_fingerprints
-from .task.train import pick_device
+from .task.train import pick_device, placed
 
 app = ServerApp()
 # The simulation's in-memory Grid looks for replies every `pull_interval` s
@@ -264,7 +264,7 @@ def _train(
     strategy, personal = build_strategy(settings, model)
     parts = ServerParts(strategy, personal, PlateauSchedule.from_settings(settings))
     arrays = ArrayRecord({k: v.clone() for k, v in model.state_dict().items()})
-    evaluation = GlobalEvaluation(settings, data.dataset, model.to(device), device)
+    evaluation = GlobalEvaluation(settings, data.dataset, placed(model, device), device)
     if run.checkpoint is not None:
         entries = {k: tuple(v.shape) for k, v in model.state_dict().items()}
         arrays = parts.restore(run.checkpoint, entries, settings.model)

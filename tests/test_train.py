@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from flwr.app import ArrayRecord
 
 from pollen.task.data import load_dataset
 from pollen.task.models import build_model
@@ -11,6 +12,7 @@ from pollen.task.train import (
     ClientOptimizer,
     Preprocess,
     evaluate,
+    placed,
     random_crop_flip,
     train_local,
 )
@@ -57,6 +59,40 @@ def test_local_sgd_learns_digits_and_is_deterministic() -> None:
     again, state_again = run()
     assert accuracy == again
     assert all(torch.equal(state[k], state_again[k]) for k in state)
+
+
+def test_placed_on_the_cpu_trains_channels_last_to_the_same_values() -> None:
+    """Channels-last weights change the layout, not the model: a few steps
+    of FedAvg's CNN reach the NCHW model's values up to summation order,
+    and the state travels (ArrayRecord) as the same logical arrays."""
+    noise = torch.Generator().manual_seed(0)
+    x = torch.randint(0, 256, (200, 1, 28, 28), dtype=torch.uint8, generator=noise)
+    y = torch.randint(0, 10, (200,), generator=noise)
+    prep = Preprocess((0.5,), (0.25,))
+
+    def trained(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+        train_local(
+            model, x, y, epochs=1, batch_size=20,
+            optimizer=ClientOptimizer("sgd", 0.05, momentum=0.9), preprocess=prep, seed=3,
+        )  # fmt: skip
+        return model.state_dict()
+
+    nchw = build_model("fedavg-cnn", (1, 28, 28), 10, seed=1)
+    model = placed(
+        build_model("fedavg-cnn", (1, 28, 28), 10, seed=1), torch.device("cpu")
+    )
+    conv = model[3].weight  # 32 -> 64 channels: its layout differs from NCHW's
+    assert conv.is_contiguous(memory_format=torch.channels_last)
+    assert not conv.is_contiguous()
+    assert model[7].weight.is_contiguous()  # a linear layer's is unchanged
+
+    expected, state = trained(nchw), trained(model)
+    assert state["3.weight"].is_contiguous(memory_format=torch.channels_last)
+    for name, value in expected.items():
+        torch.testing.assert_close(state[name], value, rtol=1e-4, atol=1e-5, msg=name)
+    travelled = ArrayRecord(state).to_torch_state_dict()
+    assert all(torch.equal(travelled[k], state[k]) for k in state)
+    assert travelled["3.weight"].is_contiguous()
 
 
 def test_dropout_masks_follow_the_seed_not_the_process_history() -> None:

@@ -41,7 +41,14 @@ from ..runs.results import (
 from ..settings import Settings
 from ..task.data import load_dataset
 from ..task.inputs import settings_model
-from ..task.train import ClientOptimizer, Preprocess, evaluate, pick_device, train_local
+from ..task.train import (
+    ClientOptimizer,
+    Preprocess,
+    evaluate,
+    pick_device,
+    placed,
+    train_local,
+)
 
 STRATEGY = "centralized"
 
@@ -73,7 +80,7 @@ def train_centrally(
     started = time.monotonic()
     dataset = load_dataset(settings.data_set, settings.data_root, settings.download)
     device = pick_device(settings.device)
-    model = settings_model(settings, dataset).to(device)
+    model = placed(settings_model(settings, dataset), device)
     x_train, y_train = dataset.x_train.to(device), dataset.y_train.to(device)
     x_test, y_test = dataset.x_test.to(device), dataset.y_test.to(device)
     train_inputs = Preprocess(dataset.mean, dataset.std, settings.normalize,

@@ -29,13 +29,14 @@ def fedavg_floor(settings: Settings) -> dict[str, Any]:
         client_seed,
         evaluate,
         pick_device,
+        placed,
         train_local,
     )
 
     s = settings
     dataset, shards = federated_data(s)
     device = pick_device(s.device)
-    model = settings_model(s, dataset).to(device)
+    model = placed(settings_model(s, dataset), device)
     prep = Preprocess(dataset.mean, dataset.std, s.normalize,
                       augment=s.augment and dataset.augmentable, device=device)  # fmt: skip
     clients = [

@@ -21,6 +21,7 @@ from torch import nn
 from ..protocol import ditto_state_key
 from .local_run import LocalRun, Outcome, Training
 from .objectives import LocalObjective, ProxTerm, diverged
+from .train import placed
 
 
 def personal_state(context: Context, client: int) -> dict[str, torch.Tensor] | None:
@@ -61,7 +62,7 @@ class Ditto:
         personal = self.new_model()
         start = personal_state(context, run.client)
         personal.load_state_dict(received if start is None else start)
-        personal.to(run.device)
+        personal = placed(personal, run.device)
         pull = ProxTerm(self.lam)
         pull.anchor = {
             name: received[name].to(run.device)

@@ -42,6 +42,7 @@ from torch import nn
 
 from ..protocol import moon_state_key
 from .representation import Representation
+from .train import placed
 
 if TYPE_CHECKING:
     from ..settings import Settings
@@ -91,7 +92,7 @@ class ModelContrast:
         if isinstance(kept, ArrayRecord):
             previous.load_state_dict(kept.to_torch_state_dict())
         device = next(model.parameters()).device
-        for fixed in (copy.deepcopy(model), previous.to(device)):
+        for fixed in (copy.deepcopy(model), placed(previous, device)):
             fixed.requires_grad_(False)
             fixed.eval()
             self.fixed.append(Representation(fixed, "MOON"))
