@@ -75,7 +75,7 @@ def main() -> None:
             for _ in range(args.repeat):
                 model = build_model(name, shape, 10, seed=0)
                 arms["nchw"].append(timed(model, shape, batch))
-                arms["last"].append(timed(placed(model, cpu), shape, batch))
+                arms["last"].append(timed(placed(model, cpu, True), shape, batch))
             step, evaluation = (
                 {
                     arm: statistics.median(t[i] for t in runs)

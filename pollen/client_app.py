@@ -81,7 +81,7 @@ from .task import client_state
 from .task.attacks import poisoning_mod, trained_labels
 from .task.client_clip import clipping_mod
 from .task.data import Dataset
-from .task.inputs import model_inputs, settings_model
+from .task.inputs import model_inputs, placed_model, settings_model
 from .task.local_run import LocalRun, cohort_epochs
 from .task.node_data import NodeData, node_data, node_partition
 from .task.objectives import LocalObjective, diverged
@@ -102,7 +102,6 @@ from .task.train import (
     client_seed,
     evaluate,
     pick_device,
-    placed,
 )
 
 # Under pollen's warm executor, each message leaves the parent a hint of what
@@ -200,7 +199,7 @@ class ClientModel:
         model.load_state_dict(state)
         device = pick_device(settings.device)
         return cls(
-            data, client, int(config[SERVER_ROUND]), dataset, placed(model, device),
+            data, client, int(config[SERVER_ROUND]), dataset, placed_model(settings, model, device),
             sharing, device,
         )  # fmt: skip
 

@@ -62,8 +62,9 @@ from .strategies.compose import build_strategy
 from .strategies.membership import Membership
 from .strategies.sampling import OneMessagePerNode, reply_clock
 from .task import client_state
+from .task.inputs import placed_model
 from .task.shards import ServerData, shard_fingerprints
-from .task.train import pick_device, placed
+from .task.train import pick_device
 
 app = ServerApp()
 # The simulation's in-memory Grid looks for replies every `pull_interval` s
@@ -264,7 +265,9 @@ def _train(
     strategy, personal = build_strategy(settings, model)
     parts = ServerParts(strategy, personal, PlateauSchedule.from_settings(settings))
     arrays = ArrayRecord({k: v.clone() for k, v in model.state_dict().items()})
-    evaluation = GlobalEvaluation(settings, data.dataset, placed(model, device), device)
+    evaluation = GlobalEvaluation(
+        settings, data.dataset, placed_model(settings, model, device), device
+    )
     if run.checkpoint is not None:
         entries = {k: tuple(v.shape) for k, v in model.state_dict().items()}
         arrays = parts.restore(run.checkpoint, entries, settings.model)

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 from flwr.app import ArrayRecord
 
 from pollen.task.data import load_dataset
+from pollen.task.inputs import placed_model
 from pollen.task.models import build_model
 from pollen.task.train import (
     ClientOptimizer,
@@ -16,6 +19,8 @@ from pollen.task.train import (
     random_crop_flip,
     train_local,
 )
+
+CPU = torch.device("cpu")
 
 
 def test_crop_without_padding_is_identity_up_to_flip() -> None:
@@ -78,9 +83,8 @@ def test_placed_on_the_cpu_trains_channels_last_to_the_same_values() -> None:
         return model.state_dict()
 
     nchw = build_model("fedavg-cnn", (1, 28, 28), 10, seed=1)
-    model = placed(
-        build_model("fedavg-cnn", (1, 28, 28), 10, seed=1), torch.device("cpu")
-    )
+    ours = SimpleNamespace(model="fedavg-cnn")  # what placed_model reads
+    model = placed_model(ours, build_model("fedavg-cnn", (1, 28, 28), 10, seed=1), CPU)
     conv = model[3].weight  # 32 -> 64 channels: its layout differs from NCHW's
     assert conv.is_contiguous(memory_format=torch.channels_last)
     assert not conv.is_contiguous()
@@ -93,6 +97,26 @@ def test_placed_on_the_cpu_trains_channels_last_to_the_same_values() -> None:
     travelled = ArrayRecord(state).to_torch_state_dict()
     assert all(torch.equal(travelled[k], state[k]) for k in state)
     assert travelled["3.weight"].is_contiguous()
+
+
+class Viewed(torch.nn.Module):
+    """A user's CNN written as PyTorch's tutorials write one: `.view` flattens."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = torch.nn.Conv2d(3, 4, 3)
+        self.fc = torch.nn.Linear(4 * 6 * 6, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc(self.conv(x).view(len(x), -1))
+
+
+def test_a_users_model_keeps_nchw_which_its_view_needs() -> None:
+    x = torch.randn(2, 3, 8, 8)
+    users = SimpleNamespace(model="mypkg.nets:viewed")
+    assert placed_model(users, Viewed(), CPU)(x).shape == (2, 2)
+    with pytest.raises(RuntimeError, match="view size is not compatible"):
+        placed(Viewed(), CPU, channels_last=True)(x)
 
 
 def test_dropout_masks_follow_the_seed_not_the_process_history() -> None:

@@ -40,13 +40,12 @@ from ..runs.results import (
 )
 from ..settings import Settings
 from ..task.data import load_dataset
-from ..task.inputs import settings_model
+from ..task.inputs import placed_model, settings_model
 from ..task.train import (
     ClientOptimizer,
     Preprocess,
     evaluate,
     pick_device,
-    placed,
     train_local,
 )
 
@@ -80,7 +79,7 @@ def train_centrally(
     started = time.monotonic()
     dataset = load_dataset(settings.data_set, settings.data_root, settings.download)
     device = pick_device(settings.device)
-    model = placed(settings_model(settings, dataset), device)
+    model = placed_model(settings, settings_model(settings, dataset), device)
     x_train, y_train = dataset.x_train.to(device), dataset.y_train.to(device)
     x_test, y_test = dataset.x_test.to(device), dataset.y_test.to(device)
     train_inputs = Preprocess(dataset.mean, dataset.std, settings.normalize,

@@ -21,7 +21,7 @@ def fedavg_floor(settings: Settings) -> dict[str, Any]:
     seconds, and the final model's test accuracy and loss."""
     import torch
 
-    from ..task.inputs import settings_model
+    from ..task.inputs import placed_model, settings_model
     from ..task.shards import federated_data
     from ..task.train import (
         ClientOptimizer,
@@ -29,14 +29,13 @@ def fedavg_floor(settings: Settings) -> dict[str, Any]:
         client_seed,
         evaluate,
         pick_device,
-        placed,
         train_local,
     )
 
     s = settings
     dataset, shards = federated_data(s)
     device = pick_device(s.device)
-    model = placed(settings_model(s, dataset), device)
+    model = placed_model(s, settings_model(s, dataset), device)
     prep = Preprocess(dataset.mean, dataset.std, s.normalize,
                       augment=s.augment and dataset.augmentable, device=device)  # fmt: skip
     clients = [

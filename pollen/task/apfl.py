@@ -41,9 +41,10 @@ from torch import nn
 from torch.func import functional_call
 
 from ..protocol import apfl_alpha_key, apfl_state_key
+from .inputs import placed_model
 from .local_run import LocalRun, Outcome, Training
 from .objectives import LocalObjective, diverged
-from .train import ClientOptimizer, placed, trainable
+from .train import ClientOptimizer, trainable
 
 ALPHA = "alpha"  # the config record's key
 
@@ -139,7 +140,10 @@ class Apfl:
         personal.load_state_dict(run.model.state_dict() if start is None else start[0])
         alpha = self.alpha if start is None else start[1]
         mixture = PersonalMixture(
-            run.model, placed(personal, run.device), alpha, run.optimizer
+            run.model,
+            placed_model(run.settings, personal, run.device),
+            alpha,
+            run.optimizer,
         )
         outcome = self.training(replace(run, on_batch=mixture.step), objective, context)
         alpha = mixture.alpha

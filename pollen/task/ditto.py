@@ -19,9 +19,9 @@ from flwr.app import ArrayRecord, Context
 from torch import nn
 
 from ..protocol import ditto_state_key
+from .inputs import placed_model
 from .local_run import LocalRun, Outcome, Training
 from .objectives import LocalObjective, ProxTerm, diverged
-from .train import placed
 
 
 def personal_state(context: Context, client: int) -> dict[str, torch.Tensor] | None:
@@ -62,7 +62,7 @@ class Ditto:
         personal = self.new_model()
         start = personal_state(context, run.client)
         personal.load_state_dict(received if start is None else start)
-        personal = placed(personal, run.device)
+        personal = placed_model(run.settings, personal, run.device)
         pull = ProxTerm(self.lam)
         pull.anchor = {
             name: received[name].to(run.device)

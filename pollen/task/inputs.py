@@ -22,7 +22,7 @@ from .models import (
     user_model,
 )
 from .shards import DataKey
-from .train import Preprocess, Transform, backbone_features, no_preprocess
+from .train import Preprocess, Transform, backbone_features, no_preprocess, placed
 
 
 def settings_model(settings: Settings, dataset: Dataset) -> nn.Module:
@@ -31,6 +31,18 @@ def settings_model(settings: Settings, dataset: Dataset) -> nn.Module:
         settings.model, dataset.input_shape, dataset.num_classes, settings.seed,
         _options(settings),
     )  # fmt: skip
+
+
+def placed_model(
+    settings: Settings, model: nn.Module, device: torch.device
+) -> nn.Module:
+    """The run's `model` on `device` (`pollen.task.train.placed`):
+    channels-last on the CPU where it is the catalogue's, whose layers take
+    either layout (`nn.Flatten`, never a `.view` of a convolution's
+    output); a user's model keeps PyTorch's NCHW, which a `.view` in its
+    forward would need."""
+    ours = settings.model in MODELS or settings.model in LORA_MODELS
+    return placed(model, device, channels_last=ours)
 
 
 @lru_cache(maxsize=1)  # one run's checks ask in turn; a grid's cells keep none

@@ -42,7 +42,6 @@ from torch import nn
 
 from ..protocol import moon_state_key
 from .representation import Representation
-from .train import placed
 
 if TYPE_CHECKING:
     from ..settings import Settings
@@ -87,12 +86,14 @@ class ModelContrast:
         """Fix copies of the received model (global) and of the client's
         previous one (the common initialisation before its first round);
         the message carries nothing for the term."""
-        previous = new_model()
+        previous = copy.deepcopy(model)  # the client's network, device and layout
         kept = context.state.get(moon_state_key(client))
-        if isinstance(kept, ArrayRecord):
-            previous.load_state_dict(kept.to_torch_state_dict())
-        device = next(model.parameters()).device
-        for fixed in (copy.deepcopy(model), placed(previous, device)):
+        previous.load_state_dict(
+            kept.to_torch_state_dict()
+            if isinstance(kept, ArrayRecord)
+            else new_model().state_dict()
+        )
+        for fixed in (copy.deepcopy(model), previous):
             fixed.requires_grad_(False)
             fixed.eval()
             self.fixed.append(Representation(fixed, "MOON"))

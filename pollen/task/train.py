@@ -42,9 +42,9 @@ def pick_device(name: str) -> torch.device:
     return torch.device(name)
 
 
-def placed(model: nn.Module, device: torch.device) -> nn.Module:
-    """`model` moved to `device`, its 4-D (convolution) weights laid out
-    channels-last on the CPU.
+def placed(model: nn.Module, device: torch.device, channels_last: bool) -> nn.Module:
+    """`model` moved to `device`; with `channels_last`, its 4-D (convolution)
+    weights laid out channels-last there if it is the CPU.
 
     oneDNN's CPU convolutions run in the channels-last (NHWC) layout;
     with NCHW weights every convolution converts, or takes the slower
@@ -53,10 +53,11 @@ def placed(model: nn.Module, device: torch.device) -> nn.Module:
     CNNs takes 0.65-0.9x the time and an evaluation about half
     (`benchmarks/memory_format.py`). The values are the same up to float
     summation order. Elsewhere the layout is left as it is: on CUDA it was
-    not measured here.
+    not measured here. A model whose forward `.view`s a convolution's
+    output needs NCHW (`pollen.task.inputs.placed_model` says which).
     """
     model = model.to(device)
-    if device.type == "cpu":
+    if channels_last and device.type == "cpu":
         model = model.to(memory_format=torch.channels_last)
     return model
 
