@@ -73,9 +73,10 @@ def main() -> None:
         for batch in map(int, args.batch.split(",")):
             arms: dict[str, list[tuple[float, float]]] = {"nchw": [], "last": []}
             for _ in range(args.repeat):
-                model = build_model(name, shape, 10, seed=0)
-                arms["nchw"].append(timed(model, shape, batch))
-                arms["last"].append(timed(placed(model, cpu, True), shape, batch))
+                fresh = build_model(name, shape, 10, seed=0)
+                arms["nchw"].append(timed(fresh, shape, batch))
+                fresh = build_model(name, shape, 10, seed=0)
+                arms["last"].append(timed(placed(fresh, cpu, True), shape, batch))
             step, evaluation = (
                 {
                     arm: statistics.median(t[i] for t in runs)

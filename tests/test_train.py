@@ -8,6 +8,7 @@ import pytest
 import torch
 from flwr.app import ArrayRecord
 
+from pollen.settings import Settings
 from pollen.task.data import load_dataset
 from pollen.task.inputs import placed_model
 from pollen.task.models import build_model
@@ -83,7 +84,7 @@ def test_placed_on_the_cpu_trains_channels_last_to_the_same_values() -> None:
         return model.state_dict()
 
     nchw = build_model("fedavg-cnn", (1, 28, 28), 10, seed=1)
-    ours = SimpleNamespace(model="fedavg-cnn")  # what placed_model reads
+    ours = Settings.from_run_config({"model": "fedavg-cnn", "data-set": "mnist"})
     model = placed_model(ours, build_model("fedavg-cnn", (1, 28, 28), 10, seed=1), CPU)
     conv = model[3].weight  # 32 -> 64 channels: its layout differs from NCHW's
     assert conv.is_contiguous(memory_format=torch.channels_last)
@@ -113,10 +114,24 @@ class Viewed(torch.nn.Module):
 
 def test_a_users_model_keeps_nchw_which_its_view_needs() -> None:
     x = torch.randn(2, 3, 8, 8)
-    users = SimpleNamespace(model="mypkg.nets:viewed")
+    users = SimpleNamespace(model="mypkg.nets:viewed", dp=False,
+                            client_execution="sequential")  # fmt: skip
     assert placed_model(users, Viewed(), CPU)(x).shape == (2, 2)
     with pytest.raises(RuntimeError, match="view size is not compatible"):
         placed(Viewed(), CPU, channels_last=True)(x)
+
+
+@pytest.mark.parametrize(
+    "overrides", [{"dp": True}, {"client-execution": "cohort"}], ids=["dp", "cohort"]
+)
+def test_dp_sgd_and_cohorts_train_the_catalogues_cnns_in_nchw(overrides: dict) -> None:
+    """Opacus's per-sample convolution gradients and a cohort's stacked,
+    fused steps read NCHW strides: neither may see channels-last weights."""
+    settings = Settings.from_run_config(
+        {"model": "cnn-gn", "data-set": "cifar10", **overrides}
+    )
+    model = placed_model(settings, build_model("cnn-gn", (3, 32, 32), 10, 1), CPU)
+    assert all(p.is_contiguous() for p in model.parameters())
 
 
 def test_dropout_masks_follow_the_seed_not_the_process_history() -> None:

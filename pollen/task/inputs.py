@@ -39,10 +39,16 @@ def placed_model(
     """The run's `model` on `device` (`pollen.task.train.placed`):
     channels-last on the CPU where it is the catalogue's, whose layers take
     either layout (`nn.Flatten`, never a `.view` of a convolution's
-    output); a user's model keeps PyTorch's NCHW, which a `.view` in its
-    forward would need."""
+    output), and trains one client at a time with plain backward passes.
+    NCHW elsewhere: a user's forward may `.view` a convolution's output;
+    Opacus's per-sample convolution gradients (DP-SGD) unfold their input
+    with NCHW strides, and would read a channels-last one wrong without an
+    error; a cohort stacks its members' weights for grouped convolutions
+    and steps them with fused kernels that read a gradient as laid out as
+    its parameter."""
     ours = settings.model in MODELS or settings.model in LORA_MODELS
-    return placed(model, device, channels_last=ours)
+    plain = not settings.dp and settings.client_execution != "cohort"
+    return placed(model, device, channels_last=ours and plain)
 
 
 @lru_cache(maxsize=1)  # one run's checks ask in turn; a grid's cells keep none

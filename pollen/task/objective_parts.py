@@ -54,7 +54,8 @@ class Plain:
     # "local", where nothing travels, it would act on a model that never moves
     reads_the_server: ClassVar[bool] = False
     # its server keeps global class prototypes, by which a client can predict
-    # (FedProto's inference, `proto-inference`)
+    # (FedProto's inference, `proto-inference`; a subclass of FedProto that
+    # replaces `server_state` sets it False)
     prototypes: ClassVar[bool] = False
     # why it needs synchronous rounds of one model version ("": async too)
     synchronous_only: ClassVar[str] = ""
