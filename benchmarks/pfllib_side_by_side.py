@@ -189,7 +189,9 @@ def parse_args() -> argparse.Namespace:
         )
     frameworks = set(args.frameworks.split(","))
     if not frameworks or frameworks - {"pollen", "pfllib"}:
-        parser.error(f"--frameworks {args.frameworks!r}; allowed: pollen, pfllib, both")
+        parser.error(
+            f"--frameworks {args.frameworks!r}; allowed: pollen, pfllib, pollen,pfllib"
+        )
     return args
 
 
@@ -407,12 +409,13 @@ class Summary:
 def print_table(runs: list[Run], methods: list[str]) -> None:
     """One row per method with runs in both frameworks: accuracy (mean ±
     std over runs), pollen's lead, the two runs' combined standard
-    deviation (where each has several), spread over clients, and seconds a
-    round with their ratio."""
+    deviation sqrt(s_pollen^2 + s_PFLlib^2) (where each has several) and
+    whether the lead is within it (the issue's target), spread over
+    clients, and seconds a round with their ratio."""
     print("| method | runs | pollen (%) | PFLlib (%) | pollen - PFLlib (pts) "
-          "| combined std (pts) | std over clients, pollen / PFLlib (pts) "
+          "| combined std (pts) | within | std over clients, pollen / PFLlib (pts) "
           "| s a round, pollen / PFLlib | ratio |")  # fmt: skip
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for method in methods:
         pollen, pfllib = (
             [r for r in runs if (r.method, r.framework) == (method, framework)]
@@ -421,14 +424,15 @@ def print_table(runs: list[Run], methods: list[str]) -> None:
         if not (pollen and pfllib):
             continue
         ours, theirs = Summary.of(pollen), Summary.of(pfllib)
-        combined = (
-            "-"
-            if ours.spread is None or theirs.spread is None
-            else f"{(ours.spread**2 + theirs.spread**2) ** 0.5:.2f}"
-        )
+        lead = ours.accuracy - theirs.accuracy
+        if ours.spread is None or theirs.spread is None:
+            combined, within = "-", "-"
+        else:
+            std = (ours.spread**2 + theirs.spread**2) ** 0.5
+            combined, within = f"{std:.2f}", "yes" if abs(lead) <= std else "no"
         print(
             f"| {method} | {min(ours.runs, theirs.runs)} | {ours.cell()} "
-            f"| {theirs.cell()} | {ours.accuracy - theirs.accuracy:+.2f} | {combined} "
+            f"| {theirs.cell()} | {lead:+.2f} | {combined} | {within} "
             f"| {ours.client_std:.2f} / {theirs.client_std:.2f} "
             f"| {ours.seconds:.1f} / {theirs.seconds:.1f} "
             f"| {ours.seconds / theirs.seconds:.2f} |"

@@ -121,9 +121,13 @@ def test_the_table_sets_the_frameworks_side_by_side(
             run("pfllib", 1, 0.81, 40.0), run("pfllib", 2, 0.81, 44.0)]  # fmt: skip
     harness.print_table(runs, ["fedavg", "local"])
     row = capsys.readouterr().out.splitlines()[-1]
-    # 82 ± 2.83 against 81 ± 0; combined sqrt(8); 21 s against 42 s a round
-    # (each run's first round left out)
+    # 82 ± 2.83 against 81 ± 0; combined sqrt(8), which the lead of 1 is
+    # within; 21 s against 42 s a round (each run's first round left out)
     assert row == (
-        "| fedavg | 2 | 82.00 ± 2.83 | 81.00 ± 0.00 | +1.00 | 2.83 "
+        "| fedavg | 2 | 82.00 ± 2.83 | 81.00 ± 0.00 | +1.00 | 2.83 | yes "
         "| 10.00 / 10.00 | 21.0 / 42.0 | 0.50 |"
     )
+    runs[2:] = [run("pfllib", 1, 0.71, 40.0), run("pfllib", 2, 0.71, 44.0)]
+    # 82 ± 2.83 against 71 ± 0: a lead of 11 is not within 2.83
+    harness.print_table(runs, ["fedavg"])
+    assert "| +11.00 | 2.83 | no |" in capsys.readouterr().out
