@@ -50,7 +50,10 @@ its repeats differ by that and by the partition. Both run on the CPU.
 Every finished run is kept in `--out`/runs.json at once, with the settings
 it ran with, so a cut-short invocation resumes with the runs it lacks (a
 pollen run cut short is started again), and another invocation's settings
-are refused there.
+are refused there. `--frameworks pollen` (or `pfllib`) runs only that
+framework's missing runs, to measure one side again after a change; the
+table reads every kept run. Only runs of both in turn, the default, time
+the two side by side on the machine's state of the moment.
 
 Where the two differ by design: PFLlib's training loader drops each
 epoch's last partial batch, pollen's trains on it; PFLlib evaluates at the
