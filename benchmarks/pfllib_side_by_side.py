@@ -29,10 +29,11 @@ labels).
 
 Each method is a pollen preset and a PFLlib `main.py` command (`METHODS`):
 FedAvg, each client alone, FedPer, FedRep, LG-FedAvg, Ditto, APFL, MOON,
-Per-FedAvg, FedALA, FedRoD, FedProto and FedBABU. PFLlib's arguments are
-set to pollen's preset where their defaults differ (Ditto's and MOON's mu
-are 0 in PFLlib: off). FedBN is not listed: FedAvg's CNN has no BatchNorm,
-so it is FedAvg in both. PFLlib's output is kept per run
+Per-FedAvg, FedALA, FedRoD, FedProto, FedBABU and FedBN. PFLlib's
+arguments are set to pollen's preset where their defaults differ (Ditto's
+and MOON's mu are 0 in PFLlib: off). FedBN needs BatchNorm, which FedAvg's
+CNN lacks: both train pollen's `cnn` for it, PFLlib through
+`pfllib_main.py` (its `main.py` with that model). PFLlib's output is kept per run
 (`pfllib-METHOD-seed-R.log`) and read for the evaluation of the clients'
 own models: Ditto's second of two a round, FedBABU's one after its
 fine-tuning (pollen's FedBABU then evaluates, fine-tuning, after its last
@@ -117,7 +118,8 @@ class Method:
     defaults differ), and which of PFLlib's printed evaluations tests the
     clients' own models: each round's `personal`-th of its `evaluations`,
     or (`after_training`) one more after the rounds (FedBABU's fine-tuned
-    models), which pollen then evaluates after its last round only."""
+    models), which pollen then evaluates after its last round only. A
+    `model` of pollen's catalogue replaces FedAvg's CNN in both."""
 
     pollen: str
     algorithm: str
@@ -125,6 +127,7 @@ class Method:
     evaluations: int = 1
     personal: int = 0
     after_training: bool = False
+    model: str | None = None
 
 
 METHODS = {
@@ -151,6 +154,8 @@ METHODS = {
     "fedbabu": Method(
         "strategy='fedbabu'", "FedBABU", ("-fte", "5"), after_training=True
     ),
+    # each client's BatchNorm layers (affine and statistics) stay its own
+    "fedbn": Method("strategy='fedavg' bn-policy='fedbn'", "FedBN", model="cnn"),
 }
 
 
@@ -273,6 +278,17 @@ def write_dataset(settings: Settings, root: Path) -> list[int]:
     return test_sizes
 
 
+def pollen_overrides(spec: Method, repeat: int, rounds: int) -> str:
+    """pollen's run-config overrides of `BASE` for `spec`'s run with seed
+    `repeat` over `rounds` rounds."""
+    overrides = f"{spec.pollen} seed={repeat}"
+    if spec.model:
+        overrides += f" model='{spec.model}'"
+    if spec.after_training:  # evaluated once, after the last round
+        overrides += f" personal-eval-every={rounds}"
+    return overrides
+
+
 def pollen_run(
     method: str, config: str, repeat: int, out: Path, test_sizes: list[int]
 ) -> Run:
@@ -282,10 +298,8 @@ def pollen_run(
     spec = METHODS[method]
     name = f"{method}-seed-{repeat}"
     shutil.rmtree(out / name, ignore_errors=True)
-    overrides = f"{spec.pollen} seed={repeat}"
-    if spec.after_training:
-        overrides += f" personal-eval-every={settings_of(config).rounds}"
-    result = run_pollen([config, overrides], out, name)
+    rounds = settings_of(config).rounds
+    result = run_pollen([config, pollen_overrides(spec, repeat, rounds)], out, name)
     history = json.loads((out / name / "history.json").read_text())
     clients = [str(c) for c in range(len(test_sizes))]
     per_round = [
@@ -348,19 +362,25 @@ def pfllib_run(
     spec = METHODS[method]
     log = out / f"pfllib-{method}-seed-{repeat}.log"
     if not log.exists():
+        env = {
+            k: v
+            for k, v in os.environ.items()
+            if k not in ("PYTHONPATH", "VIRTUAL_ENV")
+        }
+        main = ["main.py"]
+        if spec.model:  # PFLlib's main.py with pollen's model, from pollen's tree
+            shape = NodeData(settings).dataset().input_shape
+            main = [str(PROJECT / "benchmarks" / "pfllib_main.py"), spec.model,
+                    ",".join(map(str, shape))]  # fmt: skip
+            env["PYTHONPATH"] = str(PROJECT)
         args = [
-            str(python), "-u", "main.py", "-data", f"{DATASET}-s{repeat}", "-m", "CNN",
+            str(python), "-u", *main, "-data", f"{DATASET}-s{repeat}", "-m", "CNN",
             "-algo", spec.algorithm, "-gr", str(settings.rounds),
             "-ls", str(settings.local_epochs), "-lbs", str(settings.batch_size),
             "-lr", str(settings.lr), "-nc", str(settings.num_clients),
             "-jr", str(settings.client_frac), "-ncl", "10", "-dev", "cpu",
             "-eg", "1", "-t", "1", *spec.arguments,
         ]  # fmt: skip
-        env = {
-            k: v
-            for k, v in os.environ.items()
-            if k not in ("PYTHONPATH", "VIRTUAL_ENV")
-        }
         partial = log.with_suffix(".part")
         with open(partial, "w") as output:
             done = subprocess.run(args, cwd=checkout / "system", env=env,

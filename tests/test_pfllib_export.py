@@ -106,8 +106,40 @@ def test_every_method_is_a_valid_pollen_run(harness: ModuleType) -> None:
 
     base = f"{harness.BASE} rounds=2"
     for name, method in harness.METHODS.items():
-        settings = resolve_settings(PROJECT, [base, method.pollen])
-        assert settings.model == "fedavg-cnn" and settings.num_clients == 20, name
+        overrides = harness.pollen_overrides(method, 1, 2)
+        settings = resolve_settings(PROJECT, [base, overrides])
+        assert settings.model == (method.model or "fedavg-cnn"), name
+        assert settings.num_clients == 20 and settings.seed == 1, name
+    fedbn = resolve_settings(
+        PROJECT, [base, harness.pollen_overrides(harness.METHODS["fedbn"], 1, 2)]
+    )
+    assert (fedbn.model, fedbn.bn_policy) == ("cnn", "fedbn")
+    fedbabu = harness.pollen_overrides(harness.METHODS["fedbabu"], 3, 5)
+    assert resolve_settings(PROJECT, [base, fedbabu]).personal_eval_every == 5
+
+
+def test_pfllib_s_fedbn_model_is_pollen_s_with_its_batchnorm_named_bn(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """PFLlib's FedBN keeps local the parameters named *bn*: the driver's
+    renaming marks exactly the BatchNorm layers' and computes as before."""
+    from pollen.task.models import MODELS
+
+    monkeypatch.syspath_prepend(str(PROJECT / "benchmarks"))
+    driver = importlib.import_module("pfllib_main")
+    torch.manual_seed(0)
+    model = MODELS["cnn"]((1, 28, 28), 10)
+    plain = {n: p.clone() for n, p in model.named_parameters()}
+    images = torch.randn(4, 1, 28, 28)
+    model.eval()
+    expected = model(images)
+    renamed = driver.bn_named(model)
+    named = dict(renamed.named_parameters())
+    assert [n for n in named if "bn" in n] == [
+        "0.0.1.bn.weight", "0.0.1.bn.bias", "0.1.1.bn.weight", "0.1.1.bn.bias"
+    ]  # fmt: skip
+    assert [n.replace(".bn.", ".") for n in named] == list(plain)
+    assert torch.equal(renamed(images), expected)
 
 
 def test_the_table_sets_the_frameworks_side_by_side(
