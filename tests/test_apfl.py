@@ -4,12 +4,14 @@ what APFL refuses."""
 
 from __future__ import annotations
 
+import copy
 from dataclasses import replace
 
 import pytest
 import torch
 from flwr.app import ArrayRecord, ConfigRecord, Context, RecordDict
 from torch import nn
+from torch.func import functional_call
 
 from pollen import client_app
 from pollen.protocol import apfl_alpha_key, apfl_state_key, ditto_state_key
@@ -19,7 +21,7 @@ from pollen.task.local_run import plain
 from pollen.task.models import build_model
 from pollen.task.objectives import LocalObjective
 from pollen.task.schedule import local_training
-from pollen.task.train import ClientOptimizer
+from pollen.task.train import ClientOptimizer, placed
 from tests.test_schedule import local_run, settings, tiny_model
 from tests.test_sharing import message, run_config
 
@@ -61,6 +63,45 @@ def test_one_step_of_v_alpha_and_w_by_hand() -> None:
     for k in w0:
         torch.testing.assert_close(v1[k], v0[k] - 0.1 * 0.3 * g[k])
         torch.testing.assert_close(run.model.state_dict()[k], w0[k] - 0.1 * w_grad[k])
+
+
+def test_the_written_out_chain_rule_is_autograd_s_through_the_mixture() -> None:
+    """Three steps on `fedavg-cnn` laid out channels-last, with momentum:
+    v and alpha as autograd steps them through alpha v + (1 - alpha) w, with
+    alpha a leaf of the graph (what `PersonalMixture.step` computed until
+    2026-12-06)."""
+    cpu = torch.device("cpu")
+    w = placed(build_model("fedavg-cnn", (1, 28, 28), 10, seed=0), cpu, True)
+    personal = placed(build_model("fedavg-cnn", (1, 28, 28), 10, seed=1), cpu, True)
+    reference = copy.deepcopy(personal)
+    sgd = ClientOptimizer(lr=0.05, momentum=0.9)
+    mixture = PersonalMixture(w, personal, 0.4, sgd)
+    params = dict(reference.named_parameters())
+    optimizer = sgd.build(list(params.values()))
+    alpha = torch.tensor(0.4)
+    generator = torch.Generator().manual_seed(3)
+    for _ in range(3):
+        x = torch.randn(6, 1, 28, 28, generator=generator)
+        y = torch.randint(0, 10, (6,), generator=generator)
+        mixture.step(x, y)
+        leaf = alpha.clone().requires_grad_()
+        mixed = {
+            n: leaf * v + (1 - leaf) * dict(w.named_parameters())[n].detach()
+            for n, v in params.items()
+        }
+        loss = nn.functional.cross_entropy(functional_call(reference, mixed, (x,)), y)
+        *grads, grad_alpha = torch.autograd.grad(loss, [*params.values(), leaf])
+        for param, grad in zip(params.values(), grads, strict=True):
+            param.grad = grad
+        optimizer.step()
+        alpha = (alpha - sgd.lr * grad_alpha).clamp(0.0, 1.0)
+        with torch.no_grad():  # w moves between steps, as its own step moves it
+            for param in w.parameters():
+                param.mul_(0.99)
+    assert 0 < float(alpha) < 1 and float(alpha) != 0.4
+    assert mixture.alpha == pytest.approx(float(alpha), rel=1e-5)
+    for name, value in reference.state_dict().items():
+        torch.testing.assert_close(personal.state_dict()[name], value)
 
 
 def test_the_first_round_starts_v_at_the_received_model_and_alpha_as_set() -> None:
