@@ -117,8 +117,8 @@ class PersonalMixture:
         alpha v + (1 - alpha) w passes over the model's entries five times
         and once more for each product its backward pass needs; this makes
         v - w, v_bar and alpha g, and takes one dot product, which cuts
-        the mixture's own cost (beyond a second training step) by about
-        three fifths (benchmarks/apfl_step.py)."""
+        the mixture's own cost (beyond a second training step) by a half
+        to three fifths on the catalogue's CNNs (docs/performance.md)."""
         global_params = dict(self.global_model.named_parameters())
         with torch.no_grad():
             gaps = {n: v - global_params[n] for n, v in self.params.items()}
