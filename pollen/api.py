@@ -326,7 +326,7 @@ def run(
 
 
 COMPARE_INTERRUPTED = (
-    "compare interrupted (the running cell was stopped and torn down); run it "
+    "compare interrupted (every running cell was stopped and torn down); run it "
     "again to resume in {}"
 )
 
@@ -342,6 +342,7 @@ def compare(
     only: str | Sequence[str] = (),
     network: str | os.PathLike[str] | None = None,
     simulate: bool = False,
+    jobs: int = 1,
     dry_run: bool = False,
     **keys: Scalar | os.PathLike[str],
 ) -> Comparison:
@@ -355,8 +356,10 @@ def compare(
     interrupted one resumes; `only` narrows the grid (`"strategy=fedavg"`);
     `network` runs every cell as a deployment over links shaped as that
     profile says (root), or with `simulate` as a simulation on its clock;
-    `dry_run` validates and lists the cells, running none; `app` as for
-    `run`.
+    `jobs` runs up to that many simulated cells at once, each on a warm
+    federation of its own with that share of the CPUs, each history as one
+    after another gives it; `dry_run` validates and lists the cells, running
+    none; `app` as for `run`.
 
     Raises `SettingsError` for input to fix: a grid or a setting that
     cannot run is refused before any cell starts (so is a report that
@@ -384,7 +387,7 @@ def compare(
         request = grids.Comparison(
             grid_path, app_dir, out_dir, overrides, only=selected,
             network=network_profile(network, app_dir), simulate=simulate,
-            grid_text=text,
+            jobs=jobs, grid_text=text,
         )  # fmt: skip
         try:
             failed = grids.run_comparison(request, dry_run=dry_run)

@@ -109,7 +109,8 @@ def compare_command(args: argparse.Namespace) -> int:
     try:
         api.compare(
             args.grid, args.run_config, out=args.out, app=args.app, only=args.only,
-            network=args.network, simulate=args.simulate, dry_run=args.dry_run,
+            network=args.network, simulate=args.simulate, jobs=args.jobs,
+            dry_run=args.dry_run,
         )  # fmt: skip
     except KeyboardInterrupt:  # said by the comparison: how to resume it
         return EXIT_INTERRUPTED
@@ -338,6 +339,12 @@ def _add_compare_parsers(commands: argparse._SubParsersAction) -> None:
         action="store_true",
         help="validate and list the cells, run nothing",
     )
+    grid.add_argument(
+        "--jobs", type=int, default=1, metavar="N",
+        help="run up to N simulated cells at once, each on a warm federation of "
+        "its own with an N-th of this machine's CPUs (at most one per CPU; "
+        "histories as one after another)",
+    )  # fmt: skip
     grid.add_argument(
         "--network", metavar="PROFILE", default=None,
         help="run every cell as a deployment on this machine (TLS, node "

@@ -82,6 +82,7 @@ def _capture_runs(monkeypatch: pytest.MonkeyPatch) -> list[list[str]]:
 
     class Finished:  # a run that has exited with status 1
         pid = 0
+        returncode = 1
 
         def wait(self) -> int:
             return 1
@@ -95,7 +96,7 @@ def _capture_runs(monkeypatch: pytest.MonkeyPatch) -> list[list[str]]:
 
     monkeypatch.setattr(compare.processes, "start", fake_start)
     # no warm federation for runs that are not run
-    monkeypatch.setattr(compare, "warm_simulation", lambda _: contextlib.nullcontext())
+    monkeypatch.setattr(compare, "warm_simulation", lambda *_: contextlib.nullcontext())
     return commands
 
 

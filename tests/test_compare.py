@@ -3,12 +3,14 @@ seeds, the table, the plots; and a real comparison of two tiny runs."""
 
 from __future__ import annotations
 
+import _thread
 import json
 import os
 import shlex
 import shutil
 import signal
 import subprocess
+import threading
 import time
 from pathlib import Path
 
@@ -94,7 +96,7 @@ seed = [1]
 
     out = tmp_path / "out"
     cells = compare.with_states(compare.validate_cells(grid, lambda c: {}), out)
-    compare.run_grid(cells, out, run_cell)
+    compare.run_grid(cells, out, [run_cell])
     assert ran == {
         "strategy-fedavg_seed-1": 'strategy="fedavg" seed=1',
         "strategy-feddyn-sam_seed-1":
@@ -186,7 +188,7 @@ def run_fake_grid(grid: compare.Grid, out: Path, ran: list[str]) -> list[str]:
     cells = compare.with_states(
         compare.validate_cells(grid, lambda c: {"rounds": 1}), out
     )
-    compare.run_grid(cells, out, fake_cell(out, ran), lines.append)
+    compare.run_grid(cells, out, [fake_cell(out, ran)], lines.append)
     return lines
 
 
@@ -235,13 +237,90 @@ def test_a_cell_stopped_before_its_first_checkpoint_starts_over(
         tmp_path,
     )
     lines: list[str] = []
-    compare.run_grid(cells, tmp_path, fake_cell(tmp_path, []), lines.append)
+    compare.run_grid(cells, tmp_path, [fake_cell(tmp_path, [])], lines.append)
     assert lines[0] == (
         "[1/1] strategy-fedavg: interrupted before its first checkpoint "
         "(checkpoint-every=1), starts again from round 1; the interrupted run is "
         f"kept in {next((tmp_path / 'incomplete').iterdir())}"
     )
     assert lines[1].startswith("[1/1] strategy-fedavg: final 50.00%")
+
+
+def test_two_cells_run_at_once_and_the_third_takes_the_first_free_one(
+    tmp_path: Path,
+) -> None:
+    """`--jobs 2`: the first two cells wait for each other (they can only
+    both finish if they ran at once), the third starts when one is free; the
+    lock file names every cell running, and the lines keep the grid's order
+    of cells in their prefixes."""
+    grid = compare.Grid({"rounds": 1}, {"seed": [1, 2, 3]})
+    cells = compare.with_states(
+        compare.validate_cells(grid, lambda c: {"rounds": 1}), tmp_path
+    )
+    together = threading.Barrier(2, timeout=20)
+    threads: dict[str, str] = {}
+
+    def run_cell(config: str, name: str, log: Path) -> int:
+        if name != "seed-3":
+            together.wait()
+        threads[name] = threading.current_thread().name
+        write_run(tmp_path / "runs", name, {"seed": int(name[-1])}, [0.5])
+        return 0
+
+    lines: list[str] = []
+    said: list[str] = []
+    failed = compare.run_grid(
+        cells, tmp_path, [run_cell, run_cell], lines.append, running=said.append
+    )
+    assert failed == [] and sorted(threads) == ["seed-1", "seed-2", "seed-3"]
+    assert lines[:2] == ["[1/3] seed-1: running", "[2/3] seed-2: running"]
+    assert "[3/3] seed-3: running" in lines
+    assert sum(line.startswith("[3/3] seed-3: final 50.00%") for line in lines) == 1
+    assert "seed-1 seed-2" in said and said[-1] == ""
+    assert all(name.startswith("pollen-cell") for name in threads.values())
+
+
+def test_ctrl_c_stops_every_running_cell_at_once_and_says_so(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Ctrl-C in the comparison's thread while two cells run in theirs: both
+    runs are stopped (SIGTERM to their process groups, together, not one
+    grace period after another) and the interrupt goes on to the caller."""
+    from pollen.deployment import processes
+
+    started: list[subprocess.Popen] = []
+
+    def start(command: list[str], *, log: Path) -> subprocess.Popen:
+        run = subprocess.Popen(["sleep", "120"], start_new_session=True)
+        started.append(run)
+        return run
+
+    monkeypatch.setattr(compare.processes, "start", start)
+    stop = threading.Event()
+    run_cells = [
+        compare.pollen_run_cell(PROJECT, tmp_path, [], tmp_path / f"warm-{k}", stop)
+        for k in (1, 2)
+    ]
+    grid = compare.Grid({"rounds": 1}, {"seed": [1, 2, 3]})
+    cells = compare.with_states(
+        compare.validate_cells(grid, lambda c: {"rounds": 1}), tmp_path
+    )
+
+    def interrupt_when_both_run() -> None:
+        deadline = time.monotonic() + 20
+        while len(started) < 2 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        _thread.interrupt_main()  # as Ctrl-C reaches the main thread
+
+    threading.Thread(target=interrupt_when_both_run, daemon=True).start()
+    lines: list[str] = []
+    began = time.monotonic()
+    with pytest.raises(KeyboardInterrupt):
+        compare.run_grid(cells, tmp_path, run_cells, lines.append, stop=stop)
+    assert time.monotonic() - began < 15  # SIGTERM ends `sleep` at once
+    assert stop.is_set() and len(started) == 2
+    assert not any(processes.alive(run.pid) for run in started)
+    assert lines == ["[1/3] seed-1: running", "[2/3] seed-2: running"]
 
 
 def test_a_grid_may_grow_but_not_change_under_its_results(tmp_path: Path) -> None:
@@ -707,27 +786,32 @@ def test_a_personalised_line_has_its_own_models_beside_it(
 
 
 @pytest.mark.integration
-def test_sigterm_stops_a_simulated_comparison_and_everything_its_cell_started(
-    tmp_path: Path,
+@pytest.mark.parametrize("jobs", [1, 2], ids=["one-cell", "jobs-2"])
+def test_sigterm_stops_a_simulated_comparison_and_everything_its_cells_started(
+    tmp_path: Path, jobs: int
 ) -> None:
-    """SIGTERM while a cell's simulation runs: the comparison exits as after
-    Ctrl-C, and the cell's `pollen run`, its local SuperLink and Ray go with
-    it (before, the run and the SuperLink were left orphaned)."""
+    """SIGTERM while the cells' simulations run (one, or two at once with
+    `--jobs 2`, each on its own warm federation): the comparison exits as
+    after Ctrl-C, and each cell's `pollen run`, the SuperLinks and Ray go
+    with it (before, the run and the SuperLink were left orphaned); each
+    cell recorded its interruption and resumes from its checkpoint."""
     from tests.deployed import BIN
     from tests.test_simulation import orphaned, running
 
+    seeds = list(range(1, jobs + 1))
     grid = tmp_path / "grid.toml"
-    grid.write_text("[base]\nrounds = 30\n[grid]\nseed = [1]\n")
+    grid.write_text(f"[base]\nrounds = 30\n[grid]\nseed = {seeds}\n")
     markers = (b"flower-superlink", b"flwr-simulation", b"raylet", b"pollen run")
     before = {marker: running(marker) for marker in markers}
     out = tmp_path / "cmp"
+    command = [str(BIN / "pollen"), "compare", str(grid), str(PROJECT), "--out",
+               str(out), "--jobs", str(jobs)]  # fmt: skip
     comparison = subprocess.Popen(
-        [str(BIN / "pollen"), "compare", str(grid), str(PROJECT), "--out", str(out)],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-    )  # fmt: skip
-    history = out / "runs" / "seed-1" / "history.json"
-    deadline = time.monotonic() + 180
-    while not history.exists():
+        command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
+    histories = [out / "runs" / f"seed-{seed}" / "history.json" for seed in seeds]
+    deadline = time.monotonic() + 240
+    while not all(history.exists() for history in histories):
         assert comparison.poll() is None, comparison.communicate()[0][-3000:]
         assert time.monotonic() < deadline, "no round finished"
         time.sleep(0.2)
@@ -737,15 +821,54 @@ def test_sigterm_stops_a_simulated_comparison_and_everything_its_cell_started(
     time.sleep(1)  # what was stopped has exited
     for marker in markers:
         assert not orphaned(before[marker], marker), f"{marker!r} left running"
-    # the cell recorded its interruption, and a checkpoint to resume from
-    summary = json.loads((history.parent / "summary.json").read_text())
-    assert summary["status"] == "interrupted"
-    last = summary["rounds"]
-    assert (history.parent / "checkpoints" / f"round-{last:05d}").is_dir()
-    dry = [str(BIN / "pollen"), "compare", str(grid), str(PROJECT), "--out", str(out),
-           "--dry-run"]  # fmt: skip
-    plan = subprocess.run(dry, capture_output=True, text=True, timeout=60).stdout
-    assert f"seed-1: interrupted, resumes after round {last}" in plan
+    dry = subprocess.run(
+        [*command, "--dry-run"], capture_output=True, text=True, timeout=60
+    )
+    for seed, history in zip(seeds, histories, strict=True):
+        # the cell recorded its interruption, and a checkpoint to resume from
+        summary = json.loads((history.parent / "summary.json").read_text())
+        assert summary["status"] == "interrupted"
+        last = summary["rounds"]
+        assert (history.parent / "checkpoints" / f"round-{last:05d}").is_dir()
+        assert f"seed-{seed}: interrupted, resumes after round {last}" in dry.stdout
+
+
+@pytest.mark.integration
+def test_two_cells_at_once_compute_the_histories_of_one_after_another(
+    tmp_path: Path,
+) -> None:
+    """`--jobs 2` on 2 CPUs: two warm federations of one CPU each, a cell on
+    each at once; every column of every round as the cells run one after
+    another on one federation with both CPUs gives it, but the wall times
+    (`seconds`, and `sim-seconds`, which the measured compute drives)."""
+    grid = grid_file(tmp_path, """
+[base]
+data-set = "digits"
+rounds = 2
+num-clients = 3
+client-frac = 1.0
+[grid]
+strategy = ["fedavg", "scaffold"]
+""")  # fmt: skip
+    histories = {}
+    for jobs in (1, 2):
+        out = tmp_path / f"jobs-{jobs}"
+        argv = ["compare", str(grid), str(PROJECT), "--out", str(out)]
+        assert main([*argv, "--jobs", str(jobs)]) == 0
+        histories[jobs] = {
+            cell: [
+                {k: v for k, v in row.items() if k not in ("seconds", "sim-seconds")}
+                for row in json.loads(
+                    (out / "runs" / cell / "history.json").read_text()
+                )
+            ]
+            for cell in ("strategy-fedavg", "strategy-scaffold")
+        }
+    assert sorted(
+        p.name for p in (tmp_path / "jobs-2").iterdir() if "warm" in p.name
+    ) == ["warm-simulation-1", "warm-simulation-2"]
+    assert histories[2] == histories[1]
+    assert len(histories[1]["strategy-fedavg"]) == 2
 
 
 def test_report_lists_unfinished_runs_with_their_status(tmp_path: Path) -> None:

@@ -59,13 +59,15 @@ def test_dry_run_names_the_cell_another_compare_is_running(
 # 2. exit status of a compare whose cells failed -------------------------------
 
 
+@pytest.mark.parametrize("jobs", [1, 2], ids=["one-at-a-time", "jobs-2"])
 @pytest.mark.parametrize("failing", [{"seed-2"}, {"seed-1", "seed-2"}])
 def test_a_compare_whose_cell_failed_exits_with_exit_failed(
-    tmp_path: Path, monkeypatch, capsys, failing: set
+    tmp_path: Path, monkeypatch, capsys, failing: set, jobs: int
 ) -> None:
     """A cell whose `pollen run` fails makes `pollen compare` exit 1, as
     `pollen run` does for a run that did not complete (it exited 0 when
-    another cell completed, and 2, "input to fix", when none did)."""
+    another cell completed, and 2, "input to fix", when none did); the
+    other cell runs and is reported, also beside it (`--jobs 2`)."""
     grid = tmp_path / "grid.toml"
     grid.write_text('[base]\ndata-set = "digits"\nrounds = 1\n[grid]\nseed = [1, 2]\n')
     out = tmp_path / "cmp"
@@ -81,14 +83,55 @@ def test_a_compare_whose_cell_failed_exits_with_exit_failed(
         write_finished(out / "runs" / name, settings)
         return 0
 
-    monkeypatch.setattr(compare, "_cell_runner", lambda *a: run_cell)
+    monkeypatch.setattr(compare, "_cell_runners", lambda *a: [run_cell] * jobs)
     monkeypatch.setattr(
-        compare, "_shared_federation", lambda *a: contextlib.nullcontext()
+        compare, "_shared_federation", lambda *a: contextlib.nullcontext([])
     )
-    status = main(["compare", str(grid), str(PROJECT), "--out", str(out)])
+    monkeypatch.setattr(compare.os, "cpu_count", lambda: 2)
+    command = ["compare", str(grid), str(PROJECT), "--out", str(out)]
+    status = main([*command, "--jobs", str(jobs)])
     printed = capsys.readouterr()
     assert "[2/2] seed-2: failed" in printed.out
     assert status == 1, f"exit {status}; stderr: {printed.err}"
+    if "seed-1" not in failing:
+        assert "[1/2] seed-1: final" in printed.out
+
+
+@pytest.mark.parametrize(
+    ("jobs", "network", "message"),
+    [
+        ("0", False, r"--jobs 0: the cells run at once, each on a federation with at "
+         r"least one of this machine's 2 CPUs; allowed: 1 to 2"),
+        ("3", False, r"--jobs 3: .* allowed: 1 to 2"),
+        ("2", True, r"--jobs 2 with --network: deployed cells run one at a time"),
+    ],
+)  # fmt: skip
+def test_jobs_the_machine_cannot_run_are_refused_before_anything_starts(
+    tmp_path: Path, monkeypatch, capsys, jobs: str, network: bool, message: str
+) -> None:
+    """Each cell run at once has a warm federation with at least one CPU;
+    deployed cells shape the machine's links, so run one at a time. Said
+    before a cell or federation starts (exit 2, nothing written)."""
+    import re
+
+    from pollen.cli import EXIT_BAD_INPUT
+
+    monkeypatch.setattr(compare.os, "cpu_count", lambda: 2)
+    monkeypatch.setattr(
+        compare, "_shared_federation",
+        lambda *a: pytest.fail("a federation started"),
+    )  # fmt: skip
+    grid = tmp_path / "grid.toml"
+    grid.write_text('[base]\ndata-set = "digits"\n[grid]\nseed = [1, 2]\n')
+    out = tmp_path / "cmp"
+    argv = ["compare", str(grid), str(PROJECT), "--out", str(out), "--jobs", jobs]
+    if network:
+        profile = tmp_path / "net.toml"
+        profile.write_text("[default]\ndelay-ms = 5\n")
+        argv += ["--network", str(profile)]
+    assert main(argv) == EXIT_BAD_INPUT
+    assert re.search(message, capsys.readouterr().err)
+    assert not out.exists()
 
 
 # 3. --only ------------------------------------------------------------------

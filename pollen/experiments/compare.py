@@ -13,6 +13,9 @@ run checked against its cell, before the first run starts: a grid may grow
 with other settings than its cell now has is refused. The latest grid is
 kept as `DIR/grid.toml`.
 
+With `--jobs N` up to N simulated cells run at once, each on a warm
+federation of its own with an N-th of the machine's CPUs (`_shared_federation`).
+
 With `--network PROFILE` every cell runs as a real deployment on this
 machine, each SuperNode in its own network namespace behind the link the
 profile gives it (`network_cells`); with `--simulate` as well, the cells
@@ -25,11 +28,14 @@ import contextlib
 import dataclasses
 import itertools
 import json
+import os
 import statistics
 import sys
+import threading
 import time
 import tomllib
 from collections.abc import Callable, Iterator, Mapping, Sequence
+from concurrent import futures
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -62,8 +68,14 @@ from .report import (
 # How long an interrupted cell's `pollen run` gets to stop its run (and record
 # it as interrupted, checkpointed) before it is killed
 CELL_STOP_SECONDS = RUN_STOP_SECONDS + 10.0
-# the simulated cells' warm SuperLink and Ray head (their logs stay there)
+# the simulated cells' warm SuperLink and Ray head (their logs stay there);
+# with --jobs N, N of them: warm-simulation-1 .. -N
 WARM_DIR = "warm-simulation"
+# how often a cell run beside others looks whether the comparison is stopping
+CELL_POLL_SECONDS = 0.2
+
+# one cell's run: (its run config, its name, its log) -> the run's exit status
+RunCell = Callable[[str, str, Path], int]
 
 
 @dataclass(frozen=True)
@@ -379,7 +391,7 @@ def describe(cell: Cell, running: locks.Holder | None = None) -> str:
     """A cell's state in words, as the dry run and the progress lines say it;
     the cell that `running` (another comparison) runs now is said so, though
     its directory looks interrupted."""
-    if running is not None and cell.name == running.doing:
+    if running is not None and cell.name in running.doing.split():
         return f"running now (pid {running.pid})"
     if cell.state == HELD:
         return f"{HELD} (its run directory's lock is held)"
@@ -400,8 +412,9 @@ def exclusive(out: Path) -> Iterator[Callable[[str], None]]:
     """Hold `out/compare.lock` while a comparison runs there: a second
     `compare` on the same directory would resume the same cell into the same
     run directory. The lock goes with the process, however it ends. Yields
-    `running(cell_name)`, which records the cell being run in the lock file
-    for `running_now`."""
+    `running(cell_names)`, which records the cells being run (their names,
+    which hold no space, space-separated) in the lock file for
+    `running_now`."""
     stack = contextlib.ExitStack()
     try:
         out.mkdir(parents=True, exist_ok=True)
@@ -428,52 +441,130 @@ def running_now(out: Path) -> locks.Holder | None:
 def run_grid(
     cells: Sequence[Cell],
     out: Path,
-    run_cell: Callable[[str, str, Path], int],
+    run_cells: Sequence[RunCell],
     echo: Callable[[str], None] = print,
-    running: Callable[[str], None] = lambda cell_name: None,
+    running: Callable[[str], None] = lambda cell_names: None,
+    stop: threading.Event | None = None,
 ) -> list[str]:
     """Run every unfinished cell into `out/runs/`, a progress line per cell
     with an ETA; the cells whose run failed. `run_cell(config, name, log)`
-    runs one (exit status); `running(name)` is told which cell runs
-    (`exclusive`'s). An interrupted cell continues from its checkpoint, or
-    its directory is moved to `out/incomplete/` (never deleted) and it runs
-    again."""
+    runs one (exit status); with one in `run_cells`, each cell runs in this
+    thread, one after another; with N, up to N at once, each in a thread of
+    its own with a `run_cell` of its own, and a line says when each starts.
+    `running(names)` is told which cells run (`exclusive`'s). A failed cell
+    does not stop the others. Ctrl-C (a `KeyboardInterrupt` here) with
+    several running sets `stop`, which each of them (`pollen_run_cell`)
+    answers by stopping its run, and returns once all have stopped. An
+    interrupted cell continues from its checkpoint, or its directory is
+    moved to `out/incomplete/` (never deleted) and it runs again."""
     runs, logs = out / "runs", out / "logs"
     runs.mkdir(parents=True, exist_ok=True)
     logs.mkdir(exist_ok=True)
-    left = sum(cell.state != DONE for cell in cells)
-    spent: list[float] = []
-    failed: list[str] = []
-    for index, cell in enumerate(cells, 1):
-        prefix = f"[{index}/{len(cells)}] {cell.name}:"
-        if cell.state == DONE:
-            echo(f"{prefix} done before, kept")
-            continue
-        config = cell.config
-        if cell.state == RESUMES:
-            echo(f"{prefix} {describe(cell)}")
-            resume = config_text({"resume": str((runs / cell.name).resolve())})
-            config = f"{config} {resume}"
-        elif cell.state in (STARTS_OVER, RESTARTS):
-            aside = out / "incomplete" / f"{cell.name}-{int(time.time())}"
-            aside.parent.mkdir(exist_ok=True)
-            (runs / cell.name).rename(aside)
-            echo(f"{prefix} {describe(cell)}; the interrupted run is kept in {aside}")
-        running(cell.name)
-        started = time.monotonic()
-        status = run_cell(config, cell.name, logs / f"{cell.name}.log")
-        spent.append(time.monotonic() - started)
-        left -= 1
-        eta = statistics.fmean(spent) * left
+    progress = _Progress(out, echo, sum(cell.state != DONE for cell in cells),
+                         len(run_cells))  # fmt: skip
+    queued = [
+        (f"[{i}/{len(cells)}] {cell.name}:", cell) for i, cell in enumerate(cells, 1)
+    ]
+    if len(run_cells) <= 1:  # none when every cell is done
+        for prefix, cell in queued:
+            if cell.state == DONE:
+                echo(f"{prefix} done before, kept")
+                continue
+            config = _prepared(cell, out, prefix, echo)
+            running(cell.name)
+            started = time.monotonic()
+            status = run_cells[0](config, cell.name, logs / f"{cell.name}.log")
+            progress.ended(prefix, cell.name, status, time.monotonic() - started)
+        return progress.failed
+    return _run_at_once(queued, out, run_cells, progress, running, stop)
+
+
+def _run_at_once(
+    queued: Sequence[tuple[str, Cell]],
+    out: Path,
+    run_cells: Sequence[RunCell],
+    progress: _Progress,
+    running: Callable[[str], None],
+    stop: threading.Event | None,
+) -> list[str]:
+    """`run_grid` with up to `len(run_cells)` cells at once: a cell starts
+    on the first free `run_cell`, in a thread of its own."""
+    logs = out / "logs"
+    free = list(run_cells)
+    live: dict[futures.Future[int], tuple[str, Cell, RunCell, float]] = {}
+    waiting = list(queued)
+    with futures.ThreadPoolExecutor(len(run_cells), "pollen-cell") as pool:
+        try:
+            while waiting or live:
+                while waiting and (free or waiting[0][1].state == DONE):
+                    prefix, cell = waiting.pop(0)
+                    if cell.state == DONE:
+                        progress.echo(f"{prefix} done before, kept")
+                        continue
+                    config = _prepared(cell, out, prefix, progress.echo)
+                    run_cell = free.pop(0)
+                    log = logs / f"{cell.name}.log"
+                    job = pool.submit(run_cell, config, cell.name, log)
+                    live[job] = (prefix, cell, run_cell, time.monotonic())
+                    running(" ".join(c.name for _, c, _, _ in live.values()))
+                    progress.echo(f"{prefix} running")
+                done, _ = futures.wait(live, CELL_POLL_SECONDS, futures.FIRST_COMPLETED)
+                for job in done:
+                    prefix, cell, run_cell, started = live.pop(job)
+                    free.append(run_cell)
+                    seconds = time.monotonic() - started
+                    progress.ended(prefix, cell.name, job.result(), seconds)
+                running(" ".join(c.name for _, c, _, _ in live.values()))
+        except BaseException:  # Ctrl-C, or a fault of pollen's own
+            if stop is not None:
+                stop.set()  # each running cell stops its run, all at once
+            futures.wait(live)
+            raise
+    return progress.failed
+
+
+def _prepared(cell: Cell, out: Path, prefix: str, echo: Callable[[str], None]) -> str:
+    """The run config `cell` runs with now: resuming its run from its
+    checkpoint, or after its interrupted run is moved aside to
+    `out/incomplete/`."""
+    runs = out / "runs"
+    if cell.state == RESUMES:
+        echo(f"{prefix} {describe(cell)}")
+        resume = config_text({"resume": str((runs / cell.name).resolve())})
+        return f"{cell.config} {resume}"
+    if cell.state in (STARTS_OVER, RESTARTS):
+        aside = out / "incomplete" / f"{cell.name}-{int(time.time())}"
+        aside.parent.mkdir(exist_ok=True)
+        (runs / cell.name).rename(aside)
+        echo(f"{prefix} {describe(cell)}; the interrupted run is kept in {aside}")
+    return cell.config
+
+
+class _Progress:
+    """The line said as each cell of the comparison in `out` ends: its
+    outcome, its seconds, the cells left and the time they take at the mean
+    so far, `jobs` at once; the cells that failed."""
+
+    def __init__(
+        self, out: Path, echo: Callable[[str], None], left: int, jobs: int
+    ) -> None:
+        self.out, self.echo, self.left, self.jobs = out, echo, left, jobs
+        self.spent: list[float] = []
+        self.failed: list[str] = []
+
+    def ended(self, prefix: str, name: str, status: int, seconds: float) -> None:
+        self.spent.append(seconds)
+        self.left -= 1
+        eta = statistics.fmean(self.spent) * self.left / self.jobs
         if status == 0:
-            outcome = _outcome(runs / cell.name)
+            outcome = _outcome(self.out / "runs" / name)
         else:
-            outcome = f"failed (see {logs / cell.name}.log)"
-            failed.append(cell.name)
-        echo(
-            f"{prefix} {outcome}, {spent[-1]:.0f} s; {left} left, ETA {_duration(eta)}"
+            outcome = f"failed (see {self.out / 'logs' / name}.log)"
+            self.failed.append(name)
+        self.echo(
+            f"{prefix} {outcome}, {seconds:.0f} s; {self.left} left, "
+            f"ETA {_duration(eta)}"
         )
-    return failed
 
 
 def _finished(run_dir: Path) -> bool:
@@ -503,18 +594,25 @@ def _duration(seconds: float) -> str:
 def cell_command(
     app: Path, out: Path, overrides: Sequence[str]
 ) -> Callable[..., list[str]]:
-    """`command(config, name, deployment=None, warm=None)`: the argv of one
-    cell's `pollen run` (submitted to the deployment in that directory, or
-    simulated on the warm federation in that one, when given)."""
+    """`command(config, name, deployment=None, warm=None, federation=())`:
+    the argv of one cell's `pollen run` (submitted to the deployment in that
+    directory, or simulated on the warm federation in that one, when given,
+    with those `--federation-config` values)."""
 
     def command(
-        config: str, name: str, deployment: Path | None = None, warm: Path | None = None
+        config: str,
+        name: str,
+        deployment: Path | None = None,
+        warm: Path | None = None,
+        federation: Sequence[str] = (),
     ) -> list[str]:
         argv = [str(Path(sys.executable).parent / "pollen"), "run", str(app)]
         if deployment is not None:
             argv += ["--deployment", str(deployment)]
         if warm is not None:
             argv += ["--warm-simulation", str(warm)]
+        for value in federation:
+            argv += ["--federation-config", value]
         # the comparison's runs share one MLflow experiment, unless a value names one
         experiment = config_text({"tracking-experiment": out.resolve().name})
         for value in [experiment, *overrides, config, config_text(
@@ -527,18 +625,32 @@ def cell_command(
 
 
 def pollen_run_cell(
-    app: Path, out: Path, overrides: Sequence[str], warm: Path
-) -> Callable:
+    app: Path,
+    out: Path,
+    overrides: Sequence[str],
+    warm: Path,
+    stop: threading.Event | None = None,
+    nodes: Mapping[str, int] | None = None,
+) -> RunCell:
     """`run_cell` for `run_grid`: a `pollen run` simulation per cell, on the
-    warm federation in `warm`."""
+    warm federation in `warm` (with `nodes[name]` SuperNodes where given),
+    stopped (given `CELL_STOP_SECONDS` to record its interruption) when the
+    comparison is interrupted here or `stop` is set from another thread."""
     command = cell_command(app, out, overrides)
+    stopping = stop or threading.Event()
+    nodes = nodes or {}
 
     def run_cell(config: str, name: str, log: Path) -> int:
+        federation = [f"num-supernodes={nodes[name]}"] if name in nodes else []
+        argv = command(config, name, warm=warm, federation=federation)
         # output appended: a resumed or repeated cell keeps its log; the run
         # is stopped with all it started if the comparison is interrupted
-        run = processes.start(command(config, name, warm=warm), log=log)
+        run = processes.start(argv, log=log)
         try:
-            return run.wait()
+            while run.poll() is None:
+                if stopping.wait(CELL_POLL_SECONDS):
+                    raise KeyboardInterrupt  # this thread's cell is interrupted
+            return run.returncode
         finally:
             if run.poll() is None:  # time for the run to record its interruption
                 processes.stop(run.pid, grace=CELL_STOP_SECONDS)
@@ -553,7 +665,7 @@ class Comparison:
     the run config `overrides` under it; with a `network` profile (a
     resolved file) each cell runs as a deployment over links shaped as the
     profile says (`network_cells`), or, with `simulate`, as a simulation
-    whose clock the profile drives."""
+    whose clock the profile drives; up to `jobs` simulated cells at once."""
 
     grid_path: Path
     app: Path
@@ -562,6 +674,7 @@ class Comparison:
     only: Sequence[str] = ()
     network: Path | None = None
     simulate: bool = False
+    jobs: int = 1
     # the grid's TOML when it was not read from `grid_path` (one given in
     # Python, kept at `grid_path` when the comparison runs)
     grid_text: str = ""
@@ -610,6 +723,7 @@ def run_comparison(comparison: Comparison, dry_run: bool = False) -> list[str]:
             "for every cell (the links shaped and the clock must be one profile); "
             "leave it out of the grid, or run without --network"
         )
+    check_jobs(comparison.jobs, comparison.deployed)
     cells = validate_cells(grid, comparison.validate)  # before any write
     run_configs = {cell.name: cell.run_config for cell in cells}
     if comparison.deployed:
@@ -626,9 +740,10 @@ def run_comparison(comparison: Comparison, dry_run: bool = False) -> list[str]:
         cells = with_states(cells, out)
         refuse_held(cells, out)
         write_atomic(out / "grid.toml", grid_toml)
-        with _shared_federation(comparison, cells):
-            run_cell = _cell_runner(comparison, run_configs)
-            failed = run_grid(cells, out, run_cell, running=running)
+        stop = threading.Event()  # set on Ctrl-C: every running cell stops
+        with _shared_federation(comparison, cells) as federations:
+            run_cells = _cell_runners(comparison, run_configs, federations, stop)
+            failed = run_grid(cells, out, run_cells, running=running, stop=stop)
         if len(failed) < len(cells):  # else no run to report
             print(report(out, grid.target).read_text(), end="")
     print(f"pollen: comparison in {out}")
@@ -638,33 +753,92 @@ def run_comparison(comparison: Comparison, dry_run: bool = False) -> list[str]:
     return failed
 
 
+def check_jobs(jobs: object, deployed: bool) -> None:
+    """Refuse a `jobs` this machine cannot run at once: each cell at once
+    has a federation of its own with at least one CPU, and deployed cells
+    (`--network`) one at a time (their SuperNodes' namespaces and links are
+    the machine's)."""
+    cores = os.cpu_count() or 1
+    if isinstance(jobs, bool) or not isinstance(jobs, int) or not 1 <= jobs <= cores:
+        raise CompareError(
+            f"--jobs {jobs!r}: the cells run at once, each on a federation with "
+            f"at least one of this machine's {cores} CPUs; allowed: 1 to {cores}"
+        )
+    if jobs > 1 and deployed:
+        raise CompareError(
+            f"--jobs {jobs} with --network: deployed cells run one at a time "
+            "(each shapes this machine's links for its SuperNodes); use --jobs 1, "
+            "or --simulate to run simulations on the profile's clock"
+        )
+
+
 def _shared_federation(
     comparison: Comparison, cells: Sequence[Cell]
-) -> contextlib.AbstractContextManager[object]:
-    """While the cells run: the warm SuperLink and Ray head every simulated
-    cell runs on (each skips their start-up), when a cell is left to run;
-    deployed cells start their own."""
-    if comparison.deployed or all(cell.state == DONE for cell in cells):
-        return contextlib.nullcontext()
-    return warm_simulation(comparison.out / WARM_DIR)
+) -> contextlib.AbstractContextManager[list[Path]]:
+    """While the cells run: the warm SuperLinks and Ray heads the simulated
+    cells run on (each cell skips their start-up), when a cell is left to
+    run; deployed cells start their own. One federation with the machine's
+    CPUs, or with `jobs` N > 1 one per cell run at once (at most N, each
+    offering an N-th of the CPUs): runs on one Ray head would each size
+    their ClientApp actors to all of its CPUs (Flower's
+    `pool_size_from_resources`), and two such runs wait on each other's
+    actors. Yields the federations' directories."""
+    left = sum(cell.state != DONE for cell in cells)
+    out, jobs = comparison.out, comparison.jobs
+    if comparison.deployed or not left:
+        return contextlib.nullcontext([])
+    if jobs == 1:
+        return _federations([out / WARM_DIR], None)
+    slots = [out / f"{WARM_DIR}-{k}" for k in range(1, min(jobs, left) + 1)]
+    return _federations(slots, (os.cpu_count() or 1) // jobs)
 
 
-def _cell_runner(
-    comparison: Comparison, run_configs: Mapping[str, Mapping[str, Any]]
-) -> Callable[[str, str, Path], int]:
-    """`run_cell` for `run_grid`: each cell a deployment over the network
-    (`run_configs[name]`: its complete run config), or a simulation on the
-    shared federation (`_shared_federation`)."""
+@contextlib.contextmanager
+def _federations(directories: Sequence[Path], cpus: int | None) -> Iterator[list[Path]]:
+    """A warm federation in each of `directories` (`cpus` each), started one
+    after another (each takes the ports free then), all stopped at the end."""
+    with contextlib.ExitStack() as stack:
+        for directory in directories:
+            stack.enter_context(warm_simulation(directory, cpus))
+        yield list(directories)
+
+
+def _cell_runners(
+    comparison: Comparison,
+    run_configs: Mapping[str, Mapping[str, Any]],
+    federations: Sequence[Path],
+    stop: threading.Event,
+) -> list[RunCell]:
+    """`run_cells` for `run_grid`: each cell a deployment over the network
+    (`run_configs[name]`: its complete run config), or a simulation on one
+    of the warm `federations` (`_shared_federation`), one `run_cell` each."""
     from . import network_cells
 
     app, out, overrides = comparison.app, comparison.out, comparison.cell_overrides
     if comparison.deployed:
         assert comparison.network is not None
         command = cell_command(app, out, overrides)
-        return network_cells.network_run_cell(
+        return [network_cells.network_run_cell(
             command, out, comparison.network, run_configs
-        )
-    return pollen_run_cell(app, out, overrides, out / WARM_DIR)
+        )]  # fmt: skip
+    nodes = _cohort_nodes(run_configs) if comparison.jobs > 1 else {}
+    return [
+        pollen_run_cell(app, out, overrides, federation, stop, nodes)
+        for federation in federations
+    ]
+
+
+def _cohort_nodes(run_configs: Mapping[str, Mapping[str, Any]]) -> dict[str, int]:
+    """The SuperNodes of each cohort cell as one federation with the
+    machine's CPUs gives them (a node per actor the cores hold, at most one
+    per client): on a federation with fewer CPUs each node would train
+    another share of the clients, so another history."""
+    cores = os.cpu_count() or 1
+    return {
+        name: min(int(config["num-clients"]), cores)
+        for name, config in run_configs.items()
+        if config.get("client-execution") == "cohort"
+    }
 
 
 def print_plan(cells: list[Cell], out: Path) -> None:

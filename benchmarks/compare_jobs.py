@@ -1,0 +1,95 @@
+"""A grid's cells one after another against several at once: `pollen compare --jobs`.
+
+    .venv/bin/python benchmarks/compare_jobs.py [--jobs 2] [--repeat 2]
+        [--rounds 10] [--out bench-out/compare-jobs]
+
+Runs one grid of 8 cells (FedAvg, FedProx, SCAFFOLD and FedDyn, seeds 1
+and 2, on `digits`, `--rounds` rounds each) with `pollen compare --jobs 1`
+and with `--jobs N`, alternated `--repeat` times, each time into a fresh
+directory, so every cell runs and every invocation starts its warm
+federations. Prints one row per invocation: its wall time (start to exit,
+the federations' start-up and the report included), the machine's CPU use
+over it (busy time over all cores' time, from /proc/stat: what else runs on
+the machine counts too), and whether every cell's history equals the first
+`--jobs 1` invocation's in every column but the wall times (`seconds`,
+`sim-seconds`). Then each arm's median wall time and their ratio.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import statistics
+from pathlib import Path
+
+from measure import POLLEN, PROJECT, measure
+
+GRID = """
+[base]
+data-set = "digits"
+rounds = {rounds}
+[grid]
+strategy = ["fedavg", "fedprox", "scaffold", "feddyn"]
+seed = [1, 2]
+"""
+WALL_COLUMNS = ("seconds", "sim-seconds")
+
+
+def cpu_times() -> tuple[int, int]:
+    """(busy, total) jiffies of all cores since boot (/proc/stat's cpu line)."""
+    fields = [int(v) for v in Path("/proc/stat").read_text().split("\n")[0].split()[1:]]
+    idle = fields[3] + fields[4]  # idle, iowait
+    return sum(fields) - idle, sum(fields)
+
+
+def histories(out: Path) -> dict[str, list[dict]]:
+    """Every cell's history rows, less the wall-time columns."""
+    return {
+        run.name: [
+            {k: v for k, v in row.items() if k not in WALL_COLUMNS}
+            for row in json.loads((run / "history.json").read_text())
+        ]
+        for run in sorted((out / "runs").iterdir())
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--jobs", type=int, default=2)
+    parser.add_argument("--repeat", type=int, default=2)
+    parser.add_argument("--rounds", type=int, default=10)
+    parser.add_argument(
+        "--out", type=Path, default=PROJECT / "bench-out" / "compare-jobs"
+    )
+    args = parser.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    grid = args.out / "grid.toml"
+    grid.write_text(GRID.format(rounds=args.rounds))
+    walls: dict[int, list[float]] = {1: [], args.jobs: []}
+    reference: dict[str, list[dict]] | None = None
+    print(f"{'jobs':>4} {'repeat':>6} | {'wall s':>7} {'CPU use':>7} | same histories")
+    for repeat in range(1, args.repeat + 1):
+        for jobs in walls:
+            out = args.out / f"jobs-{jobs}-{repeat}"
+            shutil.rmtree(out, ignore_errors=True)
+            busy, total = cpu_times()
+            wall, _, _ = measure([POLLEN, "compare", str(grid), str(PROJECT),
+                                  "--out", str(out), "--jobs", str(jobs)])  # fmt: skip
+            busy_after, total_after = cpu_times()
+            use = (busy_after - busy) / (total_after - total)
+            walls[jobs].append(wall)
+            cells = histories(out)
+            reference = reference or cells
+            same = "yes" if cells == reference else "NO"
+            print(f"{jobs:>4} {repeat:>6} | {wall:7.1f} {use:7.0%} | {same} "
+                  f"({len(cells)} cells)", flush=True)  # fmt: skip
+    sequential, parallel = (statistics.median(walls[j]) for j in walls)
+    print(
+        f"median wall: --jobs 1 {sequential:.1f} s, --jobs {args.jobs} "
+        f"{parallel:.1f} s; ratio {parallel / sequential:.2f}"
+    )
+
+
+if __name__ == "__main__":
+    main()
