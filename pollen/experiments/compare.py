@@ -64,6 +64,7 @@ from .report import (
     report,
     value_label,
 )
+from .running_cells import RunningLines
 
 # How long an interrupted cell's `pollen run` gets to stop its run (and record
 # it as interrupted, checkpointed) before it is killed
@@ -476,7 +477,13 @@ def run_grid(
             status = run_cells[0](config, cell.name, logs / f"{cell.name}.log")
             progress.ended(prefix, cell.name, status, time.monotonic() - started)
         return progress.failed
-    return _run_at_once(queued, out, run_cells, progress, running, stop)
+    terminal = echo is print and sys.stdout.isatty()  # a line per running cell
+    lines = RunningLines(echo, sys.stdout if terminal else None)
+    progress.echo = lines.say
+    try:
+        return _run_at_once(queued, out, run_cells, progress, running, stop, lines)
+    finally:
+        lines.redraw({}, force=True)
 
 
 def _run_at_once(
@@ -486,9 +493,11 @@ def _run_at_once(
     progress: _Progress,
     running: Callable[[str], None],
     stop: threading.Event | None,
+    lines: RunningLines,
 ) -> list[str]:
     """`run_grid` with up to `len(run_cells)` cells at once: a cell starts
-    on the first free `run_cell`, in a thread of its own."""
+    on the first free `run_cell`, in a thread of its own; `lines` shows
+    the running ones."""
     logs = out / "logs"
     free = list(run_cells)
     live: dict[futures.Future[int], tuple[str, Cell, RunCell, float]] = {}
@@ -515,6 +524,9 @@ def _run_at_once(
                     seconds = time.monotonic() - started
                     progress.ended(prefix, cell.name, job.result(), seconds)
                 running(" ".join(c.name for _, c, _, _ in live.values()))
+                lines.redraw(
+                    {c.name: logs / f"{c.name}.log" for _, c, _, _ in live.values()}
+                )
         except BaseException:  # Ctrl-C, or a fault of pollen's own
             if stop is not None:
                 stop.set()  # each running cell stops its run, all at once
