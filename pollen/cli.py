@@ -342,8 +342,8 @@ def _add_compare_parsers(commands: argparse._SubParsersAction) -> None:
     grid.add_argument(
         "--jobs", type=int, default=1, metavar="N",
         help="run up to N simulated cells at once, each on a warm federation of "
-        "its own with an N-th of this machine's CPUs (at most one per CPU; "
-        "histories as one after another)",
+        "its own, sharing this machine's CPUs (at most one per CPU; not with "
+        "--network; histories as one after another)",
     )  # fmt: skip
     grid.add_argument(
         "--network", metavar="PROFILE", default=None,

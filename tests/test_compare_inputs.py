@@ -103,7 +103,8 @@ def test_a_compare_whose_cell_failed_exits_with_exit_failed(
         ("0", False, r"--jobs 0: the cells run at once, each on a federation with at "
          r"least one of this machine's 2 CPUs; allowed: 1 to 2"),
         ("3", False, r"--jobs 3: .* allowed: 1 to 2"),
-        ("2", True, r"--jobs 2 with --network: deployed cells run one at a time"),
+        ("2", True, r"--jobs 2 with --network: cells over a network profile run "
+         r"one at a time"),
     ],
 )  # fmt: skip
 def test_jobs_the_machine_cannot_run_are_refused_before_anything_starts(

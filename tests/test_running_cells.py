@@ -31,6 +31,8 @@ def test_a_cell_s_status_is_the_last_round_its_log_finished(tmp_path: Path) -> N
     with log.open("a") as f:
         f.write("     round 5/10: 0.08 s, up 0.35 MB, clients 5, ~4 s left\n")
     assert cell_status(log) == "round 5/10, 96.94 %, ~4 s left"
+    # resumed: the log goes on after what its earlier run wrote
+    assert cell_status(log, offset=log.stat().st_size) == "starting"
 
 
 def test_lines_said_go_above_the_running_cells_which_are_redrawn(
@@ -39,7 +41,7 @@ def test_lines_said_go_above_the_running_cells_which_are_redrawn(
     terminal = io.StringIO()
     lines = RunningLines(lambda line: terminal.write(line + "\n"), terminal)
     (tmp_path / "a.log").write_text(ROUNDS)
-    cells = {"a": tmp_path / "a.log", "b": tmp_path / "b.log"}
+    cells = {"a": (tmp_path / "a.log", 0), "b": (tmp_path / "b.log", 0)}
     monkeypatch.setattr(running_cells, "REDRAW_SECONDS", 3600.0)
     lines.redraw(cells)  # the first: drawn
     lines.redraw(cells)  # too soon: left as drawn
@@ -56,6 +58,6 @@ def test_lines_said_go_above_the_running_cells_which_are_redrawn(
 def test_without_a_terminal_only_the_lines_said_are_written(tmp_path: Path) -> None:
     said: list[str] = []
     lines = RunningLines(said.append, None)
-    lines.redraw({"a": tmp_path / "a.log"}, force=True)
+    lines.redraw({"a": (tmp_path / "a.log", 0)}, force=True)
     lines.say("[1/2] a: running")
     assert said == ["[1/2] a: running"]

@@ -666,15 +666,22 @@ def simulation_federation(
             f'give the ClientApps one, e.g. --federation-config "{GPU_SHARE}=0.25" '
             "(without it Ray hides the GPU from them), or use device='auto'"
         )
-    actors = max(1, cores // CLIENT_CPUS)
     defaults = {
-        "num-supernodes": min(num_clients, actors if cohorts else SIMULATED_NODES),
+        "num-supernodes": simulated_nodes(num_clients, cohorts, cores),
         "client-resources-num-cpus": CLIENT_CPUS,
     }
     if any(value.endswith(".toml") for value in federation):
         # Flower takes a .toml alone, not beside key=value words: pass its values
         federation = [f"{key}={json.dumps(value)}" for key, value in given.items()]
     return federation + [f"{k}={v}" for k, v in defaults.items() if k not in given]
+
+
+def simulated_nodes(num_clients: int, cohorts: bool, cores: int | None = None) -> int:
+    """A simulation's SuperNodes where the user set none: one per client up
+    to `SIMULATED_NODES`, or with `cohorts` one per ClientApp actor the
+    `cores` (default: this machine's) hold."""
+    actors = max(1, (cores or os.cpu_count() or 1) // CLIENT_CPUS)
+    return min(num_clients, actors if cohorts else SIMULATED_NODES)
 
 
 GPU_SHARE = "client-resources-num-gpus"

@@ -14,7 +14,7 @@ with other settings than its cell now has is refused. The latest grid is
 kept as `DIR/grid.toml`.
 
 With `--jobs N` up to N simulated cells run at once, each on a warm
-federation of its own with an N-th of the machine's CPUs (`_shared_federation`).
+federation of its own, sharing the machine's CPUs (`_shared_federation`).
 
 With `--network PROFILE` every cell runs as a real deployment on this
 machine, each SuperNode in its own network namespace behind the link the
@@ -42,7 +42,7 @@ from typing import Any
 
 from .. import locks
 from ..deployment import processes
-from ..deployment.launch import RUN_STOP_SECONDS
+from ..deployment.launch import RUN_STOP_SECONDS, simulated_nodes
 from ..deployment.run_config import RunConfigError, resolve_settings
 from ..deployment.warm_simulation import warm_simulation
 from ..files import write_atomic
@@ -480,10 +480,26 @@ def run_grid(
     terminal = echo is print and sys.stdout.isatty()  # a line per running cell
     lines = RunningLines(echo, sys.stdout if terminal else None)
     progress.echo = lines.say
+    if stop is None:
+        raise ValueError("cells at once need the `stop` their run_cells watch")
     try:
         return _run_at_once(queued, out, run_cells, progress, running, stop, lines)
     finally:
         lines.redraw({}, force=True)
+
+
+@dataclass(frozen=True)
+class _Running:
+    """A cell running beside others: its line's prefix, the `run_cell` it
+    holds, its log, the log's size when it started (what follows is this
+    run's) and when it started."""
+
+    prefix: str
+    cell: Cell
+    run_cell: RunCell
+    log: Path
+    offset: int
+    started: float
 
 
 def _run_at_once(
@@ -492,46 +508,61 @@ def _run_at_once(
     run_cells: Sequence[RunCell],
     progress: _Progress,
     running: Callable[[str], None],
-    stop: threading.Event | None,
+    stop: threading.Event,
     lines: RunningLines,
 ) -> list[str]:
     """`run_grid` with up to `len(run_cells)` cells at once: a cell starts
     on the first free `run_cell`, in a thread of its own; `lines` shows
-    the running ones."""
-    logs = out / "logs"
+    the running ones. A cell whose thread raised failed; anything raised
+    here (Ctrl-C) sets `stop`, and returns once every running cell has
+    stopped."""
     free = list(run_cells)
-    live: dict[futures.Future[int], tuple[str, Cell, RunCell, float]] = {}
+    live: dict[futures.Future[int], _Running] = {}
     waiting = list(queued)
-    with futures.ThreadPoolExecutor(len(run_cells), "pollen-cell") as pool:
-        try:
-            while waiting or live:
-                while waiting and (free or waiting[0][1].state == DONE):
-                    prefix, cell = waiting.pop(0)
-                    if cell.state == DONE:
-                        progress.echo(f"{prefix} done before, kept")
-                        continue
-                    config = _prepared(cell, out, prefix, progress.echo)
-                    run_cell = free.pop(0)
-                    log = logs / f"{cell.name}.log"
-                    job = pool.submit(run_cell, config, cell.name, log)
-                    live[job] = (prefix, cell, run_cell, time.monotonic())
-                    running(" ".join(c.name for _, c, _, _ in live.values()))
-                    progress.echo(f"{prefix} running")
-                done, _ = futures.wait(live, CELL_POLL_SECONDS, futures.FIRST_COMPLETED)
-                for job in done:
-                    prefix, cell, run_cell, started = live.pop(job)
-                    free.append(run_cell)
-                    seconds = time.monotonic() - started
-                    progress.ended(prefix, cell.name, job.result(), seconds)
-                running(" ".join(c.name for _, c, _, _ in live.values()))
-                lines.redraw(
-                    {c.name: logs / f"{c.name}.log" for _, c, _, _ in live.values()}
+    said = ""
+    pool = futures.ThreadPoolExecutor(len(run_cells), "pollen-cell")
+    try:
+        while waiting or live:
+            while waiting and (free or waiting[0][1].state == DONE):
+                prefix, cell = waiting.pop(0)
+                if cell.state == DONE:
+                    progress.echo(f"{prefix} done before, kept")
+                    continue
+                config = _prepared(cell, out, prefix, progress.echo)
+                log = out / "logs" / f"{cell.name}.log"
+                offset = log.stat().st_size if log.exists() else 0
+                entry = _Running(
+                    prefix, cell, free.pop(0), log, offset, time.monotonic()
                 )
-        except BaseException:  # Ctrl-C, or a fault of pollen's own
-            if stop is not None:
-                stop.set()  # each running cell stops its run, all at once
-            futures.wait(live)
-            raise
+                live[pool.submit(entry.run_cell, config, cell.name, log)] = entry
+                progress.echo(f"{prefix} running")
+            if (names := " ".join(e.cell.name for e in live.values())) != said:
+                running(names)
+                said = names
+            done, _ = futures.wait(live, CELL_POLL_SECONDS, futures.FIRST_COMPLETED)
+            for job in done:
+                entry = live.pop(job)
+                free.append(entry.run_cell)
+                try:
+                    status = job.result()
+                except Exception as error:  # starting or watching its run failed
+                    progress.echo(f"{entry.prefix} {type(error).__name__}: {error}")
+                    status = 1
+                seconds = time.monotonic() - entry.started
+                progress.ended(entry.prefix, entry.cell.name, status, seconds)
+            lines.redraw({e.cell.name: (e.log, e.offset) for e in live.values()})
+    except BaseException:  # Ctrl-C (SIGTERM), or a fault of pollen's own
+        stop.set()  # each running cell stops its run, all at once
+        pool.shutdown(wait=False, cancel_futures=True)  # and none starts
+        if live:
+            progress.echo(
+                f"pollen: stopping {len(live)} running cell(s); each records its "
+                f"interruption (up to {CELL_STOP_SECONDS:.0f} s)"
+            )
+        futures.wait(live)
+        raise
+    finally:
+        pool.shutdown(wait=True)
     return progress.failed
 
 
@@ -657,6 +688,8 @@ def pollen_run_cell(
         argv = command(config, name, warm=warm, federation=federation)
         # output appended: a resumed or repeated cell keeps its log; the run
         # is stopped with all it started if the comparison is interrupted
+        if stopping.is_set():  # the comparison stopped before this cell began
+            raise KeyboardInterrupt
         run = processes.start(argv, log=log)
         try:
             while run.poll() is None:
@@ -735,7 +768,7 @@ def run_comparison(comparison: Comparison, dry_run: bool = False) -> list[str]:
             "for every cell (the links shaped and the clock must be one profile); "
             "leave it out of the grid, or run without --network"
         )
-    check_jobs(comparison.jobs, comparison.deployed)
+    check_jobs(comparison.jobs, comparison.network is not None)
     cells = validate_cells(grid, comparison.validate)  # before any write
     run_configs = {cell.name: cell.run_config for cell in cells}
     if comparison.deployed:
@@ -765,22 +798,22 @@ def run_comparison(comparison: Comparison, dry_run: bool = False) -> list[str]:
     return failed
 
 
-def check_jobs(jobs: object, deployed: bool) -> None:
+def check_jobs(jobs: object, network: bool) -> None:
     """Refuse a `jobs` this machine cannot run at once: each cell at once
-    has a federation of its own with at least one CPU, and deployed cells
-    (`--network`) one at a time (their SuperNodes' namespaces and links are
-    the machine's)."""
+    has a federation of its own with at least one CPU, and cells over a
+    network profile (`network`) run one at a time."""
     cores = os.cpu_count() or 1
     if isinstance(jobs, bool) or not isinstance(jobs, int) or not 1 <= jobs <= cores:
         raise CompareError(
             f"--jobs {jobs!r}: the cells run at once, each on a federation with "
             f"at least one of this machine's {cores} CPUs; allowed: 1 to {cores}"
         )
-    if jobs > 1 and deployed:
+    if jobs > 1 and network:
         raise CompareError(
-            f"--jobs {jobs} with --network: deployed cells run one at a time "
-            "(each shapes this machine's links for its SuperNodes); use --jobs 1, "
-            "or --simulate to run simulations on the profile's clock"
+            f"--jobs {jobs} with --network: cells over a network profile run one "
+            "at a time (a deployed cell shapes this machine's links; a simulated "
+            "one times its clients by their measured compute, which cells beside "
+            "it would slow); use --jobs 1"
         )
 
 
@@ -790,8 +823,8 @@ def _shared_federation(
     """While the cells run: the warm SuperLinks and Ray heads the simulated
     cells run on (each cell skips their start-up), when a cell is left to
     run; deployed cells start their own. One federation with the machine's
-    CPUs, or with `jobs` N > 1 one per cell run at once (at most N, each
-    offering an N-th of the CPUs): runs on one Ray head would each size
+    CPUs, or with `jobs` N > 1 one per cell run at once (at most N, the
+    CPUs shared out among them): runs on one Ray head would each size
     their ClientApp actors to all of its CPUs (Flower's
     `pool_size_from_resources`), and two such runs wait on each other's
     actors. Yields the federations' directories."""
@@ -802,7 +835,7 @@ def _shared_federation(
     if jobs == 1:
         return _federations([out / WARM_DIR], None)
     slots = [out / f"{WARM_DIR}-{k}" for k in range(1, min(jobs, left) + 1)]
-    return _federations(slots, (os.cpu_count() or 1) // jobs)
+    return _federations(slots, (os.cpu_count() or 1) // len(slots))
 
 
 @contextlib.contextmanager
@@ -845,9 +878,8 @@ def _cohort_nodes(run_configs: Mapping[str, Mapping[str, Any]]) -> dict[str, int
     machine's CPUs gives them (a node per actor the cores hold, at most one
     per client): on a federation with fewer CPUs each node would train
     another share of the clients, so another history."""
-    cores = os.cpu_count() or 1
     return {
-        name: min(int(config["num-clients"]), cores)
+        name: simulated_nodes(int(config["num-clients"]), cohorts=True)
         for name, config in run_configs.items()
         if config.get("client-execution") == "cohort"
     }

@@ -5,6 +5,7 @@ notebook only the lines said when a cell starts and ends are written."""
 
 from __future__ import annotations
 
+import shutil
 import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
@@ -18,12 +19,14 @@ REDRAW_SECONDS = 1.0
 UP_AND_ERASE = "\x1b[{}F\x1b[J"
 
 
-def cell_status(log: Path) -> str:
-    """A running cell's progress as the end of its `pollen run` log says it:
-    "round 4/10, 95.00 %, ~5 s left", or "starting" before its first round."""
+def cell_status(log: Path, offset: int = 0) -> str:
+    """A running cell's progress as the end of its `pollen run` log says it
+    after `offset` (the log's size when this run of the cell began; a resumed
+    cell's log holds its earlier run's): "round 4/10, 95.00 %, ~5 s left",
+    or "starting" before its first round."""
     try:
         with log.open("rb") as f:
-            f.seek(max(0, f.seek(0, 2) - TAIL_BYTES))
+            f.seek(max(offset, f.seek(0, 2) - TAIL_BYTES))
             lines = f.read().decode(errors="replace").splitlines()
     except OSError:
         return "starting"
@@ -57,16 +60,20 @@ class RunningLines:
         self.echo(line)
         self.drawn_at = 0.0
 
-    def redraw(self, cells: Mapping[str, Path], force: bool = False) -> None:
-        """Show `cells` (running cell -> its log), at most once a
+    def redraw(
+        self, cells: Mapping[str, tuple[Path, int]], force: bool = False
+    ) -> None:
+        """Show `cells` (running cell -> its log and `cell_status`'s offset),
+        each cut to the terminal's width, at most once a
         `REDRAW_SECONDS` (or since a line was said) unless `force`d."""
         if self.stream is None or (
             not force and time.monotonic() - self.drawn_at < REDRAW_SECONDS
         ):
             return
         self._erase()
-        for name, log in cells.items():
-            self.stream.write(f"  {name}: {cell_status(log)}\n")
+        width = shutil.get_terminal_size().columns - 1  # a row each: no wrapping
+        for name, (log, offset) in cells.items():
+            self.stream.write(f"  {name}: {cell_status(log, offset)}"[:width] + "\n")
         self.stream.flush()
         self.shown, self.drawn_at = len(cells), time.monotonic()
 
