@@ -135,6 +135,15 @@ def test_jobs_the_machine_cannot_run_are_refused_before_anything_starts(
     assert not out.exists()
 
 
+def test_pollen_compare_refuses_a_jobs_that_is_not_a_count(tmp_path: Path) -> None:
+    """`jobs=` in Python is checked as `--jobs` is: True is not 1."""
+    import pollen
+
+    with pytest.raises(pollen.SettingsError, match=r"--jobs True: .* allowed: 1 to"):
+        pollen.compare({"seed": [1]}, out=tmp_path / "cmp", jobs=True)
+    assert not (tmp_path / "cmp").exists()
+
+
 # 3. --only ------------------------------------------------------------------
 
 
