@@ -88,6 +88,7 @@ def test_a_compare_whose_cell_failed_exits_with_exit_failed(
         compare, "_shared_federation", lambda *a: contextlib.nullcontext([])
     )
     monkeypatch.setattr(compare.os, "cpu_count", lambda: 2)
+    monkeypatch.setenv("RAY_ADDRESS", "10.0.0.1:6379")
     command = ["compare", str(grid), str(PROJECT), "--out", str(out)]
     status = main([*command, "--jobs", str(jobs)])
     printed = capsys.readouterr()
@@ -95,6 +96,8 @@ def test_a_compare_whose_cell_failed_exits_with_exit_failed(
     assert status == 1, f"exit {status}; stderr: {printed.err}"
     if "seed-1" not in failing:
         assert "[1/2] seed-1: final" in printed.out
+    # a Ray cluster named in the environment is not where the cells run: said
+    assert "RAY_ADDRESS=10.0.0.1:6379 is not used" in printed.out
 
 
 @pytest.mark.parametrize(

@@ -785,6 +785,10 @@ def run_comparison(comparison: Comparison, dry_run: bool = False) -> list[str]:
         cells = with_states(cells, out)
         refuse_held(cells, out)
         write_atomic(out / "grid.toml", grid_toml)
+        if os.environ.get("RAY_ADDRESS") and not comparison.deployed:
+            print(f"pollen: RAY_ADDRESS={os.environ['RAY_ADDRESS']} is not used: "
+                  "compare runs its cells on this machine's own warm federation(s); "
+                  "one `pollen run` joins a Ray cluster")  # fmt: skip
         stop = threading.Event()  # set on Ctrl-C: every running cell stops
         with _shared_federation(comparison, cells) as federations:
             run_cells = _cell_runners(comparison, run_configs, federations, stop)
