@@ -12,18 +12,18 @@ the federations' start-up and the report included), the machine's CPU use
 over it (busy time over all cores' time, from /proc/stat: what else runs on
 the machine counts too), and whether every cell's history equals the first
 `--jobs 1` invocation's in every column but the wall times (`seconds`,
-`sim-seconds`). Then each arm's median wall time and their ratio.
+`sim-seconds`: `same_histories.comparable`). Then each arm's median wall time and their ratio.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import shutil
 import statistics
 from pathlib import Path
 
 from measure import POLLEN, PROJECT, measure
+from same_histories import comparable
 
 GRID = """
 [base]
@@ -33,7 +33,6 @@ rounds = {rounds}
 strategy = ["fedavg", "fedprox", "scaffold", "feddyn"]
 seed = [1, 2]
 """
-WALL_COLUMNS = ("seconds", "sim-seconds")
 
 
 def cpu_times() -> tuple[int, int]:
@@ -46,10 +45,7 @@ def cpu_times() -> tuple[int, int]:
 def histories(out: Path) -> dict[str, list[dict]]:
     """Every cell's history rows, less the wall-time columns."""
     return {
-        run.name: [
-            {k: v for k, v in row.items() if k not in WALL_COLUMNS}
-            for row in json.loads((run / "history.json").read_text())
-        ]
+        run.name: comparable(run / "history.json", private=False)
         for run in sorted((out / "runs").iterdir())
     }
 

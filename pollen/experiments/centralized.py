@@ -41,13 +41,7 @@ from ..runs.results import (
 from ..settings import Settings
 from ..task.data import load_dataset
 from ..task.inputs import placed_model, settings_model
-from ..task.train import (
-    ClientOptimizer,
-    Preprocess,
-    evaluate,
-    pick_device,
-    train_local,
-)
+from ..task.train import ClientOptimizer, Preprocess, evaluate, pick_device, train_local
 
 STRATEGY = "centralized"
 

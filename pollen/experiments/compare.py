@@ -70,7 +70,7 @@ from .running_cells import RunningLines
 # it as interrupted, checkpointed) before it is killed
 CELL_STOP_SECONDS = RUN_STOP_SECONDS + 10.0
 # the simulated cells' warm SuperLink and Ray head (their logs stay there);
-# with --jobs N, N of them: warm-simulation-1 .. -N
+# with --jobs N, one per cell run at once: warm-simulation-1, -2, ...
 WARM_DIR = "warm-simulation"
 # how often a cell run beside others looks whether the comparison is stopping
 CELL_POLL_SECONDS = 0.2
@@ -477,11 +477,11 @@ def run_grid(
             status = run_cells[0](config, cell.name, logs / f"{cell.name}.log")
             progress.ended(prefix, cell.name, status, time.monotonic() - started)
         return progress.failed
+    if stop is None:
+        raise ValueError("cells at once need the `stop` their run_cells watch")
     terminal = echo is print and sys.stdout.isatty()  # a line per running cell
     lines = RunningLines(echo, sys.stdout if terminal else None)
     progress.echo = lines.say
-    if stop is None:
-        raise ValueError("cells at once need the `stop` their run_cells watch")
     try:
         return _run_at_once(queued, out, run_cells, progress, running, stop, lines)
     finally:
@@ -684,12 +684,12 @@ def pollen_run_cell(
     nodes = nodes or {}
 
     def run_cell(config: str, name: str, log: Path) -> int:
+        if stopping.is_set():  # the comparison stopped before this cell began
+            raise KeyboardInterrupt
         federation = [f"num-supernodes={nodes[name]}"] if name in nodes else []
         argv = command(config, name, warm=warm, federation=federation)
         # output appended: a resumed or repeated cell keeps its log; the run
         # is stopped with all it started if the comparison is interrupted
-        if stopping.is_set():  # the comparison stopped before this cell began
-            raise KeyboardInterrupt
         run = processes.start(argv, log=log)
         try:
             while run.poll() is None:

@@ -50,7 +50,7 @@ def placed(model: nn.Module, device: torch.device, channels_last: bool) -> nn.Mo
     with NCHW weights every convolution converts, or takes the slower
     im2col path. Channels-last weights make the layers' outputs and
     gradients channels-last too, so one training step of the catalogue's
-    CNNs takes 0.65-0.9x the time and an evaluation about half
+    CNNs takes 0.60-0.94x the time and an evaluation 0.49-0.78x
     (`benchmarks/memory_format.py`). The values are the same up to float
     summation order. Elsewhere the layout is left as it is: on CUDA it was
     not measured here. A model whose forward `.view`s a convolution's
