@@ -118,7 +118,8 @@ class PersonalMixture:
         and once more for each product its backward pass needs; this makes
         v - w, v_bar and alpha g, and takes one dot product, which cuts
         the mixture's own cost (beyond a second training step) by a half
-        to three fifths on the catalogue's CNNs (docs/performance.md)."""
+        to three fifths on the catalogue's CNNs (docs/performance.md, and the
+        autograd version's times in docs/lab-notes/algorithms.md)."""
         global_params = dict(self.global_model.named_parameters())
         with torch.no_grad():
             gaps = {n: v - global_params[n] for n, v in self.params.items()}
