@@ -9,6 +9,7 @@ import random
 import re
 import secrets
 import signal
+import subprocess
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -152,6 +153,24 @@ def fenced_blocks(page: str, language: str) -> list[str]:
     """The bodies of a Markdown page's ```language blocks, in the page's order
     (the commands and outputs the docs' tests run and compare)."""
     return re.findall(rf"^```{language}\n(.*?)^```", page, re.S | re.M)
+
+
+def read_through_line(process: subprocess.Popen, text: str) -> str:
+    """`process`'s stdout up to the end of the first line holding `text`,
+    read from its pipe a byte at a time. Iterating the pipe's file object
+    reads ahead: on a loaded machine the run printed several rounds before
+    the test read any, and the lines read past `text` were lost to the
+    `communicate` that reads the rest from the pipe itself."""
+    assert process.stdout is not None
+    pipe, read, wanted = process.stdout.fileno(), bytearray(), text.encode()
+    line_start = 0
+    while byte := os.read(pipe, 1):
+        read += byte
+        if byte == b"\n":
+            if wanted in read[line_start:]:
+                break
+            line_start = len(read)
+    return read.decode(errors="replace")
 
 
 def write_mnist_slices(data_dir: Path, own_file: Path) -> None:

@@ -23,7 +23,7 @@ from pollen import api
 from pollen.deployment.processes import alive, descendants
 from pollen.experiments.compare import Grid
 from pollen.runs.checkpoints import check_resumable
-from tests.conftest import PROJECT, fenced_blocks
+from tests.conftest import PROJECT, fenced_blocks, read_through_line
 
 DIGITS = {"num-clients": 4, "client-frac": 1.0, "local-epochs": 1}
 
@@ -269,12 +269,7 @@ def test_an_interrupt_stops_every_process_and_leaves_the_run_resumable(
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
         start_new_session=True,
     )  # fmt: skip
-    assert script.stdout is not None
-    shown = ""
-    for line in script.stdout:
-        shown += line
-        if "round 2/300" in line:
-            break
+    shown = read_through_line(script, "round 2/300")
     started = descendants(script.pid)
     assert started, shown
     os.killpg(script.pid, signal.SIGINT)

@@ -20,7 +20,7 @@ import pytest
 from pollen.deployment import processes
 from pollen.deployment.launch import LocalSuperLink
 from pollen.deployment.processes import alive, descendants
-from tests.conftest import PROJECT
+from tests.conftest import PROJECT, read_through_line
 
 pytestmark = pytest.mark.integration
 BIN = Path(sys.executable).parent
@@ -83,11 +83,7 @@ def test_a_stopped_run_leaves_nothing_running_and_can_resume(
     else:
         run = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                text=True)  # fmt: skip
-        assert run.stdout is not None
-        for line in run.stdout:
-            shown += line
-            if "round 2/300" in line:
-                break
+        shown = read_through_line(run, "round 2/300")
     started = descendants(run.pid)  # by PID: what this run started
     temporary = paths_of([run.pid, *started])
     assert any("flwr-home" in p.name for p in temporary), temporary
@@ -133,10 +129,7 @@ def test_a_killed_run_on_a_warm_federation_stops_its_serverapp_only(
          str(warm_federation), "-c", config],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
     )  # fmt: skip
-    assert run.stdout is not None
-    for line in run.stdout:
-        if "round 2/300" in line:
-            break
+    read_through_line(run, "round 2/300")
     found = named_descendants(warm.superlink_pid, SERVERAPP_PROCESSES)
     ours = [pid for pid in found if pid not in before]
     assert ours

@@ -34,7 +34,7 @@ from pollen.strategies.prototypes import ServerPrototypes
 from pollen.task.client_state import SPILLED_LINE
 from pollen.task.models import build_model
 from pollen.task.sharing import Sharing, classifier_name
-from tests.conftest import PROJECT, WORKER
+from tests.conftest import PROJECT, WORKER, read_through_line
 from tests.user_package import PACKAGE, write_user_package
 
 pytestmark = pytest.mark.integration
@@ -377,12 +377,10 @@ def ctrl_c_after_round_2(argv: list[str]) -> tuple[str, str]:
     run = subprocess.Popen(
         argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
     )
-    assert run.stdout is not None
-    for line in run.stdout:
-        if "round 2/300" in line:
-            break
+    shown = read_through_line(run, "round 2/300")
     run.send_signal(signal.SIGINT)
     output, errors = run.communicate(timeout=120)
+    output = shown + output
     assert run.returncode == 130, errors[-3000:]
     assert "Traceback" not in output + errors
     return output, errors
