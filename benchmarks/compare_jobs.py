@@ -1,7 +1,7 @@
 """A grid's cells one after another against several at once: `pollen compare --jobs`.
 
     .venv/bin/python benchmarks/compare_jobs.py [--jobs 2] [--repeat 2]
-        [--rounds 10] [--out bench-out/compare-jobs]
+        [--rounds 10] [--ray-cluster] [--out bench-out/compare-jobs]
 
 Runs one grid of 8 cells (FedAvg, FedProx, SCAFFOLD and FedDyn, seeds 1
 and 2, on `digits`, `--rounds` rounds each) with `pollen compare --jobs 1`
@@ -13,17 +13,36 @@ over it (busy time over all cores' time, from /proc/stat: what else runs on
 the machine counts too), and whether every cell's history equals the first
 `--jobs 1` invocation's in every column but the wall times (`seconds`,
 `sim-seconds`: `same_histories.comparable`). Then each arm's median wall time and their ratio.
+
+With `--ray-cluster` the grid runs on a two-node Ray cluster started on this
+machine as tests/test_ray_cluster.py starts one (a head and a worker on
+loopback, one CPU each), named by `RAY_ADDRESS`: no warm federation starts,
+each cell joins the cluster with 1/N of its ClientApp actors. A column then
+says how many ClientApp actors the invocation started on each node.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import shutil
 import statistics
+import sys
+from collections import Counter
+from collections.abc import Iterator
 from pathlib import Path
 
 from measure import POLLEN, PROJECT, measure
 from same_histories import comparable
+
+sys.path.insert(0, str(PROJECT))
+
+from tests.test_ray_cluster import (
+    CLUSTER_START_SECONDS,
+    Cluster,
+    query,
+    ray_cluster,
+)
 
 GRID = """
 [base]
@@ -50,11 +69,29 @@ def histories(out: Path) -> dict[str, list[dict]]:
     }
 
 
+@contextlib.contextmanager
+def two_node_cluster(logs: Path) -> Iterator[Cluster]:
+    """tests/test_ray_cluster.py's head and worker, once both are up."""
+    logs.mkdir(parents=True, exist_ok=True)
+    with ray_cluster(logs) as cluster:
+        nodes = query(cluster, want=2, seconds=CLUSTER_START_SECONDS)["nodes"]
+        if len(nodes) != 2:
+            raise RuntimeError(f"the Ray cluster did not come up: {nodes}")
+        yield cluster
+
+
+def actors_per_node(cluster: Cluster) -> Counter[str]:
+    """The ClientApp actors the cluster has started so far, by node."""
+    actors = query(cluster)["actors"]
+    return Counter(node for name, _, node in actors if name == "ClientAppActor")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--jobs", type=int, default=2)
     parser.add_argument("--repeat", type=int, default=2)
     parser.add_argument("--rounds", type=int, default=10)
+    parser.add_argument("--ray-cluster", action="store_true")
     parser.add_argument(
         "--out", type=Path, default=PROJECT / "bench-out" / "compare-jobs"
     )
@@ -64,22 +101,36 @@ def main() -> None:
     grid.write_text(GRID.format(rounds=args.rounds))
     walls: dict[int, list[float]] = {1: [], args.jobs: []}
     reference: dict[str, list[dict]] | None = None
-    print(f"{'jobs':>4} {'repeat':>6} | {'wall s':>7} {'CPU use':>7} | same histories")
-    for repeat in range(1, args.repeat + 1):
-        for jobs in walls:
-            out = args.out / f"jobs-{jobs}-{repeat}"
-            shutil.rmtree(out, ignore_errors=True)
-            busy, total = cpu_times()
-            wall, _, _ = measure([POLLEN, "compare", str(grid), str(PROJECT),
-                                  "--out", str(out), "--jobs", str(jobs)])  # fmt: skip
-            busy_after, total_after = cpu_times()
-            use = (busy_after - busy) / (total_after - total)
-            walls[jobs].append(wall)
-            cells = histories(out)
-            reference = reference or cells
-            same = "yes" if cells == reference else "NO"
-            print(f"{jobs:>4} {repeat:>6} | {wall:7.1f} {use:7.0%} | {same} "
-                  f"({len(cells)} cells)", flush=True)  # fmt: skip
+    print(f"{'jobs':>4} {'repeat':>6} | {'wall s':>7} {'CPU use':>7} | same histories"
+          + (" | actors per node" if args.ray_cluster else ""))  # fmt: skip
+    with contextlib.ExitStack() as stack:
+        cluster = None
+        if args.ray_cluster:
+            cluster = stack.enter_context(two_node_cluster(args.out / "ray-logs"))
+        started: Counter[str] = Counter()
+        for repeat in range(1, args.repeat + 1):
+            for jobs in walls:
+                out = args.out / f"jobs-{jobs}-{repeat}"
+                shutil.rmtree(out, ignore_errors=True)
+                busy, total = cpu_times()
+                wall, _, _ = measure(
+                    [POLLEN, "compare", str(grid), str(PROJECT), "--out", str(out),
+                     "--jobs", str(jobs)],
+                    env=cluster.env if cluster else None,
+                )  # fmt: skip
+                busy_after, total_after = cpu_times()
+                use = (busy_after - busy) / (total_after - total)
+                walls[jobs].append(wall)
+                cells = histories(out)
+                reference = reference or cells
+                same = "yes" if cells == reference else "NO"
+                row = (f"{jobs:>4} {repeat:>6} | {wall:7.1f} {use:7.0%} | {same} "
+                       f"({len(cells)} cells)")  # fmt: skip
+                if cluster is not None:
+                    now = actors_per_node(cluster)
+                    row += f" | {sorted((now - started).values(), reverse=True)}"
+                    started = now
+                print(row, flush=True)
     sequential, parallel = (statistics.median(walls[j]) for j in walls)
     print(
         f"median wall: --jobs 1 {sequential:.1f} s, --jobs {args.jobs} "

@@ -357,9 +357,10 @@ def compare(
     `network` runs every cell as a deployment over links shaped as that
     profile says (root), or with `simulate` as a simulation on its clock;
     `jobs` runs up to that many simulated cells at once, each on a warm
-    federation of its own with that share of the CPUs, each history as one
-    after another gives it; `dry_run` validates and lists the cells, running
-    none; `app` as for `run`.
+    federation of its own with that share of the CPUs (or, with
+    `RAY_ADDRESS` in the environment, on that Ray cluster with that share
+    of its actors), each history as one after another gives it; `dry_run`
+    validates and lists the cells, running none; `app` as for `run`.
 
     Raises `SettingsError` for input to fix: a grid or a setting that
     cannot run is refused before any cell starts (so is a report that

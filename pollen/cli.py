@@ -343,7 +343,8 @@ def _add_compare_parsers(commands: argparse._SubParsersAction) -> None:
         "--jobs", type=int, default=1, metavar="N",
         help="run up to N simulated cells at once, each on a warm federation of "
         "its own, sharing this machine's CPUs (at most one per CPU; not with "
-        "--network; histories as one after another)",
+        "--network; histories as one after another); with RAY_ADDRESS set, on "
+        "that Ray cluster, each with 1/N of its actors (at most one per CPU of it)",
     )  # fmt: skip
     grid.add_argument(
         "--network", metavar="PROFILE", default=None,

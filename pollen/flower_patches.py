@@ -43,6 +43,7 @@ FLEET_PULL_ROUTE = "flwr.superlink.routers.fleet.router:fleet_pull_messages"
 RUNTIME_PUSH_ROUTE = "flwr.supercore.routers.runtime.router:push_messages"
 RUNTIME_OBJECT_ROUTE = "flwr.supercore.routers.runtime.router:push_object"
 RUNTIME_PUSH = "flwr.superlink.servicer.runtime.runtime_handlers:push_messages"
+RAY_ACTOR = "flwr.simulation.ray_transport.ray_actor"
 
 # A digest of the source of each Flower function pollen changes, as each
 # verified release ships it (`source_digest`).
@@ -64,6 +65,8 @@ TESTED_SOURCES: dict[str, dict[str, str]] = {
         RUNTIME_PUSH_ROUTE: "195c0dab8d020cdc",
         RUNTIME_OBJECT_ROUTE: "cea29ed48616b5b5",
         RUNTIME_PUSH: "03b2ea647465c032",
+        f"{RAY_ACTOR}:pool_size_from_resources": "dec698571d396dc8",
+        f"{RAY_ACTOR}:BasicActorPool": "68dd4f31bc6e4655",
     },
     # The nightly of 1.43: `_push_messages` also returns when no task is left
     # (it pushes nothing), `_pull_and_store_message` acknowledges a message
@@ -86,6 +89,8 @@ TESTED_SOURCES: dict[str, dict[str, str]] = {
         RUNTIME_PUSH_ROUTE: "195c0dab8d020cdc",
         RUNTIME_OBJECT_ROUTE: "cea29ed48616b5b5",
         RUNTIME_PUSH: "b757faa848722b17",
+        f"{RAY_ACTOR}:pool_size_from_resources": "dec698571d396dc8",
+        f"{RAY_ACTOR}:BasicActorPool": "68dd4f31bc6e4655",
     },
 }
 
@@ -243,6 +248,20 @@ INSTALLED_FABS = Patch(
     "`validate_and_install`'s caller.",
     left_out="pollen superexec installs each task's FAB as Flower does",
 )
+RAY_ACTOR_SHARE = Patch(
+    key="ray-actor-share",
+    where="`flwr-simulation` of a comparison's cells run at once on a Ray cluster",
+    applied_by="pollen.deployment.flower_simulation:share_actor_pool",
+    functions=(f"{RAY_ACTOR}:pool_size_from_resources", f"{RAY_ACTOR}:BasicActorPool"),
+    what="A run's ClientApp actor pool is Flower's size divided by the runs "
+    "sharing the cluster at once (`POLLEN_RAY_SHARE`), at least one actor.",
+    why="Flower sizes each run's pool to every CPU of the cluster: of two runs "
+    "at once, messages given to pending actors wait for the other run to end "
+    "(the runs take turns, or wait on each other).",
+    upstream="A cap on the actor pool in the simulation backend's config (beside "
+    "`client_resources`).",
+    left_out="each run starts an actor per CPU of the cluster, as Flower does",
+)
 PATCHES = (
     SUPERNODE_WAITS,
     SUPERNODE_REPLY_WAIT,
@@ -251,6 +270,7 @@ PATCHES = (
     SERVERAPP_PULLS,
     SUPERLINK_LONG_POLL,
     INSTALLED_FABS,
+    RAY_ACTOR_SHARE,
 )
 
 

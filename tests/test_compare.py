@@ -291,7 +291,7 @@ def test_ctrl_c_stops_every_running_cell_at_once_and_says_so(
 
     started: list[subprocess.Popen] = []
 
-    def start(command: list[str], *, log: Path) -> subprocess.Popen:
+    def start(command: list[str], *, log: Path, env=None) -> subprocess.Popen:
         run = subprocess.Popen(["sleep", "30"], start_new_session=True)
         started.append(run)
         return run
@@ -350,7 +350,7 @@ def test_a_cohort_cell_beside_others_keeps_the_nodes_of_one_federation(
     assert nodes == {"cohort": 4, "few": 3}
     commands: list[list[str]] = []
 
-    def start(command: list[str], *, log: Path) -> subprocess.Popen:
+    def start(command: list[str], *, log: Path, env=None) -> subprocess.Popen:
         commands.append(command)
         return subprocess.Popen(["true"])
 
@@ -363,6 +363,28 @@ def test_a_cohort_cell_beside_others_keeps_the_nodes_of_one_federation(
     flag = commands[0].index("--federation-config")
     assert commands[0][flag + 1] == "num-supernodes=4"
     assert "--federation-config" not in commands[1]
+
+
+def test_a_cell_on_a_ray_cluster_starts_its_own_superlink_with_its_share(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """No warm federation (no `--warm-simulation`: the run's own SuperLink,
+    which joins the cluster `RAY_ADDRESS` names), and the environment that
+    says how many cells share the cluster's actors."""
+    started: list[tuple[list[str], dict | None]] = []
+
+    def start(command: list[str], *, log: Path, env=None) -> subprocess.Popen:
+        started.append((command, env))
+        return subprocess.Popen(["true"])
+
+    monkeypatch.setattr(compare.processes, "start", start)
+    env = {"RAY_ADDRESS": "127.0.0.1:6390", "POLLEN_RAY_SHARE": "2"}
+    run_cell = compare.pollen_run_cell(
+        PROJECT, tmp_path, [], None, threading.Event(), {}, env
+    )
+    assert run_cell("seed=1", "seed-1", tmp_path / "a.log") == 0
+    [(command, given)] = started
+    assert "--warm-simulation" not in command and given == env
 
 
 def test_a_grid_may_grow_but_not_change_under_its_results(tmp_path: Path) -> None:

@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from pollen.cli import main
+from pollen.deployment.ray_cluster import RayCluster, RayClusterError, ask_cluster
 from pollen.experiments import compare, report
 from tests.conftest import PROJECT
 
@@ -88,7 +89,6 @@ def test_a_compare_whose_cell_failed_exits_with_exit_failed(
         compare, "_shared_federation", lambda *a: contextlib.nullcontext([])
     )
     monkeypatch.setattr(compare.os, "cpu_count", lambda: 2)
-    monkeypatch.setenv("RAY_ADDRESS", "10.0.0.1:6379")
     command = ["compare", str(grid), str(PROJECT), "--out", str(out)]
     status = main([*command, "--jobs", str(jobs)])
     printed = capsys.readouterr()
@@ -96,8 +96,6 @@ def test_a_compare_whose_cell_failed_exits_with_exit_failed(
     assert status == 1, f"exit {status}; stderr: {printed.err}"
     if "seed-1" not in failing:
         assert "[1/2] seed-1: final" in printed.out
-    # a Ray cluster named in the environment is not where the cells run: said
-    assert "RAY_ADDRESS=10.0.0.1:6379 is not used" in printed.out
 
 
 @pytest.mark.parametrize(
@@ -136,6 +134,103 @@ def test_jobs_the_machine_cannot_run_are_refused_before_anything_starts(
     assert main(argv) == EXIT_BAD_INPUT
     assert re.search(message, capsys.readouterr().err)
     assert not out.exists()
+
+
+CLUSTER = RayCluster("127.0.0.1:6390", cpus=3, gpus=0.0, nodes=2)
+
+
+def on_a_cluster(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`RAY_ADDRESS` names `CLUSTER`, whose resources are asked of no Ray."""
+    monkeypatch.setenv("RAY_ADDRESS", CLUSTER.address)
+    monkeypatch.setattr(compare, "ask_cluster", lambda address: CLUSTER)
+
+
+def test_a_ray_cluster_nothing_answers_at_is_refused_before_anything_starts(
+    tmp_path: Path, monkeypatch, capsys
+) -> None:
+    """The address is tried (a TCP connection on loopback) before a cell
+    or federation starts: Ray's own client retries it for minutes."""
+    from pollen.cli import EXIT_BAD_INPUT
+    from pollen.deployment.processes import free_port
+
+    address = f"127.0.0.1:{free_port()}"
+    monkeypatch.setenv("RAY_ADDRESS", address)
+    grid = tmp_path / "grid.toml"
+    grid.write_text('[base]\ndata-set = "digits"\n[grid]\nseed = [1, 2]\n')
+    out = tmp_path / "cmp"
+    assert main(["compare", str(grid), str(PROJECT), "--out", str(out)]) == (
+        EXIT_BAD_INPUT
+    )
+    assert f"RAY_ADDRESS={address}: nothing answers there" in capsys.readouterr().err
+    assert not out.exists()
+
+
+@pytest.mark.parametrize("address", ["6379", "head", "head:port", ":6379"])
+def test_an_address_that_is_not_host_and_port_is_refused(address: str) -> None:
+    with pytest.raises(RayClusterError, match=r"allowed: HOST:PORT .* or auto"):
+        ask_cluster(address)
+
+
+def test_jobs_are_bounded_by_the_clusters_cpus_not_this_machines(
+    tmp_path: Path, monkeypatch, capsys
+) -> None:
+    """On a cluster each cell at once has at least one of its CPUs: 3 cells
+    at once on 3 cluster CPUs from a 2-core machine, not 4."""
+    from pollen.cli import EXIT_BAD_INPUT
+
+    monkeypatch.setattr(compare.os, "cpu_count", lambda: 2)
+    compare.check_jobs(3, network=False, cluster=CLUSTER)
+    on_a_cluster(monkeypatch)
+    grid = tmp_path / "grid.toml"
+    grid.write_text('[base]\ndata-set = "digits"\n[grid]\nseed = [1, 2]\n')
+    out = tmp_path / "cmp"
+    argv = ["compare", str(grid), str(PROJECT), "--out", str(out), "--jobs", "4"]
+    assert main(argv) == EXIT_BAD_INPUT
+    assert (
+        "--jobs 4: the cells run at once, each with at least one ClientApp actor of "
+        f"the Ray cluster's (RAY_ADDRESS={CLUSTER.address}) 3 CPUs; allowed: 1 to 3"
+    ) in capsys.readouterr().err
+    assert not out.exists()
+
+
+@pytest.mark.parametrize(("jobs", "share"), [(1, None), (2, "2"), (3, "2")])
+def test_cells_on_a_cluster_start_no_federation_and_share_its_actors(
+    tmp_path: Path, monkeypatch, capsys, jobs: int, share: str | None
+) -> None:
+    """Each cell run at once starts a SuperLink of its own that joins the
+    cluster (no warm federation, no Ray head here); with two cells left,
+    `--jobs 3` runs two, each with half of the cluster's actors."""
+    from pollen.deployment.flower_simulation import SHARE_ENV
+
+    on_a_cluster(monkeypatch)
+    grid = tmp_path / "grid.toml"
+    grid.write_text('[base]\ndata-set = "digits"\nrounds = 1\n[grid]\nseed = [1, 2]\n')
+    out = tmp_path / "cmp"
+    made: list[tuple[Path | None, dict | None]] = []
+
+    def pollen_run_cell(app, out_, overrides, warm, stop, nodes, env):
+        made.append((warm, env))
+
+        def run_cell(config: str, name: str, log: Path) -> int:
+            settings = {"seed": int(name[-1]), "data-set": "digits", "run-name": name}
+            write_finished(out / "runs" / name, settings)
+            return 0
+
+        return run_cell
+
+    monkeypatch.setattr(compare, "pollen_run_cell", pollen_run_cell)
+    argv = ["compare", str(grid), str(PROJECT), "--out", str(out), "--jobs", str(jobs)]
+    assert main(argv) == 0
+    at_once = min(jobs, 2)
+    assert [warm for warm, _ in made] == [None] * at_once
+    assert [env and env[SHARE_ENV] for _, env in made] == [share] * at_once
+    printed = capsys.readouterr().out
+    assert (
+        f"pollen: the cells run on the Ray cluster at {CLUSTER.address} (2 node(s), "
+        "3 CPUs), each with a SuperLink here"
+    ) in printed
+    assert (f"{at_once} at once, each with 1/{at_once} of" in printed) == (jobs > 1)
+    assert not (out / compare.WARM_DIR).exists()
 
 
 def test_pollen_compare_refuses_a_jobs_that_is_not_a_count(tmp_path: Path) -> None:

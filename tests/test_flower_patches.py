@@ -26,6 +26,9 @@ OBSERVED = {
     "reply wait": "type(node._push_messages).__name__ == 'PushWhileTasksRun'",
     "held pulls": "hasattr(superlink_app._get_middleware, '__wrapped__')",
     "released on exit": "hasattr(uvicorn.Server.handle_exit, '__wrapped__')",
+    "actor share": "hasattr(getattr(sys.modules.get("
+    "'flwr.simulation.ray_transport.ray_actor'), 'pool_size_from_resources', "
+    "None), '__wrapped__')",
 }
 CHANGES = {  # a patch -> what it changes (the SuperNode's pulls are objects')
     "supernode-waits": ["supernode clock", "object pulls"],
@@ -35,6 +38,7 @@ CHANGES = {  # a patch -> what it changes (the SuperNode's pulls are objects')
     "serverapp-pulls": ["object pulls"],
     "installed-fabs": ["FAB install"],
     "superlink-long-poll": ["held pulls", "released on exit"],
+    "ray-actor-share": ["actor share"],
 }
 
 
@@ -44,8 +48,9 @@ def apply_in_a_fresh_process(
     """Apply `patch` after `tamper` in a new interpreter (patches change module
     globals); what it printed (whether it applied, what changed) and its stderr."""
     observed = ", ".join(f"{name!r}: {check}" for name, check in OBSERVED.items())
-    code = (
-        "import time, flwr, uvicorn\n"
+    code = (  # as a comparison's cells on a Ray cluster, two at once
+        "import os, sys, time, flwr, uvicorn\n"
+        "os.environ['POLLEN_RAY_SHARE'] = '2'\n"
         "from pollen import flower_patches\n"
         f"{tamper}\n"
         "from flwr.cli.install import install_from_fab\n"

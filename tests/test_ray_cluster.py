@@ -155,3 +155,57 @@ def test_simulation_spreads_client_apps_over_a_two_node_cluster(
     client_nodes = {node for name, _, node in actors if name == "ClientAppActor"}
     assert client_nodes == set(after["nodes"]) == set(nodes), after
     assert not cluster.strays, f"Ray processes outside node groups: {cluster.strays}"
+
+
+def compare_on(cluster: Cluster, grid: Path, out: Path, jobs: int) -> str:
+    """`pollen compare` of `grid` into `out` with `RAY_ADDRESS` naming
+    `cluster`; what it printed."""
+    done = subprocess.run(
+        [str(BIN / "pollen"), "compare", str(grid), str(PROJECT), "--out", str(out),
+         "--jobs", str(jobs)],
+        env=cluster.env, capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    return done.stdout
+
+
+def histories(out: Path) -> dict[str, list[dict]]:
+    """Every cell's history but its wall times."""
+    return {
+        run.name: [
+            {k: v for k, v in row.items() if k not in ("seconds", "sim-seconds")}
+            for row in json.loads((run / "history.json").read_text())
+        ]
+        for run in sorted((out / "runs").iterdir())
+    }
+
+
+def test_a_grid_runs_two_cells_at_once_on_the_cluster_as_one_after_another(
+    tmp_path: Path,
+) -> None:
+    """`pollen compare --jobs 2` with `RAY_ADDRESS`: each cell a SuperLink of
+    its own joining the cluster with half its actors (Flower gives each run
+    an actor per CPU of the cluster: without the share the two cells started
+    four actors on two CPUs, the rest pending), so the two cells' actors are
+    one on each node, and no warm federation starts; the histories are those
+    of the cells run one after another on the cluster."""
+    grid = tmp_path / "grid.toml"
+    grid.write_text(
+        '[base]\ndata-set = "digits"\nrounds = 2\nnum-clients = 3\n'
+        'client-frac = 1.0\n[grid]\nstrategy = ["fedavg", "scaffold"]\n'
+    )
+    with ray_cluster(tmp_path) as cluster:
+        nodes = query(cluster, want=2, seconds=CLUSTER_START_SECONDS)["nodes"]
+        assert len(nodes) == 2, f"cluster did not come up: {nodes}"
+        printed = compare_on(cluster, grid, tmp_path / "at-once", jobs=2)
+        after = query(cluster)
+        compare_on(cluster, grid, tmp_path / "one-by-one", jobs=1)
+    assert "2 at once, each with 1/2 of the ClientApp actors" in printed
+    actors = [node for name, _, node in after["actors"] if name == "ClientAppActor"]
+    assert sorted(actors) == sorted(nodes), after
+    assert not [p for p in (tmp_path / "at-once").iterdir() if "warm" in p.name]
+    at_once = histories(tmp_path / "at-once")
+    assert sorted(at_once) == ["strategy-fedavg", "strategy-scaffold"]
+    assert all(len(rows) == 2 for rows in at_once.values())
+    assert at_once == histories(tmp_path / "one-by-one")
+    assert not cluster.strays, f"Ray processes outside node groups: {cluster.strays}"

@@ -93,21 +93,28 @@ def test_a_superexec_polls_on_the_clock_in_its_loop_only():
     assert "warning" not in result.stderr
 
 
-def test_the_shim_on_path_runs_flowers_superexec(tmp_path):
-    """`flower_env` puts the shim first on PATH under Flower's command name;
-    run by that name it is Flower's `flower-superexec` (its own --help)."""
+@pytest.mark.parametrize(
+    ("command", "flag"),
+    [
+        ("flower-superexec", "--runtime-api-address"),
+        ("flwr-simulation", "Run a Flower Simulation"),
+    ],
+)
+def test_the_shims_on_path_run_flowers_entry_points(tmp_path, command, flag):
+    """`flower_env` puts the shims first on PATH under Flower's command
+    names; run by that name each is Flower's own entry point (its --help)."""
     import shutil
 
     from pollen.deployment.flower import flower_env
 
     env = flower_env(tmp_path / "home")
-    found = shutil.which("flower-superexec", path=env["PATH"])
-    assert found == str(tmp_path / "home" / "bin" / "flower-superexec")
+    found = shutil.which(command, path=env["PATH"])
+    assert found == str(tmp_path / "home" / "bin" / command)
     help_text = subprocess.run(
-        ["flower-superexec", "--help"], env=env, capture_output=True, text=True,
+        [command, "--help"], env=env, capture_output=True, text=True,
         check=True, timeout=60,
     ).stdout  # fmt: skip
-    assert "--runtime-api-address" in help_text
+    assert flag in help_text
     assert flower_env(tmp_path / "home") == env  # written once, same PATH
 
 

@@ -166,3 +166,23 @@ def test_a_port_taken_at_every_try_is_an_error_that_leaves_nothing_running(
     for _, process in heads:
         assert process.wait(timeout=10) is not None
     assert not (tmp_path / "warm" / STATE_FILE).exists()
+
+
+def test_a_run_given_a_ray_cluster_leaves_the_warm_federation_here_alone(
+    tmp_path: Path, monkeypatch, capsys
+) -> None:
+    """`RAY_ADDRESS` names the cluster a run joins (a comparison's cells on
+    a cluster start no warm federation): the one `pollen warm up` keeps in
+    the shell's directory is not used, and the run says so."""
+    from pollen.deployment.launch import warm_here
+    from pollen.deployment.warm_simulation import DEFAULT_DIR
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / DEFAULT_DIR).mkdir()
+    (tmp_path / DEFAULT_DIR / STATE_FILE).write_text("{}")  # not read
+    monkeypatch.setenv("RAY_ADDRESS", "127.0.0.1:6390")
+    assert warm_here() is None
+    assert capsys.readouterr().out == (
+        f"pollen: the warm federation in {DEFAULT_DIR} is not used: "
+        "RAY_ADDRESS=127.0.0.1:6390 names the Ray cluster this run joins\n"
+    )

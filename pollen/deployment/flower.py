@@ -14,7 +14,8 @@ import tempfile
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-from . import flower_superexec, processes
+from . import flower_simulation, flower_superexec, processes
+from .entry_shims import write_entry_shim
 
 SUPERLINK_START_SECONDS = 60.0
 # Ray starts one idle Python worker per CPU for a simulation's first driver;
@@ -70,10 +71,14 @@ def flower_env(home: Path) -> dict[str, str]:
     """The environment of a Flower process with its own home, using this
     Python's entry points, never installing dependencies at run time and
     posting no telemetry (unless the environment says otherwise).
-    First on its PATH is `home/bin`, where this writes the `flower-superexec`
-    that polls on pollen's clock (`flower_superexec`): a SuperLink or
-    SuperNode starts its SuperExec by that name."""
-    shims = flower_superexec.write_shim(home / "bin").parent
+    First on its PATH is `home/bin`, where this writes pollen's
+    `flower-superexec` (polls on pollen's clock: `flower_superexec`) and
+    `flwr-simulation` (shares a Ray cluster's actors among runs at once:
+    `flower_simulation`): a SuperLink or SuperNode starts its SuperExec,
+    and a SuperExec its simulation, by those names (`entry_shims`)."""
+    shims = home / "bin"
+    for entry in (flower_superexec, flower_simulation):
+        write_entry_shim(shims, entry.COMMAND, entry.__name__, entry.FLOWER_ENTRY)
     path = [str(shims), str(Path(sys.executable).parent), os.environ["PATH"]]
     return {
         **TELEMETRY_ENV,

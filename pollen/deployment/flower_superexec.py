@@ -13,7 +13,7 @@ than Flower's interval (or FLWR_SUPEREXEC_TASK_POLL_INTERVAL, when set).
 
 The SuperExecs that a SuperLink and a SuperNode start themselves are found
 on PATH by the name `flower-superexec`: pollen puts a shim by that name
-first on the PATH of the Flower processes it starts (`flower.flower_env`);
+first on the PATH of the Flower processes it starts (`entry_shims`);
 `pollen superexec` runs this module directly. Where the installed Flower is
 not a release this was tested with, Flower's code runs unchanged at a fixed
 0.1 s, with one warning line.
@@ -23,18 +23,18 @@ from __future__ import annotations
 
 import os
 import sys
-from pathlib import Path
 
 from ..flower_waits import POLL_SECONDS, shorten_superexec_polls
 
 COMMAND = "flower-superexec"
+FLOWER_ENTRY = "flwr.supercore.cli.flower_superexec:flower_superexec"
 TASK_POLL_ENV = "FLWR_SUPEREXEC_TASK_POLL_INTERVAL"
 
 
 def main() -> None:
     if not shorten_superexec_polls():
         os.environ.setdefault(TASK_POLL_ENV, str(POLL_SECONDS))
-    from flwr.supercore.cli import flower_superexec
+    from flwr.supercore.cli.flower_superexec import flower_superexec
 
     flower_superexec()
 
@@ -42,29 +42,6 @@ def main() -> None:
 def command() -> list[str]:
     """The command line that runs `main` with this Python."""
     return [sys.executable, "-m", __name__]
-
-
-def write_shim(directory: Path) -> Path:
-    """An executable `flower-superexec` in `directory` that runs `main` with
-    this Python (written once; replaced atomically when it differs). Where
-    this pollen cannot be imported (the process runs with another
-    PYTHONPATH) it runs Flower's own entry point: a SuperLink whose SuperExec
-    died at its start would wait for it for ever."""
-    shim = directory / COMMAND
-    text = (  # pollen not importable (another PYTHONPATH): Flower's, unchanged
-        f"#!{sys.executable}\ntry:\n    from {__name__} import main\n"
-        "except ImportError:\n"
-        "    from flwr.supercore.cli.flower_superexec import flower_superexec as main\n"
-        "main()\n"
-    )
-    if shim.is_file() and shim.read_text() == text:
-        return shim
-    directory.mkdir(parents=True, exist_ok=True)
-    partial = directory / f".{COMMAND}.{os.getpid()}"
-    partial.write_text(text)
-    partial.chmod(0o755)
-    partial.replace(shim)
-    return shim
 
 
 if __name__ == "__main__":

@@ -42,6 +42,7 @@ from .flower import (
     start_simulation_superlink,
 )
 from .model_checks import built_model, warn_about_memory
+from .ray_cluster import named_cluster
 from .run_config import (
     check_local_data,
     check_local_device,
@@ -760,9 +761,17 @@ def running_warm_simulation(
 def warm_here() -> WarmSimulation | None:
     """The federation `pollen warm up` keeps in the shell's directory, if it
     runs: a simulation without `--warm-simulation` uses it (said on the
-    console), else starts its own."""
+    console), else starts its own; not where `RAY_ADDRESS` names the Ray
+    cluster to join (a comparison's cells on a cluster, say)."""
     directory = DEFAULT_WARM_DIR.resolve()
     if not (directory / STATE_FILE).exists():
+        return None
+    if (address := named_cluster(os.environ)) is not None:
+        print(
+            f"pollen: the warm federation in {DEFAULT_WARM_DIR} is not used: "
+            f"RAY_ADDRESS={address} names the Ray cluster this run joins",
+            flush=True,
+        )
         return None
     try:
         warm = WarmSimulation.load(directory)

@@ -15,6 +15,9 @@ kept as `DIR/grid.toml`.
 
 With `--jobs N` up to N simulated cells run at once, each on a warm
 federation of its own, sharing the machine's CPUs (`_shared_federation`).
+Where `RAY_ADDRESS` names a Ray cluster the simulated cells join it
+instead, each with its own SuperLink here and 1/N of the cluster's
+ClientApp actors (`deployment.flower_simulation`).
 
 With `--network PROFILE` every cell runs as a real deployment on this
 machine, each SuperNode in its own network namespace behind the link the
@@ -42,7 +45,14 @@ from typing import Any
 
 from .. import locks
 from ..deployment import processes
+from ..deployment.flower_simulation import SHARE_ENV
 from ..deployment.launch import RUN_STOP_SECONDS, simulated_nodes
+from ..deployment.ray_cluster import (
+    RayCluster,
+    RayClusterError,
+    ask_cluster,
+    named_cluster,
+)
 from ..deployment.run_config import RunConfigError, resolve_settings
 from ..deployment.warm_simulation import warm_simulation
 from ..files import write_atomic
@@ -671,14 +681,17 @@ def pollen_run_cell(
     app: Path,
     out: Path,
     overrides: Sequence[str],
-    warm: Path,
+    warm: Path | None,
     stop: threading.Event | None = None,
     nodes: Mapping[str, int] | None = None,
+    env: dict[str, str] | None = None,
 ) -> RunCell:
     """`run_cell` for `run_grid`: a `pollen run` simulation per cell, on the
-    warm federation in `warm` (with `nodes[name]` SuperNodes where given),
-    stopped (given `CELL_STOP_SECONDS` to record its interruption) when the
-    comparison is interrupted here or `stop` is set from another thread."""
+    warm federation in `warm` (None: a SuperLink of its own, on the Ray
+    cluster `RAY_ADDRESS` in `env` names), with `nodes[name]` SuperNodes
+    where given, stopped (given `CELL_STOP_SECONDS` to record its
+    interruption) when the comparison is interrupted here or `stop` is set
+    from another thread."""
     command = cell_command(app, out, overrides)
     stopping = stop or threading.Event()
     nodes = nodes or {}
@@ -690,7 +703,7 @@ def pollen_run_cell(
         argv = command(config, name, warm=warm, federation=federation)
         # output appended: a resumed or repeated cell keeps its log; the run
         # is stopped with all it started if the comparison is interrupted
-        run = processes.start(argv, log=log)
+        run = processes.start(argv, log=log, env=env)
         try:
             while run.poll() is None:
                 if stopping.wait(CELL_POLL_SECONDS):
@@ -768,7 +781,8 @@ def run_comparison(comparison: Comparison, dry_run: bool = False) -> list[str]:
             "for every cell (the links shaped and the clock must be one profile); "
             "leave it out of the grid, or run without --network"
         )
-    check_jobs(comparison.jobs, comparison.network is not None)
+    cluster = None if comparison.deployed else joined_cluster(os.environ)
+    check_jobs(comparison.jobs, comparison.network is not None, cluster)
     cells = validate_cells(grid, comparison.validate)  # before any write
     run_configs = {cell.name: cell.run_config for cell in cells}
     if comparison.deployed:
@@ -785,13 +799,13 @@ def run_comparison(comparison: Comparison, dry_run: bool = False) -> list[str]:
         cells = with_states(cells, out)
         refuse_held(cells, out)
         write_atomic(out / "grid.toml", grid_toml)
-        if os.environ.get("RAY_ADDRESS") and not comparison.deployed:
-            print(f"pollen: RAY_ADDRESS={os.environ['RAY_ADDRESS']} is not used: "
-                  "compare runs its cells on this machine's own warm federation(s); "
-                  "one `pollen run` joins a Ray cluster")  # fmt: skip
         stop = threading.Event()  # set on Ctrl-C: every running cell stops
-        with _shared_federation(comparison, cells) as federations:
-            run_cells = _cell_runners(comparison, run_configs, federations, stop)
+        with _shared_federation(comparison, cells, cluster) as federations:
+            if cluster is not None and federations:
+                print(on_cluster(cluster, len(federations)), flush=True)
+            run_cells = _cell_runners(
+                comparison, run_configs, federations, stop, cluster
+            )
             failed = run_grid(cells, out, run_cells, running=running, stop=stop)
         if len(failed) < len(cells):  # else no run to report
             print(report(out, grid.target).read_text(), end="")
@@ -802,15 +816,53 @@ def run_comparison(comparison: Comparison, dry_run: bool = False) -> list[str]:
     return failed
 
 
-def check_jobs(jobs: object, network: bool) -> None:
-    """Refuse a `jobs` this machine cannot run at once: each cell at once
-    has a federation of its own with at least one CPU, and cells over a
-    network profile (`network`) run one at a time."""
-    cores = os.cpu_count() or 1
+def joined_cluster(environ: Mapping[str, str]) -> RayCluster | None:
+    """The Ray cluster that `RAY_ADDRESS` in `environ` names, where the
+    simulated cells run, asked what it offers (None: no address, the cells
+    run on this machine's own warm federations)."""
+    address = named_cluster(environ)
+    if address is None:
+        return None
+    try:
+        cluster = ask_cluster(address)
+    except RayClusterError as err:
+        raise CompareError(str(err)) from None
+    if cluster.cpus < 1:
+        raise CompareError(
+            f"RAY_ADDRESS={address}: the Ray cluster offers no CPU, and each "
+            "ClientApp actor needs one; add a node with CPUs, or unset RAY_ADDRESS"
+        )
+    return cluster
+
+
+def on_cluster(cluster: RayCluster, at_once: int) -> str:
+    """What the console says of the cells' place on `cluster`."""
+    said = (
+        f"pollen: the cells run on the Ray cluster at {cluster.address} "
+        f"({cluster.nodes} node(s), {cluster.cpus} CPUs), each with a SuperLink here"
+    )
+    if at_once > 1:
+        said += f"; {at_once} at once, each with 1/{at_once} of the ClientApp actors"
+    return said
+
+
+def check_jobs(jobs: object, network: bool, cluster: RayCluster | None = None) -> None:
+    """Refuse a `jobs` that cannot run at once: each cell at once has at
+    least one CPU (of this machine's federations, or of the Ray `cluster`
+    the cells join), and cells over a network profile (`network`) run one
+    at a time."""
+    if cluster is None:
+        cores, whose = os.cpu_count() or 1, "this machine's"
+        at_once = "the cells run at once, each on a federation with at least one"
+    else:
+        cores, whose = (
+            cluster.cpus,
+            f"the Ray cluster's (RAY_ADDRESS={cluster.address})",
+        )
+        at_once = "the cells run at once, each with at least one ClientApp actor"
     if isinstance(jobs, bool) or not isinstance(jobs, int) or not 1 <= jobs <= cores:
         raise CompareError(
-            f"--jobs {jobs!r}: the cells run at once, each on a federation with "
-            f"at least one of this machine's {cores} CPUs; allowed: 1 to {cores}"
+            f"--jobs {jobs!r}: {at_once} of {whose} {cores} CPUs; allowed: 1 to {cores}"
         )
     if jobs > 1 and network:
         raise CompareError(
@@ -822,8 +874,8 @@ def check_jobs(jobs: object, network: bool) -> None:
 
 
 def _shared_federation(
-    comparison: Comparison, cells: Sequence[Cell]
-) -> contextlib.AbstractContextManager[list[Path]]:
+    comparison: Comparison, cells: Sequence[Cell], cluster: RayCluster | None = None
+) -> contextlib.AbstractContextManager[list[Path | None]]:
     """While the cells run: the warm SuperLinks and Ray heads the simulated
     cells run on (each cell skips their start-up), when a cell is left to
     run; deployed cells start their own. One federation with the machine's
@@ -831,11 +883,15 @@ def _shared_federation(
     CPUs shared out among them): runs on one Ray head would each size
     their ClientApp actors to all of its CPUs (Flower's
     `pool_size_from_resources`), and two such runs wait on each other's
-    actors. Yields the federations' directories."""
+    actors. Yields the federations' directories; on a Ray `cluster`, None
+    for each cell run at once: each starts a SuperLink of its own that
+    joins the cluster (there is no Ray head to start)."""
     left = sum(cell.state != DONE for cell in cells)
     out, jobs = comparison.out, comparison.jobs
     if comparison.deployed or not left:
         return contextlib.nullcontext([])
+    if cluster is not None:
+        return contextlib.nullcontext([None] * min(jobs, left))
     if jobs == 1:
         return _federations([out / WARM_DIR], None)
     slots = [out / f"{WARM_DIR}-{k}" for k in range(1, min(jobs, left) + 1)]
@@ -855,12 +911,14 @@ def _federations(directories: Sequence[Path], cpus: int | None) -> Iterator[list
 def _cell_runners(
     comparison: Comparison,
     run_configs: Mapping[str, Mapping[str, Any]],
-    federations: Sequence[Path],
+    federations: Sequence[Path | None],
     stop: threading.Event,
+    cluster: RayCluster | None = None,
 ) -> list[RunCell]:
     """`run_cells` for `run_grid`: each cell a deployment over the network
     (`run_configs[name]`: its complete run config), or a simulation on one
-    of the warm `federations` (`_shared_federation`), one `run_cell` each."""
+    of the warm `federations` (`_shared_federation`), one `run_cell` each;
+    on a Ray `cluster`, the cells run at once share its actors out."""
     from . import network_cells
 
     app, out, overrides = comparison.app, comparison.out, comparison.cell_overrides
@@ -871,8 +929,11 @@ def _cell_runners(
             command, out, comparison.network, run_configs
         )]  # fmt: skip
     nodes = _cohort_nodes(run_configs) if comparison.jobs > 1 else {}
+    env = None
+    if cluster is not None and len(federations) > 1:
+        env = {**os.environ, SHARE_ENV: str(len(federations))}
     return [
-        pollen_run_cell(app, out, overrides, federation, stop, nodes)
+        pollen_run_cell(app, out, overrides, federation, stop, nodes, env)
         for federation in federations
     ]
 
