@@ -165,10 +165,47 @@ def test_a_ray_cluster_nothing_answers_at_is_refused_before_anything_starts(
     assert not out.exists()
 
 
-@pytest.mark.parametrize("address", ["6379", "head", "head:port", ":6379"])
+@pytest.mark.parametrize(
+    "address", ["6379", "head", "head:port", ":6379", "ray://h:10001", "http://h:8265"]
+)
 def test_an_address_that_is_not_host_and_port_is_refused(address: str) -> None:
     with pytest.raises(RayClusterError, match=r"allowed: HOST:PORT .* or auto"):
         ask_cluster(address)
+
+
+@pytest.mark.parametrize(
+    ("status", "stdout", "stderr", "said"),
+    [
+        (0, "a warning only\n", "", "could not be read from what Ray printed"),
+        (0, "", "", "could not be read from what Ray printed"),
+        (1, "", "ValueError: No node info found matching attributes: ''",
+         "this machine is not a node of that cluster"),
+        (1, "", "ConnectionError: GCS gone", "Ray could not join a cluster there: "
+         "ConnectionError: GCS gone"),
+    ],
+)  # fmt: skip
+def test_what_the_cluster_answers_is_an_error_not_a_traceback(
+    monkeypatch, status: int, stdout: str, stderr: str, said: str
+) -> None:
+    """Something listens at the address (a socket on loopback) and the
+    driver's answer is unreadable, or Ray refused: one line saying so."""
+    import socket
+    import subprocess
+
+    from pollen.deployment import ray_cluster
+
+    def driver(command, **kwargs) -> subprocess.CompletedProcess:
+        return subprocess.CompletedProcess(command, status, stdout, stderr)
+
+    monkeypatch.setattr(ray_cluster.subprocess, "run", driver)
+    with socket.create_server(("127.0.0.1", 0)) as listening:
+        port = listening.getsockname()[1]
+        with pytest.raises(RayClusterError, match=f"RAY_ADDRESS=127.0.0.1:{port}: "):
+            try:
+                ask_cluster(f"127.0.0.1:{port}")
+            except RayClusterError as err:
+                assert said in str(err)
+                raise
 
 
 def test_jobs_are_bounded_by_the_clusters_cpus_not_this_machines(

@@ -4,6 +4,10 @@ once, computed by Flower's own sizing on a cluster's nodes."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import pytest
 
 from pollen.deployment import flower_simulation
@@ -62,3 +66,32 @@ def test_the_share_is_read_from_the_environment(value: str, share: int) -> None:
     hand) leaves Flower's sizing as it is."""
     assert requested_share({flower_simulation.SHARE_ENV: value}) == share
     assert requested_share({}) == 1
+
+
+FORGETS = """
+import sys
+from flwr.simulation import app
+from flwr.simulation.ray_transport import ray_actor
+def loaded_app():  # what Flower's entry point finds when it loads the ServerApp
+    pollen = sorted(m for m in sys.modules if m.split(".")[0] == "pollen")
+    shared = hasattr(ray_actor.pool_size_from_resources, "__wrapped__")
+    print(pollen, shared)
+app.flwr_simulation = loaded_app
+from pollen.deployment.flower_simulation import main
+main()
+"""
+
+
+@pytest.mark.parametrize("share", ["2", ""])
+def test_flower_loads_the_serverapp_with_no_pollen_module_loaded(share: str) -> None:
+    """The shim's pollen is the one installed beside Flower; the ServerApp
+    must come from the run's FAB (another checkout, an edited copy), as the
+    ClientApps do: no `pollen` module is left when Flower starts, and the
+    pool's share stays applied."""
+    env = {**os.environ, flower_simulation.SHARE_ENV: share}
+    done = subprocess.run(
+        [sys.executable, "-c", FORGETS], env=env, capture_output=True, text=True,
+        timeout=120, check=True,
+    )  # fmt: skip
+    assert done.stdout.strip() == f"[] {share == '2'}"
+    assert done.stderr == ""

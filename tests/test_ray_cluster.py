@@ -187,11 +187,12 @@ def test_a_grid_runs_two_cells_at_once_on_the_cluster_as_one_after_another(
     its own joining the cluster with half its actors (Flower gives each run
     an actor per CPU of the cluster: without the share the two cells started
     four actors on two CPUs, the rest pending), so the two cells' actors are
-    one on each node, and no warm federation starts; the histories are those
-    of the cells run one after another on the cluster."""
+    one on each node (4 rounds: the cells' actors live at the same time), and
+    no warm federation starts; the histories are those of the cells run one
+    after another on the cluster."""
     grid = tmp_path / "grid.toml"
     grid.write_text(
-        '[base]\ndata-set = "digits"\nrounds = 2\nnum-clients = 3\n'
+        '[base]\ndata-set = "digits"\nrounds = 4\nnum-clients = 3\n'
         'client-frac = 1.0\n[grid]\nstrategy = ["fedavg", "scaffold"]\n'
     )
     with ray_cluster(tmp_path) as cluster:
@@ -206,6 +207,6 @@ def test_a_grid_runs_two_cells_at_once_on_the_cluster_as_one_after_another(
     assert not [p for p in (tmp_path / "at-once").iterdir() if "warm" in p.name]
     at_once = histories(tmp_path / "at-once")
     assert sorted(at_once) == ["strategy-fedavg", "strategy-scaffold"]
-    assert all(len(rows) == 2 for rows in at_once.values())
+    assert all(len(rows) == 4 for rows in at_once.values())
     assert at_once == histories(tmp_path / "one-by-one")
     assert not cluster.strays, f"Ray processes outside node groups: {cluster.strays}"

@@ -19,13 +19,17 @@ puts a shim by that name first on the PATH of the Flower processes it
 starts (`entry_shims`). Without `POLLEN_RAY_SHARE` (every run but a
 comparison's cells on a cluster) nothing changes; where the installed
 Flower is not a release the change was verified on, runs size their pools
-as Flower does and one warning line says so.
+as Flower does and one warning line says so. Either way the `pollen`
+modules the shim imported are dropped before Flower's code runs
+(`forget_pollen`): the ServerApp is loaded from the run's FAB, as the
+ClientApps are.
 """
 
 from __future__ import annotations
 
 import functools
 import os
+import sys
 from collections.abc import Mapping
 
 from ..flower_patches import RAY_ACTOR_SHARE, guard
@@ -63,8 +67,19 @@ def share_actor_pool(share: int | None = None) -> bool:
     return True
 
 
+def forget_pollen() -> None:
+    """Drop every `pollen` module this process imported: Flower then loads
+    the run's ServerApp from the run's FAB (`importlib`, through
+    `sys.path`), not from the `pollen` installed beside Flower, which can be
+    another version (another checkout, an edited copy). The actor pool's
+    change keeps working: it holds what it needs."""
+    for name in [m for m in sys.modules if m == "pollen" or m.startswith("pollen.")]:
+        del sys.modules[name]
+
+
 def main() -> None:
     share_actor_pool()
+    forget_pollen()
     from flwr.simulation.app import flwr_simulation
 
     flwr_simulation()

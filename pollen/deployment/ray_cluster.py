@@ -25,6 +25,9 @@ from dataclasses import dataclass
 ADDRESS_ENV = "RAY_ADDRESS"
 CONNECT_SECONDS = 5.0  # for the TCP connection to the cluster's GCS
 ASK_SECONDS = 120.0  # for the driver to join and read the cluster's resources
+# what Ray says where the driver's machine runs no node of the cluster
+# (`ray._private.services.get_node_to_connect_for_driver`)
+NOT_A_NODE = "No node info found matching attributes"
 _ASK = """
 import json, sys
 import ray
@@ -62,7 +65,8 @@ def ask_cluster(address: str) -> RayCluster:
     where = f"{ADDRESS_ENV}={address}"
     if address != "auto":
         host, _, port = address.rpartition(":")
-        if not host or not port.isdigit():
+        host = host.removeprefix("[").removesuffix("]")  # an IPv6 address
+        if not host or not port.isdigit() or "/" in address:
             raise RayClusterError(
                 f"{where}: not a Ray cluster's address; allowed: HOST:PORT (its "
                 "head's GCS port, 6379 by default) or auto"
@@ -86,6 +90,20 @@ def ask_cluster(address: str) -> RayCluster:
         ) from None
     if asked.returncode != 0:
         said = (asked.stderr.strip().splitlines() or ["(nothing)"])[-1]
+        if NOT_A_NODE in said:
+            said = (
+                "this machine is not a node of that cluster (a Ray driver joins "
+                "through its own machine's node): run this on one of its nodes, "
+                "the head say"
+            )
         raise RayClusterError(f"{where}: Ray could not join a cluster there: {said}")
-    found = json.loads(asked.stdout.strip().splitlines()[-1])
-    return RayCluster(address, int(found["cpus"]), float(found["gpus"]), found["nodes"])
+    try:
+        found = json.loads(asked.stdout.strip().splitlines()[-1])
+        return RayCluster(
+            address, int(found["cpus"]), float(found["gpus"]), int(found["nodes"])
+        )
+    except (IndexError, ValueError, KeyError, TypeError):
+        raise RayClusterError(
+            f"{where}: the cluster's resources could not be read from what Ray "
+            f"printed: {asked.stdout.strip()[-300:]!r}"
+        ) from None
