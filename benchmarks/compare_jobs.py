@@ -9,8 +9,8 @@ and with `--jobs N`, alternated `--repeat` times, each time into a fresh
 directory, so every cell runs and every invocation starts its warm
 federations. Prints one row per invocation: its wall time (start to exit,
 the federations' start-up and the report included), the machine's CPU use
-over it (busy time over all cores' time, from /proc/stat: what else runs on
-the machine counts too), and whether every cell's history equals the first
+over it (busy CPU-seconds, `measure.busy_cpu_seconds`, over the wall time
+times the cores: what else runs on the machine counts too), and whether every cell's history equals the first
 `--jobs 1` invocation's in every column but the wall times (`seconds`,
 `sim-seconds`: `same_histories.comparable`). Then each arm's median wall time and their ratio.
 
@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import os
 import shutil
 import statistics
 import sys
@@ -32,8 +33,8 @@ from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
 
-from measure import POLLEN, PROJECT, measure
-from same_histories import comparable
+from measure import POLLEN, PROJECT, busy_cpu_seconds, measure
+from same_histories import run_histories
 
 sys.path.insert(0, str(PROJECT))
 
@@ -52,21 +53,6 @@ rounds = {rounds}
 strategy = ["fedavg", "fedprox", "scaffold", "feddyn"]
 seed = [1, 2]
 """
-
-
-def cpu_times() -> tuple[int, int]:
-    """(busy, total) jiffies of all cores since boot (/proc/stat's cpu line)."""
-    fields = [int(v) for v in Path("/proc/stat").read_text().split("\n")[0].split()[1:]]
-    idle = fields[3] + fields[4]  # idle, iowait
-    return sum(fields) - idle, sum(fields)
-
-
-def histories(out: Path) -> dict[str, list[dict]]:
-    """Every cell's history rows, less the wall-time columns."""
-    return {
-        run.name: comparable(run / "history.json", private=False)
-        for run in sorted((out / "runs").iterdir())
-    }
 
 
 @contextlib.contextmanager
@@ -112,16 +98,15 @@ def main() -> None:
             for jobs in walls:
                 out = args.out / f"jobs-{jobs}-{repeat}"
                 shutil.rmtree(out, ignore_errors=True)
-                busy, total = cpu_times()
+                busy = busy_cpu_seconds()
                 wall, _, _ = measure(
                     [POLLEN, "compare", str(grid), str(PROJECT), "--out", str(out),
                      "--jobs", str(jobs)],
                     env=cluster.env if cluster else None,
                 )  # fmt: skip
-                busy_after, total_after = cpu_times()
-                use = (busy_after - busy) / (total_after - total)
+                use = (busy_cpu_seconds() - busy) / (wall * (os.cpu_count() or 1))
                 walls[jobs].append(wall)
-                cells = histories(out)
+                cells = run_histories(out)
                 reference = reference or cells
                 same = "yes" if cells == reference else "NO"
                 row = (f"{jobs:>4} {repeat:>6} | {wall:7.1f} {use:7.0%} | {same} "

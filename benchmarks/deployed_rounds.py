@@ -56,6 +56,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from executors import COMMON, PROJECT, Sampling, deployed, median, pollen_run
+from measure import busy_cpu_seconds
 from poll_cost import cpu_seconds
 
 CORES = os.cpu_count() or 1
@@ -168,17 +169,6 @@ def _grouped_pids() -> dict[str, list[int]]:
                 found[name].append(int(entry.name))
                 break
     return found if any(found.values()) else {}
-
-
-def busy_cpu_seconds() -> float:
-    """CPU-s all cores spent on work since boot (/proc/stat: user, nice,
-    system, irq, softirq; not idle, iowait, steal, nor guest time, which
-    user and nice already hold)."""
-    fields = [
-        int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]
-    ]
-    user, nice, system, _idle, _iowait, irq, softirq = fields[:7]
-    return (user + nice + system + irq + softirq) / os.sysconf("SC_CLK_TCK")
 
 
 def main() -> None:

@@ -45,6 +45,17 @@ def tree_rss_bytes(root: int) -> int:
     return sum(_rss_bytes(pid) for pid in descendants(root))
 
 
+def busy_cpu_seconds() -> float:
+    """CPU-s all cores spent on work since boot (/proc/stat: user, nice,
+    system, irq, softirq; not idle, iowait, steal, nor guest time, which
+    user and nice already hold)."""
+    fields = [
+        int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]
+    ]
+    user, nice, system, _idle, _iowait, irq, softirq = fields[:7]
+    return (user + nice + system + irq + softirq) / os.sysconf("SC_CLK_TCK")
+
+
 def measure(
     command: list[str], **popen
 ) -> tuple[float, int, subprocess.CompletedProcess]:

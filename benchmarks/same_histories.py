@@ -85,6 +85,15 @@ def comparable(path: Path, private: bool) -> list[dict]:
     return [_without_wall_times(row) for row in rows]
 
 
+def run_histories(out: Path) -> dict[str, list[dict]]:
+    """Every run's history in a comparison's `out` (`out/runs/<cell>`), by
+    cell, less the wall times (`comparable`)."""
+    return {
+        run.name: comparable(run / "history.json", private=False)
+        for run in sorted((out / "runs").iterdir())
+    }
+
+
 def _without_wall_times(row: dict) -> dict:
     """`row` less its wall times (keys ending in "seconds"), nested ones too."""
     return {

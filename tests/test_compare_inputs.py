@@ -136,7 +136,7 @@ def test_jobs_the_machine_cannot_run_are_refused_before_anything_starts(
     assert not out.exists()
 
 
-CLUSTER = RayCluster("127.0.0.1:6390", cpus=3, gpus=0.0, nodes=2)
+CLUSTER = RayCluster("127.0.0.1:6390", cpus=3, nodes=2)
 
 
 def on_a_cluster(monkeypatch: pytest.MonkeyPatch) -> None:

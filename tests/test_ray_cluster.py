@@ -169,19 +169,8 @@ def compare_on(cluster: Cluster, grid: Path, out: Path, jobs: int) -> str:
     return done.stdout
 
 
-def histories(out: Path) -> dict[str, list[dict]]:
-    """Every cell's history but its wall times."""
-    return {
-        run.name: [
-            {k: v for k, v in row.items() if k not in ("seconds", "sim-seconds")}
-            for row in json.loads((run / "history.json").read_text())
-        ]
-        for run in sorted((out / "runs").iterdir())
-    }
-
-
 def test_a_grid_runs_two_cells_at_once_on_the_cluster_as_one_after_another(
-    tmp_path: Path,
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """`pollen compare --jobs 2` with `RAY_ADDRESS`: each cell a SuperLink of
     its own joining the cluster with half its actors (Flower gives each run
@@ -201,6 +190,9 @@ def test_a_grid_runs_two_cells_at_once_on_the_cluster_as_one_after_another(
         printed = compare_on(cluster, grid, tmp_path / "at-once", jobs=2)
         after = query(cluster)
         compare_on(cluster, grid, tmp_path / "one-by-one", jobs=1)
+    monkeypatch.syspath_prepend(str(PROJECT / "benchmarks"))
+    from same_histories import run_histories as histories
+
     assert "2 at once, each with 1/2 of the ClientApp actors" in printed
     actors = [node for name, _, node in after["actors"] if name == "ClientAppActor"]
     assert sorted(actors) == sorted(nodes), after

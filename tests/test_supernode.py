@@ -5,6 +5,7 @@ warning line, is tests/test_flower_patches.py's)."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 
@@ -100,13 +101,17 @@ def test_a_superexec_polls_on_the_clock_in_its_loop_only():
         ("flwr-simulation", "Run a Flower Simulation"),
     ],
 )
-def test_the_shims_on_path_run_flowers_entry_points(tmp_path, command, flag):
+def test_the_shims_on_path_run_flowers_entry_points(
+    tmp_path, monkeypatch, command, flag
+):
     """`flower_env` puts the shims first on PATH under Flower's command
-    names; run by that name each is Flower's own entry point (its --help)."""
+    names (`flwr-simulation` where runs share a Ray cluster); run by that
+    name each is Flower's own entry point (its --help)."""
     import shutil
 
     from pollen.deployment.flower import flower_env
 
+    monkeypatch.setenv("POLLEN_RAY_SHARE", "2")
     env = flower_env(tmp_path / "home")
     found = shutil.which(command, path=env["PATH"])
     assert found == str(tmp_path / "home" / "bin" / command)
@@ -116,6 +121,22 @@ def test_the_shims_on_path_run_flowers_entry_points(tmp_path, command, flag):
     ).stdout  # fmt: skip
     assert flag in help_text
     assert flower_env(tmp_path / "home") == env  # written once, same PATH
+
+
+def test_a_simulation_not_sharing_a_cluster_runs_flowers_own_entry_point(
+    tmp_path, monkeypatch
+):
+    """Without a share (every run but a comparison's cells on a Ray
+    cluster) no `flwr-simulation` of pollen's is on PATH: Flower's runs."""
+    import shutil
+
+    from pollen.deployment.flower import flower_env
+
+    monkeypatch.delenv("POLLEN_RAY_SHARE", raising=False)
+    env = flower_env(tmp_path / "home")
+    assert not (tmp_path / "home" / "bin" / "flwr-simulation").exists()
+    found = shutil.which("flwr-simulation", path=env["PATH"])
+    assert found == os.path.join(os.path.dirname(sys.executable), "flwr-simulation")
 
 
 @pytest.mark.parametrize("asked", [None, "1"])

@@ -72,12 +72,17 @@ def flower_env(home: Path) -> dict[str, str]:
     Python's entry points, never installing dependencies at run time and
     posting no telemetry (unless the environment says otherwise).
     First on its PATH is `home/bin`, where this writes pollen's
-    `flower-superexec` (polls on pollen's clock: `flower_superexec`) and
-    `flwr-simulation` (shares a Ray cluster's actors among runs at once:
-    `flower_simulation`): a SuperLink or SuperNode starts its SuperExec,
-    and a SuperExec its simulation, by those names (`entry_shims`)."""
+    `flower-superexec` (polls on pollen's clock: `flower_superexec`) and,
+    where the environment asks runs to share a Ray cluster's actors
+    (`POLLEN_RAY_SHARE`: a comparison's cells on a cluster), its
+    `flwr-simulation` (`flower_simulation`; every other simulation runs
+    Flower's own): a SuperLink or SuperNode starts its SuperExec, and a
+    SuperExec its simulation, by those names (`entry_shims`)."""
     shims = home / "bin"
-    for entry in (flower_superexec, flower_simulation):
+    entries = [flower_superexec]
+    if flower_simulation.requested_share(os.environ) > 1:
+        entries.append(flower_simulation)
+    for entry in entries:
         write_entry_shim(shims, entry.COMMAND, entry.__name__, entry.FLOWER_ENTRY)
     path = [str(shims), str(Path(sys.executable).parent), os.environ["PATH"]]
     return {

@@ -14,15 +14,15 @@ a two-CPU cluster started four actors without this, two with it). With
 divided by k (at least one actor), so k runs at once never ask for more
 actors than the cluster holds, and Ray places each where there is room.
 
-A simulation SuperLink's SuperExec starts `flwr-simulation` by name: pollen
-puts a shim by that name first on the PATH of the Flower processes it
-starts (`entry_shims`). Without `POLLEN_RAY_SHARE` (every run but a
-comparison's cells on a cluster) nothing changes; where the installed
-Flower is not a release the change was verified on, runs size their pools
-as Flower does and one warning line says so. Either way the `pollen`
-modules the shim imported are dropped before Flower's code runs
-(`forget_pollen`): the ServerApp is loaded from the run's FAB, as the
-ClientApps are.
+A simulation SuperLink's SuperExec starts `flwr-simulation` by name: where
+`POLLEN_RAY_SHARE` asks for a share (a comparison's cells on a cluster;
+every other simulation runs Flower's own entry point), pollen puts a shim by
+that name first on the PATH of the Flower processes it starts
+(`flower.flower_env`, `entry_shims`). Where the installed Flower is not a
+release the change was verified on, runs size their pools as Flower does
+and one warning line says so. Either way the `pollen` modules the shim
+imported are dropped before Flower's code runs (`forget_pollen`): the
+ServerApp is loaded from the run's FAB, as the ClientApps are.
 """
 
 from __future__ import annotations

@@ -34,8 +34,7 @@ import ray
 ray.init(address=sys.argv[1], logging_level="ERROR", log_to_driver=False)
 total = ray.cluster_resources()
 alive = sum(1 for node in ray.nodes() if node["Alive"])
-print(json.dumps({"cpus": total.get("CPU", 0), "gpus": total.get("GPU", 0),
-                  "nodes": alive}))
+print(json.dumps({"cpus": total.get("CPU", 0), "nodes": alive}))
 """
 
 
@@ -49,7 +48,6 @@ class RayCluster:
 
     address: str
     cpus: int
-    gpus: float
     nodes: int
 
 
@@ -99,9 +97,7 @@ def ask_cluster(address: str) -> RayCluster:
         raise RayClusterError(f"{where}: Ray could not join a cluster there: {said}")
     try:
         found = json.loads(asked.stdout.strip().splitlines()[-1])
-        return RayCluster(
-            address, int(found["cpus"]), float(found["gpus"]), int(found["nodes"])
-        )
+        return RayCluster(address, int(found["cpus"]), int(found["nodes"]))
     except (IndexError, ValueError, KeyError, TypeError):
         raise RayClusterError(
             f"{where}: the cluster's resources could not be read from what Ray "

@@ -31,6 +31,7 @@ from pathlib import Path
 from ..files import made_folder_problem, write_json
 from . import processes
 from .flower import make_ray_dir, simulation_env, start_simulation_superlink
+from .ray_cluster import ADDRESS_ENV
 
 STATE_FILE = "simulation.json"
 # where `pollen warm up` keeps its federation by default, and where `pollen
@@ -150,7 +151,7 @@ def federation_env(home: Path, ray_address: str, ray_temp_dir: str) -> dict[str,
     joining the head at `ray_address` (its files in `ray_temp_dir`)."""
     return {
         **simulation_env(home, Path(ray_temp_dir)),
-        "RAY_ADDRESS": ray_address,
+        ADDRESS_ENV: ray_address,
         "RAY_TMPDIR": ray_temp_dir,  # the head's, over one the user set
         "RAY_USAGE_STATS_ENABLED": "0",
     }
@@ -219,7 +220,7 @@ def _start(directory: Path, home: Path, cpus: int | None) -> WarmSimulation:
             raise _PortTaken
         federation = WarmSimulation(
             str(directory),
-            env["RAY_ADDRESS"],
+            env[ADDRESS_ENV],
             ray_temp_dir,
             head.pid,
             link.pid,
@@ -319,7 +320,7 @@ def start_ray_head(
     ]  # fmt: skip
     if cpus is not None:
         command.append(f"--num-cpus={cpus}")
-    own_env = {k: v for k, v in env.items() if k != "RAY_ADDRESS"}  # it is the head
+    own_env = {k: v for k, v in env.items() if k != ADDRESS_ENV}  # it is the head
     earlier = log.stat().st_size if log.exists() else 0  # an earlier head's lines
     head = processes.start(command, env=own_env, log=log)
     try:

@@ -781,12 +781,10 @@ def run_comparison(comparison: Comparison, dry_run: bool = False) -> list[str]:
             "for every cell (the links shaped and the clock must be one profile); "
             "leave it out of the grid, or run without --network"
         )
-    if named_cluster(os.environ) is None or comparison.deployed:
-        check_jobs(comparison.jobs, comparison.network is not None)
     cells = validate_cells(grid, comparison.validate)  # before any write
+    # a Ray cluster is asked what it offers once the cells are known to be valid
     cluster = None if comparison.deployed else joined_cluster(os.environ)
-    if cluster is not None:  # asked once the cells are known to be valid
-        check_jobs(comparison.jobs, comparison.network is not None, cluster)
+    check_jobs(comparison.jobs, comparison.network is not None, cluster)
     run_configs = {cell.name: cell.run_config for cell in cells}
     if comparison.deployed:
         network_cells.check_cells(run_configs)

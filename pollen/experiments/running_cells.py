@@ -11,10 +11,10 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import TextIO
 
+from ..deployment.console import REDRAW_SECONDS
 from ..runs.results import ACCURACY_LINE, ROUND_LINE
 
 TAIL_BYTES = 16_384  # a round's lines of a cell's log fit well within it
-REDRAW_SECONDS = 1.0
 # ANSI: to the start of the line n lines up, then erase to the screen's end
 UP_AND_ERASE = "\x1b[{}F\x1b[J"
 
